@@ -1,0 +1,73 @@
+#include "checks.h"
+
+namespace kvkernels {
+
+std::string shape_str(const Tensor& t) {
+  std::ostringstream ss;
+  ss << "[";
+  for (int64_t d = 0; d < t.dim(); ++d) ss << (d ? ", " : "") << t.size(d);
+  ss << "]";
+  return ss.str();
+}
+
+bool is_fp8(ScalarType t) {
+  return t == ScalarType::Float8_e4m3fn || t == ScalarType::Float8_e5m2;
+}
+
+bool is_float(ScalarType t) {
+  return t == ScalarType::Float || t == ScalarType::Half || t == ScalarType::BFloat16;
+}
+
+void ArgCheck::defined(const Tensor& t, const char* arg) const {
+  expect(t.defined(), arg, "expected a tensor, got an undefined one");
+}
+
+void ArgCheck::dtype(const Tensor& t, const char* arg,
+                     std::initializer_list<ScalarType> allowed) const {
+  for (ScalarType s : allowed)
+    if (t.scalar_type() == s) return;
+  std::ostringstream ss;
+  bool first = true;
+  for (ScalarType s : allowed) {
+    ss << (first ? "" : ", ") << torch::headeronly::toString(s);
+    first = false;
+  }
+  fail(arg, "dtype ", torch::headeronly::toString(t.scalar_type()), " is not supported (expected ",
+       ss.str(), ")");
+}
+
+void ArgCheck::dim(const Tensor& t, const char* arg, int64_t ndim) const {
+  expect(t.dim() == ndim, arg, "expected ", ndim, " dimensions, got shape ", shape_str(t));
+}
+
+void ArgCheck::size(const Tensor& t, const char* arg, int64_t d, int64_t expected,
+                    const char* what) const {
+  expect(t.size(d) == expected, arg, "dimension ", d, " of shape ", shape_str(t), " must be ",
+         expected, " (", what, ")");
+}
+
+void ArgCheck::same_device(const Tensor& t, const char* arg, const Tensor& ref,
+                           const char* ref_arg) const {
+  const auto a = t.device();
+  const auto b = ref.device();
+  expect(a.type() == b.type() && a.index() == b.index(), arg, "must be on the device of ", ref_arg);
+}
+
+void ArgCheck::last_dim_contiguous(const Tensor& t, const char* arg) const {
+  expect(t.dim() == 0 || t.size(t.dim() - 1) <= 1 || t.stride(t.dim() - 1) == 1, arg,
+         "the last dimension must have stride 1 (got ", t.stride(t.dim() - 1), ")");
+}
+
+bool ArgCheck::scale(const std::optional<Tensor>& t, const char* arg, const Tensor& ref,
+                     const char* ref_arg, int64_t per_head) const {
+  expect(t.has_value(), arg, "required for an fp8 ", ref_arg);
+  dtype(*t, arg, {ScalarType::Float});
+  same_device(*t, arg, ref, ref_arg);
+  const int64_t n = t->numel();
+  expect(n == 1 || (per_head > 0 && n == per_head), arg, "expected 1",
+         per_head > 0 ? " or " + std::to_string(per_head) + " (one per kv head)" : std::string(),
+         " elements, got ", n);
+  return n != 1;
+}
+
+}  // namespace kvkernels

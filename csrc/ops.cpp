@@ -1,0 +1,46 @@
+// The op inventory: every schema of torch.ops.kvkernels lives in this one block (DESIGN.md §3).
+// Backends register implementations in their own files (cpu/*.cpp, cuda/*.cu bindings).
+//
+// Written tensors carry their own alias set and the op returns (): without the annotations
+// torch.compile may drop or reorder the call. Lengths that change between steps are tensors or
+// SymInt, never int, so a compiled decode step does not recompile as sequences grow.
+#include <Python.h>
+#include <torch/csrc/stable/library.h>
+
+// Importing kvkernels._C runs the static registrations below; the module itself is empty.
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}
+
+STABLE_TORCH_LIBRARY(kvkernels, m) {
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+  m.def(
+      "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor? query_start_loc=None, float? scale=None, int window_left=-1, "
+      "float soft_cap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? k_scale=None, "
+      "Tensor? v_scale=None) -> (Tensor out, Tensor lse)");
+  m.def(
+      "merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) "
+      "-> (Tensor out, Tensor lse)");
+  m.def("copy_blocks(Tensor(a!) cache, Tensor block_mapping, int block_dim=0) -> ()");
+  m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping, int block_dim=0) -> ()");
+  m.def(
+      "gather_kv(Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
+      "Tensor? k_scale=None, Tensor? v_scale=None, SymInt? num_tokens=None, "
+      "ScalarType? out_dtype=None) -> (Tensor key, Tensor value)");
+  m.def(
+      "concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
+      "Tensor? scale=None) -> ()");
+  m.def(
+      "mla_decompress(Tensor kv_cache, Tensor block_tables, Tensor seq_lens, Tensor w_kv_b, "
+      "int kv_lora_rank, int qk_nope_head_dim, int v_head_dim, Tensor? norm_weight=None, "
+      "float norm_eps=1e-6, Tensor? scale=None, SymInt? num_tokens=None) "
+      "-> (Tensor key, Tensor value)");
+  m.def(
+      "mla_paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+      "int kv_lora_rank, float scale, Tensor? query_start_loc=None, Tensor? kv_scale=None) "
+      "-> (Tensor out, Tensor lse)");
+}

@@ -1,0 +1,535 @@
+#include "prepare.h"
+
+#include <torch/csrc/stable/ops.h>
+
+#include <cmath>
+
+namespace kvkernels {
+
+namespace {
+
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxMlaLatent = 512;
+constexpr int kMaxMlaRow = 576;
+constexpr int kMaxBlockSize = 256;
+
+const std::initializer_list<ScalarType> kFloatTypes = {ScalarType::Float, ScalarType::Half,
+                                                       ScalarType::BFloat16};
+const std::initializer_list<ScalarType> kCacheTypes = {
+    ScalarType::Float, ScalarType::Half, ScalarType::BFloat16, ScalarType::Float8_e4m3fn,
+    ScalarType::Float8_e5m2};
+
+// Index tensors: the right dtype and device, made contiguous so kernels index them directly.
+Tensor index_tensor(const ArgCheck& c, const Tensor& t, const char* arg, ScalarType dtype,
+                    int64_t ndim, const Tensor& ref, const char* ref_arg, Prepared& keep) {
+  c.dtype(t, arg, {dtype});
+  c.dim(t, arg, ndim);
+  c.same_device(t, arg, ref, ref_arg);
+  if (t.is_contiguous()) return t;
+  Tensor copy = torch::stable::contiguous(t);
+  keep.keep_alive.push_back(copy);
+  return copy;
+}
+
+// A [num_heads] float32 vector (alibi slopes, sinks).
+const float* per_head_vector(const ArgCheck& c, const std::optional<Tensor>& t, const char* arg,
+                             int64_t num_heads, const Tensor& ref, Prepared& keep) {
+  if (!t.has_value()) return nullptr;
+  Tensor v = index_tensor(c, *t, arg, ScalarType::Float, 1, ref, "query", keep);
+  c.size(v, arg, 0, num_heads, "num_heads of query");
+  return static_cast<const float*>(v.const_data_ptr());
+}
+
+void check_block_size(const ArgCheck& c, const Tensor& cache, const char* arg) {
+  const int64_t b = cache.size(1);
+  c.expect(b >= 1 && b <= kMaxBlockSize, arg, "block size (dimension 1) must be in [1, ",
+           kMaxBlockSize, "], got ", b);
+}
+
+// The cache-side half of every paged read: caches, block tables, sequence lengths, fp8 scales.
+paged_kv_t make_paged_kv(const ArgCheck& c, const Tensor& key_cache, const char* k_arg,
+                         const Tensor& value_cache, const char* v_arg, const Tensor& block_tables,
+                         const Tensor& seq_lens, const std::optional<Tensor>& k_scale,
+                         const char* k_scale_arg, const std::optional<Tensor>& v_scale,
+                         const char* v_scale_arg, Prepared& keep) {
+  c.dim(key_cache, k_arg, 4);
+  c.dtype(key_cache, k_arg, kCacheTypes);
+  c.last_dim_contiguous(key_cache, k_arg);
+  check_block_size(c, key_cache, k_arg);
+  c.dim(value_cache, v_arg, 4);
+  c.same_device(value_cache, v_arg, key_cache, k_arg);
+  c.expect(value_cache.scalar_type() == key_cache.scalar_type(), v_arg, "dtype ",
+           torch::headeronly::toString(value_cache.scalar_type()), " differs from ", k_arg, "'s ",
+           torch::headeronly::toString(key_cache.scalar_type()));
+  for (int64_t d = 0; d < 4; ++d) c.size(value_cache, v_arg, d, key_cache.size(d), k_arg);
+  c.last_dim_contiguous(value_cache, v_arg);
+
+  Tensor bt = index_tensor(c, block_tables, "block_tables", ScalarType::Int, 2, key_cache, k_arg,
+                           keep);
+  Tensor sl = index_tensor(c, seq_lens, "seq_lens", ScalarType::Int, 1, key_cache, k_arg, keep);
+  c.size(sl, "seq_lens", 0, bt.size(0), "num_seqs = block_tables.shape[0]");
+
+  paged_kv_t kv;
+  kv.k = key_cache.const_data_ptr();
+  kv.v = value_cache.const_data_ptr();
+  kv.k_stride_block = key_cache.stride(0);
+  kv.k_stride_slot = key_cache.stride(1);
+  kv.k_stride_head = key_cache.stride(2);
+  kv.v_stride_block = value_cache.stride(0);
+  kv.v_stride_slot = value_cache.stride(1);
+  kv.v_stride_head = value_cache.stride(2);
+  kv.num_blocks = key_cache.size(0);
+  kv.block_size = static_cast<int>(key_cache.size(1));
+  kv.num_kv_heads = static_cast<int>(key_cache.size(2));
+  kv.head_dim = static_cast<int>(key_cache.size(3));
+  kv.head_dim_v = kv.head_dim;
+  kv.format = cache_format(key_cache.scalar_type());
+  if (is_fp8(key_cache.scalar_type())) {
+    kv.scale_per_head = c.scale(k_scale, k_scale_arg, key_cache, k_arg, kv.num_kv_heads);
+    const bool v_per_head = c.scale(v_scale, v_scale_arg, key_cache, k_arg, kv.num_kv_heads);
+    c.expect(v_per_head == kv.scale_per_head, v_scale_arg,
+             "must be per tensor or per head like ", k_scale_arg);
+    Tensor ks = torch::stable::contiguous(*k_scale), vs = torch::stable::contiguous(*v_scale);
+    keep.keep_alive.push_back(ks);
+    keep.keep_alive.push_back(vs);
+    kv.k_scale = static_cast<const float*>(ks.const_data_ptr());
+    kv.v_scale = static_cast<const float*>(vs.const_data_ptr());
+  }
+  kv.block_tables = static_cast<const int32_t*>(bt.const_data_ptr());
+  kv.seq_lens = static_cast<const int32_t*>(sl.const_data_ptr());
+  kv.num_seqs = bt.size(0);
+  kv.max_blocks_per_seq = bt.size(1);
+  return kv;
+}
+
+// The query-side half shared by paged_attention and mla_paged_attention.
+void fill_query(const ArgCheck& c, PreparedAttention& r, const Tensor& query_in, const char* q_arg,
+                const Tensor& cache, const char* cache_arg, int64_t out_dim,
+                const std::optional<Tensor>& query_start_loc) {
+  c.dim(query_in, q_arg, 3);
+  c.dtype(query_in, q_arg, kFloatTypes);
+  c.same_device(cache, cache_arg, query_in, q_arg);
+  c.expect(is_fp8(cache.scalar_type()) || cache.scalar_type() == query_in.scalar_type(), cache_arg,
+           "dtype ", torch::headeronly::toString(cache.scalar_type()), " must equal ", q_arg,
+           "'s dtype ", torch::headeronly::toString(query_in.scalar_type()),
+           " (or be an fp8 type)");
+  Tensor query = with_unit_last_stride(query_in, r);
+  AttentionParams& p = r.params;
+  p.q = query.const_data_ptr();
+  p.q_stride_token = query.stride(0);
+  p.q_stride_head = query.stride(1);
+  p.q_format = float_format(query.scalar_type());
+  p.num_tokens = query.size(0);
+  p.num_heads = static_cast<int>(query.size(1));
+  if (query_start_loc.has_value()) {
+    Tensor qsl = index_tensor(c, *query_start_loc, "query_start_loc", ScalarType::Int, 1, query,
+                              q_arg, r);
+    c.size(qsl, "query_start_loc", 0, p.kv.num_seqs + 1, "num_seqs + 1");
+    p.query_start_loc = static_cast<const int32_t*>(qsl.const_data_ptr());
+  } else {
+    c.expect(p.num_tokens == p.kv.num_seqs, q_arg, "decode (query_start_loc=None) needs one query ",
+             "per sequence: got ", p.num_tokens, " queries for ", p.kv.num_seqs, " sequences");
+  }
+  r.out = torch::stable::new_empty(query, {p.num_tokens, p.num_heads, out_dim});
+  r.lse = torch::stable::new_empty(query, {p.num_tokens, p.num_heads}, ScalarType::Float);
+  p.out = r.out.mutable_data_ptr();
+  p.lse = static_cast<float*>(r.lse.mutable_data_ptr());
+}
+
+}  // namespace
+
+FloatFormat float_format(ScalarType t) {
+  switch (t) {
+    case ScalarType::Half: return FloatFormat::kFloat16;
+    case ScalarType::BFloat16: return FloatFormat::kBFloat16;
+    default: return FloatFormat::kFloat32;
+  }
+}
+
+CacheFormat cache_format(ScalarType t) {
+  switch (t) {
+    case ScalarType::Half: return CacheFormat::kFloat16;
+    case ScalarType::BFloat16: return CacheFormat::kBFloat16;
+    case ScalarType::Float8_e4m3fn: return CacheFormat::kFp8E4M3;
+    case ScalarType::Float8_e5m2: return CacheFormat::kFp8E5M2;
+    default: return CacheFormat::kFloat32;
+  }
+}
+
+Tensor with_unit_last_stride(const Tensor& t, Prepared& keep) {
+  if (t.dim() == 0 || t.size(t.dim() - 1) <= 1 || t.stride(t.dim() - 1) == 1) return t;
+  Tensor copy = torch::stable::contiguous(t);
+  keep.keep_alive.push_back(copy);
+  return copy;
+}
+
+PreparedAttention prepare_paged_attention(
+    const ArgCheck& c, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+    const Tensor& block_tables, const Tensor& seq_lens,
+    const std::optional<Tensor>& query_start_loc, std::optional<double> scale, int64_t window_left,
+    double soft_cap, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
+    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale) {
+  PreparedAttention r;
+  AttentionParams& p = r.params;
+  p.kv = make_paged_kv(c, key_cache, "key_cache", value_cache, "value_cache", block_tables,
+                       seq_lens, k_scale, "k_scale", v_scale, "v_scale", r);
+  const int d = p.kv.head_dim;
+  c.expect(d % 8 == 0 && d > 0 && d <= kMaxHeadDim, "key_cache",
+           "head_dim must be a positive multiple of 8 up to ", kMaxHeadDim, ", got ", d);
+  c.dim(query, "query", 3);
+  c.size(query, "query", 2, d, "head_dim of key_cache");
+  c.expect(query.size(1) > 0 && query.size(1) % p.kv.num_kv_heads == 0, "query",
+           "num_heads (", query.size(1), ") must be a positive multiple of num_kv_heads (",
+           p.kv.num_kv_heads, ")");
+  fill_query(c, r, query, "query", key_cache, "key_cache", d, query_start_loc);
+  c.expect(!scale.has_value() || std::isfinite(*scale), "scale", "must be finite");
+  c.expect(soft_cap >= 0.0 && std::isfinite(soft_cap), "soft_cap", "must be >= 0 (0 = off), got ",
+           soft_cap);
+  p.scale = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(d))));
+  p.soft_cap = static_cast<float>(soft_cap);
+  c.expect(window_left < (int64_t{1} << 31), "window_left", "too large: ", window_left);
+  p.window_left = window_left < 0 ? -1 : static_cast<int>(window_left);
+  p.alibi_slopes = per_head_vector(c, alibi_slopes, "alibi_slopes", p.num_heads, query, r);
+  p.sinks = per_head_vector(c, sinks, "sinks", p.num_heads, query, r);
+  return r;
+}
+
+PreparedAttention prepare_mla_attention(
+    const ArgCheck& c, const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables,
+    const Tensor& seq_lens, int64_t kv_lora_rank, double scale,
+    const std::optional<Tensor>& query_start_loc, const std::optional<Tensor>& kv_scale) {
+  PreparedAttention r;
+  AttentionParams& p = r.params;
+  c.dim(kv_cache, "kv_cache", 3);
+  const int64_t row = kv_cache.size(2);
+  c.expect(kv_lora_rank > 0 && kv_lora_rank % 8 == 0 && kv_lora_rank <= kMaxMlaLatent,
+           "kv_lora_rank", "must be a positive multiple of 8 up to ", kMaxMlaLatent, ", got ",
+           kv_lora_rank);
+  c.expect(row >= kv_lora_rank && row <= kMaxMlaRow, "kv_cache",
+           "row width (dimension 2) must be in [kv_lora_rank, ", kMaxMlaRow, "], got ", row);
+  // The latent cache is one kv head whose key row is the whole row and whose value is its prefix.
+  Tensor cache4 = torch::stable::unsqueeze(kv_cache, 2);
+  r.keep_alive.push_back(cache4);
+  p.kv = make_paged_kv(c, cache4, "kv_cache", cache4, "kv_cache", block_tables, seq_lens, kv_scale,
+                       "kv_scale", kv_scale, "kv_scale", r);
+  c.expect(!p.kv.scale_per_head, "kv_scale", "must have 1 element (per-tensor scale)");
+  p.kv.head_dim_v = static_cast<int>(kv_lora_rank);
+  c.dim(q, "q", 3);
+  c.size(q, "q", 2, row, "row width of kv_cache = kv_lora_rank + rope_dim");
+  c.expect(q.size(1) > 0, "q", "needs at least one head");
+  fill_query(c, r, q, "q", kv_cache, "kv_cache", kv_lora_rank, query_start_loc);
+  c.expect(std::isfinite(scale), "scale", "must be finite");
+  p.scale = static_cast<float>(scale);
+  return r;
+}
+
+PreparedMerge prepare_merge(const ArgCheck& c, const Tensor& out_a_in, const Tensor& lse_a,
+                            const Tensor& out_b_in, const Tensor& lse_b) {
+  PreparedMerge r;
+  MergeParams& p = r.params;
+  c.dim(out_a_in, "out_a", 3);
+  c.dtype(out_a_in, "out_a", kFloatTypes);
+  c.dim(out_b_in, "out_b", 3);
+  c.same_device(out_b_in, "out_b", out_a_in, "out_a");
+  c.expect(out_b_in.scalar_type() == out_a_in.scalar_type(), "out_b", "dtype must equal out_a's");
+  for (int64_t d = 0; d < 3; ++d) c.size(out_b_in, "out_b", d, out_a_in.size(d), "out_a's shape");
+  for (auto [t, arg] : {std::pair{&lse_a, "lse_a"}, std::pair{&lse_b, "lse_b"}}) {
+    c.dim(*t, arg, 2);
+    c.dtype(*t, arg, {ScalarType::Float});
+    c.same_device(*t, arg, out_a_in, "out_a");
+    c.size(*t, arg, 0, out_a_in.size(0), "num_tokens of out_a");
+    c.size(*t, arg, 1, out_a_in.size(1), "num_heads of out_a");
+  }
+  Tensor out_a = with_unit_last_stride(out_a_in, r);
+  Tensor out_b = with_unit_last_stride(out_b_in, r);
+  p.out_a = out_a.const_data_ptr();
+  p.out_b = out_b.const_data_ptr();
+  p.a_stride_token = out_a.stride(0);
+  p.a_stride_head = out_a.stride(1);
+  p.b_stride_token = out_b.stride(0);
+  p.b_stride_head = out_b.stride(1);
+  p.lse_a = static_cast<const float*>(lse_a.const_data_ptr());
+  p.lse_b = static_cast<const float*>(lse_b.const_data_ptr());
+  p.lse_a_stride_token = lse_a.stride(0);
+  p.lse_a_stride_head = lse_a.stride(1);
+  p.lse_b_stride_token = lse_b.stride(0);
+  p.lse_b_stride_head = lse_b.stride(1);
+  p.format = float_format(out_a.scalar_type());
+  p.num_tokens = out_a.size(0);
+  p.num_heads = static_cast<int>(out_a.size(1));
+  p.head_dim = static_cast<int>(out_a.size(2));
+  r.out = torch::stable::new_empty(out_a, {p.num_tokens, p.num_heads, p.head_dim});
+  r.lse = torch::stable::new_empty(out_a, {p.num_tokens, p.num_heads}, ScalarType::Float);
+  p.out = r.out.mutable_data_ptr();
+  p.lse = static_cast<float*>(r.lse.mutable_data_ptr());
+  return r;
+}
+
+namespace {
+
+// One source [T, H, W] written into columns [col, col + W) of a cache [N, B, H, >= col + W].
+CacheWriteParams make_write(const ArgCheck& c, PreparedCacheWrite& r, const Tensor& src_in,
+                            const char* src_arg, const Tensor& cache, const char* cache_arg,
+                            int64_t col, const Tensor& slots, const std::optional<Tensor>& scale,
+                            const char* scale_arg, bool per_head_scale_allowed) {
+  Tensor src = with_unit_last_stride(src_in, r);
+  CacheWriteParams w;
+  w.src = src.const_data_ptr();
+  w.src_stride_token = src.stride(0);
+  w.src_stride_head = src.stride(1);
+  w.src_format = float_format(src.scalar_type());
+  w.cache = cache.mutable_data_ptr();
+  w.cache_stride_block = cache.stride(0);
+  w.cache_stride_slot = cache.stride(1);
+  w.cache_stride_head = cache.stride(2);
+  w.col_offset = col;
+  w.cache_format = cache_format(cache.scalar_type());
+  w.num_tokens = src.size(0);
+  w.num_heads = static_cast<int>(src.size(1));
+  w.width = static_cast<int>(src.size(2));
+  w.block_size = static_cast<int>(cache.size(1));
+  w.slot_mapping = static_cast<const int64_t*>(slots.const_data_ptr());
+  if (is_fp8(cache.scalar_type())) {
+    w.scale_per_head =
+        c.scale(scale, scale_arg, cache, cache_arg, per_head_scale_allowed ? w.num_heads : 0);
+    Tensor s = torch::stable::contiguous(*scale);
+    r.keep_alive.push_back(s);
+    w.scale = static_cast<const float*>(s.const_data_ptr());
+  }
+  (void)src_arg;
+  return w;
+}
+
+}  // namespace
+
+PreparedCacheWrite prepare_reshape_and_cache(const ArgCheck& c, const Tensor& key,
+                                             const Tensor& value, const Tensor& key_cache,
+                                             const Tensor& value_cache, const Tensor& slot_mapping,
+                                             const std::optional<Tensor>& k_scale,
+                                             const std::optional<Tensor>& v_scale) {
+  PreparedCacheWrite r;
+  c.dim(key, "key", 3);
+  c.dtype(key, "key", kFloatTypes);
+  c.dim(value, "value", 3);
+  c.same_device(value, "value", key, "key");
+  c.expect(value.scalar_type() == key.scalar_type(), "value", "dtype must equal key's");
+  for (int64_t d = 0; d < 3; ++d) c.size(value, "value", d, key.size(d), "key's shape");
+  for (auto [cache, arg] :
+       {std::pair{&key_cache, "key_cache"}, std::pair{&value_cache, "value_cache"}}) {
+    c.dim(*cache, arg, 4);
+    c.dtype(*cache, arg, kCacheTypes);
+    c.same_device(*cache, arg, key, "key");
+    c.last_dim_contiguous(*cache, arg);
+    check_block_size(c, *cache, arg);
+    c.size(*cache, arg, 2, key.size(1), "num_kv_heads of key");
+    c.size(*cache, arg, 3, key.size(2), "head_dim of key");
+    c.expect(is_fp8(cache->scalar_type()) || cache->scalar_type() == key.scalar_type(), arg,
+             "dtype ", torch::headeronly::toString(cache->scalar_type()),
+             " must equal key's dtype ", torch::headeronly::toString(key.scalar_type()),
+             " (or be an fp8 type)");
+  }
+  c.expect(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache",
+           "dtype must equal key_cache's");
+  c.size(value_cache, "value_cache", 0, key_cache.size(0), "num_blocks of key_cache");
+  c.size(value_cache, "value_cache", 1, key_cache.size(1), "block_size of key_cache");
+  Tensor slots = index_tensor(c, slot_mapping, "slot_mapping", ScalarType::Long, 1, key, "key", r);
+  c.size(slots, "slot_mapping", 0, key.size(0), "num_tokens of key");
+  r.writes.push_back(make_write(c, r, key, "key", key_cache, "key_cache", 0, slots, k_scale,
+                                "k_scale", true));
+  r.writes.push_back(make_write(c, r, value, "value", value_cache, "value_cache", 0, slots,
+                                v_scale, "v_scale", true));
+  return r;
+}
+
+PreparedCacheWrite prepare_concat_and_cache_mla(const ArgCheck& c, const Tensor& kv_c,
+                                                const Tensor& k_pe, const Tensor& kv_cache,
+                                                const Tensor& slot_mapping,
+                                                const std::optional<Tensor>& scale) {
+  PreparedCacheWrite r;
+  c.dim(kv_c, "kv_c", 2);
+  c.dtype(kv_c, "kv_c", kFloatTypes);
+  c.dim(k_pe, "k_pe", 2);
+  c.same_device(k_pe, "k_pe", kv_c, "kv_c");
+  c.expect(k_pe.scalar_type() == kv_c.scalar_type(), "k_pe", "dtype must equal kv_c's");
+  c.size(k_pe, "k_pe", 0, kv_c.size(0), "num_tokens of kv_c");
+  c.dim(kv_cache, "kv_cache", 3);
+  c.dtype(kv_cache, "kv_cache", kCacheTypes);
+  c.same_device(kv_cache, "kv_cache", kv_c, "kv_c");
+  c.last_dim_contiguous(kv_cache, "kv_cache");
+  check_block_size(c, kv_cache, "kv_cache");
+  const int64_t rank = kv_c.size(1), rope = k_pe.size(1);
+  c.size(kv_cache, "kv_cache", 2, rank + rope, "kv_lora_rank + rope_dim of kv_c and k_pe");
+  c.expect(kv_cache.size(2) <= kMaxMlaRow, "kv_cache", "row width must be at most ", kMaxMlaRow);
+  c.expect(is_fp8(kv_cache.scalar_type()) || kv_cache.scalar_type() == kv_c.scalar_type(),
+           "kv_cache", "dtype must equal kv_c's dtype (or be an fp8 type)");
+  Tensor slots = index_tensor(c, slot_mapping, "slot_mapping", ScalarType::Long, 1, kv_c, "kv_c",
+                              r);
+  c.size(slots, "slot_mapping", 0, kv_c.size(0), "num_tokens of kv_c");
+  // Both sources are viewed as one head: [T, 1, width].
+  Tensor cache4 = torch::stable::unsqueeze(kv_cache, 2);
+  Tensor kv_c3 = torch::stable::unsqueeze(kv_c, 1);
+  Tensor k_pe3 = torch::stable::unsqueeze(k_pe, 1);
+  r.keep_alive.insert(r.keep_alive.end(), {cache4, kv_c3, k_pe3});
+  r.writes.push_back(
+      make_write(c, r, kv_c3, "kv_c", cache4, "kv_cache", 0, slots, scale, "scale", false));
+  if (rope > 0)
+    r.writes.push_back(
+        make_write(c, r, k_pe3, "k_pe", cache4, "kv_cache", rank, slots, scale, "scale", false));
+  return r;
+}
+
+PreparedBlockCopy prepare_block_copy(const ArgCheck& c, const Tensor& src, const Tensor& dst,
+                                     const Tensor& block_mapping, int64_t block_dim,
+                                     bool same_tensor) {
+  PreparedBlockCopy r;
+  const char* src_arg = same_tensor ? "cache" : "src";
+  const char* dst_arg = same_tensor ? "cache" : "dst";
+  const int64_t ndim = src.dim();
+  c.expect(ndim >= 1, src_arg, "must have at least one dimension");
+  c.expect(block_dim >= -ndim && block_dim < ndim, "block_dim", "out of range for a ", ndim,
+           "-dimensional tensor: ", block_dim);
+  const int64_t bd = block_dim < 0 ? block_dim + ndim : block_dim;
+  c.expect(ndim - 1 <= 7, src_arg, "at most 8 dimensions are supported");
+  if (!same_tensor) {
+    c.dim(dst, dst_arg, ndim);
+    c.expect(dst.scalar_type() == src.scalar_type(), dst_arg, "dtype must equal src's");
+    for (int64_t d = 0; d < ndim; ++d)
+      if (d != bd) c.size(dst, dst_arg, d, src.size(d), "src's shape outside block_dim");
+  }
+  // The mapping may live on the CPU or on src's device.
+  c.dtype(block_mapping, "block_mapping", {ScalarType::Long});
+  c.dim(block_mapping, "block_mapping", 2);
+  c.size(block_mapping, "block_mapping", 1, 2, "(src, dst) pairs");
+  const auto md = block_mapping.device();
+  c.expect(md.type() == torch::headeronly::DeviceType::CPU ||
+               (md.type() == src.device().type() && md.index() == src.device().index()),
+           "block_mapping", "must be on the CPU or on the device of ", src_arg);
+  Tensor mapping = block_mapping.is_contiguous() ? block_mapping
+                                                 : torch::stable::contiguous(block_mapping);
+  r.keep_alive.push_back(mapping);
+
+  BlockCopyParams& p = r.params;
+  const int64_t elem = static_cast<int64_t>(src.element_size());
+  p.src = static_cast<const char*>(src.const_data_ptr());
+  p.dst = static_cast<char*>(dst.mutable_data_ptr());
+  p.mapping = static_cast<const int64_t*>(mapping.const_data_ptr());
+  p.num_pairs = mapping.size(0);
+  p.src_block_stride = src.stride(bd) * elem;
+  p.dst_block_stride = dst.stride(bd) * elem;
+  r.src_num_blocks = src.size(bd);
+  r.dst_num_blocks = dst.size(bd);
+  // Walk the block sub-tensor; fold the innermost dims that are contiguous in both tensors into
+  // one memcpy run.
+  int64_t run = elem;
+  int64_t inner = ndim - 1;
+  for (; inner >= 0; --inner) {
+    if (inner == bd) continue;
+    const int64_t size = src.size(inner);
+    if (size != 1 && (src.stride(inner) * elem != run || dst.stride(inner) * elem != run)) break;
+    run *= size;
+  }
+  p.run_bytes = run;
+  for (int64_t d = 0; d <= inner; ++d) {
+    if (d == bd) continue;
+    p.sizes[p.num_dims] = src.size(d);
+    p.src_strides[p.num_dims] = src.stride(d) * elem;
+    p.dst_strides[p.num_dims] = dst.stride(d) * elem;
+    ++p.num_dims;
+  }
+  return r;
+}
+
+PreparedGather prepare_gather_kv(const ArgCheck& c, const Tensor& key_cache,
+                                 const Tensor& value_cache, const Tensor& block_tables,
+                                 const Tensor& seq_lens, const std::optional<Tensor>& k_scale,
+                                 const std::optional<Tensor>& v_scale,
+                                 std::optional<int64_t> num_tokens_arg,
+                                 std::optional<ScalarType> out_dtype, const TokenCounter& count) {
+  PreparedGather r;
+  GatherParams& p = r.params;
+  p.kv = make_paged_kv(c, key_cache, "key_cache", value_cache, "value_cache", block_tables,
+                       seq_lens, k_scale, "k_scale", v_scale, "v_scale", r);
+  ScalarType out = is_fp8(key_cache.scalar_type()) ? ScalarType::BFloat16 : key_cache.scalar_type();
+  if (out_dtype.has_value()) {
+    c.expect(is_float(*out_dtype), "out_dtype", "must be float32, float16 or bfloat16, got ",
+             torch::headeronly::toString(*out_dtype));
+    out = *out_dtype;
+  }
+  const int64_t num_tokens = num_tokens_arg.has_value() ? *num_tokens_arg : count(p.kv);
+  c.expect(num_tokens >= 0, "num_tokens", "must be >= 0, got ", num_tokens);
+  p.out_format = float_format(out);
+  p.num_tokens = num_tokens;
+  r.key = torch::stable::new_empty(key_cache, {num_tokens, p.kv.num_kv_heads, p.kv.head_dim}, out);
+  r.value =
+      torch::stable::new_empty(key_cache, {num_tokens, p.kv.num_kv_heads, p.kv.head_dim}, out);
+  p.key = r.key.mutable_data_ptr();
+  p.value = r.value.mutable_data_ptr();
+  return r;
+}
+
+PreparedDecompress prepare_mla_decompress(
+    const ArgCheck& c, const Tensor& kv_cache, const Tensor& block_tables,
+    const Tensor& seq_lens, const Tensor& w_kv_b_in, int64_t kv_lora_rank,
+    int64_t qk_nope_head_dim, int64_t v_head_dim, const std::optional<Tensor>& norm_weight,
+    double norm_eps, const std::optional<Tensor>& scale, std::optional<int64_t> num_tokens_arg,
+    const TokenCounter& count) {
+  PreparedDecompress r;
+  MlaDecompressParams& p = r.params;
+  c.dim(kv_cache, "kv_cache", 3);
+  c.expect(kv_lora_rank > 0 && kv_lora_rank % 8 == 0 && kv_lora_rank <= kMaxMlaLatent,
+           "kv_lora_rank", "must be a positive multiple of 8 up to ", kMaxMlaLatent, ", got ",
+           kv_lora_rank);
+  const int64_t row = kv_cache.size(2);
+  c.expect(row >= kv_lora_rank && row <= kMaxMlaRow, "kv_cache",
+           "row width (dimension 2) must be in [kv_lora_rank, ", kMaxMlaRow, "], got ", row);
+  c.expect(qk_nope_head_dim > 0, "qk_nope_head_dim", "must be positive, got ", qk_nope_head_dim);
+  c.expect(v_head_dim > 0, "v_head_dim", "must be positive, got ", v_head_dim);
+  Tensor cache4 = torch::stable::unsqueeze(kv_cache, 2);
+  r.keep_alive.push_back(cache4);
+  p.kv = make_paged_kv(c, cache4, "kv_cache", cache4, "kv_cache", block_tables, seq_lens, scale,
+                       "scale", scale, "scale", r);
+  c.expect(!p.kv.scale_per_head, "scale", "must have 1 element (per-tensor scale)");
+  c.dim(w_kv_b_in, "w_kv_b", 2);
+  c.dtype(w_kv_b_in, "w_kv_b", kFloatTypes);
+  c.same_device(w_kv_b_in, "w_kv_b", kv_cache, "kv_cache");
+  c.size(w_kv_b_in, "w_kv_b", 1, kv_lora_rank, "kv_lora_rank");
+  const int64_t per_head = qk_nope_head_dim + v_head_dim;
+  c.expect(w_kv_b_in.size(0) > 0 && w_kv_b_in.size(0) % per_head == 0, "w_kv_b",
+           "dimension 0 (", w_kv_b_in.size(0), ") must be num_heads * (qk_nope_head_dim + ",
+           "v_head_dim) = num_heads * ", per_head);
+  c.expect(is_fp8(kv_cache.scalar_type()) || kv_cache.scalar_type() == w_kv_b_in.scalar_type(),
+           "kv_cache", "dtype must equal w_kv_b's dtype (or be an fp8 type)");
+  Tensor w = w_kv_b_in.is_contiguous() ? w_kv_b_in : torch::stable::contiguous(w_kv_b_in);
+  r.keep_alive.push_back(w);
+  if (norm_weight.has_value()) {
+    c.dim(*norm_weight, "norm_weight", 1);
+    c.size(*norm_weight, "norm_weight", 0, kv_lora_rank, "kv_lora_rank");
+    c.same_device(*norm_weight, "norm_weight", kv_cache, "kv_cache");
+    c.expect(norm_weight->scalar_type() == w.scalar_type(), "norm_weight",
+             "dtype must equal w_kv_b's");
+    Tensor nw = torch::stable::contiguous(*norm_weight);
+    r.keep_alive.push_back(nw);
+    p.norm_weight = nw.const_data_ptr();
+  }
+  c.expect(norm_eps >= 0.0, "norm_eps", "must be >= 0, got ", norm_eps);
+  const int64_t num_tokens = num_tokens_arg.has_value() ? *num_tokens_arg : count(p.kv);
+  c.expect(num_tokens >= 0, "num_tokens", "must be >= 0, got ", num_tokens);
+  p.w_kv_b = w.const_data_ptr();
+  p.w_format = float_format(w.scalar_type());
+  p.norm_eps = static_cast<float>(norm_eps);
+  p.num_tokens = num_tokens;
+  p.num_heads = static_cast<int>(w.size(0) / per_head);
+  p.kv_lora_rank = static_cast<int>(kv_lora_rank);
+  p.rope_dim = static_cast<int>(row - kv_lora_rank);
+  p.qk_nope_head_dim = static_cast<int>(qk_nope_head_dim);
+  p.v_head_dim = static_cast<int>(v_head_dim);
+  p.kv.head_dim_v = static_cast<int>(kv_lora_rank);
+  r.key = torch::stable::new_empty(
+      w, {num_tokens, p.num_heads, qk_nope_head_dim + p.rope_dim});
+  r.value = torch::stable::new_empty(w, {num_tokens, p.num_heads, v_head_dim});
+  p.key = r.key.mutable_data_ptr();
+  p.value = r.value.mutable_data_ptr();
+  return r;
+}
+
+}  // namespace kvkernels

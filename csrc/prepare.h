@@ -1,0 +1,105 @@
+// The binding layer shared by every backend: validate the tensors of one op call (dtype, shape,
+// device, strides), allocate its outputs on the inputs' device and fill the torch-free params
+// struct of csrc/include/kvkernels/params.h. Nothing here reads device data; index-range checks
+// that need the values of index tensors live in index_checks.h.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <vector>
+
+#include "checks.h"
+#include "kvkernels/params.h"
+
+namespace kvkernels {
+
+// Tensors created while preparing (contiguous copies of inputs, outputs) must outlive the kernel.
+struct Prepared {
+  std::vector<Tensor> keep_alive;
+};
+
+struct PreparedAttention : Prepared {
+  AttentionParams params;
+  Tensor out, lse;
+};
+
+PreparedAttention prepare_paged_attention(
+    const ArgCheck& check, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+    const Tensor& block_tables, const Tensor& seq_lens,
+    const std::optional<Tensor>& query_start_loc, std::optional<double> scale, int64_t window_left,
+    double soft_cap, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
+    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale);
+
+PreparedAttention prepare_mla_attention(
+    const ArgCheck& check, const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables,
+    const Tensor& seq_lens, int64_t kv_lora_rank, double scale,
+    const std::optional<Tensor>& query_start_loc, const std::optional<Tensor>& kv_scale);
+
+struct PreparedMerge : Prepared {
+  MergeParams params;
+  Tensor out, lse;
+};
+
+PreparedMerge prepare_merge(const ArgCheck& check, const Tensor& out_a, const Tensor& lse_a,
+                            const Tensor& out_b, const Tensor& lse_b);
+
+struct PreparedCacheWrite : Prepared {
+  std::vector<CacheWriteParams> writes;  // one per (source, cache) pair
+};
+
+PreparedCacheWrite prepare_reshape_and_cache(const ArgCheck& check, const Tensor& key,
+                                             const Tensor& value, const Tensor& key_cache,
+                                             const Tensor& value_cache, const Tensor& slot_mapping,
+                                             const std::optional<Tensor>& k_scale,
+                                             const std::optional<Tensor>& v_scale);
+
+PreparedCacheWrite prepare_concat_and_cache_mla(const ArgCheck& check, const Tensor& kv_c,
+                                                const Tensor& k_pe, const Tensor& kv_cache,
+                                                const Tensor& slot_mapping,
+                                                const std::optional<Tensor>& scale);
+
+struct PreparedBlockCopy : Prepared {
+  BlockCopyParams params;
+  int64_t src_num_blocks = 0, dst_num_blocks = 0;
+};
+
+// copy_blocks: src == dst == cache. swap_blocks: any two tensors of matching block shape.
+PreparedBlockCopy prepare_block_copy(const ArgCheck& check, const Tensor& src, const Tensor& dst,
+                                     const Tensor& block_mapping, int64_t block_dim,
+                                     bool same_tensor);
+
+struct PreparedGather : Prepared {
+  GatherParams params;
+  Tensor key, value;
+};
+
+// Returns sum(seq_lens) of a validated paged_kv_t; called when the caller gave no num_tokens. How
+// it reads seq_lens (directly, or after a device-to-host copy) is the backend's business.
+using TokenCounter = std::function<int64_t(const paged_kv_t&)>;
+
+PreparedGather prepare_gather_kv(const ArgCheck& check, const Tensor& key_cache,
+                                 const Tensor& value_cache, const Tensor& block_tables,
+                                 const Tensor& seq_lens, const std::optional<Tensor>& k_scale,
+                                 const std::optional<Tensor>& v_scale,
+                                 std::optional<int64_t> num_tokens,
+                                 std::optional<ScalarType> out_dtype, const TokenCounter& count);
+
+struct PreparedDecompress : Prepared {
+  MlaDecompressParams params;
+  Tensor key, value;
+};
+
+PreparedDecompress prepare_mla_decompress(
+    const ArgCheck& check, const Tensor& kv_cache, const Tensor& block_tables,
+    const Tensor& seq_lens, const Tensor& w_kv_b, int64_t kv_lora_rank, int64_t qk_nope_head_dim,
+    int64_t v_head_dim, const std::optional<Tensor>& norm_weight, double norm_eps,
+    const std::optional<Tensor>& scale, std::optional<int64_t> num_tokens,
+    const TokenCounter& count);
+
+// Helpers also used by backends.
+FloatFormat float_format(ScalarType t);
+CacheFormat cache_format(ScalarType t);
+// t itself if its last dimension has stride 1, else a contiguous copy (kept alive by `keep`).
+Tensor with_unit_last_stride(const Tensor& t, Prepared& keep);
+
+}  // namespace kvkernels

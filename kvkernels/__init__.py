@@ -1,0 +1,11 @@
+"""kvkernels: paged KV-cache kernels as torch.ops.kvkernels custom ops.
+
+Importing the package loads the compiled extension (which registers every op and its CPU/CUDA
+kernels) and then kvkernels.ops (typed wrappers and fake kernels for torch.compile).
+"""
+
+from kvkernels import _C  # noqa: F401  (registers torch.ops.kvkernels.*)
+from kvkernels import ops, reference  # noqa: F401
+
+__all__ = ["ops", "reference"]
+__version__ = "0.1.0"
