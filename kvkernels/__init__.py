@@ -4,6 +4,8 @@ Importing the package loads the compiled extension (which registers every op and
 kernels) and then kvkernels.ops (typed wrappers and fake kernels for torch.compile).
 """
 
+import torch  # noqa: F401  (loads libtorch before the extension that links to it)
+
 from kvkernels import _C  # noqa: F401  (registers torch.ops.kvkernels.*)
 from kvkernels import ops, reference  # noqa: F401
 

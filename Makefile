@@ -1,0 +1,44 @@
+# Two commands do all the set-up on a fresh machine (README):
+#   make demo   - create .venv, install torch 2.13.0 if no torch is present, build, run the demo
+#   make test   - the same set-up, then the test suite
+# Other targets: build, info, cuda-check, clean.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION := 2.13.0
+SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
+
+.PHONY: demo test build info cuda-check clean
+
+# The venv sees system packages, so a machine that already has torch (e.g. a GPU box with its own
+# CUDA build) uses it; otherwise the CPU build of torch is installed.
+$(VENV)/.ready:
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q pytest numpy expecttest ninja
+	touch $@
+
+# In-place build; ninja keeps it incremental. --no-build-isolation semantics: compile against the
+# torch in the venv (an isolated build would download another torch).
+kvkernels/.built: $(VENV)/.ready $(SOURCES)
+	MAX_JOBS=$${MAX_JOBS:-2} $(PY) setup.py -q build_ext --inplace
+	touch $@
+
+build: kvkernels/.built
+
+demo: build
+	$(PY) -m kvkernels demo
+
+info: build
+	$(PY) -m kvkernels info
+
+test: build
+	$(PY) -m pytest -q tests
+
+# Compile every CUDA source for sm_80 and sm_90a; fail on errors or register spills.
+cuda-check:
+	scripts/check_cuda.sh
+
+clean:
+	rm -rf build kvkernels/_C*.so kvkernels/.built

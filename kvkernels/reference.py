@@ -1,0 +1,300 @@
+"""Pure-PyTorch reference implementation of every kvkernels op (the test oracle).
+
+Each function here has exactly the signature of its twin in ``kvkernels.ops`` (see docs/api.md)
+and implements the semantics of docs/ops.md. The code is written to be obviously right, not
+fast: per-sequence Python loops, dense masks, and all arithmetic in float64 (outputs are cast
+to the dtypes docs/ops.md prescribes). There is no validation beyond what correctness needs;
+bad input gives whatever error PyTorch raises, or garbage.
+
+Float inputs may themselves be float64 (the tests upcast query/key/value/caches/weights to
+compute the oracle); fp8 caches are quantized and dequantized in float32 exactly as the
+kernels must do it, so the oracle stays bit-compatible with them on the quantized values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "FP8_MAX",
+    "quantize_fp8",
+    "dequantize",
+    "reshape_and_cache",
+    "paged_attention",
+    "merge_attention_states",
+    "copy_blocks",
+    "swap_blocks",
+    "gather_kv",
+    "concat_and_cache_mla",
+    "mla_decompress",
+    "mla_paged_attention",
+]
+
+# Largest finite magnitude of each fp8 cache dtype; quantization saturates to it.
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_MAX
+
+
+def _broadcast_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A float32 scale shaped to broadcast over [..., H, D] (per head) or anything (per tensor)."""
+    scale = scale.to(torch.float32)
+    if scale.numel() == 1:
+        return scale.reshape(())
+    # One scale per kv head: broadcast along the trailing head_dim.
+    return scale.reshape(-1, 1)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """stored = fp8(clamp(float32(x) / scale, -M, M)), round to nearest even; NaN stays NaN.
+
+    ``scale`` has 1 element or one per kv head (``x`` is then [..., H, D]).
+    """
+    limit = FP8_MAX[fp8_dtype]
+    # The division must happen in float32 (not in x's dtype) to match the kernels bit for bit.
+    return (x.to(torch.float32) / _broadcast_scale(scale)).clamp(-limit, limit).to(fp8_dtype)
+
+
+def dequantize(stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """float32(stored) * scale for fp8 tensors; any other tensor is returned unchanged."""
+    if not _is_fp8(stored.dtype):
+        return stored
+    return stored.to(torch.float32) * _broadcast_scale(scale)
+
+
+def _to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype, scale) -> torch.Tensor:
+    if _is_fp8(cache_dtype):
+        return quantize_fp8(x, scale, cache_dtype)
+    return x.to(cache_dtype)
+
+
+def _load64(stored: torch.Tensor, scale) -> torch.Tensor:
+    """Cache contents as float64 (dequantized in float32 first when fp8)."""
+    return dequantize(stored, scale).to(torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# paged-cache addressing
+# ---------------------------------------------------------------------------------------------
+
+
+def _write_slots(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """cache[slot // B, slot % B] = rows[t] for every token whose slot is >= 0 (in place)."""
+    block_size = cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].to(device=cache.device, dtype=torch.int64)
+    # Advanced-index assignment is index_put_ on the view itself, so strided views
+    # (HND transposes, slices of a stacked allocation) are written through, not replaced.
+    cache[slots // block_size, slots % block_size] = rows[keep.to(rows.device)].to(cache.device)
+
+
+def _sequence_tokens(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` tokens of one sequence, raw (not dequantized): [seq_len, *cache.shape[2:]]."""
+    block_size = cache.shape[1]
+    # Only the blocks that hold tokens are read: later table entries may be junk (-1, huge ids).
+    num_blocks = -(-seq_len // block_size)
+    block_ids = block_table_row[:num_blocks].to(device=cache.device, dtype=torch.int64)
+    tokens = cache[block_ids].reshape(num_blocks * block_size, *cache.shape[2:])
+    return tokens[:seq_len]
+
+
+def _query_ranges(query_start_loc, num_seqs: int) -> list[tuple[int, int]]:
+    """(start, end) query rows of each sequence; decode = one query per sequence."""
+    if query_start_loc is None:
+        return [(i, i + 1) for i in range(num_seqs)]
+    starts = [int(x) for x in query_start_loc.tolist()]
+    return list(zip(starts[:-1], starts[1:]))
+
+
+# ---------------------------------------------------------------------------------------------
+# attention core (float64, one sequence)
+# ---------------------------------------------------------------------------------------------
+
+
+def _attend_one_sequence(q, k, v, scale, window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None):
+    """Attention of q [q_len, H, Dk] over k [S, H, Dk], v [S, H, Dv] (all float64, heads already
+    matched), with the last query at key position S - 1 (bottom-right causal alignment).
+
+    Returns out [q_len, H, Dv] and lse [q_len, H], both float64.
+    """
+    q_len, num_heads = q.shape[0], q.shape[1]
+    seq_len = k.shape[0]
+    device = q.device
+
+    # Logit order fixed by docs/ops.md: scale, soft cap, ALiBi, mask.
+    logits = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if soft_cap > 0:
+        logits = soft_cap * torch.tanh(logits / soft_cap)
+
+    pos = torch.arange(q_len, device=device, dtype=torch.float64) + (seq_len - q_len)  # [q_len]
+    key_pos = torch.arange(seq_len, device=device, dtype=torch.float64)  # [S]
+    if alibi_slopes is not None:
+        distance = key_pos[None, :] - pos[:, None]  # [q_len, S], <= 0 for visible keys
+        logits = logits + alibi_slopes.to(device, torch.float64)[:, None, None] * distance
+
+    visible = key_pos[None, :] <= pos[:, None]
+    if window_left >= 0:
+        visible &= key_pos[None, :] >= pos[:, None] - window_left
+    logits = logits.masked_fill(~visible, float("-inf"))
+
+    # The sink is one more logit in the denominator only: it enters the logsumexp, not the values.
+    all_logits = logits
+    if sinks is not None:
+        sink = sinks.to(device, torch.float64)[:, None, None].expand(num_heads, q_len, 1)
+        all_logits = torch.cat([logits, sink], dim=-1)
+    lse = torch.logsumexp(all_logits, dim=-1)  # [H, q_len]; -inf when nothing is visible
+
+    # exp(logit - lse) are the softmax weights. A row with lse = -inf has no visible key
+    # and no sink; subtracting 0 instead keeps its weights exactly 0 (out = 0, no NaN).
+    safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    weights = torch.exp(logits - safe_lse[..., None])  # [H, q_len, S]
+    out = torch.einsum("hqk,khd->qhd", weights, v)
+    return out, lse.transpose(0, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the ops
+# ---------------------------------------------------------------------------------------------
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
+    """Write key/value [T, H, D] into their slots of the paged caches (quantizing for fp8)."""
+    _write_slots(key_cache, _to_cache_dtype(key, key_cache.dtype, k_scale), slot_mapping)
+    _write_slots(value_cache, _to_cache_dtype(value, value_cache.dtype, v_scale), slot_mapping)
+
+
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *, scale=None,
+                    window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None):
+    """Causal attention of query [T, Hq, D] over each sequence's paged keys/values -> (out, lse)."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads  # query head h reads kv head h // group
+    if scale is None:
+        scale = head_dim ** -0.5
+
+    out = torch.zeros(num_tokens, num_heads, value_cache.shape[-1], dtype=torch.float64, device=query.device)
+    lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float64, device=query.device)
+    seq_lens_list = [int(x) for x in seq_lens.tolist()]
+    for i, (start, end) in enumerate(_query_ranges(query_start_loc, len(seq_lens_list))):
+        seq_len = seq_lens_list[i]
+        k = _load64(_sequence_tokens(key_cache, block_tables[i], seq_len), k_scale)
+        v = _load64(_sequence_tokens(value_cache, block_tables[i], seq_len), v_scale)
+        k = k.repeat_interleave(group, dim=1).to(query.device)
+        v = v.repeat_interleave(group, dim=1).to(query.device)
+        q = query[start:end].to(torch.float64)
+        out[start:end], lse[start:end] = _attend_one_sequence(
+            q, k, v, scale, window_left, soft_cap, alibi_slopes, sinks)
+    return out.to(query.dtype), lse.to(torch.float32)
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b):
+    """Exact merge of two attention states over disjoint key sets -> (out, lse)."""
+    la, lb = lse_a.to(torch.float64), lse_b.to(torch.float64)
+    lse = torch.logaddexp(la, lb)
+    # Both -inf (no keys on either side): use 0 so the weights are exp(-inf) = 0, never NaN.
+    safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    wa = torch.exp(la - safe_lse)[..., None]
+    wb = torch.exp(lb - safe_lse)[..., None]
+    # A side that saw no key (weight 0) is not read at all, even if its out holds NaN.
+    out = (torch.where(wa > 0, wa * out_a.to(torch.float64), 0.0)
+           + torch.where(wb > 0, wb * out_b.to(torch.float64), 0.0))
+    return out.to(out_a.dtype), lse.to(torch.float32)
+
+
+def copy_blocks(cache, block_mapping, *, block_dim=0) -> None:
+    """cache.select(block_dim, dst) = cache.select(block_dim, src) for each (src, dst) row."""
+    # Destinations are never sources, so copying one pair at a time is order-independent.
+    for src, dst in block_mapping.tolist():
+        cache.select(block_dim, dst).copy_(cache.select(block_dim, src))
+
+
+def swap_blocks(src, dst, block_mapping, *, block_dim=0) -> None:
+    """dst.select(block_dim, d) = src.select(block_dim, s) for each (s, d) row, across devices."""
+    pairs = block_mapping.tolist()  # works whether the mapping lives on the CPU or the GPU
+    # src and dst may be the same memory: read every source block before writing any.
+    blocks = [src.select(block_dim, s).clone() for s, _ in pairs]
+    for (_, d), block in zip(pairs, blocks):
+        dst.select(block_dim, d).copy_(block.to(dst.device))
+
+
+def _gather_rows(cache, block_tables, seq_lens, scale, out_dtype):
+    """Concatenate every sequence's cache rows (dequantized, cast to out_dtype), in order."""
+    seq_lens_list = [int(x) for x in seq_lens.tolist()]
+    out = torch.empty(sum(seq_lens_list), *cache.shape[2:], dtype=out_dtype, device=cache.device)
+    offset = 0
+    for i, seq_len in enumerate(seq_lens_list):
+        rows = _sequence_tokens(cache, block_tables[i], seq_len)
+        out[offset:offset + seq_len] = dequantize(rows, scale).to(out_dtype)
+        offset += seq_len
+    return out
+
+
+def gather_kv(key_cache, value_cache, block_tables, seq_lens, *, k_scale=None, v_scale=None, num_tokens=None,
+              out_dtype=None):
+    """Paged -> contiguous key/value [sum(seq_lens), H, D], sequences in order."""
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if _is_fp8(key_cache.dtype) else key_cache.dtype
+    key = _gather_rows(key_cache, block_tables, seq_lens, k_scale, out_dtype)
+    value = _gather_rows(value_cache, block_tables, seq_lens, v_scale, out_dtype)
+    if num_tokens is not None:
+        assert int(num_tokens) == key.shape[0], "num_tokens must equal sum(seq_lens)"
+    return key, value
+
+
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> None:
+    """Write rows [kv_c ; k_pe] into the MLA latent cache [N, B, R + P] (quantizing for fp8)."""
+    rows = torch.cat([kv_c, k_pe], dim=-1)
+    _write_slots(kv_cache, _to_cache_dtype(rows, kv_cache.dtype, scale), slot_mapping)
+
+
+def _split_w_kv_b(w_kv_b, qk_nope_head_dim, v_head_dim):
+    """w_kv_b [Hq*(dn+dv), R] -> W_k [Hq, dn, R], W_v [Hq, dv, R] (float64)."""
+    per_head = qk_nope_head_dim + v_head_dim
+    w = w_kv_b.to(torch.float64).reshape(-1, per_head, w_kv_b.shape[-1])
+    return w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:]
+
+
+def mla_decompress(kv_cache, block_tables, seq_lens, w_kv_b, *, kv_lora_rank, qk_nope_head_dim, v_head_dim,
+                   norm_weight=None, norm_eps=1e-6, scale=None, num_tokens=None):
+    """Latent cache -> per-head key [T, Hq, dn + P] and value [T, Hq, dv] (DeepSeek-V2 kv_b_proj)."""
+    rows = _gather_rows(kv_cache, block_tables, seq_lens, scale, torch.float64)  # [T, R + P]
+    if num_tokens is not None:
+        assert int(num_tokens) == rows.shape[0], "num_tokens must equal sum(seq_lens)"
+    latent, k_pe = rows[:, :kv_lora_rank], rows[:, kv_lora_rank:]
+    if norm_weight is not None:
+        # RMSNorm applies to the latent only; the rotary part is stored already final.
+        rms = torch.rsqrt(latent.pow(2).mean(dim=-1, keepdim=True) + norm_eps)
+        latent = latent * rms * norm_weight.to(latent.device, torch.float64)
+
+    w_k, w_v = _split_w_kv_b(w_kv_b.to(latent.device), qk_nope_head_dim, v_head_dim)
+    k_nope = torch.einsum("hdr,tr->thd", w_k, latent)
+    value = torch.einsum("hdr,tr->thd", w_v, latent)
+    num_heads = w_k.shape[0]
+    # k_pe is shared by all heads (a single rotary key per token).
+    k_pe = k_pe[:, None, :].expand(-1, num_heads, -1)
+    key = torch.cat([k_nope, k_pe], dim=-1)
+    return key.to(w_kv_b.dtype), value.to(w_kv_b.dtype)
+
+
+def mla_paged_attention(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, scale, query_start_loc=None,
+                        kv_scale=None):
+    """Absorbed-weight MLA attention of q [T, Hq, R + P] over the latent cache -> (out [T, Hq, R], lse)."""
+    num_tokens, num_heads, _ = q.shape
+    out = torch.zeros(num_tokens, num_heads, kv_lora_rank, dtype=torch.float64, device=q.device)
+    lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float64, device=q.device)
+    seq_lens_list = [int(x) for x in seq_lens.tolist()]
+    for i, (start, end) in enumerate(_query_ranges(query_start_loc, len(seq_lens_list))):
+        seq_len = seq_lens_list[i]
+        rows = _load64(_sequence_tokens(kv_cache, block_tables[i], seq_len), kv_scale).to(q.device)
+        # One latent "kv head" shared by every query head: keys are full rows, values the latent.
+        k = rows[:, None, :].expand(-1, num_heads, -1)
+        v = rows[:, None, :kv_lora_rank].expand(-1, num_heads, -1)
+        out[start:end], lse[start:end] = _attend_one_sequence(q[start:end].to(torch.float64), k, v, scale)
+    return out.to(q.dtype), lse.to(torch.float32)
