@@ -51,7 +51,7 @@ paged_kv_t make_paged_kv(const ArgCheck& c, const Tensor& key_cache, const char*
                          const Tensor& value_cache, const char* v_arg, const Tensor& block_tables,
                          const Tensor& seq_lens, const std::optional<Tensor>& k_scale,
                          const char* k_scale_arg, const std::optional<Tensor>& v_scale,
-                         const char* v_scale_arg, Prepared& keep) {
+                         const char* v_scale_arg, Prepared& keep, bool per_head_scales = true) {
   c.dim(key_cache, k_arg, 4);
   c.dtype(key_cache, k_arg, kCacheTypes);
   c.last_dim_contiguous(key_cache, k_arg);
@@ -85,10 +85,9 @@ paged_kv_t make_paged_kv(const ArgCheck& c, const Tensor& key_cache, const char*
   kv.head_dim_v = kv.head_dim;
   kv.format = cache_format(key_cache.scalar_type());
   if (is_fp8(key_cache.scalar_type())) {
-    kv.scale_per_head = c.scale(k_scale, k_scale_arg, key_cache, k_arg, kv.num_kv_heads);
-    const bool v_per_head = c.scale(v_scale, v_scale_arg, key_cache, k_arg, kv.num_kv_heads);
-    c.expect(v_per_head == kv.scale_per_head, v_scale_arg,
-             "must be per tensor or per head like ", k_scale_arg);
+    const int64_t per_head = per_head_scales ? kv.num_kv_heads : 0;
+    kv.k_scale_per_head = c.scale(k_scale, k_scale_arg, key_cache, k_arg, per_head);
+    kv.v_scale_per_head = c.scale(v_scale, v_scale_arg, key_cache, k_arg, per_head);
     Tensor ks = torch::stable::contiguous(*k_scale), vs = torch::stable::contiguous(*v_scale);
     keep.keep_alive.push_back(ks);
     keep.keep_alive.push_back(vs);
@@ -211,8 +210,7 @@ PreparedAttention prepare_mla_attention(
   Tensor cache4 = torch::stable::unsqueeze(kv_cache, 2);
   r.keep_alive.push_back(cache4);
   p.kv = make_paged_kv(c, cache4, "kv_cache", cache4, "kv_cache", block_tables, seq_lens, kv_scale,
-                       "kv_scale", kv_scale, "kv_scale", r);
-  c.expect(!p.kv.scale_per_head, "kv_scale", "must have 1 element (per-tensor scale)");
+                       "kv_scale", kv_scale, "kv_scale", r, /*per_head_scales=*/false);
   p.kv.head_dim_v = static_cast<int>(kv_lora_rank);
   c.dim(q, "q", 3);
   c.size(q, "q", 2, row, "row width of kv_cache = kv_lora_rank + rope_dim");
@@ -487,8 +485,7 @@ PreparedDecompress prepare_mla_decompress(
   Tensor cache4 = torch::stable::unsqueeze(kv_cache, 2);
   r.keep_alive.push_back(cache4);
   p.kv = make_paged_kv(c, cache4, "kv_cache", cache4, "kv_cache", block_tables, seq_lens, scale,
-                       "scale", scale, "scale", r);
-  c.expect(!p.kv.scale_per_head, "scale", "must have 1 element (per-tensor scale)");
+                       "scale", scale, "scale", r, /*per_head_scales=*/false);
   c.dim(w_kv_b_in, "w_kv_b", 2);
   c.dtype(w_kv_b_in, "w_kv_b", kFloatTypes);
   c.same_device(w_kv_b_in, "w_kv_b", kv_cache, "kv_cache");

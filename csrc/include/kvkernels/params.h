@@ -26,7 +26,8 @@ struct paged_kv_t {
   CacheFormat format = CacheFormat::kFloat32;
   const float* k_scale = nullptr;  // fp8 only: [1] or [num_kv_heads]; nullptr otherwise
   const float* v_scale = nullptr;
-  bool scale_per_head = false;
+  bool k_scale_per_head = false;
+  bool v_scale_per_head = false;
 
   const int32_t* block_tables = nullptr;  // [num_seqs, max_blocks_per_seq]
   const int32_t* seq_lens = nullptr;      // [num_seqs]
@@ -43,10 +44,10 @@ struct paged_kv_t {
     return block * v_stride_block + slot * v_stride_slot + head * v_stride_head;
   }
   KVK_HOST_DEVICE float k_scale_of(int head) const {
-    return k_scale ? k_scale[scale_per_head ? head : 0] : 1.0f;
+    return k_scale ? k_scale[k_scale_per_head ? head : 0] : 1.0f;
   }
   KVK_HOST_DEVICE float v_scale_of(int head) const {
-    return v_scale ? v_scale[scale_per_head ? head : 0] : 1.0f;
+    return v_scale ? v_scale[v_scale_per_head ? head : 0] : 1.0f;
   }
 };
 
