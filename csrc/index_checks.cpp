@@ -71,4 +71,18 @@ std::vector<int64_t> token_starts(const paged_kv_t& kv) {
   return starts;
 }
 
+std::vector<int64_t> checked_token_starts(const ArgCheck& c, const paged_kv_t& kv,
+                                          int64_t num_tokens) {
+  check_paged_kv_indices(c, kv);
+  std::vector<int64_t> starts = token_starts(kv);
+  c.expect(starts.back() == num_tokens, "num_tokens", "is ", num_tokens, " but sum(seq_lens) is ",
+           starts.back());
+  return starts;
+}
+
+int64_t checked_token_count(const ArgCheck& c, const paged_kv_t& kv) {
+  check_paged_kv_indices(c, kv);
+  return token_starts(kv).back();
+}
+
 }  // namespace kvkernels

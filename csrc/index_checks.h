@@ -26,4 +26,12 @@ void check_block_mapping(const ArgCheck& c, const int64_t* mapping, int64_t num_
 // Cumulative seq_lens: [0, l0, l0 + l1, ...] (num_seqs + 1 entries).
 std::vector<int64_t> token_starts(const paged_kv_t& kv);
 
+// For ops whose output holds every token of every sequence (gather_kv, mla_decompress): checks the
+// paged indices and that num_tokens == sum(seq_lens), and returns the cumulative seq_lens.
+std::vector<int64_t> checked_token_starts(const ArgCheck& c, const paged_kv_t& kv,
+                                          int64_t num_tokens);
+
+// sum(seq_lens) after checking the paged indices (a TokenCounter for host-readable indices).
+int64_t checked_token_count(const ArgCheck& c, const paged_kv_t& kv);
+
 }  // namespace kvkernels

@@ -49,17 +49,11 @@ std::tuple<Tensor, Tensor> gather_kv_cpu(const Tensor& key_cache, const Tensor& 
                                          std::optional<int64_t> num_tokens,
                                          std::optional<ScalarType> out_dtype) {
   const ArgCheck c("gather_kv");
-  auto count = [&](const paged_kv_t& kv) {
-    check_paged_kv_indices(c, kv);
-    return token_starts(kv).back();
-  };
+  auto count = [&](const paged_kv_t& kv) { return checked_token_count(c, kv); };
   PreparedGather r = prepare_gather_kv(c, key_cache, value_cache, block_tables, seq_lens, k_scale,
                                        v_scale, num_tokens, out_dtype, count);
   GatherParams& p = r.params;
-  check_paged_kv_indices(c, p.kv);
-  const std::vector<int64_t> starts = token_starts(p.kv);
-  c.expect(starts.back() == p.num_tokens, "num_tokens", "is ", p.num_tokens,
-           " but sum(seq_lens) is ", starts.back());
+  const std::vector<int64_t> starts = checked_token_starts(c, p.kv, p.num_tokens);
   p.token_start = starts.data();
   dispatch_cache(p.kv.format, [&](auto ct) {
     dispatch_float(p.out_format, [&](auto ot) {

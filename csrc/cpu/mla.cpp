@@ -88,18 +88,12 @@ std::tuple<Tensor, Tensor> mla_decompress_cpu(
     std::optional<Tensor> norm_weight, double norm_eps, std::optional<Tensor> scale,
     std::optional<int64_t> num_tokens) {
   const ArgCheck c("mla_decompress");
-  auto count = [&](const paged_kv_t& kv) {
-    check_paged_kv_indices(c, kv);
-    return token_starts(kv).back();
-  };
+  auto count = [&](const paged_kv_t& kv) { return checked_token_count(c, kv); };
   PreparedDecompress r = prepare_mla_decompress(c, kv_cache, block_tables, seq_lens, w_kv_b,
                                                 kv_lora_rank, qk_nope_head_dim, v_head_dim,
                                                 norm_weight, norm_eps, scale, num_tokens, count);
   MlaDecompressParams& p = r.params;
-  check_paged_kv_indices(c, p.kv);
-  const std::vector<int64_t> starts = token_starts(p.kv);
-  c.expect(starts.back() == p.num_tokens, "num_tokens", "is ", p.num_tokens,
-           " but sum(seq_lens) is ", starts.back());
+  const std::vector<int64_t> starts = checked_token_starts(c, p.kv, p.num_tokens);
   p.token_start = starts.data();
   dispatch_float_and_cache(p.w_format, p.kv.format, [&](auto wt, auto ct) {
     decompress<typename decltype(wt)::type, typename decltype(ct)::type>(p);
