@@ -18,10 +18,6 @@ bool is_float(ScalarType t) {
   return t == ScalarType::Float || t == ScalarType::Half || t == ScalarType::BFloat16;
 }
 
-void ArgCheck::defined(const Tensor& t, const char* arg) const {
-  expect(t.defined(), arg, "expected a tensor, got an undefined one");
-}
-
 void ArgCheck::dtype(const Tensor& t, const char* arg,
                      std::initializer_list<ScalarType> allowed) const {
   for (ScalarType s : allowed)

@@ -35,7 +35,6 @@ class ArgCheck {
     if (!ok) fail(arg, what...);
   }
 
-  void defined(const Tensor& t, const char* arg) const;
   void dtype(const Tensor& t, const char* arg, std::initializer_list<ScalarType> allowed) const;
   void dim(const Tensor& t, const char* arg, int64_t ndim) const;
   // t.size(d) == expected; `what` says where the expected size comes from.

@@ -267,7 +267,7 @@ namespace {
 
 // One source [T, H, W] written into columns [col, col + W) of a cache [N, B, H, >= col + W].
 CacheWriteParams make_write(const ArgCheck& c, PreparedCacheWrite& r, const Tensor& src_in,
-                            const char* src_arg, const Tensor& cache, const char* cache_arg,
+                            const Tensor& cache, const char* cache_arg,
                             int64_t col, const Tensor& slots, const std::optional<Tensor>& scale,
                             const char* scale_arg, bool per_head_scale_allowed) {
   Tensor src = with_unit_last_stride(src_in, r);
@@ -294,7 +294,6 @@ CacheWriteParams make_write(const ArgCheck& c, PreparedCacheWrite& r, const Tens
     r.keep_alive.push_back(s);
     w.scale = static_cast<const float*>(s.const_data_ptr());
   }
-  (void)src_arg;
   return w;
 }
 
@@ -332,9 +331,9 @@ PreparedCacheWrite prepare_reshape_and_cache(const ArgCheck& c, const Tensor& ke
   c.size(value_cache, "value_cache", 1, key_cache.size(1), "block_size of key_cache");
   Tensor slots = index_tensor(c, slot_mapping, "slot_mapping", ScalarType::Long, 1, key, "key", r);
   c.size(slots, "slot_mapping", 0, key.size(0), "num_tokens of key");
-  r.writes.push_back(make_write(c, r, key, "key", key_cache, "key_cache", 0, slots, k_scale,
+  r.writes.push_back(make_write(c, r, key, key_cache, "key_cache", 0, slots, k_scale,
                                 "k_scale", true));
-  r.writes.push_back(make_write(c, r, value, "value", value_cache, "value_cache", 0, slots,
+  r.writes.push_back(make_write(c, r, value, value_cache, "value_cache", 0, slots,
                                 v_scale, "v_scale", true));
   return r;
 }
@@ -369,10 +368,10 @@ PreparedCacheWrite prepare_concat_and_cache_mla(const ArgCheck& c, const Tensor&
   Tensor k_pe3 = torch::stable::unsqueeze(k_pe, 1);
   r.keep_alive.insert(r.keep_alive.end(), {cache4, kv_c3, k_pe3});
   r.writes.push_back(
-      make_write(c, r, kv_c3, "kv_c", cache4, "kv_cache", 0, slots, scale, "scale", false));
+      make_write(c, r, kv_c3, cache4, "kv_cache", 0, slots, scale, "scale", false));
   if (rope > 0)
     r.writes.push_back(
-        make_write(c, r, k_pe3, "k_pe", cache4, "kv_cache", rank, slots, scale, "scale", false));
+        make_write(c, r, k_pe3, cache4, "kv_cache", rank, slots, scale, "scale", false));
   return r;
 }
 
