@@ -49,6 +49,21 @@ void ArgCheck::same_device(const Tensor& t, const char* arg, const Tensor& ref,
   expect(a.type() == b.type() && a.index() == b.index(), arg, "must be on the device of ", ref_arg);
 }
 
+void ArgCheck::like(const Tensor& t, const char* arg, const Tensor& ref,
+                    const char* ref_arg) const {
+  same_device(t, arg, ref, ref_arg);
+  expect(t.scalar_type() == ref.scalar_type(), arg, "dtype ",
+         torch::headeronly::toString(t.scalar_type()), " must equal ", ref_arg, "'s dtype ",
+         torch::headeronly::toString(ref.scalar_type()));
+}
+
+void ArgCheck::cache_dtype(const Tensor& cache, const char* arg, const Tensor& ref,
+                           const char* ref_arg) const {
+  expect(is_fp8(cache.scalar_type()) || cache.scalar_type() == ref.scalar_type(), arg, "dtype ",
+         torch::headeronly::toString(cache.scalar_type()), " must equal ", ref_arg, "'s dtype ",
+         torch::headeronly::toString(ref.scalar_type()), " (or be an fp8 type)");
+}
+
 void ArgCheck::last_dim_contiguous(const Tensor& t, const char* arg) const {
   expect(t.dim() == 0 || t.size(t.dim() - 1) <= 1 || t.stride(t.dim() - 1) == 1, arg,
          "the last dimension must have stride 1 (got ", t.stride(t.dim() - 1), ")");

@@ -40,6 +40,11 @@ class ArgCheck {
   // t.size(d) == expected; `what` says where the expected size comes from.
   void size(const Tensor& t, const char* arg, int64_t d, int64_t expected, const char* what) const;
   void same_device(const Tensor& t, const char* arg, const Tensor& ref, const char* ref_arg) const;
+  // t has ref's dtype and device (a companion input: value of key, out_b of out_a, ...).
+  void like(const Tensor& t, const char* arg, const Tensor& ref, const char* ref_arg) const;
+  // A cache stores ref's dtype, or is fp8 (quantized, read through scales).
+  void cache_dtype(const Tensor& cache, const char* arg, const Tensor& ref,
+                   const char* ref_arg) const;
   void last_dim_contiguous(const Tensor& t, const char* arg) const;
   // A float32 scale tensor of 1 element or `per_head` elements (0: only 1 allowed); returns
   // whether it is per head.

@@ -57,10 +57,7 @@ paged_kv_t make_paged_kv(const ArgCheck& c, const Tensor& key_cache, const char*
   c.last_dim_contiguous(key_cache, k_arg);
   check_block_size(c, key_cache, k_arg);
   c.dim(value_cache, v_arg, 4);
-  c.same_device(value_cache, v_arg, key_cache, k_arg);
-  c.expect(value_cache.scalar_type() == key_cache.scalar_type(), v_arg, "dtype ",
-           torch::headeronly::toString(value_cache.scalar_type()), " differs from ", k_arg, "'s ",
-           torch::headeronly::toString(key_cache.scalar_type()));
+  c.like(value_cache, v_arg, key_cache, k_arg);
   for (int64_t d = 0; d < 4; ++d) c.size(value_cache, v_arg, d, key_cache.size(d), k_arg);
   c.last_dim_contiguous(value_cache, v_arg);
 
@@ -108,10 +105,7 @@ void fill_query(const ArgCheck& c, PreparedAttention& r, const Tensor& query_in,
   c.dim(query_in, q_arg, 3);
   c.dtype(query_in, q_arg, kFloatTypes);
   c.same_device(cache, cache_arg, query_in, q_arg);
-  c.expect(is_fp8(cache.scalar_type()) || cache.scalar_type() == query_in.scalar_type(), cache_arg,
-           "dtype ", torch::headeronly::toString(cache.scalar_type()), " must equal ", q_arg,
-           "'s dtype ", torch::headeronly::toString(query_in.scalar_type()),
-           " (or be an fp8 type)");
+  c.cache_dtype(cache, cache_arg, query_in, q_arg);
   Tensor query = with_unit_last_stride(query_in, r);
   AttentionParams& p = r.params;
   p.q = query.const_data_ptr();
@@ -228,8 +222,7 @@ PreparedMerge prepare_merge(const ArgCheck& c, const Tensor& out_a_in, const Ten
   c.dim(out_a_in, "out_a", 3);
   c.dtype(out_a_in, "out_a", kFloatTypes);
   c.dim(out_b_in, "out_b", 3);
-  c.same_device(out_b_in, "out_b", out_a_in, "out_a");
-  c.expect(out_b_in.scalar_type() == out_a_in.scalar_type(), "out_b", "dtype must equal out_a's");
+  c.like(out_b_in, "out_b", out_a_in, "out_a");
   for (int64_t d = 0; d < 3; ++d) c.size(out_b_in, "out_b", d, out_a_in.size(d), "out_a's shape");
   for (auto [t, arg] : {std::pair{&lse_a, "lse_a"}, std::pair{&lse_b, "lse_b"}}) {
     c.dim(*t, arg, 2);
@@ -308,8 +301,7 @@ PreparedCacheWrite prepare_reshape_and_cache(const ArgCheck& c, const Tensor& ke
   c.dim(key, "key", 3);
   c.dtype(key, "key", kFloatTypes);
   c.dim(value, "value", 3);
-  c.same_device(value, "value", key, "key");
-  c.expect(value.scalar_type() == key.scalar_type(), "value", "dtype must equal key's");
+  c.like(value, "value", key, "key");
   for (int64_t d = 0; d < 3; ++d) c.size(value, "value", d, key.size(d), "key's shape");
   for (auto [cache, arg] :
        {std::pair{&key_cache, "key_cache"}, std::pair{&value_cache, "value_cache"}}) {
@@ -320,13 +312,9 @@ PreparedCacheWrite prepare_reshape_and_cache(const ArgCheck& c, const Tensor& ke
     check_block_size(c, *cache, arg);
     c.size(*cache, arg, 2, key.size(1), "num_kv_heads of key");
     c.size(*cache, arg, 3, key.size(2), "head_dim of key");
-    c.expect(is_fp8(cache->scalar_type()) || cache->scalar_type() == key.scalar_type(), arg,
-             "dtype ", torch::headeronly::toString(cache->scalar_type()),
-             " must equal key's dtype ", torch::headeronly::toString(key.scalar_type()),
-             " (or be an fp8 type)");
+    c.cache_dtype(*cache, arg, key, "key");
   }
-  c.expect(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache",
-           "dtype must equal key_cache's");
+  c.like(value_cache, "value_cache", key_cache, "key_cache");
   c.size(value_cache, "value_cache", 0, key_cache.size(0), "num_blocks of key_cache");
   c.size(value_cache, "value_cache", 1, key_cache.size(1), "block_size of key_cache");
   Tensor slots = index_tensor(c, slot_mapping, "slot_mapping", ScalarType::Long, 1, key, "key", r);
@@ -346,8 +334,7 @@ PreparedCacheWrite prepare_concat_and_cache_mla(const ArgCheck& c, const Tensor&
   c.dim(kv_c, "kv_c", 2);
   c.dtype(kv_c, "kv_c", kFloatTypes);
   c.dim(k_pe, "k_pe", 2);
-  c.same_device(k_pe, "k_pe", kv_c, "kv_c");
-  c.expect(k_pe.scalar_type() == kv_c.scalar_type(), "k_pe", "dtype must equal kv_c's");
+  c.like(k_pe, "k_pe", kv_c, "kv_c");
   c.size(k_pe, "k_pe", 0, kv_c.size(0), "num_tokens of kv_c");
   c.dim(kv_cache, "kv_cache", 3);
   c.dtype(kv_cache, "kv_cache", kCacheTypes);
@@ -357,8 +344,7 @@ PreparedCacheWrite prepare_concat_and_cache_mla(const ArgCheck& c, const Tensor&
   const int64_t rank = kv_c.size(1), rope = k_pe.size(1);
   c.size(kv_cache, "kv_cache", 2, rank + rope, "kv_lora_rank + rope_dim of kv_c and k_pe");
   c.expect(kv_cache.size(2) <= kMaxMlaRow, "kv_cache", "row width must be at most ", kMaxMlaRow);
-  c.expect(is_fp8(kv_cache.scalar_type()) || kv_cache.scalar_type() == kv_c.scalar_type(),
-           "kv_cache", "dtype must equal kv_c's dtype (or be an fp8 type)");
+  c.cache_dtype(kv_cache, "kv_cache", kv_c, "kv_c");
   Tensor slots = index_tensor(c, slot_mapping, "slot_mapping", ScalarType::Long, 1, kv_c, "kv_c",
                               r);
   c.size(slots, "slot_mapping", 0, kv_c.size(0), "num_tokens of kv_c");
@@ -389,7 +375,7 @@ PreparedBlockCopy prepare_block_copy(const ArgCheck& c, const Tensor& src, const
   c.expect(ndim - 1 <= 7, src_arg, "at most 8 dimensions are supported");
   if (!same_tensor) {
     c.dim(dst, dst_arg, ndim);
-    c.expect(dst.scalar_type() == src.scalar_type(), dst_arg, "dtype must equal src's");
+    c.expect(dst.scalar_type() == src.scalar_type(), dst_arg, "dtype must equal src's");  // devices may differ
     for (int64_t d = 0; d < ndim; ++d)
       if (d != bd) c.size(dst, dst_arg, d, src.size(d), "src's shape outside block_dim");
   }
@@ -493,16 +479,13 @@ PreparedDecompress prepare_mla_decompress(
   c.expect(w_kv_b_in.size(0) > 0 && w_kv_b_in.size(0) % per_head == 0, "w_kv_b",
            "dimension 0 (", w_kv_b_in.size(0), ") must be num_heads * (qk_nope_head_dim + ",
            "v_head_dim) = num_heads * ", per_head);
-  c.expect(is_fp8(kv_cache.scalar_type()) || kv_cache.scalar_type() == w_kv_b_in.scalar_type(),
-           "kv_cache", "dtype must equal w_kv_b's dtype (or be an fp8 type)");
+  c.cache_dtype(kv_cache, "kv_cache", w_kv_b_in, "w_kv_b");
   Tensor w = w_kv_b_in.is_contiguous() ? w_kv_b_in : torch::stable::contiguous(w_kv_b_in);
   r.keep_alive.push_back(w);
   if (norm_weight.has_value()) {
     c.dim(*norm_weight, "norm_weight", 1);
     c.size(*norm_weight, "norm_weight", 0, kv_lora_rank, "kv_lora_rank");
-    c.same_device(*norm_weight, "norm_weight", kv_cache, "kv_cache");
-    c.expect(norm_weight->scalar_type() == w.scalar_type(), "norm_weight",
-             "dtype must equal w_kv_b's");
+    c.like(*norm_weight, "norm_weight", w, "w_kv_b");
     Tensor nw = torch::stable::contiguous(*norm_weight);
     r.keep_alive.push_back(nw);
     p.norm_weight = nw.const_data_ptr();
