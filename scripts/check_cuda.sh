@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Compile every CUDA source (csrc/cuda/*.cu) with nvcc for sm_80 and sm_90a, without torch (the
 # kernels are torch-free templates, DESIGN.md §5), and fail on compile errors or on any register
-# spill / local-memory use reported by ptxas.
+# spill / local-memory use reported by ptxas. Arguments: files to check instead of csrc/cuda/*.cu.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 shopt -s nullglob
-sources=(csrc/cuda/*.cu)
+if [ $# -gt 0 ]; then sources=("$@"); else sources=(csrc/cuda/*.cu); fi
 if [ ${#sources[@]} -eq 0 ]; then
   echo "check_cuda: no CUDA sources in csrc/cuda yet; nothing to compile"
   exit 0

@@ -1,0 +1,1 @@
+__global__ void broken(float* x) { x[0] = undefined_name; }
