@@ -7,9 +7,31 @@
 #include <Python.h>
 #include <torch/csrc/stable/library.h>
 
-// Importing kvkernels._C runs the static registrations below; the module itself is empty.
+#include <stdexcept>
+
+#include "cpu/isa.h"
+
+namespace {
+
+// _C.cpu_isa() -> "avx512" | "avx2" | "portable": the path the CPU kernels take right now.
+PyObject* cpu_isa(PyObject*, PyObject*) {
+  try {
+    return PyUnicode_FromString(kvkernels::cpu::isa_name(kvkernels::cpu::active_isa()));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyMethodDef methods[] = {
+    {"cpu_isa", cpu_isa, METH_NOARGS, "SIMD path of the CPU kernels (honours KVKERNELS_CPU_ISA)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
+// Importing kvkernels._C runs the static registrations below; the module only reports the CPU ISA.
 PyMODINIT_FUNC PyInit__C(void) {
-  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module);
 }
 

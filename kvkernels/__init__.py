@@ -9,5 +9,16 @@ import torch  # noqa: F401  (loads libtorch before the extension that links to i
 from kvkernels import _C  # noqa: F401  (registers torch.ops.kvkernels.*)
 from kvkernels import ops, reference  # noqa: F401
 
-__all__ = ["ops", "reference"]
+
+
+def cpu_isa() -> str:
+    """SIMD path the CPU kernels use now: "avx512", "avx2" or "portable".
+
+    The best one the CPU supports, unless the environment variable KVKERNELS_CPU_ISA names one
+    (it is read on every op call, so it can be changed at run time).
+    """
+    return _C.cpu_isa()
+
+
+__all__ = ["ops", "reference", "cpu_isa"]
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
 // Paged attention on the CPU: decode, varlen (chunked prefill) and the absorbed MLA decode, which
 // is the same computation over a single latent "kv head" whose value is a prefix of the key row.
-// Also merge_attention_states. Correctness first: SIMD and the split-K schedule come later
-// (DESIGN.md §5); this file fixes the math every faster path is tested against.
+// Also merge_attention_states. This file plans the parallel work (attention_plan.h) and runs it
+// through the kernel of the active ISA (isa.h, attention_<isa>.cpp).
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 
@@ -11,125 +11,98 @@
 
 #include "../index_checks.h"
 #include "../prepare.h"
+#include "attention_plan.h"
 #include "convert.h"
+#include "isa.h"
 #include "kvkernels/softmax.h"
 
 namespace kvkernels::cpu {
 namespace {
 
-// Queries of one sequence handled together, so a key row is loaded once for all of them.
-constexpr int64_t kQueryTile = 16;
-
-// One unit of parallel work: query rows [q0, q1) of sequence `seq` against kv head `kv_head`.
-struct WorkItem {
-  int64_t seq, q0, q1;
-  int kv_head;
-};
-
-std::vector<WorkItem> make_work(const AttentionParams& p) {
-  std::vector<WorkItem> work;
-  for (int64_t s = 0; s < p.kv.num_seqs; ++s) {
-    const int64_t n = p.q_len(s);
-    for (int64_t q0 = 0; q0 < n; q0 += kQueryTile)
-      for (int g = 0; g < p.kv.num_kv_heads; ++g)
-        work.push_back({s, q0, std::min(n, q0 + kQueryTile), g});
-  }
-  return work;
+const AttentionKernels& kernels_for(Isa isa) {
+#if defined(__x86_64__)
+  if (isa == Isa::kAvx512) return kAttentionAvx512;
+  if (isa == Isa::kAvx2) return kAttentionAvx2;
+#endif
+  return kAttentionPortable;
 }
 
-// Logit transform in the contract's order: scale, soft cap, ALiBi (the mask is applied by the
-// caller, which only visits visible keys).
-inline float logit(const AttentionParams& p, float dot, int head, int64_t key_pos, int64_t pos) {
-  float s = dot * p.scale;
-  if (p.soft_cap > 0.0f) s = p.soft_cap * std::tanh(s / p.soft_cap);
-  if (p.alibi_slopes) s += p.alibi_slopes[head] * static_cast<float>(key_pos - pos);
-  return s;
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Query tiles hold up to 64 rows (queries x group heads) so a chunk of keys is reused by many
+// queries in prefill without the per-thread scratch outgrowing the L2 cache.
+AttentionPlan make_plan(const AttentionParams& p, int64_t max_q_len) {
+  AttentionPlan plan;
+  plan.group = p.num_heads / p.kv.num_kv_heads;
+  plan.q_tile = int(std::clamp<int64_t>(std::min<int64_t>(64 / plan.group, max_q_len), 1, 16));
+  plan.max_rows = int(round_up(int64_t(plan.q_tile) * plan.group, 4));
+  plan.heads = std::clamp(64 / plan.max_rows, 1, std::min(p.kv.num_kv_heads, 16));
+  // In HND-like layouts a head's rows of a block are already one contiguous run: no grouping.
+  if (p.kv.k_stride_head > p.kv.k_stride_slot) plan.heads = 1;
+  plan.dk = int(round_up(p.kv.head_dim, 16));
+  plan.dv = int(round_up(p.kv.head_dim_v, 16));
+  return plan;
 }
 
-template <typename Q, typename C>
-void attend(const AttentionParams& p, const WorkItem& w, std::vector<float>& buf) {
-  const paged_kv_t& kv = p.kv;
-  const int group = p.num_heads / kv.num_kv_heads;
-  const int D = kv.head_dim, Dv = kv.head_dim_v;
-  const int64_t seq_len = kv.seq_lens[w.seq];
-  const int64_t first_pos = seq_len - p.q_len(w.seq);  // position of the sequence's query 0
-  const int64_t rows = (w.q1 - w.q0) * group;
-
-  buf.assign(static_cast<size_t>(rows * (D + Dv) + D + Dv), 0.0f);
-  float* q = buf.data();          // [rows, D]
-  float* acc = q + rows * D;      // [rows, Dv]
-  float* k = acc + rows * Dv;     // [D]
-  float* v = k + D;               // [Dv]
-  std::vector<softmax_state_t> state(static_cast<size_t>(rows));
-
-  const Q* q_base = static_cast<const Q*>(p.q);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t token = p.q_begin(w.seq) + w.q0 + r / group;
-    const int head = w.kv_head * group + static_cast<int>(r % group);
-    load_row(q_base + token * p.q_stride_token + head * p.q_stride_head, D, 1.0f, q + r * D);
-  }
-
-  // Keys visible to at least one row of the tile.
-  const int64_t hi = first_pos + w.q1 - 1;
-  const int64_t lo = p.window_left >= 0
-                         ? std::max<int64_t>(0, first_pos + w.q0 - p.window_left)
-                         : 0;
-  const C* k_base = static_cast<const C*>(kv.k);
-  const C* v_base = static_cast<const C*>(kv.v);
-  const float k_scale = kv.k_scale_of(w.kv_head), v_scale = kv.v_scale_of(w.kv_head);
-  for (int64_t j = lo; j <= hi; ++j) {
-    const int64_t block = kv.block_id(w.seq, j / kv.block_size), slot = j % kv.block_size;
-    load_row(k_base + kv.k_offset(block, slot, w.kv_head), D, k_scale, k);
-    load_row(v_base + kv.v_offset(block, slot, w.kv_head), Dv, v_scale, v);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t pos = first_pos + w.q0 + r / group;
-      if (j > pos || (p.window_left >= 0 && j < pos - p.window_left)) continue;
-      float dot = 0.0f;
-      const float* qr = q + r * D;
-      for (int i = 0; i < D; ++i) dot += qr[i] * k[i];
-      const int head = w.kv_head * group + static_cast<int>(r % group);
-      float weight;
-      const float rescale = state[r].add(logit(p, dot, head, j, pos), &weight);
-      float* a = acc + r * Dv;
-      for (int i = 0; i < Dv; ++i) a[i] = a[i] * rescale + weight * v[i];
-    }
-  }
-
-  Q* out = static_cast<Q*>(p.out);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t token = p.q_begin(w.seq) + w.q0 + r / group;
-    const int head = w.kv_head * group + static_cast<int>(r % group);
-    // The sink is one more logit in the denominator that carries no value: rescale the running
-    // state to the common max of (m, sink).
-    const softmax_state_t& st = state[r];
-    float denom = st.d, lse = st.lse(), fix = 1.0f;
-    if (p.sinks && p.sinks[head] > -INFINITY) {  // a -inf sink is no sink
-      const float sink = p.sinks[head];
-      const float mx = std::max(st.m, sink);
-      fix = st.d > 0.0f ? std::exp(st.m - mx) : 0.0f;
-      denom = st.d * fix + std::exp(sink - mx);
-      lse = mx + std::log(denom);
-    }
-    const float inv = denom > 0.0f ? fix / denom : 0.0f;
-    Q* o = out + (token * p.num_heads + head) * Dv;
-    for (int i = 0; i < Dv; ++i) o[i] = from_float<Q>(acc[r * Dv + i] * inv);
-    p.lse[token * p.num_heads + head] = lse;
-  }
+// Splits the keys of each (sequence, query tile, kv head) when there are fewer such items than
+// two per thread, keeping at least 8 chunks (128 keys) per split: batch 1 with one kv head and a
+// long context then still uses every core. The split count comes from shapes and lengths only.
+int choose_splits(int64_t base_items, int64_t max_seq_len) {
+  const int64_t threads = torch::stable::get_num_threads();
+  if (base_items == 0 || base_items >= 2 * threads) return 1;
+  const int64_t wanted = (2 * threads + base_items - 1) / base_items;
+  const int64_t most = std::max<int64_t>(1, max_seq_len / (8 * kChunk));
+  return int(std::min(wanted, most));
 }
 
 void run_attention(const ArgCheck& c, const AttentionParams& p) {
   check_paged_kv_indices(c, p.kv);
   check_query_start_loc(c, p);
-  const std::vector<WorkItem> work = make_work(p);
-  dispatch_float_and_cache(p.q_format, p.kv.format, [&](auto qt, auto ct) {
-    using Q = typename decltype(qt)::type;
-    using C = typename decltype(ct)::type;
-    torch::stable::parallel_for(0, static_cast<int64_t>(work.size()), 1,
-                                [&](int64_t begin, int64_t end) {
-                                  std::vector<float> buf;
-                                  for (int64_t i = begin; i < end; ++i) attend<Q, C>(p, work[i], buf);
-                                });
+  const AttentionKernels& kernels = kernels_for(active_isa());
+
+  int64_t max_q_len = 0, max_seq_len = 0;
+  for (int64_t s = 0; s < p.kv.num_seqs; ++s) {
+    max_q_len = std::max(max_q_len, p.q_len(s));
+    max_seq_len = std::max<int64_t>(max_seq_len, p.kv.seq_lens[s]);
+  }
+  AttentionPlan plan = make_plan(p, max_q_len);
+  std::vector<AttentionItem> items;
+  for (int64_t s = 0; s < p.kv.num_seqs; ++s)
+    for (int64_t q0 = 0; q0 < p.q_len(s); q0 += plan.q_tile)
+      for (int h = 0; h < p.kv.num_kv_heads; h += plan.heads)
+        items.push_back({s, q0, std::min(p.q_len(s), q0 + plan.q_tile), h,
+                         std::min(plan.heads, p.kv.num_kv_heads - h), 0});
+  plan.splits = choose_splits(static_cast<int64_t>(items.size()), max_seq_len);
+  if (plan.splits > 1) {
+    std::vector<AttentionItem> split_items;
+    for (const AttentionItem& it : items)
+      for (int k = 0; k < plan.splits; ++k) {
+        split_items.push_back(it);
+        split_items.back().split = k;
+      }
+    items.swap(split_items);
+  }
+  const int64_t n = static_cast<int64_t>(items.size());
+
+  std::vector<float> acc, m, d;
+  AttentionPartials partials;
+  if (plan.splits > 1) {
+    const size_t rows = size_t(n) * plan.heads * plan.max_rows;
+    acc.resize(rows * plan.dv);
+    m.resize(rows);
+    d.resize(rows);
+    partials = {acc.data(), m.data(), d.data()};
+  }
+  torch::stable::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(attention_scratch_floats(plan));
+    kernels.attend(p, plan, items.data(), begin, end, scratch.data(), partials);
   });
+  if (plan.splits > 1) {
+    torch::stable::parallel_for(0, n / plan.splits, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g)
+        kernels.merge_splits(p, plan, items.data(), g * plan.splits, partials);
+    });
+  }
 }
 
 std::tuple<Tensor, Tensor> paged_attention_cpu(

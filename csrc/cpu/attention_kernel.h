@@ -1,0 +1,462 @@
+// The CPU paged-attention kernel, written once against the Vec interface of vec_<isa>.h and
+// compiled once per ISA: attention_<isa>.cpp defines KVK_ISA (the namespace of its Vec), opens its
+// target region and includes this file, so every symbol here is distinct per ISA.
+//
+// One work item (attention_plan.h) walks its visible keys in chunks of kChunk positions:
+//   0. when the item has several kv heads (decode, NHD) or several groups of four rows, the chunk
+//      is first converted to float scratch, reading the cache in memory order (stage_chunk);
+//   1. logits S = Q K^T for all rows of the item: a key row is loaded (converted from bf16 /
+//      fp16 / fp8 in registers when not staged) once for four query rows, two keys at a time,
+//      and the four dot products are reduced together (Vec::sum4);
+//   2. mask (causal, window, chunk edges), soft cap, ALiBi, then the online-softmax update with a
+//      vector exp;
+//   3. O = alpha * O + P V with a block of 4 rows x kCw vectors of O held in registers while the
+//      chunk's value rows stream through.
+// The next chunk's rows are prefetched into L2 from inside the math loops (paged blocks are
+// scattered, so the hardware prefetcher cannot guess them). Scales fold into the math: the query
+// is pre-multiplied by scale * k_scale, and v_scale joins the final 1/denominator.
+//
+// Requires (included before the target region): convert.h, attention_plan.h, <cmath>.
+
+namespace kvkernels::cpu::KVK_ISA {
+
+using Mask = Vec::Mask;
+constexpr int kCw = Vec::N == 16 ? 4 : 2;  // output vectors per row kept in registers in P V
+constexpr int kMaxVecs = 576 / 8;          // widest row (MLA latent) in the narrowest Vec
+constexpr int kMaxHeadsPerItem = 16;       // plan.heads never exceeds it
+
+template <typename T>
+inline T kmin(T a, T b) { return a < b ? a : b; }
+template <typename T>
+inline T kmax(T a, T b) { return a > b ? a : b; }
+
+struct Scratch {
+  float* q;      // [max_rows, dk] queries * scale * k_scale; padding rows/columns are 0
+  float* acc;    // [max_rows, dv] unnormalized output
+  float* s;      // [max_rows, kChunk] logits, then probabilities
+  float* m;      // [max_rows] running max
+  float* d;      // [max_rows] running denominator
+  float* alpha;  // [max_rows] rescale of acc for the current chunk
+  float* kc;     // [kChunk, dk] this head's key chunk as float (when staged)
+  float* vc;     // [kChunk, dv] this head's value chunk as float
+};
+
+// Scratch of head h of an item (attention_plan.h gives the sizes).
+inline Scratch carve(const AttentionPlan& plan, float* base, int h) {
+  Scratch s;
+  const size_t rows = size_t(plan.max_rows);
+  s.q = base + h * attention_head_scratch_floats(plan);
+  s.acc = s.q + rows * plan.dk;
+  s.s = s.acc + rows * plan.dv;
+  s.m = s.s + rows * kChunk;
+  s.d = s.m + rows;
+  s.alpha = s.d + rows;
+  s.kc = s.alpha + rows;
+  s.vc = s.kc + size_t(kChunk) * plan.dk;
+  return s;
+}
+
+// Lane masks of a row of `width` floats: full vectors, then the tail.
+inline int row_masks(int width, Mask* masks) {
+  const int nv = (width + Vec::N - 1) / Vec::N;
+  for (int i = 0; i < nv; ++i) masks[i] = Vec::mask(width - i * Vec::N);
+  return nv;
+}
+
+// Rows of the next chunk, prefetched into L2 a row at a time from inside the math loops: spread
+// out like this the prefetches keep the line-fill buffers busy without ever stalling on them,
+// whereas a burst of a whole chunk's lines blocks the core until most of them have arrived.
+struct Prefetcher {
+  const char* rows[kChunk];
+  int n = 0;      // rows [0, n) exist
+  int bytes = 0;  // bytes per row
+  void at(int j) const {
+    if (j >= n) return;
+    for (int b = 0; b < bytes; b += 64) prefetch(rows[j] + b);
+  }
+};
+
+// out0[r] = q_r . k0, out1[r] = q_r . k1 for the four query rows at q (row stride dq).
+template <typename KT>
+inline void dot4x2(const float* q, int dq, const KT* k0, const KT* k1, int nv, const Mask* mk,
+                   float* out0, float* out1) {
+  Vec a0 = Vec::zero(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  for (int i = 0; i < nv; ++i) {
+    const Vec x = Vec::load(k0 + i * Vec::N, mk[i]), y = Vec::load(k1 + i * Vec::N, mk[i]);
+    const float* qi = q + i * Vec::N;
+    const Vec q0 = Vec::load(qi), q1 = Vec::load(qi + dq), q2 = Vec::load(qi + 2 * dq),
+              q3 = Vec::load(qi + 3 * dq);
+    a0 = fma(q0, x, a0), a1 = fma(q1, x, a1), a2 = fma(q2, x, a2), a3 = fma(q3, x, a3);
+    b0 = fma(q0, y, b0), b1 = fma(q1, y, b1), b2 = fma(q2, y, b2), b3 = fma(q3, y, b3);
+  }
+  Vec::sum4(a0, a1, a2, a3, out0);
+  Vec::sum4(b0, b1, b2, b3, out1);
+}
+
+template <typename KT>
+inline void dot4(const float* q, int dq, const KT* k, int nv, const Mask* mk, float* out) {
+  Vec a0 = Vec::zero(), a1 = a0, a2 = a0, a3 = a0;
+  for (int i = 0; i < nv; ++i) {
+    const Vec x = Vec::load(k + i * Vec::N, mk[i]);
+    const float* qi = q + i * Vec::N;
+    a0 = fma(Vec::load(qi), x, a0), a1 = fma(Vec::load(qi + dq), x, a1);
+    a2 = fma(Vec::load(qi + 2 * dq), x, a2), a3 = fma(Vec::load(qi + 3 * dq), x, a3);
+  }
+  Vec::sum4(a0, a1, a2, a3, out);
+}
+
+// Logits of keys [j0, j1) for rows [0, rows4): s[r * kChunk + j].
+template <typename KT>
+inline void chunk_logits(const Scratch& sc, int dk, int rows4, const KT* const* keys, int j0,
+                         int j1, int nv, const Mask* mk, const Prefetcher& pf) {
+  float t0[4], t1[4];
+  for (int r = 0; r < rows4; r += 4) {
+    const float* q = sc.q + size_t(r) * dk;
+    float* s = sc.s + r * kChunk;
+    int j = j0;
+    for (; j + 1 < j1; j += 2) {
+      if (r == 0) pf.at(j), pf.at(j + 1);
+      dot4x2(q, dk, keys[j], keys[j + 1], nv, mk, t0, t1);
+      for (int i = 0; i < 4; ++i) s[i * kChunk + j] = t0[i], s[i * kChunk + j + 1] = t1[i];
+    }
+    if (j < j1) {
+      dot4(q, dk, keys[j], nv, mk, t0);
+      for (int i = 0; i < 4; ++i) s[i * kChunk + j] = t0[i];
+    }
+  }
+}
+
+// acc[r, cols] = alpha[r] * acc[r, cols] + sum_j P[r, j] * v_j[cols] for four rows and CW vectors
+// of columns starting at vector c.
+template <int CW, typename VT>
+inline void pv4(float* acc, int dv, const float* P, const float* alpha, const VT* const* vals,
+                int j0, int j1, int c, const Mask* mk, const Prefetcher* pf) {
+  Vec a[4][CW];
+  for (int r = 0; r < 4; ++r) {
+    const Vec al = Vec::set1(alpha[r]);
+    for (int x = 0; x < CW; ++x) a[r][x] = Vec::load(acc + r * dv + (c + x) * Vec::N) * al;
+  }
+  for (int j = j0; j < j1; ++j) {
+    if (pf) pf->at(j);
+    Vec v[CW];
+    for (int x = 0; x < CW; ++x) v[x] = Vec::load(vals[j] + (c + x) * Vec::N, mk[c + x]);
+    for (int r = 0; r < 4; ++r) {
+      const Vec p = Vec::set1(P[r * kChunk + j]);
+      for (int x = 0; x < CW; ++x) a[r][x] = fma(p, v[x], a[r][x]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int x = 0; x < CW; ++x) a[r][x].store(acc + r * dv + (c + x) * Vec::N);
+}
+
+template <typename VT>
+inline void chunk_values(const Scratch& sc, int dv, int rows4, const VT* const* vals, int j0,
+                         int j1, int nvv, const Mask* mk, const Prefetcher& pf) {
+  for (int r = 0; r < rows4; r += 4) {
+    float* acc = sc.acc + size_t(r) * dv;
+    const float* P = sc.s + r * kChunk;
+    const float* alpha = sc.alpha + r;
+    int c = 0;
+    for (; c + kCw <= nvv; c += kCw)
+      pv4<kCw>(acc, dv, P, alpha, vals, j0, j1, c, mk, r == 0 && c == 0 ? &pf : nullptr);
+    for (; c < nvv; ++c) pv4<1>(acc, dv, P, alpha, vals, j0, j1, c, mk, nullptr);
+  }
+}
+
+// Output row and lse from the unnormalized state; the sink is one more logit in the denominator
+// that carries no value (a -inf sink is no sink).
+template <typename Q>
+inline void finalize_row(const AttentionParams& p, int64_t token, int head, const float* acc,
+                         float m, float d, float v_scale) {
+  float denom = d, lse = d > 0.0f ? m + std::log(d) : -INFINITY, fix = 1.0f;
+  if (p.sinks && p.sinks[head] > -INFINITY) {
+    const float sink = p.sinks[head];
+    const float mx = kmax(m, sink);
+    fix = d > 0.0f ? std::exp(m - mx) : 0.0f;
+    denom = d * fix + std::exp(sink - mx);
+    lse = mx + std::log(denom);
+  }
+  const float inv = denom > 0.0f ? fix * v_scale / denom : 0.0f;
+  Q* o = static_cast<Q*>(p.out) + (token * p.num_heads + head) * p.kv.head_dim_v;
+  for (int i = 0; i < p.kv.head_dim_v; ++i) o[i] = from_float<Q>(acc[i] * inv);
+  p.lse[token * p.num_heads + head] = lse;
+}
+
+// Row r of an item is query q0 + r / group, head kv_head * group + r % group.
+struct RowMap {
+  int64_t token0, pos0;
+  int group, head0;
+  int64_t token(int r) const { return token0 + r / group; }
+  int64_t pos(int r) const { return pos0 + r / group; }
+  int head(int r) const { return head0 + r % group; }
+};
+
+// Chunk softmax for row r whose visible keys are [a, b) of the chunk (cs = chunk start).
+inline void softmax_row(const AttentionParams& p, const Scratch& sc, int r, int head,
+                        int64_t pos, int64_t cs, int a, int b) {
+  float* s = sc.s + r * kChunk;
+  if (a >= b) {  // nothing visible: no weight, no rescale
+    for (int j = 0; j < kChunk; ++j) s[j] = 0.0f;
+    sc.alpha[r] = 1.0f;
+    return;
+  }
+  const bool cap = p.soft_cap > 0.0f;
+  if (cap || p.alibi_slopes) {
+    const Vec capv = Vec::set1(p.soft_cap), inv_cap = Vec::set1(cap ? 1.0f / p.soft_cap : 0.0f);
+    const float slope = p.alibi_slopes ? p.alibi_slopes[head] : 0.0f;
+    for (int x = 0; x < kChunk; x += Vec::N) {
+      Vec v = Vec::load(s + x);
+      if (cap) v = capv * (v * inv_cap).tanh();
+      if (p.alibi_slopes) {
+        // ALiBi bias slope * (key position - query position), key = cs + x + lane.
+        float dist[Vec::N];
+        for (int l = 0; l < Vec::N; ++l) dist[l] = static_cast<float>(cs + x + l - pos);
+        v = fma(Vec::set1(slope), Vec::load(dist), v);
+      }
+      v.store(s + x);
+    }
+  }
+  for (int j = 0; j < a; ++j) s[j] = -INFINITY;
+  for (int j = b; j < kChunk; ++j) s[j] = -INFINITY;
+  Vec mx = Vec::load(s);
+  for (int x = Vec::N; x < kChunk; x += Vec::N) mx = max(mx, Vec::load(s + x));
+  const float m_old = sc.m[r], m_new = kmax(m_old, mx.max());
+  const Vec mv = Vec::set1(m_new);
+  Vec sum = Vec::zero();
+  for (int x = 0; x < kChunk; x += Vec::N) {
+    const Vec e = (Vec::load(s + x) - mv).exp();
+    e.store(s + x);
+    sum = sum + e;
+  }
+  const float alpha = std::exp(m_old - m_new);  // m_old = -inf gives 0
+  sc.alpha[r] = alpha;
+  sc.d[r] = sc.d[r] * alpha + sum.sum();
+  sc.m[r] = m_new;
+}
+
+template <typename C>
+inline void chunk_rows(const paged_kv_t& kv, int64_t seq, int kv_head, int64_t cs, int j0, int j1,
+                       const C** keys, const C** vals) {
+  const C* kb = static_cast<const C*>(kv.k);
+  const C* vb = static_cast<const C*>(kv.v);
+  for (int j = j0; j < j1; ++j) {
+    const int64_t pos = cs + j;
+    const int64_t block = kv.block_id(seq, pos / kv.block_size), slot = pos % kv.block_size;
+    keys[j] = kb + kv.k_offset(block, slot, kv_head);
+    vals[j] = vb + kv.v_offset(block, slot, kv_head);
+  }
+}
+
+// One kv head of an item: its rows, scratch and scales.
+struct Head {
+  int kv_head;
+  RowMap map;
+  Scratch sc;
+};
+
+template <typename Q>
+inline void load_queries(const AttentionParams& p, const AttentionPlan& plan, const Head& h,
+                         int rows, int rows4) {
+  const float qmul = p.scale * p.kv.k_scale_of(h.kv_head);
+  for (int r = 0; r < rows4; ++r) {
+    float* q = h.sc.q + size_t(r) * plan.dk;
+    int i = 0;
+    if (r < rows) {
+      const Q* src = static_cast<const Q*>(p.q) + h.map.token(r) * p.q_stride_token +
+                     h.map.head(r) * p.q_stride_head;
+      for (; i < p.kv.head_dim; ++i) q[i] = to_float(src[i]) * qmul;
+    }
+    for (; i < plan.dk; ++i) q[i] = 0.0f;
+  }
+  for (size_t i = 0; i < size_t(rows4) * plan.dv; ++i) h.sc.acc[i] = 0.0f;
+  for (int r = 0; r < rows4; ++r) h.sc.m[r] = -INFINITY, h.sc.d[r] = 0.0f;
+}
+
+// Keys [j0, j1) of the chunk starting at position cs, for one kv head: logits, softmax, P V.
+// keys[j] / vals[j] point at the rows, in the cache or staged as float.
+template <typename KT, typename VT>
+inline void attend_chunk(const AttentionParams& p, const AttentionPlan& plan, const Head& h,
+                         int rows, int rows4, int64_t cs, int j0, int j1, const KT* const* keys,
+                         const VT* const* vals, const Prefetcher& pf_k, const Prefetcher& pf_v) {
+  const Scratch& sc = h.sc;
+  Mask mk[kMaxVecs], mkv[kMaxVecs];
+  const int nv = row_masks(p.kv.head_dim, mk), nvv = row_masks(p.kv.head_dim_v, mkv);
+  chunk_logits(sc, plan.dk, rows4, keys, j0, j1, nv, mk, pf_k);
+  for (int r = 0; r < rows4; ++r) {
+    if (r >= rows) {
+      softmax_row(p, sc, r, 0, 0, cs, 0, 0);  // padding row: stays empty
+      continue;
+    }
+    const int64_t pos = h.map.pos(r);
+    int64_t a = j0, b = kmin<int64_t>(j1, pos - cs + 1);
+    if (p.window_left >= 0) a = kmax<int64_t>(a, pos - p.window_left - cs);
+    softmax_row(p, sc, r, h.map.head(r), pos, cs, int(a), int(b));
+  }
+  chunk_values(sc, plan.dv, rows4, vals, j0, j1, nvv, mkv, pf_v);
+}
+
+// Converts keys [j0, j1) of the chunk at cs, for all heads of an item, into each head's float
+// scratch, visiting the cache in memory order (slot by slot, every head of a slot), so that the
+// hardware prefetcher streams the block instead of seeing one short row per page and head.
+template <typename C>
+inline void stage_chunk(const paged_kv_t& kv, const AttentionPlan& plan, int64_t seq,
+                        const Head* heads, int num_kv, int64_t cs, int j0, int j1) {
+  Mask mk[kMaxVecs], mkv[kMaxVecs];
+  const int nv = row_masks(kv.head_dim, mk), nvv = row_masks(kv.head_dim_v, mkv);
+  const C* kb = static_cast<const C*>(kv.k);
+  const C* vb = static_cast<const C*>(kv.v);
+  const bool v_is_k = kv.v == kv.k;  // MLA: the value is a prefix of the key row
+  for (int j = j0; j < j1; ++j) {
+    const int64_t pos = cs + j;
+    const int64_t block = kv.block_id(seq, pos / kv.block_size), slot = pos % kv.block_size;
+    for (int h = 0; h < num_kv; ++h) {
+      const C* k = kb + kv.k_offset(block, slot, heads[h].kv_head);
+      float* kc = heads[h].sc.kc + size_t(j) * plan.dk;
+      for (int i = 0; i < nv; ++i) Vec::load(k + i * Vec::N, mk[i]).store(kc + i * Vec::N);
+      if (v_is_k) continue;
+      const C* v = vb + kv.v_offset(block, slot, heads[h].kv_head);
+      float* vc = heads[h].sc.vc + size_t(j) * plan.dv;
+      for (int i = 0; i < nvv; ++i) Vec::load(v + i * Vec::N, mkv[i]).store(vc + i * Vec::N);
+    }
+  }
+}
+
+// Prefetchers for keys [0, n) of the chunk at cs of one kv head: a paged block is scattered in
+// memory, so the hardware prefetcher cannot find the next one by itself.
+template <typename C>
+inline void next_chunk(const paged_kv_t& kv, int64_t seq, int kv_head, int64_t cs, int n,
+                       Prefetcher* pf_k, Prefetcher* pf_v) {
+  const C *keys[kChunk], *vals[kChunk];
+  chunk_rows(kv, seq, kv_head, cs, 0, n, keys, vals);
+  pf_k->n = n, pf_k->bytes = kv.head_dim * int(sizeof(C));
+  pf_v->n = kv.v == kv.k ? 0 : n, pf_v->bytes = kv.head_dim_v * int(sizeof(C));
+  for (int j = 0; j < n; ++j) {
+    pf_k->rows[j] = reinterpret_cast<const char*>(keys[j]);
+    pf_v->rows[j] = reinterpret_cast<const char*>(vals[j]);
+  }
+}
+
+template <typename Q, typename C>
+void attend_item(const AttentionParams& p, const AttentionPlan& plan, const AttentionItem& it,
+                 float* scratch, float* part_acc, float* part_m, float* part_d) {
+  const paged_kv_t& kv = p.kv;
+  const int G = plan.group;
+  const int rows = int(it.q1 - it.q0) * G, rows4 = (rows + 3) & ~3;
+  const int64_t seq_len = kv.seq_lens[it.seq];
+  const RowMap map0{p.q_begin(it.seq) + it.q0, seq_len - p.q_len(it.seq) + it.q0, G, 0};
+  Head heads[kMaxHeadsPerItem];
+  for (int h = 0; h < it.num_kv; ++h) {
+    RowMap map = map0;
+    map.head0 = (it.kv_head + h) * G;
+    heads[h] = {it.kv_head + h, map, carve(plan, scratch, h)};
+    load_queries<Q>(p, plan, heads[h], rows, rows4);
+  }
+
+  // Keys visible to at least one row, cut into chunks; this split takes its share of them.
+  const int64_t hi = map0.pos(rows - 1);  // the last row has the largest position
+  const int64_t lo = p.window_left >= 0 ? kmax<int64_t>(0, map0.pos0 - p.window_left) : 0;
+  if (hi >= lo) {
+    const int64_t c_first = lo / kChunk, n_chunks = hi / kChunk - c_first + 1;
+    const int64_t c_begin = c_first + n_chunks * it.split / plan.splits;
+    const int64_t c_end = c_first + n_chunks * (it.split + 1) / plan.splits;
+    // Stage (convert to float scratch) when several heads share the chunk (memory order) or
+    // several row groups would otherwise convert the same rows again.
+    const bool stage = it.num_kv > 1 || (rows4 > 4 && !std::is_same_v<C, float>);
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const int64_t cs = c * kChunk;
+      const int j0 = int(kmax<int64_t>(0, lo - cs)), j1 = int(kmin<int64_t>(kChunk, hi + 1 - cs));
+      const int next = c + 1 < c_end ? int(kmin<int64_t>(kChunk, hi + 1 - cs - kChunk)) : 0;
+      if (stage) stage_chunk<C>(kv, plan, it.seq, heads, it.num_kv, cs, j0, j1);
+      for (int h = 0; h < it.num_kv; ++h) {
+        Prefetcher pf_k, pf_v;
+        if (next > 0) next_chunk<C>(kv, it.seq, heads[h].kv_head, cs + kChunk, next, &pf_k, &pf_v);
+        if (stage) {
+          const float *keys[kChunk], *vals[kChunk];
+          const Scratch& sc = heads[h].sc;
+          const bool v_is_k = kv.v == kv.k;
+          for (int j = j0; j < j1; ++j) {
+            keys[j] = sc.kc + size_t(j) * plan.dk;
+            vals[j] = v_is_k ? keys[j] : sc.vc + size_t(j) * plan.dv;
+          }
+          attend_chunk(p, plan, heads[h], rows, rows4, cs, j0, j1, keys, vals, pf_k, pf_v);
+        } else {
+          const C *keys[kChunk], *vals[kChunk];
+          chunk_rows(kv, it.seq, heads[h].kv_head, cs, j0, j1, keys, vals);
+          attend_chunk(p, plan, heads[h], rows, rows4, cs, j0, j1, keys, vals, pf_k, pf_v);
+        }
+      }
+    }
+  }
+
+  for (int h = 0; h < it.num_kv; ++h) {
+    const Scratch& sc = heads[h].sc;
+    if (part_acc == nullptr) {
+      const float v_scale = kv.v_scale_of(heads[h].kv_head);
+      for (int r = 0; r < rows; ++r)
+        finalize_row<Q>(p, heads[h].map.token(r), heads[h].map.head(r), sc.acc + size_t(r) * plan.dv,
+                        sc.m[r], sc.d[r], v_scale);
+      continue;
+    }
+    const size_t row0 = size_t(h) * plan.max_rows;
+    for (size_t i = 0; i < size_t(rows) * plan.dv; ++i) part_acc[row0 * plan.dv + i] = sc.acc[i];
+    for (int r = 0; r < rows; ++r) part_m[row0 + r] = sc.m[r], part_d[row0 + r] = sc.d[r];
+  }
+}
+
+void attend(const AttentionParams& p, const AttentionPlan& plan, const AttentionItem* items,
+            int64_t begin, int64_t end, float* scratch, const AttentionPartials& part) {
+  const size_t item_rows = size_t(plan.heads) * plan.max_rows;
+  dispatch_float_and_cache(p.q_format, p.kv.format, [&](auto qt, auto ct) {
+    using Q = typename decltype(qt)::type;
+    using C = typename decltype(ct)::type;
+    for (int64_t i = begin; i < end; ++i) {
+      if (plan.splits == 1) {
+        attend_item<Q, C>(p, plan, items[i], scratch, nullptr, nullptr, nullptr);
+      } else {
+        const size_t row0 = size_t(i) * item_rows;
+        attend_item<Q, C>(p, plan, items[i], scratch, part.acc + row0 * plan.dv, part.m + row0,
+                          part.d + row0);
+      }
+    }
+  });
+}
+
+// Exact merge of the splits of one (sequence, query tile, kv heads) item, in place into the first
+// split's partial, then the same finalization as an unsplit item.
+void merge_splits(const AttentionParams& p, const AttentionPlan& plan, const AttentionItem* items,
+                  int64_t first, const AttentionPartials& part) {
+  const AttentionItem& it = items[first];
+  const int G = plan.group, dv = plan.dv, Dv = p.kv.head_dim_v;
+  const int rows = int(it.q1 - it.q0) * G;
+  const size_t item_rows = size_t(plan.heads) * plan.max_rows;
+  dispatch_float(p.q_format, [&](auto qt) {
+    using Q = typename decltype(qt)::type;
+    for (int h = 0; h < it.num_kv; ++h) {
+      const RowMap map{p.q_begin(it.seq) + it.q0, 0, G, (it.kv_head + h) * G};
+      const float v_scale = p.kv.v_scale_of(it.kv_head + h);
+      const size_t row0 = size_t(first) * item_rows + size_t(h) * plan.max_rows;
+      for (int r = 0; r < rows; ++r) {
+        float m = -INFINITY;
+        for (int s = 0; s < plan.splits; ++s) m = kmax(m, part.m[row0 + s * item_rows + r]);
+        float* acc = part.acc + (row0 + r) * dv;
+        float d = 0.0f;
+        if (m > -INFINITY) {
+          for (int s = 0; s < plan.splits; ++s) {
+            const size_t row = row0 + s * item_rows + r;
+            const float w = std::exp(part.m[row] - m);  // empty split: m = -inf, weight 0
+            d += part.d[row] * w;
+            const float* a = part.acc + row * dv;
+            if (s == 0) {
+              for (int i = 0; i < Dv; ++i) acc[i] = a[i] * w;
+            } else if (w > 0.0f) {
+              for (int i = 0; i < Dv; ++i) acc[i] += a[i] * w;
+            }
+          }
+        }
+        finalize_row<Q>(p, map.token(r), map.head(r), acc, m, d, v_scale);
+      }
+    }
+  });
+}
+
+}  // namespace kvkernels::cpu::KVK_ISA

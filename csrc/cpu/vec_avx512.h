@@ -1,0 +1,109 @@
+// 16 x float32 in a zmm register: loads that convert every cache format in registers, and the few
+// reductions the attention kernels need. Include only inside an AVX-512 target region (see
+// attention_avx512.cpp); the types live in their own namespace so no symbol is shared with the
+// AVX2 or portable builds of the same templates.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "convert.h"
+
+namespace kvkernels::cpu::avx512 {
+
+struct Vec {
+  static constexpr int N = 16;
+  using Mask = __mmask16;  // lanes to load; the rest read as 0
+  __m512 v;
+
+  static Mask mask(int n) { return n >= N ? Mask(0xFFFF) : Mask((1u << n) - 1); }
+  static Vec zero() { return {_mm512_setzero_ps()}; }
+  static Vec set1(float x) { return {_mm512_set1_ps(x)}; }
+
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec load(const float* p, Mask m) { return {_mm512_maskz_loadu_ps(m, p)}; }
+  static Vec load(const c10::BFloat16* p, Mask m) {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+  }
+  static Vec load(const c10::Half* p, Mask m) {
+    return {_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p))};
+  }
+  // e4m3 -> fp16 is a shift: the fp16 number with the same sign/exponent/mantissa bits is the
+  // e4m3 value times 2^-8 (subnormals included), so scale by 256 after the exact fp16 -> fp32.
+  // 0x7f/0xff (the only NaN) would land on a finite fp16 and is patched.
+  static Vec load(const fp8_e4m3* p, Mask m) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+    const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+    const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+    return {_mm512_mask_mov_ps(f, nan, _mm512_set1_ps(__builtin_nanf("")))};
+  }
+  // e5m2 is the top byte of an fp16.
+  static Vec load(const fp8_e5m2* p, Mask m) {
+    const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+    return {_mm512_cvtph_ps(_mm256_slli_epi16(w, 8))};
+  }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+
+  float sum() const { return _mm512_reduce_add_ps(v); }
+  float max() const { return _mm512_reduce_max_ps(v); }
+
+  // out[i] = sum of the lanes of vector i: one shuffle tree for four dot products.
+  static void sum4(Vec a, Vec b, Vec c, Vec d, float* out) {
+    // Fold 512 -> 128-bit quarters, two vectors per register: [a0+a2, a1+a3, b0+b2, b1+b3].
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a.v, b.v, 0x44),
+                                    _mm512_shuffle_f32x4(a.v, b.v, 0xee));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c.v, d.v, 0x44),
+                                    _mm512_shuffle_f32x4(c.v, d.v, 0xee));
+    // One quarter per vector: [a, b, c, d], then sum the four lanes of each quarter.
+    __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4e));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xb1));
+    const __m512i lane0 = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(lane0, t)));
+  }
+
+  // e^x to ~2 ulp: x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial, times 2^n
+  // with scalef (which also takes care of underflow to 0). -inf gives exactly 0.
+  Vec exp() const {
+    const __m512 x = _mm512_max_ps(v, _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return {_mm512_scalef_ps(p, n)};
+  }
+  // tanh(x) = sign(x) (1 - e^-2|x|) / (1 + e^-2|x|).
+  Vec tanh() const {
+    const __m512 sign = _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(int(0x80000000u))));
+    const __m512 a = _mm512_abs_ps(v);
+    const __m512 e = Vec{_mm512_mul_ps(a, _mm512_set1_ps(-2.0f))}.exp().v;
+    const __m512 t = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), e),
+                                   _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    return {_mm512_castsi512_ps(
+        _mm512_or_si512(_mm512_castps_si512(t), _mm512_castps_si512(sign)))};
+  }
+};
+
+// Free functions, not in-class friends: GCC does not apply `#pragma GCC target` to friends.
+inline Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+
+}  // namespace kvkernels::cpu::avx512
