@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine (README):
 #   make demo   - create .venv, install torch 2.13.0 if no torch is present, build, run the demo
 #   make test   - the same set-up, then the test suite
-# Other targets: build, info, cuda-check, clean.
+# Other targets: build, info, bench, cuda-check, clean.
 
 PYTHON ?= python3
 VENV := .venv
@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: demo test build info cuda-check clean
+.PHONY: demo test build info bench cuda-check clean
 
 # The venv sees system packages, so a machine that already has torch (e.g. a GPU box with its own
 # CUDA build) uses it; otherwise the CPU build of torch is installed.
@@ -35,6 +35,11 @@ info: build
 
 test: build
 	$(PY) -m pytest -q tests
+
+# The CPU benchmark (benchmarks/README.md); matplotlib draws its plot. Results: benchmarks/results/.
+bench: build
+	$(PY) -m pip install -q matplotlib
+	$(PY) -m kvkernels bench
 
 # Compile every CUDA source for sm_80 and sm_90a; fail on errors or register spills.
 cuda-check:

@@ -1,4 +1,4 @@
-"""Command line: ``python -m kvkernels info | demo [options]``."""
+"""Command line: ``python -m kvkernels info | demo | bench [options]``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ def main(argv: list[str] | None = None) -> int:
     if command == "demo":
         from kvkernels.demo import main as demo
         return demo(argv)
-    print(f"usage: python -m kvkernels {{info,demo}} [options]  (got {command!r})", file=sys.stderr)
+    if command == "bench":
+        from kvkernels.bench import main as bench
+        return bench(argv)
+    print(f"usage: python -m kvkernels {{info,demo,bench}} [options]  (got {command!r})", file=sys.stderr)
     return 2
 
 

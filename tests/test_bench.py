@@ -1,0 +1,73 @@
+"""``python -m kvkernels bench`` end to end on tiny shapes (--quick), in-process: exit code, the JSON
+record's fields and numbers, the baseline time limit, and the PNG."""
+
+import json
+
+import pytest
+import torch  # noqa: F401  (libtorch before the kvkernels extension)
+
+from kvkernels import bench
+
+QUICK = ["--quick", "--dtypes", "bfloat16,fp8_e4m3"]
+KINDS = {"decode", "prefill", "copy_blocks", "reshape_and_cache", "gather_kv", "merge", "mla_decode"}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    code = bench.main([*QUICK, "--out", str(out)])
+    (json_path,) = out.glob("cpu-*.json")
+    return code, out, json.loads(json_path.read_text())
+
+
+def test_quick_run_writes_a_complete_record(quick_run):
+    code, _, record = quick_run
+    assert code == 0
+    machine = record["machine"]
+    for key in ("cpu_model", "cores", "threads", "llc_bytes", "kvkernels_cpu_isa"):
+        assert machine[key] not in (None, ""), key
+    for key in ("torch_version", "kvkernels_version", "python_version", "date", "command_line"):
+        assert record[key], key
+    assert record["bandwidth_gbps"]["read"] > 0 and record["bandwidth_gbps"]["copy"] > 0
+    cases = record["cases"]
+    assert {case["kind"] for case in cases} == KINDS
+    assert {case["dtype"] for case in cases if case["kind"] == "decode"} == {"bfloat16", "fp8_e4m3"}
+    for case in cases:
+        assert case["bytes"] > 0, case["name"]
+        if case["kind"] == "decode":
+            assert set(case["impls"]) == {"kvkernels", "gather+sdpa", "sdpa-contiguous"}
+        timed = {name: r for name, r in case["impls"].items() if r["skipped"] is None}
+        assert "kvkernels" in timed and len(timed) >= 2, case["name"]
+        for name, r in timed.items():
+            where = f"{case['name']} / {name}"
+            assert 0 < r["min_s"] <= r["median_s"] and r["reps"] >= 3 and r["layers"] == 1, where
+            assert r["checked"] is True and r["max_abs_diff"] <= r["tolerance"], where
+            if case["bandwidth_ref"] is not None:
+                assert r["gbps"] > 0 and r["fraction"] > 0, where
+            if case["flops"] is not None:
+                assert r["tflops"] > 0, where
+        ours = timed["kvkernels"]
+        assert set(ours["speedup_vs"]) == set(timed) - {"kvkernels"}
+        assert all(ratio > 0 for ratio in ours["speedup_vs"].values())
+
+
+def test_quick_run_writes_a_png(quick_run):
+    pytest.importorskip("matplotlib")
+    _, out, _ = quick_run
+    (png,) = out.glob("cpu-*.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_slow_baselines_are_cut_short_or_skipped_with_a_reason(tmp_path, capsys):
+    # A 0 s limit: the first case's baselines run one call only; later cases predict from it and skip.
+    code = bench.main(["--quick", "--cases", "decode", "--dtypes", "bfloat16", "--max-baseline-seconds", "0",
+                       "--out", str(tmp_path)])
+    assert code == 0
+    (json_path,) = tmp_path.glob("cpu-*.json")
+    first, *rest = json.loads(json_path.read_text())["cases"]
+    for name in ("gather+sdpa", "sdpa-contiguous"):
+        assert first["impls"][name]["reps"] == 1 and "1 call only" in first["impls"][name]["note"]
+        for case in rest:
+            assert case["impls"][name]["skipped"].startswith("predicted"), case["name"]
+    assert all(case["impls"]["kvkernels"]["checked"] for case in rest)  # kvkernels has no limit
+    assert "skipped (predicted" in capsys.readouterr().out
