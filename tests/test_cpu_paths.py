@@ -1,0 +1,138 @@
+"""The CPU attention kernel's ISA paths and work schedules, each against the float64 reference.
+
+One build carries an AVX-512, an AVX2 and a portable kernel; KVKERNELS_CPU_ISA (read on every call)
+forces one. Every path runs the same cases here. Split-K is forced by shapes (one kv head, one
+sequence, long context) and by the thread count the split decision reads.
+"""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import kvkernels
+from helpers import assert_close, generator, make_paged_mla, make_query, query_start_loc, upcast
+from test_attention import CONFIGS, FEATURE_CONFIGS, features, make_case, run_paged_attention
+from kvkernels import ops, reference
+
+ISAS = ["avx512", "avx2", "portable"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    monkeypatch.setenv("KVKERNELS_CPU_ISA", request.param)
+    try:
+        assert kvkernels.cpu_isa() == request.param
+    except RuntimeError as e:  # a CPU without the instructions: said, not silently passed
+        pytest.skip(f"this CPU cannot run the {request.param} path: {e}")
+    return request.param
+
+
+@pytest.fixture
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+def test_default_isa_is_the_best_supported(monkeypatch):
+    monkeypatch.delenv("KVKERNELS_CPU_ISA", raising=False)
+    flags = open("/proc/cpuinfo").read() if torch.backends.cpu.get_cpu_capability() else ""
+    expected = ("avx512" if re.search(r"\bavx512bw\b", flags) and re.search(r"\bavx512vl\b", flags)
+                else "avx2" if re.search(r"\bavx2\b", flags) else "portable")
+    assert kvkernels.cpu_isa() == expected
+
+
+def test_bad_isa_value_is_an_error(monkeypatch):
+    kv, query, _ = make_case("decode", [5], dtype=torch.float32, num_heads=2, num_kv_heads=1, head_dim=16,
+                             block_size=16)
+    monkeypatch.setenv("KVKERNELS_CPU_ISA", "sse9")
+    with pytest.raises(RuntimeError, match="KVKERNELS_CPU_ISA=sse9"):
+        ops.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens)
+    with pytest.raises(RuntimeError, match="KVKERNELS_CPU_ISA"):
+        kvkernels.cpu_isa()
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_every_isa(isa, config, mode):
+    dtype, fp8, per_head, layout, hq, hkv, d, b, strided = config
+    seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b]
+    kv, query, qsl = make_case(mode, seq_lens, dtype=dtype, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                               block_size=b, layout=layout, fp8=fp8, per_head=per_head, strided=strided)
+    run_paged_attention(kv, query, qsl)
+
+
+@pytest.mark.parametrize("feature", ["window=B", "softcap", "alibi", "sinks", "all"])
+def test_every_isa_features(isa, feature):
+    dtype, fp8, per_head, layout, hkv, d, b = FEATURE_CONFIGS["e4m3-f16-stacked-b16"]
+    seq_lens = [2 * b, 2 * b + 1, 3 * b - 1, 1, 0, b, 40]
+    for mode in ("decode", "varlen"):
+        kv, query, qsl = make_case(mode, seq_lens, dtype=dtype, num_heads=8, num_kv_heads=hkv, head_dim=d,
+                                   block_size=b, layout=layout, fp8=fp8, per_head=per_head, seed=3)
+        run_paged_attention(kv, query, qsl, **features(b, d)[feature])
+
+
+# Split-K: one sequence and one kv head give a single item, fewer than two per thread, so the
+# keys are split (at most len / 128 ways) and merged; 1 thread -> 2 splits, 3 threads -> 6.
+@pytest.mark.parametrize("threads", [1, 3], indirect=True)
+@pytest.mark.parametrize("opts", [{}, dict(window_left=700, sinks=torch.linspace(-1, 1, 8)),
+                                  dict(soft_cap=3.0, alibi_slopes=torch.linspace(0.01, 0.1, 8))],
+                         ids=["plain", "window-sinks", "softcap-alibi"])
+@pytest.mark.parametrize("dtype, fp8", [(torch.float32, None), (torch.bfloat16, "e4m3"), (torch.float16, None)])
+def test_split_k(isa, threads, opts, dtype, fp8):
+    kv, query, _ = make_case("decode", [1500], dtype=dtype, num_heads=8, num_kv_heads=1, head_dim=72,
+                             block_size=16, fp8=fp8, seed=8)
+    run_paged_attention(kv, query, None, **opts)
+    # Several kv heads in one item (NHD decode groups them) plus splits of a short second sequence.
+    kv, query, _ = make_case("decode", [1300, 130], dtype=dtype, num_heads=8, num_kv_heads=2, head_dim=128,
+                             block_size=5, fp8=fp8, seed=9)
+    run_paged_attention(kv, query, None, **opts)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_prefill_tiles(isa, threads):
+    """Query tiles of 16 x group rows over a long context, the last tile partial, GQA 4 and 8."""
+    for hq, hkv in ((8, 2), (8, 1)):
+        kv, _, _ = make_case("decode", [600, 37], dtype=torch.bfloat16, num_heads=hq, num_kv_heads=hkv,
+                             head_dim=64, block_size=16, seed=12)
+        q_lens = [53, 37]
+        query = make_query(sum(q_lens), hq, 64, torch.bfloat16, generator(13))
+        run_paged_attention(kv, query, query_start_loc(q_lens), window_left=300)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_mla_every_isa(isa, threads):
+    """The absorbed MLA decode: one latent head of width 576, the value its first 512 columns."""
+    mla = make_paged_mla([300, 1, 77], kv_lora_rank=512, rope_dim=64, block_size=64, dtype=torch.bfloat16,
+                         seed=14)
+    q = make_query(3, 16, 576, torch.bfloat16, generator(15))
+    kwargs = dict(kv_lora_rank=512, scale=0.04)
+    out, lse = ops.mla_paged_attention(q, mla.kv_cache, mla.block_tables, mla.seq_lens, **kwargs)
+    ref_out, ref_lse = reference.mla_paged_attention(upcast(q), mla.ref_cache(), mla.block_tables,
+                                                     mla.seq_lens, **kwargs)
+    assert_close(out, ref_out, torch.bfloat16, msg="out")
+    assert_close(lse, ref_lse, torch.float32, msg="lse")
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) is not installed")
+def test_wide_registers_only_in_isa_code():
+    """Code outside the avx2/avx512 namespaces must run on any x86-64 CPU: no ymm/zmm register in it
+    (an inline function compiled inside a target region and picked by the linker would break that)."""
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", kvkernels._C.__file__],
+                         capture_output=True, text=True, check=True).stdout
+    leaks, zmm_in_avx2, fn = set(), set(), ""
+    for line in asm.splitlines():
+        if line.endswith(">:"):
+            fn = line
+        elif "%ymm" in line or "%zmm" in line:
+            if "avx512::" not in fn and "avx2::" not in fn:
+                leaks.add(fn)
+            if "%zmm" in line and "avx2::" in fn:
+                zmm_in_avx2.add(fn)
+    assert not leaks, f"wide registers outside the ISA namespaces: {sorted(leaks)[:5]}"
+    assert not zmm_in_avx2, f"AVX-512 registers in the AVX2 path: {sorted(zmm_in_avx2)[:5]}"
+    assert any("avx512::" in line for line in asm.splitlines() if line.endswith(">:"))
