@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}  (CUDA {torch.version.cuda})  python {platform.python_version()}")
     print(f"machine: {platform.machine()}  CPU ISA (torch): {torch.backends.cpu.get_cpu_capability()}"
           f"  threads: {torch.get_num_threads()}")
-    # The CPU kernels are portable C++ so far; runtime ISA dispatch (AVX-512/AVX2) is planned.
-    print("kvkernels CPU kernels: portable C++ (no ISA-specific paths yet)")
+    print(f"kvkernels CPU kernels: {kvkernels.cpu_isa()} path"
+          "  (KVKERNELS_CPU_ISA=avx512|avx2|portable forces one)")
     for key, ops in backends().items():
         print(f"backend {key}: {len(ops)}/{len(OPS)} ops" + ("" if len(ops) == len(OPS) else f" {ops}"))
     if torch.cuda.is_available():
