@@ -16,7 +16,7 @@ SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -na
 $(VENV)/.ready:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q pytest numpy expecttest ninja
+	$(PY) -m pip install -q pytest numpy expecttest ninja matplotlib
 	touch $@
 
 # In-place build; ninja keeps it incremental. --no-build-isolation semantics: compile against the
@@ -36,9 +36,8 @@ info: build
 test: build
 	$(PY) -m pytest -q tests
 
-# The CPU benchmark (benchmarks/README.md); matplotlib draws its plot. Results: benchmarks/results/.
+# The CPU benchmark (benchmarks/README.md); matplotlib (installed with the venv) draws its plot.
 bench: build
-	$(PY) -m pip install -q matplotlib
 	$(PY) -m kvkernels bench
 
 # Compile every CUDA source for sm_80 and sm_90a; fail on errors or register spills.
