@@ -76,6 +76,14 @@ struct Prefetcher {
   }
 };
 
+// Lane masks of a key row and of a value row, built once per item (they depend on the widths).
+struct RowMasks {
+  Mask k[kMaxVecs], v[kMaxVecs];
+  int nv, nvv;  // vectors per key / value row
+  explicit RowMasks(const paged_kv_t& kv)
+      : nv(row_masks(kv.head_dim, k)), nvv(row_masks(kv.head_dim_v, v)) {}
+};
+
 // out0[r] = q_r . k0, out1[r] = q_r . k1 for the four query rows at q (row stride dq).
 template <typename KT>
 inline void dot4x2(const float* q, int dq, const KT* k0, const KT* k1, int nv, const Mask* mk,
@@ -277,11 +285,10 @@ inline void load_queries(const AttentionParams& p, const AttentionPlan& plan, co
 template <typename KT, typename VT>
 inline void attend_chunk(const AttentionParams& p, const AttentionPlan& plan, const Head& h,
                          int rows, int rows4, int64_t cs, int j0, int j1, const KT* const* keys,
-                         const VT* const* vals, const Prefetcher& pf_k, const Prefetcher& pf_v) {
+                         const VT* const* vals, const RowMasks& mk, const Prefetcher& pf_k,
+                         const Prefetcher& pf_v) {
   const Scratch& sc = h.sc;
-  Mask mk[kMaxVecs], mkv[kMaxVecs];
-  const int nv = row_masks(p.kv.head_dim, mk), nvv = row_masks(p.kv.head_dim_v, mkv);
-  chunk_logits(sc, plan.dk, rows4, keys, j0, j1, nv, mk, pf_k);
+  chunk_logits(sc, plan.dk, rows4, keys, j0, j1, mk.nv, mk.k, pf_k);
   for (int r = 0; r < rows4; ++r) {
     if (r >= rows) {
       softmax_row(p, sc, r, 0, 0, cs, 0, 0);  // padding row: stays empty
@@ -292,16 +299,15 @@ inline void attend_chunk(const AttentionParams& p, const AttentionPlan& plan, co
     if (p.window_left >= 0) a = kmax<int64_t>(a, pos - p.window_left - cs);
     softmax_row(p, sc, r, h.map.head(r), pos, cs, int(a), int(b));
   }
-  chunk_values(sc, plan.dv, rows4, vals, j0, j1, nvv, mkv, pf_v);
+  chunk_values(sc, plan.dv, rows4, vals, j0, j1, mk.nvv, mk.v, pf_v);
 }
 
 // Converts keys [j0, j1) of the chunk at cs, for all heads of an item, into each head's float
 // scratch, visiting the cache in memory order (slot by slot, every head of a slot).
 template <typename C>
 inline void stage_chunk(const paged_kv_t& kv, const AttentionPlan& plan, int64_t seq,
-                        const Head* heads, int num_kv, int64_t cs, int j0, int j1) {
-  Mask mk[kMaxVecs], mkv[kMaxVecs];
-  const int nv = row_masks(kv.head_dim, mk), nvv = row_masks(kv.head_dim_v, mkv);
+                        const Head* heads, int num_kv, int64_t cs, int j0, int j1,
+                        const RowMasks& mk) {
   const C* kb = static_cast<const C*>(kv.k);
   const C* vb = static_cast<const C*>(kv.v);
   const bool v_is_k = kv.v == kv.k;  // MLA: the value is a prefix of the key row
@@ -311,11 +317,11 @@ inline void stage_chunk(const paged_kv_t& kv, const AttentionPlan& plan, int64_t
     for (int h = 0; h < num_kv; ++h) {
       const C* k = kb + kv.k_offset(block, slot, heads[h].kv_head);
       float* kc = heads[h].sc.kc + size_t(j) * plan.dk;
-      for (int i = 0; i < nv; ++i) Vec::load(k + i * Vec::N, mk[i]).store(kc + i * Vec::N);
+      for (int i = 0; i < mk.nv; ++i) Vec::load(k + i * Vec::N, mk.k[i]).store(kc + i * Vec::N);
       if (v_is_k) continue;
       const C* v = vb + kv.v_offset(block, slot, heads[h].kv_head);
       float* vc = heads[h].sc.vc + size_t(j) * plan.dv;
-      for (int i = 0; i < nvv; ++i) Vec::load(v + i * Vec::N, mkv[i]).store(vc + i * Vec::N);
+      for (int i = 0; i < mk.nvv; ++i) Vec::load(v + i * Vec::N, mk.v[i]).store(vc + i * Vec::N);
     }
   }
 }
@@ -362,11 +368,12 @@ void attend_item(const AttentionParams& p, const AttentionPlan& plan, const Atte
     // rows again. Decode (one group per head) converts in registers: staging there costs more
     // than the memory order it buys (measured: bf16 0.35 -> 0.56 of read bandwidth without it).
     const bool stage = rows4 > 4 && !std::is_same_v<C, float>;
+    const RowMasks mk(kv);
     for (int64_t c = c_begin; c < c_end; ++c) {
       const int64_t cs = c * kChunk;
       const int j0 = int(kmax<int64_t>(0, lo - cs)), j1 = int(kmin<int64_t>(kChunk, hi + 1 - cs));
       const int next = c + 1 < c_end ? int(kmin<int64_t>(kChunk, hi + 1 - cs - kChunk)) : 0;
-      if (stage) stage_chunk<C>(kv, plan, it.seq, heads, it.num_kv, cs, j0, j1);
+      if (stage) stage_chunk<C>(kv, plan, it.seq, heads, it.num_kv, cs, j0, j1, mk);
       for (int h = 0; h < it.num_kv; ++h) {
         Prefetcher pf_k, pf_v;
         if (next > 0) next_chunk<C>(kv, it.seq, heads[h].kv_head, cs + kChunk, next, &pf_k, &pf_v);
@@ -378,11 +385,11 @@ void attend_item(const AttentionParams& p, const AttentionPlan& plan, const Atte
             keys[j] = sc.kc + size_t(j) * plan.dk;
             vals[j] = v_is_k ? keys[j] : sc.vc + size_t(j) * plan.dv;
           }
-          attend_chunk(p, plan, heads[h], rows, rows4, cs, j0, j1, keys, vals, pf_k, pf_v);
+          attend_chunk(p, plan, heads[h], rows, rows4, cs, j0, j1, keys, vals, mk, pf_k, pf_v);
         } else {
           const C *keys[kChunk], *vals[kChunk];
           chunk_rows(kv, it.seq, heads[h].kv_head, cs, j0, j1, keys, vals);
-          attend_chunk(p, plan, heads[h], rows, rows4, cs, j0, j1, keys, vals, pf_k, pf_v);
+          attend_chunk(p, plan, heads[h], rows, rows4, cs, j0, j1, keys, vals, mk, pf_k, pf_v);
         }
       }
     }
