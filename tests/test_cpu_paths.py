@@ -40,9 +40,10 @@ def threads(request):
 
 def test_default_isa_is_the_best_supported(monkeypatch):
     monkeypatch.delenv("KVKERNELS_CPU_ISA", raising=False)
-    flags = open("/proc/cpuinfo").read() if torch.backends.cpu.get_cpu_capability() else ""
-    expected = ("avx512" if re.search(r"\bavx512bw\b", flags) and re.search(r"\bavx512vl\b", flags)
-                else "avx2" if re.search(r"\bavx2\b", flags) else "portable")
+    flags = set(re.search(r"^flags\s*:(.*)$", open("/proc/cpuinfo").read(), re.M).group(1).split())
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    expected = ("avx512" if avx2 and {"avx512f", "avx512bw", "avx512vl"} <= flags
+                else "avx2" if avx2 else "portable")
     assert kvkernels.cpu_isa() == expected
 
 

@@ -5,12 +5,11 @@
 // rows are the tile's queries times the `group` query heads that share the kv head, so each
 // key/value row is read once for all of them. Decode items take several kv heads so that a chunk
 // of a paged block (all heads of 16 slots: one contiguous run in the NHD layout) is consumed at
-// once, instead of eight passes that each touch every page of the block for 1/8 of its bytes
-// (measured, NHD bf16 decode: 5.6 -> 10 GB/s). Keys are visited in chunks of kChunk consecutive
-// positions (a chunk may span paged blocks of any size). When there are too few items to keep
-// every thread busy (batch 1, long context, few kv heads), the visible keys are split into
-// `splits` ranges whose partial results (unnormalized output, running max, denominator) are
-// merged exactly afterwards.
+// once, instead of eight passes that each touch every page of the block for 1/8 of its bytes.
+// Keys are visited in chunks of kChunk consecutive positions (a chunk may span paged blocks of
+// any size). When there are too few items to keep every thread busy (batch 1, long context, few
+// kv heads), the visible keys are split into `splits` ranges whose partial results
+// (unnormalized output, running max, denominator) are merged exactly afterwards.
 #pragma once
 
 #include <cstddef>
