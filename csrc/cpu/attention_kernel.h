@@ -139,21 +139,31 @@ inline void chunk_logits(const Scratch& sc, int dk, int rows4, const KT* const* 
 template <int CW, typename VT>
 inline void pv4(float* acc, int dv, const float* P, const float* alpha, const VT* const* vals,
                 int j0, int j1, int c, const Mask* mk, const Prefetcher* pf) {
+  // The fixed-size loops are unrolled by pragma: GCC otherwise keeps `a` in memory and stores
+  // all 4 x CW accumulators to the stack after every key (seen in the disassembly), which made
+  // the store port, not the FMAs, the limit.
   Vec a[4][CW];
+#pragma GCC unroll 4
   for (int r = 0; r < 4; ++r) {
     const Vec al = Vec::set1(alpha[r]);
+#pragma GCC unroll 4
     for (int x = 0; x < CW; ++x) a[r][x] = Vec::load(acc + r * dv + (c + x) * Vec::N) * al;
   }
   for (int j = j0; j < j1; ++j) {
     if (pf) pf->at(j);
     Vec v[CW];
+#pragma GCC unroll 4
     for (int x = 0; x < CW; ++x) v[x] = Vec::load(vals[j] + (c + x) * Vec::N, mk[c + x]);
+#pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
       const Vec p = Vec::set1(P[r * kChunk + j]);
+#pragma GCC unroll 4
       for (int x = 0; x < CW; ++x) a[r][x] = fma(p, v[x], a[r][x]);
     }
   }
+#pragma GCC unroll 4
   for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 4
     for (int x = 0; x < CW; ++x) a[r][x].store(acc + r * dv + (c + x) * Vec::N);
 }
 
