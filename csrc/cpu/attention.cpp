@@ -21,6 +21,7 @@ namespace {
 
 const AttentionKernels& kernels_for(Isa isa) {
 #if defined(__x86_64__)
+  if (isa == Isa::kAvx512Vbmi) return kAttentionAvx512Vbmi;
   if (isa == Isa::kAvx512) return kAttentionAvx512;
   if (isa == Isa::kAvx2) return kAttentionAvx2;
 #endif
@@ -39,8 +40,8 @@ AttentionPlan make_plan(const AttentionParams& p, int64_t max_q_len) {
   plan.heads = std::clamp(64 / plan.max_rows, 1, std::min(p.kv.num_kv_heads, 16));
   // In HND-like layouts a head's rows of a block are already one contiguous run: no grouping.
   if (p.kv.k_stride_head > p.kv.k_stride_slot) plan.heads = 1;
-  plan.dk = int(round_up(p.kv.head_dim, 16));
-  plan.dv = int(round_up(p.kv.head_dim_v, 16));
+  plan.dk = int(round_up(p.kv.head_dim, 32));  // whole Words (32 bf16) and Vecs
+  plan.dv = int(round_up(p.kv.head_dim_v, 32));
   return plan;
 }
 

@@ -16,7 +16,14 @@
 // scattered, so the hardware prefetcher cannot guess them). Scales fold into the math: the query
 // is pre-multiplied by scale * k_scale, and v_scale joins the final 1/denominator.
 //
-// Requires (included before the target region): convert.h, attention_plan.h, <cmath>.
+// The AVX-512 builds (KVK_WORDS) read bf16 rows, and with VBMI fp8 rows (through a lookup table),
+// as Words of 32 bf16 and widen them into their even and odd elements, the cheapest widening. The
+// queries are stored in the same [even columns, odd columns] order per block of 32, and so is the
+// accumulator, until unpair_rows restores the column order at the end of the item.
+// (vdpbf16ps was tried for the logits and measured slower: one per ~2.6 cycles here, against two
+// 16-lane FMAs per cycle.)
+//
+// Requires (included before the target region): convert.h, attention_plan.h, <cmath>, <cstring>.
 
 namespace kvkernels::cpu::KVK_ISA {
 
@@ -80,8 +87,21 @@ struct Prefetcher {
 struct RowMasks {
   Mask k[kMaxVecs], v[kMaxVecs];
   int nv, nvv;  // vectors per key / value row
+#if defined(KVK_WORDS)
+  Words::Mask kw[kMaxVecs], vw[kMaxVecs];
+  int nw, nvw;  // Words per key / value row
+  explicit RowMasks(const paged_kv_t& kv)
+      : nv(row_masks(kv.head_dim, k)), nvv(row_masks(kv.head_dim_v, v)),
+        nw(word_masks(kv.head_dim, kw)), nvw(word_masks(kv.head_dim_v, vw)) {}
+  static int word_masks(int width, Words::Mask* masks) {
+    const int n = (width + Words::N - 1) / Words::N;
+    for (int i = 0; i < n; ++i) masks[i] = Words::mask(width - i * Words::N);
+    return n;
+  }
+#else
   explicit RowMasks(const paged_kv_t& kv)
       : nv(row_masks(kv.head_dim, k)), nvv(row_masks(kv.head_dim_v, v)) {}
+#endif
 };
 
 // out0[r] = q_r . k0, out1[r] = q_r . k1 for the four query rows at q (row stride dq).
@@ -181,6 +201,129 @@ inline void chunk_values(const Scratch& sc, int dv, int rows4, const VT* const* 
   }
 }
 
+#if defined(KVK_WORDS)
+// The Words forms of dot4x2 / dot4 / chunk_logits: key rows read by `ld` and split into even and
+// odd columns, against query rows stored in the same paired order (load_queries).
+template <typename C>
+inline void dot4x2_words(const float* q, int dq, const C* k0, const C* k1, int nw,
+                         const Words::Mask* mw, const WordLoader<C>& ld, float* out0, float* out1) {
+  Vec a0 = Vec::zero(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  for (int i = 0; i < nw; ++i) {
+    Vec xe, xo, ye, yo;
+    ld.load(k0 + i * Words::N, mw[i]).split(&xe, &xo);
+    ld.load(k1 + i * Words::N, mw[i]).split(&ye, &yo);
+    const float* qi = q + i * Words::N;
+    Vec qe = Vec::load(qi), qo = Vec::load(qi + Vec::N);
+    a0 = fma(qo, xo, fma(qe, xe, a0)), b0 = fma(qo, yo, fma(qe, ye, b0));
+    qe = Vec::load(qi + dq), qo = Vec::load(qi + dq + Vec::N);
+    a1 = fma(qo, xo, fma(qe, xe, a1)), b1 = fma(qo, yo, fma(qe, ye, b1));
+    qe = Vec::load(qi + 2 * dq), qo = Vec::load(qi + 2 * dq + Vec::N);
+    a2 = fma(qo, xo, fma(qe, xe, a2)), b2 = fma(qo, yo, fma(qe, ye, b2));
+    qe = Vec::load(qi + 3 * dq), qo = Vec::load(qi + 3 * dq + Vec::N);
+    a3 = fma(qo, xo, fma(qe, xe, a3)), b3 = fma(qo, yo, fma(qe, ye, b3));
+  }
+  Vec::sum4(a0, a1, a2, a3, out0);
+  Vec::sum4(b0, b1, b2, b3, out1);
+}
+
+template <typename C>
+inline void dot4_words(const float* q, int dq, const C* k, int nw, const Words::Mask* mw,
+                       const WordLoader<C>& ld, float* out) {
+  Vec a[4] = {Vec::zero(), Vec::zero(), Vec::zero(), Vec::zero()};
+  for (int i = 0; i < nw; ++i) {
+    Vec xe, xo;
+    ld.load(k + i * Words::N, mw[i]).split(&xe, &xo);
+    const float* qi = q + i * Words::N;
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r)
+      a[r] = fma(Vec::load(qi + r * dq + Vec::N), xo, fma(Vec::load(qi + r * dq), xe, a[r]));
+  }
+  Vec::sum4(a[0], a[1], a[2], a[3], out);
+}
+
+template <typename C>
+inline void chunk_logits_words(const Scratch& sc, int dk, int rows4, const C* const* keys, int j0,
+                               int j1, const RowMasks& mk, const WordLoader<C>& ld,
+                               const Prefetcher& pf) {
+  float t0[4], t1[4];
+  for (int r = 0; r < rows4; r += 4) {
+    const float* q = sc.q + size_t(r) * dk;
+    float* s = sc.s + r * kChunk;
+    int j = j0;
+    for (; j + 1 < j1; j += 2) {
+      if (r == 0) pf.at(j), pf.at(j + 1);
+      dot4x2_words(q, dk, keys[j], keys[j + 1], mk.nw, mk.kw, ld, t0, t1);
+      for (int i = 0; i < 4; ++i) s[i * kChunk + j] = t0[i], s[i * kChunk + j + 1] = t1[i];
+    }
+    if (j < j1) {
+      dot4_words(q, dk, keys[j], mk.nw, mk.kw, ld, t0);
+      for (int i = 0; i < 4; ++i) s[i * kChunk + j] = t0[i];
+    }
+  }
+}
+
+// pv4 over Words of values: CW Words (2 CW vectors) of columns starting at Words index c, kept
+// in the paired column order.
+template <int CW, typename C>
+inline void pv4_words(float* acc, int dv, const float* P, const float* alpha, const C* const* vals,
+                      int j0, int j1, int c, const Words::Mask* mw, const WordLoader<C>& ld,
+                      const Prefetcher* pf) {
+  Vec a[4][2 * CW];  // unrolled by pragma, as in pv4, so that it stays in registers
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+    const Vec al = Vec::set1(alpha[r]);
+#pragma GCC unroll 8
+    for (int x = 0; x < 2 * CW; ++x)
+      a[r][x] = Vec::load(acc + r * dv + c * Words::N + x * Vec::N) * al;
+  }
+  for (int j = j0; j < j1; ++j) {
+    if (pf) pf->at(j);
+    Vec v[2 * CW];
+#pragma GCC unroll 4
+    for (int x = 0; x < CW; ++x)
+      ld.load(vals[j] + (c + x) * Words::N, mw[c + x]).split(&v[2 * x], &v[2 * x + 1]);
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const Vec p = Vec::set1(P[r * kChunk + j]);
+#pragma GCC unroll 8
+      for (int x = 0; x < 2 * CW; ++x) a[r][x] = fma(p, v[x], a[r][x]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 8
+    for (int x = 0; x < 2 * CW; ++x) a[r][x].store(acc + r * dv + c * Words::N + x * Vec::N);
+}
+
+template <typename C>
+inline void chunk_values_words(const Scratch& sc, int dv, int rows4, const C* const* vals, int j0,
+                               int j1, const RowMasks& mk, const WordLoader<C>& ld,
+                               const Prefetcher& pf) {
+  for (int r = 0; r < rows4; r += 4) {
+    float* acc = sc.acc + size_t(r) * dv;
+    const float* P = sc.s + r * kChunk;
+    const float* alpha = sc.alpha + r;
+    int c = 0;
+    for (; c + 2 <= mk.nvw; c += 2)
+      pv4_words<2>(acc, dv, P, alpha, vals, j0, j1, c, mk.vw, ld, r == 0 && c == 0 ? &pf : nullptr);
+    for (; c < mk.nvw; ++c) pv4_words<1>(acc, dv, P, alpha, vals, j0, j1, c, mk.vw, ld, nullptr);
+  }
+}
+#endif  // KVK_WORDS
+
+// Undoes the paired column order of pv4_words in `rows` accumulator rows: each block of 32 columns
+// holds [c0, c2, ..., c30, c1, c3, ..., c31].
+inline void unpair_rows(float* acc, int rows, int dv) {
+  float t[32];
+  for (int r = 0; r < rows; ++r) {
+    for (int b = 0; b + 32 <= dv; b += 32) {
+      float* x = acc + size_t(r) * dv + b;
+      for (int i = 0; i < 16; ++i) t[2 * i] = x[i], t[2 * i + 1] = x[16 + i];
+      for (int i = 0; i < 32; ++i) x[i] = t[i];
+    }
+  }
+}
+
 // Output row and lse from the unnormalized state; the sink is one more logit in the denominator
 // that carries no value (a -inf sink is no sink).
 template <typename Q>
@@ -272,19 +415,22 @@ struct Head {
   Scratch sc;
 };
 
+// Queries of a head into scratch as float times scale * k_scale, zero past head_dim; `paired`
+// stores each block of 32 columns as [even columns, odd columns] (for keys read as Words).
 template <typename Q>
 inline void load_queries(const AttentionParams& p, const AttentionPlan& plan, const Head& h,
-                         int rows, int rows4) {
+                         int rows, int rows4, bool paired) {
   const float qmul = p.scale * p.kv.k_scale_of(h.kv_head);
   for (int r = 0; r < rows4; ++r) {
     float* q = h.sc.q + size_t(r) * plan.dk;
-    int i = 0;
-    if (r < rows) {
-      const Q* src = static_cast<const Q*>(p.q) + h.map.token(r) * p.q_stride_token +
-                     h.map.head(r) * p.q_stride_head;
-      for (; i < p.kv.head_dim; ++i) q[i] = to_float(src[i]) * qmul;
+    for (int i = 0; i < plan.dk; ++i) q[i] = 0.0f;
+    if (r >= rows) continue;
+    const Q* src = static_cast<const Q*>(p.q) + h.map.token(r) * p.q_stride_token +
+                   h.map.head(r) * p.q_stride_head;
+    for (int i = 0; i < p.kv.head_dim; ++i) {
+      const int at = paired ? (i & ~31) + (i & 1) * 16 + (i & 31) / 2 : i;
+      q[at] = to_float(src[i]) * qmul;
     }
-    for (; i < plan.dk; ++i) q[i] = 0.0f;
   }
   for (size_t i = 0; i < size_t(rows4) * plan.dv; ++i) h.sc.acc[i] = 0.0f;
   for (int r = 0; r < rows4; ++r) h.sc.m[r] = -INFINITY, h.sc.d[r] = 0.0f;
@@ -292,13 +438,19 @@ inline void load_queries(const AttentionParams& p, const AttentionPlan& plan, co
 
 // Keys [j0, j1) of the chunk starting at position cs, for one kv head: logits, softmax, P V.
 // keys[j] / vals[j] point at the rows, in the cache or staged as float.
-template <typename KT, typename VT>
+// With a Loader (not void), key and value rows are read as Words through it.
+template <typename KT, typename VT, typename Loader>
 inline void attend_chunk(const AttentionParams& p, const AttentionPlan& plan, const Head& h,
                          int rows, int rows4, int64_t cs, int j0, int j1, const KT* const* keys,
-                         const VT* const* vals, const RowMasks& mk, const Prefetcher& pf_k,
-                         const Prefetcher& pf_v) {
+                         const VT* const* vals, const RowMasks& mk, const Loader* ld,
+                         const Prefetcher& pf_k, const Prefetcher& pf_v) {
   const Scratch& sc = h.sc;
-  chunk_logits(sc, plan.dk, rows4, keys, j0, j1, mk.nv, mk.k, pf_k);
+#if defined(KVK_WORDS)
+  if constexpr (!std::is_same_v<Loader, void>)
+    chunk_logits_words(sc, plan.dk, rows4, keys, j0, j1, mk, *ld, pf_k);
+  else
+#endif
+    chunk_logits(sc, plan.dk, rows4, keys, j0, j1, mk.nv, mk.k, pf_k);
   for (int r = 0; r < rows4; ++r) {
     if (r >= rows) {
       softmax_row(p, sc, r, 0, 0, cs, 0, 0);  // padding row: stays empty
@@ -309,7 +461,12 @@ inline void attend_chunk(const AttentionParams& p, const AttentionPlan& plan, co
     if (p.window_left >= 0) a = kmax<int64_t>(a, pos - p.window_left - cs);
     softmax_row(p, sc, r, h.map.head(r), pos, cs, int(a), int(b));
   }
-  chunk_values(sc, plan.dv, rows4, vals, j0, j1, mk.nvv, mk.v, pf_v);
+#if defined(KVK_WORDS)
+  if constexpr (!std::is_same_v<Loader, void>)
+    chunk_values_words(sc, plan.dv, rows4, vals, j0, j1, mk, *ld, pf_v);
+  else
+#endif
+    chunk_values(sc, plan.dv, rows4, vals, j0, j1, mk.nvv, mk.v, pf_v);
 }
 
 // Converts keys [j0, j1) of the chunk at cs, for all heads of an item, into each head's float
@@ -351,6 +508,15 @@ inline void next_chunk(const paged_kv_t& kv, int64_t seq, int kv_head, int64_t c
   }
 }
 
+#if defined(KVK_WORDS)
+// One table per fp8 format, built on first use and shared by all threads.
+template <typename C>
+const WordLoader<C>& word_loader() {
+  static const WordLoader<C> ld;
+  return ld;
+}
+#endif
+
 template <typename Q, typename C>
 void attend_item(const AttentionParams& p, const AttentionPlan& plan, const AttentionItem& it,
                  float* scratch, float* part_acc, float* part_m, float* part_d) {
@@ -359,12 +525,23 @@ void attend_item(const AttentionParams& p, const AttentionPlan& plan, const Atte
   const int rows = int(it.q1 - it.q0) * G, rows4 = (rows + 3) & ~3;
   const int64_t seq_len = kv.seq_lens[it.seq];
   const RowMap map0{p.q_begin(it.seq) + it.q0, seq_len - p.q_len(it.seq) + it.q0, G, 0};
+  // Rows read as Words (bf16, and fp8 with VBMI) are cheap to widen, so they are never staged.
+  // Other non-float rows are staged (converted to float scratch) when several row groups would
+  // otherwise convert the same rows again; decode (one group per head) converts in registers:
+  // staging there costs more than the memory order it buys (measured: bf16 0.35 -> 0.56 of read
+  // bandwidth without it). Words leave the query and accumulator columns paired.
+#if defined(KVK_WORDS)
+  constexpr bool words = kWordRows<C>;
+#else
+  constexpr bool words = false;
+#endif
+  const bool stage = rows4 > 4 && !std::is_same_v<C, float> && !words;
   Head heads[kMaxHeadsPerItem];
   for (int h = 0; h < it.num_kv; ++h) {
     RowMap map = map0;
     map.head0 = (it.kv_head + h) * G;
     heads[h] = {it.kv_head + h, map, carve(plan, scratch, h)};
-    load_queries<Q>(p, plan, heads[h], rows, rows4);
+    load_queries<Q>(p, plan, heads[h], rows, rows4, words);
   }
 
   // Keys visible to at least one row, cut into chunks; this split takes its share of them.
@@ -374,10 +551,6 @@ void attend_item(const AttentionParams& p, const AttentionPlan& plan, const Atte
     const int64_t c_first = lo / kChunk, n_chunks = hi / kChunk - c_first + 1;
     const int64_t c_begin = c_first + n_chunks * it.split / plan.splits;
     const int64_t c_end = c_first + n_chunks * (it.split + 1) / plan.splits;
-    // Stage (convert to float scratch) when several row groups would otherwise convert the same
-    // rows again. Decode (one group per head) converts in registers: staging there costs more
-    // than the memory order it buys (measured: bf16 0.35 -> 0.56 of read bandwidth without it).
-    const bool stage = rows4 > 4 && !std::is_same_v<C, float>;
     const RowMasks mk(kv);
     for (int64_t c = c_begin; c < c_end; ++c) {
       const int64_t cs = c * kChunk;
@@ -395,11 +568,20 @@ void attend_item(const AttentionParams& p, const AttentionPlan& plan, const Atte
             keys[j] = sc.kc + size_t(j) * plan.dk;
             vals[j] = v_is_k ? keys[j] : sc.vc + size_t(j) * plan.dv;
           }
-          attend_chunk(p, plan, heads[h], rows, rows4, cs, j0, j1, keys, vals, mk, pf_k, pf_v);
+          attend_chunk<float, float, void>(p, plan, heads[h], rows, rows4, cs, j0, j1, keys,
+                                                  vals, mk, nullptr, pf_k, pf_v);
         } else {
           const C *keys[kChunk], *vals[kChunk];
           chunk_rows(kv, it.seq, heads[h].kv_head, cs, j0, j1, keys, vals);
-          attend_chunk(p, plan, heads[h], rows, rows4, cs, j0, j1, keys, vals, mk, pf_k, pf_v);
+#if defined(KVK_WORDS)
+          if constexpr (words) {
+            attend_chunk(p, plan, heads[h], rows, rows4, cs, j0, j1, keys, vals, mk,
+                         &word_loader<C>(), pf_k, pf_v);
+            continue;
+          }
+#endif
+          attend_chunk<C, C, void>(p, plan, heads[h], rows, rows4, cs, j0, j1, keys, vals,
+                                          mk, nullptr, pf_k, pf_v);
         }
       }
     }
@@ -407,6 +589,7 @@ void attend_item(const AttentionParams& p, const AttentionPlan& plan, const Atte
 
   for (int h = 0; h < it.num_kv; ++h) {
     const Scratch& sc = heads[h].sc;
+    if (words) unpair_rows(sc.acc, rows, plan.dv);
     if (part_acc == nullptr) {
       const float v_scale = kv.v_scale_of(heads[h].kv_head);
       for (int r = 0; r < rows; ++r)

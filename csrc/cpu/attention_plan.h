@@ -26,7 +26,7 @@ struct AttentionPlan {
   int q_tile = 1;      // queries per item
   int heads = 1;       // kv heads per item
   int max_rows = 0;    // q_tile * group rounded up to a multiple of 4
-  int dk = 0, dv = 0;  // head_dim, head_dim_v rounded up to 16 (scratch row widths)
+  int dk = 0, dv = 0;  // head_dim, head_dim_v rounded up to 32 (scratch row widths)
   int splits = 1;      // KV ranges per (sequence, query tile, kv head)
 };
 
@@ -69,6 +69,7 @@ extern const AttentionKernels kAttentionPortable;
 #if defined(__x86_64__)
 extern const AttentionKernels kAttentionAvx2;
 extern const AttentionKernels kAttentionAvx512;
+extern const AttentionKernels kAttentionAvx512Vbmi;
 #endif
 
 }  // namespace kvkernels::cpu

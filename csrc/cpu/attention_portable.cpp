@@ -2,6 +2,7 @@
 // non-x86 machines, and the one KVKERNELS_CPU_ISA=portable forces.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "attention_plan.h"

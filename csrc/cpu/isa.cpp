@@ -9,6 +9,7 @@ namespace kvkernels::cpu {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::kAvx512Vbmi: return "avx512vbmi";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
     case Isa::kPortable: return "portable";
@@ -23,8 +24,10 @@ bool isa_supported(Isa isa) {
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                     __builtin_cpu_supports("f16c");
   if (isa == Isa::kAvx2) return avx2;
-  return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  if (isa == Isa::kAvx512) return avx512;
+  return avx512 && __builtin_cpu_supports("avx512vbmi");
 #else
   return false;
 #endif
@@ -33,11 +36,11 @@ bool isa_supported(Isa isa) {
 Isa active_isa() {
   const char* forced = std::getenv("KVKERNELS_CPU_ISA");
   if (forced == nullptr || forced[0] == '\0') {
-    for (Isa isa : {Isa::kAvx512, Isa::kAvx2})
+    for (Isa isa : {Isa::kAvx512Vbmi, Isa::kAvx512, Isa::kAvx2})
       if (isa_supported(isa)) return isa;
     return Isa::kPortable;
   }
-  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kPortable}) {
+  for (Isa isa : {Isa::kAvx512Vbmi, Isa::kAvx512, Isa::kAvx2, Isa::kPortable}) {
     if (std::strcmp(forced, isa_name(isa)) != 0) continue;
     if (!isa_supported(isa))
       throw std::runtime_error(std::string("kvkernels: KVKERNELS_CPU_ISA=") + forced +
@@ -45,7 +48,7 @@ Isa active_isa() {
     return isa;
   }
   throw std::runtime_error(std::string("kvkernels: KVKERNELS_CPU_ISA=") + forced +
-                           ": expected one of avx512, avx2, portable");
+                           ": expected one of avx512vbmi, avx512, avx2, portable");
 }
 
 }  // namespace kvkernels::cpu

@@ -1,7 +1,8 @@
 // 16 x float32 in a zmm register: loads that convert every cache format in registers, and the few
 // reductions the attention kernels need. Include only inside an AVX-512 target region (see
-// attention_avx512.cpp); the types live in their own namespace so no symbol is shared with the
-// AVX2 or portable builds of the same templates.
+// attention_avx512.cpp); the types live in the namespace KVK_ISA names, so no symbol is shared with
+// the other builds of the same templates. It also provides Words (KVK_WORDS), 32 bf16 values per
+// register: the form in which bf16 rows, and with KVK_AVX512_VBMI fp8 rows, are read.
 #pragma once
 
 #include <immintrin.h>
@@ -10,7 +11,7 @@
 
 #include "convert.h"
 
-namespace kvkernels::cpu::avx512 {
+namespace kvkernels::cpu::KVK_ISA {
 
 struct Vec {
   static constexpr int N = 16;
@@ -106,4 +107,76 @@ inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
-}  // namespace kvkernels::cpu::avx512
+// 32 bf16 values in a zmm register. Widened by split() they cost one op per 16 values where the
+// in-order widening of Vec::load costs two (one of them a shuffle); the kernel keeps its operands
+// in the matching [even, odd] order instead (attention_kernel.h).
+#define KVK_WORDS 1
+struct Words {
+  static constexpr int N = 32;
+  using Mask = __mmask32;
+  __m512i v;
+
+  static Mask mask(int n) { return n >= N ? Mask(0xFFFFFFFFu) : Mask((1u << n) - 1); }
+  // Values 0, 2, 4, ... into `even` and 1, 3, 5, ... into `odd` as float32: a bf16 is the top half
+  // of a float32, so this is one shift and one mask, where an in-order widening takes a shuffle.
+  void split(Vec* even, Vec* odd) const {
+    *even = {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))};
+    *odd = {_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000u))))};
+  }
+};
+
+// Reads cache rows of type C as Words, for the C with kWordRows<C>.
+template <typename C>
+struct WordLoader;
+#if defined(KVK_AVX512_VBMI)
+template <typename C>
+constexpr bool kWordRows = std::is_same_v<C, c10::BFloat16> || is_fp8_type<C>;
+#else
+template <typename C>
+constexpr bool kWordRows = std::is_same_v<C, c10::BFloat16>;
+#endif
+
+template <>
+struct WordLoader<c10::BFloat16> {
+  Words load(const c10::BFloat16* p, Words::Mask m) const {
+    return {_mm512_maskz_loadu_epi16(m, p)};
+  }
+};
+
+#if defined(KVK_AVX512_VBMI)
+// fp8 -> bf16 is exact for every code (NaN and inf included), so it is a table lookup: vpermi2b
+// looks up 64 bytes at once in a 128-entry byte table indexed by the low 7 bits (the magnitude).
+// Each input byte is first duplicated into both bytes of its word, then one table gives the low
+// byte and another the high byte of bf16(|x|), and the sign is copied from bit 7 of the input.
+template <typename F>
+struct Fp8WordLoader {
+  __m512i lo0, lo1, hi0, hi1, dup;
+  Fp8WordLoader() {
+    alignas(64) uint8_t lo[128], hi[128], d[64];
+    for (int mag = 0; mag < 128; ++mag) {
+      const float f = to_float(F{uint8_t(mag)});
+      const uint32_t bits = f != f ? 0x7fc00000u : float_bits(f);  // keep NaN a NaN in 16 bits
+      lo[mag] = uint8_t(bits >> 16), hi[mag] = uint8_t(bits >> 24);
+    }
+    for (int i = 0; i < 64; ++i) d[i] = uint8_t(i / 2);
+    lo0 = _mm512_load_si512(lo), lo1 = _mm512_load_si512(lo + 64);
+    hi0 = _mm512_load_si512(hi), hi1 = _mm512_load_si512(hi + 64);
+    dup = _mm512_load_si512(d);
+  }
+  Words load(const F* p, Words::Mask m) const {
+    const __m512i b = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(m, p));
+    const __m512i x = _mm512_permutexvar_epi8(dup, b);  // byte 2i and 2i+1 = input byte i
+    const __m512i w = _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull,
+                                             _mm512_permutex2var_epi8(lo0, x, lo1),
+                                             _mm512_permutex2var_epi8(hi0, x, hi1));
+    // w | (x & 0x8000): the sign bit of the high input byte. 0xF8 is A | (B & C) in ternlog terms.
+    return {_mm512_ternarylogic_epi32(w, x, _mm512_set1_epi16(short(0x8000)), 0xF8)};
+  }
+};
+template <>
+struct WordLoader<fp8_e4m3> : Fp8WordLoader<fp8_e4m3> {};
+template <>
+struct WordLoader<fp8_e5m2> : Fp8WordLoader<fp8_e5m2> {};
+#endif  // KVK_AVX512_VBMI
+
+}  // namespace kvkernels::cpu::KVK_ISA
