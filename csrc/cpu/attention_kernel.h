@@ -395,17 +395,30 @@ inline void softmax_row(const AttentionParams& p, const Scratch& sc, int r, int 
   sc.m[r] = m_new;
 }
 
+// Walks the slots of positions [cs + j0, cs + j1) of a sequence: f(j, physical block, slot). One
+// division per chunk (a 64-bit division per key cost about as much as its dot products); a block
+// table entry is read only when a position in that block is visited.
+template <typename F>
+inline void for_chunk_slots(const paged_kv_t& kv, int64_t seq, int64_t cs, int j0, int j1, F f) {
+  if (j0 >= j1) return;
+  int64_t logical = (cs + j0) / kv.block_size;
+  int slot = int((cs + j0) - logical * kv.block_size);
+  int64_t block = kv.block_id(seq, logical);
+  for (int j = j0; j < j1; ++j) {
+    if (slot == kv.block_size) slot = 0, block = kv.block_id(seq, ++logical);
+    f(j, block, slot++);
+  }
+}
+
 template <typename C>
 inline void chunk_rows(const paged_kv_t& kv, int64_t seq, int kv_head, int64_t cs, int j0, int j1,
                        const C** keys, const C** vals) {
   const C* kb = static_cast<const C*>(kv.k);
   const C* vb = static_cast<const C*>(kv.v);
-  for (int j = j0; j < j1; ++j) {
-    const int64_t pos = cs + j;
-    const int64_t block = kv.block_id(seq, pos / kv.block_size), slot = pos % kv.block_size;
+  for_chunk_slots(kv, seq, cs, j0, j1, [&](int j, int64_t block, int slot) {
     keys[j] = kb + kv.k_offset(block, slot, kv_head);
     vals[j] = vb + kv.v_offset(block, slot, kv_head);
-  }
+  });
 }
 
 // One kv head of an item: its rows, scratch and scales.
@@ -478,9 +491,7 @@ inline void stage_chunk(const paged_kv_t& kv, const AttentionPlan& plan, int64_t
   const C* kb = static_cast<const C*>(kv.k);
   const C* vb = static_cast<const C*>(kv.v);
   const bool v_is_k = kv.v == kv.k;  // MLA: the value is a prefix of the key row
-  for (int j = j0; j < j1; ++j) {
-    const int64_t pos = cs + j;
-    const int64_t block = kv.block_id(seq, pos / kv.block_size), slot = pos % kv.block_size;
+  for_chunk_slots(kv, seq, cs, j0, j1, [&](int j, int64_t block, int slot) {
     for (int h = 0; h < num_kv; ++h) {
       const C* k = kb + kv.k_offset(block, slot, heads[h].kv_head);
       float* kc = heads[h].sc.kc + size_t(j) * plan.dk;
@@ -490,7 +501,7 @@ inline void stage_chunk(const paged_kv_t& kv, const AttentionPlan& plan, int64_t
       float* vc = heads[h].sc.vc + size_t(j) * plan.dv;
       for (int i = 0; i < mk.nvv; ++i) Vec::load(v + i * Vec::N, mk.v[i]).store(vc + i * Vec::N);
     }
-  }
+  });
 }
 
 // Prefetchers for keys [0, n) of the chunk at cs of one kv head: a paged block is scattered in
