@@ -1,6 +1,6 @@
 // Paged attention on the CPU: decode, varlen (chunked prefill) and the absorbed MLA decode, which
 // is the same computation over a single latent "kv head" whose value is a prefix of the key row.
-// Also merge_attention_states. This file plans the parallel work (attention_plan.h) and runs it
+// This file plans the parallel work (attention_plan.h) and runs it
 // through the kernel of the active ISA (isa.h, attention_<isa>.cpp).
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -14,7 +14,6 @@
 #include "attention_plan.h"
 #include "convert.h"
 #include "isa.h"
-#include "kvkernels/softmax.h"
 
 namespace kvkernels::cpu {
 namespace {
@@ -133,42 +132,10 @@ std::tuple<Tensor, Tensor> mla_paged_attention_cpu(const Tensor& q, const Tensor
   return {r.out, r.lse};
 }
 
-template <typename T>
-void merge(const MergeParams& p) {
-  const int64_t rows = p.num_tokens * p.num_heads;
-  torch::stable::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t t = r / p.num_heads, h = r % p.num_heads;
-      float wa, wb;
-      p.lse[r] = merge_weights(p.lse_a[t * p.lse_a_stride_token + h * p.lse_a_stride_head],
-                               p.lse_b[t * p.lse_b_stride_token + h * p.lse_b_stride_head], &wa,
-                               &wb);
-      const T* a = static_cast<const T*>(p.out_a) + t * p.a_stride_token + h * p.a_stride_head;
-      const T* b = static_cast<const T*>(p.out_b) + t * p.b_stride_token + h * p.b_stride_head;
-      T* o = static_cast<T*>(p.out) + r * p.head_dim;
-      for (int i = 0; i < p.head_dim; ++i) {
-        // A zero weight must not let an inf/NaN of the other state leak in (0 * inf = NaN).
-        const float xa = wa != 0.0f ? wa * to_float(a[i]) : 0.0f;
-        const float xb = wb != 0.0f ? wb * to_float(b[i]) : 0.0f;
-        o[i] = from_float<T>(xa + xb);
-      }
-    }
-  });
-}
-
-std::tuple<Tensor, Tensor> merge_attention_states_cpu(const Tensor& out_a, const Tensor& lse_a,
-                                                      const Tensor& out_b, const Tensor& lse_b) {
-  const ArgCheck c("merge_attention_states");
-  PreparedMerge r = prepare_merge(c, out_a, lse_a, out_b, lse_b);
-  dispatch_float(r.params.format, [&](auto tag) { merge<typename decltype(tag)::type>(r.params); });
-  return {r.out, r.lse};
-}
-
 }  // namespace
 }  // namespace kvkernels::cpu
 
 STABLE_TORCH_LIBRARY_IMPL(kvkernels, CPU, m) {
   m.impl("paged_attention", TORCH_BOX(&kvkernels::cpu::paged_attention_cpu));
   m.impl("mla_paged_attention", TORCH_BOX(&kvkernels::cpu::mla_paged_attention_cpu));
-  m.impl("merge_attention_states", TORCH_BOX(&kvkernels::cpu::merge_attention_states_cpu));
 }

@@ -1,0 +1,31 @@
+// merge_attention_states on the CPU: the exact merge of two attention states over disjoint key
+// sets (kvkernels/softmax.h, merge_weights), one (token, head) row at a time through the row
+// kernels of the active ISA (rows.h). A side whose weight is 0 contributes exactly 0, even when
+// its row holds inf or NaN.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+
+#include "../prepare.h"
+#include "rows.h"
+
+namespace kvkernels::cpu {
+namespace {
+
+std::tuple<Tensor, Tensor> merge_attention_states_cpu(const Tensor& out_a, const Tensor& lse_a,
+                                                      const Tensor& out_b, const Tensor& lse_b) {
+  const ArgCheck c("merge_attention_states");
+  PreparedMerge r = prepare_merge(c, out_a, lse_a, out_b, lse_b);
+  const MergeParams& p = r.params;
+  const RowKernels& kernels = row_kernels();
+  torch::stable::parallel_for(0, p.num_tokens * p.num_heads, 64, [&](int64_t begin, int64_t end) {
+    kernels.merge(p, begin, end);
+  });
+  return {r.out, r.lse};
+}
+
+}  // namespace
+}  // namespace kvkernels::cpu
+
+STABLE_TORCH_LIBRARY_IMPL(kvkernels, CPU, m) {
+  m.impl("merge_attention_states", TORCH_BOX(&kvkernels::cpu::merge_attention_states_cpu));
+}
