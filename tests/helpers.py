@@ -12,7 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import pytest
 import torch
+
+import kvkernels
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -382,3 +385,14 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     lse = torch.logsumexp(logits, dim=-1)
     weights = torch.exp(logits - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
     return torch.einsum("hqk,khd->qhd", weights, v), lse.transpose(0, 1)
+
+
+def use_isa(monkeypatch, name):
+    """Forces the CPU SIMD path ``name`` (KVKERNELS_CPU_ISA, read on every op call) for one test; a CPU
+    without its instructions skips the test with the reason instead of silently passing it."""
+    monkeypatch.setenv("KVKERNELS_CPU_ISA", name)
+    try:
+        assert kvkernels.cpu_isa() == name
+    except RuntimeError as e:
+        pytest.skip(f"this CPU cannot run the {name} path: {e}")
+    return name

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import kvkernels
-from helpers import assert_close, generator, make_paged_mla, make_query, query_start_loc, upcast
+from helpers import (assert_close, generator, make_paged_mla, make_query, query_start_loc, upcast,
+                     use_isa)
 from test_attention import CONFIGS, FEATURE_CONFIGS, features, make_case, run_paged_attention
 from kvkernels import ops, reference
 
@@ -22,12 +23,7 @@ ISAS = ["avx512vbmi", "avx512", "avx2", "portable"]
 
 @pytest.fixture(params=ISAS)
 def isa(request, monkeypatch):
-    monkeypatch.setenv("KVKERNELS_CPU_ISA", request.param)
-    try:
-        assert kvkernels.cpu_isa() == request.param
-    except RuntimeError as e:  # a CPU without the instructions: said, not silently passed
-        pytest.skip(f"this CPU cannot run the {request.param} path: {e}")
-    return request.param
+    return use_isa(monkeypatch, request.param)
 
 
 @pytest.fixture

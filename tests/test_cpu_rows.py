@@ -19,7 +19,7 @@ import torch
 
 import kvkernels
 from helpers import (alloc_kv_cache, assert_bytes_equal, assert_close, clone_storage, generator,
-                     kv_views, make_block_tables, upcast)
+                     kv_views, make_block_tables, upcast, use_isa)
 from kvkernels import ops, reference
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
@@ -34,12 +34,7 @@ BEYOND_MAX = {E4M3: 480.0, E5M2: 61440.0}
 
 @pytest.fixture(params=ISAS)
 def isa(request, monkeypatch):
-    monkeypatch.setenv("KVKERNELS_CPU_ISA", request.param)
-    try:
-        assert kvkernels.cpu_isa() == request.param
-    except RuntimeError as e:  # a CPU without the instructions: said, not silently passed
-        pytest.skip(f"this CPU cannot run the {request.param} path: {e}")
-    return request.param
+    return use_isa(monkeypatch, request.param)
 
 
 @contextlib.contextmanager
