@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import kvkernels
-from helpers import (assert_close, generator, make_paged_mla, make_query, query_start_loc, upcast,
-                     use_isa)
+from helpers import (assert_close, generator, make_paged_kv, make_paged_mla, make_query, query_start_loc,
+                     upcast, use_isa)
 from test_attention import CONFIGS, FEATURE_CONFIGS, features, make_case, run_paged_attention
 from kvkernels import ops, reference
 
-ISAS = ["avx512vbmi", "avx512", "avx2", "portable"]
+ISAS = ["avx512amx", "avx512vbmi", "avx512", "avx2", "portable"]
 
 
 @pytest.fixture(params=ISAS)
@@ -39,7 +39,8 @@ def test_default_isa_is_the_best_supported(monkeypatch):
     flags = set(re.search(r"^flags\s*:(.*)$", open("/proc/cpuinfo").read(), re.M).group(1).split())
     avx2 = {"avx2", "fma", "f16c"} <= flags
     avx512 = avx2 and {"avx512f", "avx512bw", "avx512vl"} <= flags
-    expected = ("avx512vbmi" if avx512 and "avx512vbmi" in flags
+    amx = avx512 and {"avx512vbmi", "avx512_bf16", "amx_tile", "amx_bf16"} <= flags
+    expected = ("avx512amx" if amx else "avx512vbmi" if avx512 and "avx512vbmi" in flags
                 else "avx512" if avx512 else "avx2" if avx2 else "portable")
     assert kvkernels.cpu_isa() == expected
 
@@ -102,6 +103,56 @@ def test_prefill_tiles(isa, threads):
         run_paged_attention(kv, query, query_start_loc(q_lens), window_left=300)
 
 
+# The AMX prefill kernel (bf16 queries over bf16 / fp8 caches, prefill calls): row tiles of 16 with
+# padding rows (group 3, odd query counts), head dims that leave 2 column tiles (96) or need 8
+# (128, 256), chunks of 64 keys across blocks of 1, 3, 16 and 64 slots, every layout, a decode-length
+# and an empty sequence in the same call, items of several row tiles (256 rows) and split items.
+# id: cache fp8, per-head scale, layout, Hq, Hkv, D, B
+AMX_CONFIGS = {
+    "bf16-NHD-gqa4-d128-b16": (None, False, "NHD", 8, 2, 128, 16),
+    "bf16-HND-gqa3-d96-b3": (None, False, "HND", 6, 2, 96, 3),
+    "bf16-stacked-mha-d64-b1": (None, False, "stacked", 2, 2, 64, 1),
+    "e4m3-head-NHD-gqa8-d256-b64": ("e4m3", True, "NHD", 8, 1, 256, 64),
+    "e5m2-tensor-HND-gqa4-d32-b16": ("e5m2", False, "HND", 4, 1, 32, 16),
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("opts", [{}, dict(window_left=70, sinks=torch.linspace(-1, 1, 8)),
+                                  dict(soft_cap=3.0, alibi_slopes=torch.linspace(0.01, 0.1, 8))],
+                         ids=["plain", "window-sinks", "softcap-alibi"])
+@pytest.mark.parametrize("config", AMX_CONFIGS.values(), ids=AMX_CONFIGS.keys())
+def test_amx_prefill(monkeypatch, threads, opts, config):
+    use_isa(monkeypatch, "avx512amx")
+    fp8, per_head, layout, hq, hkv, d, b = config
+    opts = {k: v[:hq] if isinstance(v, torch.Tensor) else v for k, v in opts.items()}
+    seq_lens, q_lens = [300, 1, 0, 131, 70], [90, 1, 0, 131, 17]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=d, block_size=b, dtype=torch.bfloat16,
+                       layout=layout, fp8=fp8, per_head_scale=per_head, seed=21)
+    # Rows of very different logit ranges in one row tile: a row softmaxed against another row's max
+    # overflows or underflows.
+    magnitude = torch.logspace(-1, 1.5, sum(q_lens), dtype=torch.float64)[torch.randperm(sum(q_lens), generator=generator(25))]
+    query = (make_query(sum(q_lens), hq, d, torch.float64, generator(22)) * magnitude[:, None, None]).to(torch.bfloat16)
+    out, _ = run_paged_attention(kv, query, query_start_loc(q_lens), **opts)
+    # The vector kernel keeps the probabilities in float32, the tiles round them to bf16: a result
+    # identical to the AVX-512 path's would mean the AMX kernel never ran.
+    monkeypatch.setenv("KVKERNELS_CPU_ISA", "avx512vbmi")
+    vec, _ = ops.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                 query_start_loc(q_lens), **opts, **kv.scales)
+    assert not torch.equal(out, vec)
+
+
+@pytest.mark.parametrize("threads", [1, 3], indirect=True)
+def test_amx_prefill_split(monkeypatch, threads):
+    """One item (one sequence, one kv head, 20 x 4 rows) over 2000 keys: split over the threads and merged."""
+    use_isa(monkeypatch, "avx512amx")
+    kv = make_paged_kv(seq_lens=[2000], num_kv_heads=1, head_dim=128, block_size=16, dtype=torch.bfloat16,
+                       fp8="e4m3", seed=23)
+    query = make_query(20, 4, 128, torch.bfloat16, generator(24))
+    for opts in ({}, dict(window_left=1000, sinks=torch.linspace(-1, 1, 4))):
+        run_paged_attention(kv, query, query_start_loc([20]), **opts)
+
+
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 def test_mla_every_isa(isa, threads):
     """The absorbed MLA decode: one latent head of width 576, the value its first 512 columns."""
@@ -118,7 +169,7 @@ def test_mla_every_isa(isa, threads):
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) is not installed")
 def test_wide_registers_only_in_isa_code():
-    """Code outside the avx2/avx512/avx512vbmi namespaces must run on any x86-64 CPU: no ymm/zmm register in it
+    """Code outside the avx2/avx512/avx512vbmi/avx512amx namespaces must run on any x86-64 CPU: no ymm/zmm register in it
     (an inline function compiled inside a target region and picked by the linker would break that)."""
     asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", kvkernels._C.__file__],
                          capture_output=True, text=True, check=True).stdout
@@ -127,7 +178,7 @@ def test_wide_registers_only_in_isa_code():
         if line.endswith(">:"):
             fn = line
         elif "%ymm" in line or "%zmm" in line:
-            if not any(ns in fn for ns in ("avx512::", "avx512vbmi::", "avx2::")):
+            if not any(ns in fn for ns in ("avx512::", "avx512vbmi::", "avx512amx::", "avx2::")):
                 leaks.add(fn)
             if "%zmm" in line and "avx2::" in fn:
                 zmm_in_avx2.add(fn)

@@ -6,6 +6,7 @@
 #include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -20,6 +21,7 @@ namespace {
 
 const AttentionKernels& kernels_for(Isa isa) {
 #if defined(__x86_64__)
+  if (isa == Isa::kAvx512Amx) return kAttentionAvx512Amx;
   if (isa == Isa::kAvx512Vbmi) return kAttentionAvx512Vbmi;
   if (isa == Isa::kAvx512) return kAttentionAvx512;
   if (isa == Isa::kAvx2) return kAttentionAvx2;
@@ -29,11 +31,32 @@ const AttentionKernels& kernels_for(Isa isa) {
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// The AMX prefill kernel takes bf16 queries over bf16 or fp8 caches (both exact as bf16 tile
+// operands), key and value rows of one width that is a multiple of 32 (whole tile rows), separate
+// key and value rows (not MLA), and calls with at least one tile of 16 rows (decode stays on the
+// vector kernel, which reads each block once for several kv heads).
+bool use_amx(const AttentionParams& p, Isa isa, int64_t max_q_len, int group) {
+  const CacheFormat f = p.kv.format;
+  return isa == Isa::kAvx512Amx && p.q_format == FloatFormat::kBFloat16 &&
+         (f == CacheFormat::kBFloat16 || f == CacheFormat::kFp8E4M3 ||
+          f == CacheFormat::kFp8E5M2) &&
+         p.kv.head_dim == p.kv.head_dim_v && p.kv.head_dim % 32 == 0 && p.kv.head_dim <= 512 &&
+         p.kv.k != p.kv.v && max_q_len * group >= 16;
+}
+
 // Query tiles hold up to 64 rows (queries x group heads) so a chunk of keys is reused by many
-// queries in prefill without the per-thread scratch outgrowing the L2 cache.
-AttentionPlan make_plan(const AttentionParams& p, int64_t max_q_len) {
+// queries in prefill without the per-thread scratch outgrowing the L2 cache; AMX items hold up to
+// kAmxRows, to spread the packing of each key chunk into tiles over more rows.
+AttentionPlan make_plan(const AttentionParams& p, Isa isa, int64_t max_q_len) {
   AttentionPlan plan;
   plan.group = p.num_heads / p.kv.num_kv_heads;
+  if (use_amx(p, isa, max_q_len, plan.group)) {
+    plan.amx = true;
+    plan.q_tile = int(std::clamp<int64_t>(kAmxRows / plan.group, 1, max_q_len));
+    plan.max_rows = int(round_up(int64_t(plan.q_tile) * plan.group, 16));
+    plan.dk = plan.dv = p.kv.head_dim;
+    return plan;
+  }
   plan.q_tile = int(std::clamp<int64_t>(std::min<int64_t>(64 / plan.group, max_q_len), 1, 16));
   plan.max_rows = int(round_up(int64_t(plan.q_tile) * plan.group, 4));
   plan.heads = std::clamp(64 / plan.max_rows, 1, std::min(p.kv.num_kv_heads, 16));
@@ -58,14 +81,15 @@ int choose_splits(int64_t base_items, int64_t max_seq_len) {
 void run_attention(const ArgCheck& c, const AttentionParams& p) {
   check_paged_kv_indices(c, p.kv);
   check_query_start_loc(c, p);
-  const AttentionKernels& kernels = kernels_for(active_isa());
+  const Isa isa = active_isa();
+  const AttentionKernels& kernels = kernels_for(isa);
 
   int64_t max_q_len = 0, max_seq_len = 0;
   for (int64_t s = 0; s < p.kv.num_seqs; ++s) {
     max_q_len = std::max(max_q_len, p.q_len(s));
     max_seq_len = std::max<int64_t>(max_seq_len, p.kv.seq_lens[s]);
   }
-  AttentionPlan plan = make_plan(p, max_q_len);
+  AttentionPlan plan = make_plan(p, isa, max_q_len);
   std::vector<AttentionItem> items;
   for (int64_t s = 0; s < p.kv.num_seqs; ++s)
     for (int64_t q0 = 0; q0 < p.q_len(s); q0 += plan.q_tile)
@@ -93,9 +117,14 @@ void run_attention(const ArgCheck& c, const AttentionParams& p) {
     d.resize(rows);
     partials = {acc.data(), m.data(), d.data()};
   }
-  torch::stable::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  // Items differ in cost (causal prefill tiles see more keys the later they are), so each worker
+  // takes the next item from a shared counter instead of a fixed contiguous range.
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(n, torch::stable::get_num_threads());
+  torch::stable::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch(attention_scratch_floats(plan));
-    kernels.attend(p, plan, items.data(), begin, end, scratch.data(), partials);
+    for (int64_t i = next++; i < n; i = next++)
+      kernels.attend(p, plan, items.data(), i, i + 1, scratch.data(), partials);
   });
   if (plan.splits > 1) {
     torch::stable::parallel_for(0, n / plan.splits, 1, [&](int64_t begin, int64_t end) {

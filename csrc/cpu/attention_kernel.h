@@ -349,47 +349,64 @@ struct RowMap {
   int head(int r) const { return head0 + r % group; }
 };
 
-// Chunk softmax for row r whose visible keys are [a, b) of the chunk (cs = chunk start).
-inline void softmax_row(const AttentionParams& p, const Scratch& sc, int r, int head,
-                        int64_t pos, int64_t cs, int a, int b) {
-  float* s = sc.s + r * kChunk;
+// Keys [a, b) of [j0, j1) in the chunk at position cs that the query at `pos` sees (causal, window).
+inline void visible_keys(const AttentionParams& p, int64_t pos, int64_t cs, int j0, int j1, int* a,
+                         int* b) {
+  int64_t lo = j0;
+  if (p.window_left >= 0) lo = kmax<int64_t>(lo, pos - p.window_left - cs);
+  *a = int(kmin<int64_t>(lo, j1));
+  *b = int(kmax<int64_t>(kmin<int64_t>(j1, pos - cs + 1), *a));
+}
+
+// Logits s[0, width) of one row (query at `pos`, head `head`) of the chunk at position cs, in the
+// order of docs/ops.md: times `mul`, soft cap, ALiBi.
+inline void transform_logits(const AttentionParams& p, float* s, int width, float mul, int head,
+                             int64_t pos, int64_t cs) {
+  const bool cap = p.soft_cap > 0.0f;
+  const Vec mulv = Vec::set1(mul);
+  const Vec capv = Vec::set1(p.soft_cap), inv_cap = Vec::set1(cap ? 1.0f / p.soft_cap : 0.0f);
+  const float slope = p.alibi_slopes ? p.alibi_slopes[head] : 0.0f;
+  for (int x = 0; x < width; x += Vec::N) {
+    Vec v = Vec::load(s + x) * mulv;
+    if (cap) v = capv * (v * inv_cap).tanh();
+    if (p.alibi_slopes) {
+      // ALiBi bias slope * (key position - query position), key = cs + x + lane.
+      float dist[Vec::N];
+      for (int l = 0; l < Vec::N; ++l) dist[l] = static_cast<float>(cs + x + l - pos);
+      v = fma(Vec::set1(slope), Vec::load(dist), v);
+    }
+    v.store(s + x);
+  }
+}
+
+// Online-softmax step for one row: its logits s[0, width) of the chunk starting at position cs, of
+// which [a, b) are visible. Multiplies by `mul` (1 when the query was pre-scaled), applies soft cap
+// and ALiBi, masks, and turns s into probabilities relative to the new running max *m, updating
+// the denominator *d and the rescale *alpha of the row's accumulator.
+inline void softmax_row(const AttentionParams& p, float* s, int width, float mul, float* m,
+                        float* d, float* alpha, int head, int64_t pos, int64_t cs, int a, int b) {
   if (a >= b) {  // nothing visible: no weight, no rescale
-    for (int j = 0; j < kChunk; ++j) s[j] = 0.0f;
-    sc.alpha[r] = 1.0f;
+    for (int j = 0; j < width; ++j) s[j] = 0.0f;
+    *alpha = 1.0f;
     return;
   }
-  const bool cap = p.soft_cap > 0.0f;
-  if (cap || p.alibi_slopes) {
-    const Vec capv = Vec::set1(p.soft_cap), inv_cap = Vec::set1(cap ? 1.0f / p.soft_cap : 0.0f);
-    const float slope = p.alibi_slopes ? p.alibi_slopes[head] : 0.0f;
-    for (int x = 0; x < kChunk; x += Vec::N) {
-      Vec v = Vec::load(s + x);
-      if (cap) v = capv * (v * inv_cap).tanh();
-      if (p.alibi_slopes) {
-        // ALiBi bias slope * (key position - query position), key = cs + x + lane.
-        float dist[Vec::N];
-        for (int l = 0; l < Vec::N; ++l) dist[l] = static_cast<float>(cs + x + l - pos);
-        v = fma(Vec::set1(slope), Vec::load(dist), v);
-      }
-      v.store(s + x);
-    }
-  }
+  if (p.soft_cap > 0.0f || p.alibi_slopes || mul != 1.0f)
+    transform_logits(p, s, width, mul, head, pos, cs);
   for (int j = 0; j < a; ++j) s[j] = -INFINITY;
-  for (int j = b; j < kChunk; ++j) s[j] = -INFINITY;
+  for (int j = b; j < width; ++j) s[j] = -INFINITY;
   Vec mx = Vec::load(s);
-  for (int x = Vec::N; x < kChunk; x += Vec::N) mx = max(mx, Vec::load(s + x));
-  const float m_old = sc.m[r], m_new = kmax(m_old, mx.max());
+  for (int x = Vec::N; x < width; x += Vec::N) mx = max(mx, Vec::load(s + x));
+  const float m_old = *m, m_new = kmax(m_old, mx.max());
   const Vec mv = Vec::set1(m_new);
   Vec sum = Vec::zero();
-  for (int x = 0; x < kChunk; x += Vec::N) {
+  for (int x = 0; x < width; x += Vec::N) {
     const Vec e = (Vec::load(s + x) - mv).exp();
     e.store(s + x);
     sum = sum + e;
   }
-  const float alpha = std::exp(m_old - m_new);  // m_old = -inf gives 0
-  sc.alpha[r] = alpha;
-  sc.d[r] = sc.d[r] * alpha + sum.sum();
-  sc.m[r] = m_new;
+  *alpha = std::exp(m_old - m_new);  // m_old = -inf gives 0
+  *d = *d * *alpha + sum.sum();
+  *m = m_new;
 }
 
 // Walks the slots of positions [cs + j0, cs + j1) of a sequence: f(j, physical block, slot). One
@@ -463,13 +480,15 @@ inline void attend_chunk(const AttentionParams& p, const AttentionPlan& plan, co
     chunk_logits(sc, plan.dk, rows4, keys, j0, j1, mk.nv, mk.k, pf_k);
   for (int r = 0; r < rows4; ++r) {
     if (r >= rows) {
-      softmax_row(p, sc, r, 0, 0, cs, 0, 0);  // padding row: stays empty
+      // padding row: stays empty
+      softmax_row(p, sc.s + r * kChunk, kChunk, 1.0f, &sc.m[r], &sc.d[r], &sc.alpha[r], 0, 0, cs, 0, 0);
       continue;
     }
     const int64_t pos = h.map.pos(r);
-    int64_t a = j0, b = kmin<int64_t>(j1, pos - cs + 1);
-    if (p.window_left >= 0) a = kmax<int64_t>(a, pos - p.window_left - cs);
-    softmax_row(p, sc, r, h.map.head(r), pos, cs, int(a), int(b));
+    int a, b;
+    visible_keys(p, pos, cs, j0, j1, &a, &b);
+    softmax_row(p, sc.s + r * kChunk, kChunk, 1.0f, &sc.m[r], &sc.d[r], &sc.alpha[r],
+                h.map.head(r), pos, cs, a, b);
   }
 #if defined(KVK_WORDS)
   if constexpr (!std::is_same_v<Loader, void>)
@@ -525,6 +544,38 @@ const WordLoader<C>& word_loader() {
 }
 #endif
 
+// The chunks of `chunk` positions this split of an item visits: the keys visible to at least one
+// of its rows, [lo, hi], cut into chunks and shared out between the item's splits.
+struct ChunkRange {
+  int64_t lo = 0, hi = -1, c_begin = 0, c_end = 0;
+  ChunkRange(const AttentionParams& p, const AttentionPlan& plan, const AttentionItem& it,
+             const RowMap& map0, int rows, int chunk) {
+    hi = map0.pos(rows - 1);  // the last row has the largest position
+    lo = p.window_left >= 0 ? kmax<int64_t>(0, map0.pos0 - p.window_left) : 0;
+    if (hi < lo) return;
+    const int64_t c_first = lo / chunk, n_chunks = hi / chunk - c_first + 1;
+    c_begin = c_first + n_chunks * it.split / plan.splits;
+    c_end = c_first + n_chunks * (it.split + 1) / plan.splits;
+  }
+};
+
+// The end of an item for one kv head (index h within the item): out and lse of its rows, or,
+// when the item is one split of several, its unnormalized partial result.
+template <typename Q>
+inline void store_rows(const AttentionParams& p, const AttentionPlan& plan, const RowMap& map,
+                       int kv_head, int h, int rows, const float* acc, const float* m,
+                       const float* d, float* part_acc, float* part_m, float* part_d) {
+  if (part_acc == nullptr) {
+    const float v_scale = p.kv.v_scale_of(kv_head);
+    for (int r = 0; r < rows; ++r)
+      finalize_row<Q>(p, map.token(r), map.head(r), acc + size_t(r) * plan.dv, m[r], d[r], v_scale);
+    return;
+  }
+  const size_t row0 = size_t(h) * plan.max_rows;
+  for (size_t i = 0; i < size_t(rows) * plan.dv; ++i) part_acc[row0 * plan.dv + i] = acc[i];
+  for (int r = 0; r < rows; ++r) part_m[row0 + r] = m[r], part_d[row0 + r] = d[r];
+}
+
 template <typename Q, typename C>
 void attend_item(const AttentionParams& p, const AttentionPlan& plan, const AttentionItem& it,
                  float* scratch, float* part_acc, float* part_m, float* part_d) {
@@ -552,13 +603,9 @@ void attend_item(const AttentionParams& p, const AttentionPlan& plan, const Atte
     load_queries<Q>(p, plan, heads[h], rows, rows4, words);
   }
 
-  // Keys visible to at least one row, cut into chunks; this split takes its share of them.
-  const int64_t hi = map0.pos(rows - 1);  // the last row has the largest position
-  const int64_t lo = p.window_left >= 0 ? kmax<int64_t>(0, map0.pos0 - p.window_left) : 0;
-  if (hi >= lo) {
-    const int64_t c_first = lo / kChunk, n_chunks = hi / kChunk - c_first + 1;
-    const int64_t c_begin = c_first + n_chunks * it.split / plan.splits;
-    const int64_t c_end = c_first + n_chunks * (it.split + 1) / plan.splits;
+  const ChunkRange cr(p, plan, it, map0, rows, kChunk);
+  if (cr.c_begin < cr.c_end) {
+    const int64_t lo = cr.lo, hi = cr.hi, c_begin = cr.c_begin, c_end = cr.c_end;
     const RowMasks mk(kv);
     for (int64_t c = c_begin; c < c_end; ++c) {
       const int64_t cs = c * kChunk;
@@ -598,18 +645,18 @@ void attend_item(const AttentionParams& p, const AttentionPlan& plan, const Atte
   for (int h = 0; h < it.num_kv; ++h) {
     const Scratch& sc = heads[h].sc;
     if (words) unpair_rows(sc.acc, rows, plan.dv);
-    if (part_acc == nullptr) {
-      const float v_scale = kv.v_scale_of(heads[h].kv_head);
-      for (int r = 0; r < rows; ++r)
-        finalize_row<Q>(p, heads[h].map.token(r), heads[h].map.head(r), sc.acc + size_t(r) * plan.dv,
-                        sc.m[r], sc.d[r], v_scale);
-      continue;
-    }
-    const size_t row0 = size_t(h) * plan.max_rows;
-    for (size_t i = 0; i < size_t(rows) * plan.dv; ++i) part_acc[row0 * plan.dv + i] = sc.acc[i];
-    for (int r = 0; r < rows; ++r) part_m[row0 + r] = sc.m[r], part_d[row0 + r] = sc.d[r];
+    store_rows<Q>(p, plan, heads[h].map, heads[h].kv_head, h, rows, sc.acc, sc.m, sc.d, part_acc,
+                  part_m, part_d);
   }
 }
+
+}  // namespace kvkernels::cpu::KVK_ISA
+
+#if defined(KVK_AMX)
+#include "attention_amx.h"
+#endif
+
+namespace kvkernels::cpu::KVK_ISA {
 
 void attend(const AttentionParams& p, const AttentionPlan& plan, const AttentionItem* items,
             int64_t begin, int64_t end, float* scratch, const AttentionPartials& part) {
@@ -617,6 +664,21 @@ void attend(const AttentionParams& p, const AttentionPlan& plan, const Attention
   dispatch_float_and_cache(p.q_format, p.kv.format, [&](auto qt, auto ct) {
     using Q = typename decltype(qt)::type;
     using C = typename decltype(ct)::type;
+#if defined(KVK_AMX)
+    if constexpr (std::is_same_v<Q, c10::BFloat16> && kWordRows<C>) {
+      if (plan.amx) {
+        amx_configure();
+        for (int64_t i = begin; i < end; ++i) {
+          const size_t row0 = size_t(i) * item_rows;
+          const bool split = plan.splits > 1;
+          attend_item_amx<C>(p, plan, items[i], scratch, split ? part.acc + row0 * plan.dv : nullptr,
+                             split ? part.m + row0 : nullptr, split ? part.d + row0 : nullptr);
+        }
+        _tile_release();
+        return;
+      }
+    }
+#endif
     for (int64_t i = begin; i < end; ++i) {
       if (plan.splits == 1) {
         attend_item<Q, C>(p, plan, items[i], scratch, nullptr, nullptr, nullptr);

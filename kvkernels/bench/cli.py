@@ -81,7 +81,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "skipped, with the reason recorded (default 3)")
     p.add_argument("--max-memory-gib", type=float, default=16.0,
                    help="memory one case may hold, baselines included (default 16)")
-    p.add_argument("--isa", choices=("avx512vbmi", "avx512", "avx2", "portable"),
+    p.add_argument("--isa", choices=("avx512amx", "avx512vbmi", "avx512", "avx2", "portable"),
                    help="sets KVKERNELS_CPU_ISA for the kernels' runtime dispatch")
     return p.parse_args(argv)
 

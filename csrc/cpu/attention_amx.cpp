@@ -1,0 +1,44 @@
+// The attention kernel (attention_kernel.h) built for AVX-512 + VBMI + BF16 with AMX: the same
+// kernel as attention_avx512vbmi.cpp, plus the AMX tile path for prefill (attention_amx.h, KVK_AMX)
+// that runs when the plan says so (plan.amx: bf16 queries over bf16 / fp8 caches). Everything
+// lives in namespace avx512amx; isa.cpp decides at run time whether it is called (the CPU has AMX
+// and the OS granted this process the tile state).
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "attention_plan.h"
+#include "convert.h"
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+// GCC 12 flags its own intrinsic headers (_mm512_undefined_*) as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c")
+#endif
+
+#define KVK_ISA avx512amx
+#define KVK_AVX512_VBMI 1
+#define KVK_AMX 1
+#include "vec_avx512.h"
+#include "attention_kernel.h"
+#undef KVK_AMX
+#undef KVK_AVX512_VBMI
+#undef KVK_ISA
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+namespace kvkernels::cpu {
+const AttentionKernels kAttentionAvx512Amx{&avx512amx::attend, &avx512amx::merge_splits};
+}  // namespace kvkernels::cpu
+#endif  // __x86_64__
