@@ -31,28 +31,32 @@ const AttentionKernels& kernels_for(Isa isa) {
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// The AMX prefill kernel takes bf16 queries over bf16 or fp8 caches (both exact as bf16 tile
-// operands), key and value rows of one width that is a multiple of 32 (whole tile rows), separate
-// key and value rows (not MLA), and calls with at least one tile of 16 rows (decode stays on the
-// vector kernel, which reads each block once for several kv heads).
-bool use_amx(const AttentionParams& p, Isa isa, int64_t max_q_len, int group) {
+// The tile kernels of prefill (attention_tiles.h) run on AVX-512 builds for calls with at least
+// one tile of 16 rows (decode stays on the vector kernel, which reads each block once for several
+// kv heads), key and value rows of one width that is a multiple of 16 (whole vectors), and
+// separate key and value rows (not MLA). The AMX form further needs bf16 queries over bf16 or fp8
+// caches (both exact as bf16 tile operands) and a width that is a multiple of 32 (tile rows).
+TileKernel tile_kernel(const AttentionParams& p, Isa isa, int64_t max_q_len, int group) {
+  const int D = p.kv.head_dim;
+  if (isa < Isa::kAvx512 || max_q_len * group < 16 || D != p.kv.head_dim_v || D % 16 != 0 ||
+      D > 512 || p.kv.k == p.kv.v)
+    return TileKernel::kNone;
   const CacheFormat f = p.kv.format;
-  return isa == Isa::kAvx512Amx && p.q_format == FloatFormat::kBFloat16 &&
-         (f == CacheFormat::kBFloat16 || f == CacheFormat::kFp8E4M3 ||
-          f == CacheFormat::kFp8E5M2) &&
-         p.kv.head_dim == p.kv.head_dim_v && p.kv.head_dim % 32 == 0 && p.kv.head_dim <= 512 &&
-         p.kv.k != p.kv.v && max_q_len * group >= 16;
+  const bool amx = isa == Isa::kAvx512Amx && p.q_format == FloatFormat::kBFloat16 && D % 32 == 0 &&
+                   (f == CacheFormat::kBFloat16 || f == CacheFormat::kFp8E4M3 ||
+                    f == CacheFormat::kFp8E5M2);
+  return amx ? TileKernel::kAmx : TileKernel::kFma;
 }
 
 // Query tiles hold up to 64 rows (queries x group heads) so a chunk of keys is reused by many
-// queries in prefill without the per-thread scratch outgrowing the L2 cache; AMX items hold up to
-// kAmxRows, to spread the packing of each key chunk into tiles over more rows.
+// queries in prefill without the per-thread scratch outgrowing the L2 cache; tile items hold up to
+// kTileRows, to spread the packing of each key chunk over more rows.
 AttentionPlan make_plan(const AttentionParams& p, Isa isa, int64_t max_q_len) {
   AttentionPlan plan;
   plan.group = p.num_heads / p.kv.num_kv_heads;
-  if (use_amx(p, isa, max_q_len, plan.group)) {
-    plan.amx = true;
-    plan.q_tile = int(std::clamp<int64_t>(kAmxRows / plan.group, 1, max_q_len));
+  plan.tiles = tile_kernel(p, isa, max_q_len, plan.group);
+  if (plan.tiles != TileKernel::kNone) {
+    plan.q_tile = int(std::clamp<int64_t>(kTileRows / plan.group, 1, max_q_len));
     plan.max_rows = int(round_up(int64_t(plan.q_tile) * plan.group, 16));
     plan.dk = plan.dv = p.kv.head_dim;
     return plan;

@@ -153,9 +153,10 @@ inline void chunk_logits(const Scratch& sc, int dk, int rows4, const KT* const* 
 
 // acc[r, cols] = alpha[r] * acc[r, cols] + sum_j P[r, j] * v_j[cols] for four rows and CW vectors
 // of columns starting at vector c.
+// P has row stride ps.
 template <int CW, typename VT>
-inline void pv4(float* acc, int dv, const float* P, const float* alpha, const VT* const* vals,
-                int j0, int j1, int c, const Mask* mk, const Prefetcher* pf) {
+inline void pv4(float* acc, int dv, const float* P, int ps, const float* alpha,
+                const VT* const* vals, int j0, int j1, int c, const Mask* mk, const Prefetcher* pf) {
   // The fixed-size loops are unrolled by pragma: GCC otherwise keeps `a` in memory and stores
   // all 4 x CW accumulators to the stack after every key (seen in the disassembly), which made
   // the store port, not the FMAs, the limit.
@@ -173,7 +174,7 @@ inline void pv4(float* acc, int dv, const float* P, const float* alpha, const VT
     for (int x = 0; x < CW; ++x) v[x] = Vec::load(vals[j] + (c + x) * Vec::N, mk[c + x]);
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
-      const Vec p = Vec::set1(P[r * kChunk + j]);
+      const Vec p = Vec::set1(P[r * ps + j]);
 #pragma GCC unroll 4
       for (int x = 0; x < CW; ++x) a[r][x] = fma(p, v[x], a[r][x]);
     }
@@ -193,8 +194,8 @@ inline void chunk_values(const Scratch& sc, int dv, int rows4, const VT* const* 
     const float* alpha = sc.alpha + r;
     int c = 0;
     for (; c + kCw <= nvv; c += kCw)
-      pv4<kCw>(acc, dv, P, alpha, vals, j0, j1, c, mk, r == 0 && c == 0 ? &pf : nullptr);
-    for (; c < nvv; ++c) pv4<1>(acc, dv, P, alpha, vals, j0, j1, c, mk, nullptr);
+      pv4<kCw>(acc, dv, P, kChunk, alpha, vals, j0, j1, c, mk, r == 0 && c == 0 ? &pf : nullptr);
+    for (; c < nvv; ++c) pv4<1>(acc, dv, P, kChunk, alpha, vals, j0, j1, c, mk, nullptr);
   }
 }
 
@@ -652,8 +653,8 @@ void attend_item(const AttentionParams& p, const AttentionPlan& plan, const Atte
 
 }  // namespace kvkernels::cpu::KVK_ISA
 
-#if defined(KVK_AMX)
-#include "attention_amx.h"
+#if defined(KVK_WORDS)
+#include "attention_tiles.h"
 #endif
 
 namespace kvkernels::cpu::KVK_ISA {
@@ -664,19 +665,10 @@ void attend(const AttentionParams& p, const AttentionPlan& plan, const Attention
   dispatch_float_and_cache(p.q_format, p.kv.format, [&](auto qt, auto ct) {
     using Q = typename decltype(qt)::type;
     using C = typename decltype(ct)::type;
-#if defined(KVK_AMX)
-    if constexpr (std::is_same_v<Q, c10::BFloat16> && kWordRows<C>) {
-      if (plan.amx) {
-        amx_configure();
-        for (int64_t i = begin; i < end; ++i) {
-          const size_t row0 = size_t(i) * item_rows;
-          const bool split = plan.splits > 1;
-          attend_item_amx<C>(p, plan, items[i], scratch, split ? part.acc + row0 * plan.dv : nullptr,
-                             split ? part.m + row0 : nullptr, split ? part.d + row0 : nullptr);
-        }
-        _tile_release();
-        return;
-      }
+#if defined(KVK_WORDS)
+    if (plan.tiles != TileKernel::kNone) {
+      attend_tiles<Q, C>(p, plan, items, begin, end, scratch, part);
+      return;
     }
 #endif
     for (int64_t i = begin; i < end; ++i) {

@@ -20,10 +20,14 @@
 namespace kvkernels::cpu {
 
 constexpr int kChunk = 16;  // keys per softmax step (a multiple of every ISA's vector width)
-// The AMX prefill kernel (attention_amx.h): keys per softmax step, and rows per item, enough that
-// packing a chunk into tiles once is cheap next to the rows that use it.
-constexpr int kAmxChunk = 64;
-constexpr int kAmxRows = 256;
+// The tile kernels of prefill (attention_tiles.h): keys per softmax step, and rows per item, enough
+// that packing a chunk once is cheap next to the rows that use it.
+constexpr int kTileChunk = 64;
+constexpr int kTileRows = 256;
+
+// How an item is computed: the vector kernel (attention_kernel.h), or tiles of 16 rows x 64 keys
+// (attention_tiles.h) multiplied with AVX-512 FMAs or on AMX.
+enum class TileKernel : int { kNone, kFma, kAmx };
 
 struct AttentionPlan {
   int group = 1;       // query heads per kv head
@@ -32,7 +36,7 @@ struct AttentionPlan {
   int max_rows = 0;    // q_tile * group rounded up to a multiple of 4
   int dk = 0, dv = 0;  // head_dim, head_dim_v rounded up to 32 (scratch row widths)
   int splits = 1;      // KV ranges per (sequence, query tile, kv head)
-  bool amx = false;    // items run on AMX tiles (attention_amx.h): heads == 1, dk == dv
+  TileKernel tiles = TileKernel::kNone;  // not kNone: heads == 1, dk == dv, max_rows % 16 == 0
 };
 
 // Per-thread scratch (floats): for each kv head of an item, queries, accumulators, logits and
@@ -42,10 +46,9 @@ inline size_t attention_head_scratch_floats(const AttentionPlan& plan) {
          size_t(kChunk) * (plan.dk + plan.dv);
 }
 inline size_t attention_scratch_floats(const AttentionPlan& plan) {
-  if (plan.amx) {  // AmxScratch: 9 regions, each aligned to 64 bytes (16 floats)
+  if (plan.tiles != TileKernel::kNone) {  // TileScratch: 9 regions, each aligned to 64 bytes
     const size_t R = size_t(plan.max_rows), D = size_t(plan.dk);
-    return R * D / 2 + R * D + 3 * R + 16 * kAmxChunk + 8 * kAmxChunk + D * kAmxChunk +
-           10 * 16;
+    return 2 * R * D + 3 * R + 16 * kTileChunk + 8 * kTileChunk + 2 * D * kTileChunk + 10 * 16;
   }
   return plan.heads * attention_head_scratch_floats(plan);
 }

@@ -1,0 +1,358 @@
+// The tile kernels of prefill (AVX-512 builds): an item is up to kTileRows rows (queries x group
+// heads) of one kv head, processed as tiles of 16 rows against chunks of kTileChunk = 64 keys.
+// Included by attention_kernel.h after everything it reuses (the logit transform, the visibility
+// rule, the chunk ranges of splits, pv4 and the output stage of the vector kernel).
+//
+// Per chunk of 64 keys:
+//   1. the chunk is packed once for all the item's rows: keys transposed so that a key index runs
+//      along a vector (FMA: [D, 64] floats; AMX: bf16 dim pairs x keys), values converted to float
+//      rows (FMA; float caches are used in place) or interleaved in pairs (AMX);
+//   2. for each tile of 16 rows that sees any key of the chunk: S (16 x 64) = Q K^T, the online
+//      softmax step across the 16 rows at once (softmax_tile), then O = alpha O + P V.
+// Against the vector kernel (horizontal sums per logit, a softmax step per 16 keys and per row)
+// this does the logits as an outer product with no reductions and pays the softmax's reductions
+// and rescale exps once per 64 keys for 16 rows together.
+//
+// The FMA form serves every query and cache type on AVX-512; the AMX form (attention_amx.h)
+// serves bf16 queries over bf16 / fp8 caches on CPUs with AMX.
+
+namespace kvkernels::cpu::KVK_ISA {
+
+using bf16_bits = uint16_t;
+
+// The per-thread scratch of a tile item, carved from attention_scratch_floats(plan) floats with
+// every region on a 64-byte boundary.
+struct TileScratch {
+  float* q;              // [max_rows, D] queries: floats (FMA) or bf16 (AMX)
+  float* acc;            // [max_rows, D] unnormalized output
+  float *m, *d, *alpha;  // [max_rows] softmax state
+  float* s;              // [16, kTileChunk] logits of one row tile, then (FMA) probabilities
+  bf16_bits* p;          // [16, kTileChunk] probabilities as bf16 (AMX)
+  float* kp;             // the chunk's keys, packed
+  float* vp;             // the chunk's values, packed
+  TileScratch(const AttentionPlan& plan, float* base) {
+    const size_t R = size_t(plan.max_rows), D = size_t(plan.dk);
+    float* at = align64(base);
+    auto take = [&](size_t floats) {
+      float* r = at;
+      at = align64(at + floats);
+      return r;
+    };
+    q = take(R * D);
+    acc = take(R * D);
+    m = take(R), d = take(R), alpha = take(R);
+    s = take(16 * kTileChunk);
+    p = reinterpret_cast<bf16_bits*>(take(8 * kTileChunk));
+    kp = take(D * kTileChunk);
+    vp = take(D * kTileChunk);
+  }
+  bf16_bits* q_bf16() const { return reinterpret_cast<bf16_bits*>(q); }
+  bf16_bits* kp_bf16() const { return reinterpret_cast<bf16_bits*>(kp); }
+  bf16_bits* vp_bf16() const { return reinterpret_cast<bf16_bits*>(vp); }
+  static float* align64(float* x) {
+    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(x) + 63) & ~uintptr_t(63));
+  }
+};
+
+// Transposes 16 rows of 16 dwords in place: r[i] dword j <- r[j] dword i.
+inline void transpose16_epi32(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {  // pairs of rows, within 128-bit lanes
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4g + c], lane k: column 4k + c of rows 4g .. 4g + 3.
+  __m512i u[16];
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  // Column 4k + c takes lane k of u[c], u[4 + c], u[8 + c], u[12 + c]: a 4 x 4 transpose of lanes.
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
+    r[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+  }
+}
+
+// One value per vector: lane i of the result is op over the 16 lanes of x[i]. A tree of 256-bit,
+// 128-bit, 64-bit and 32-bit folds (45 ops for 16 reductions) leaves the rows in the lane order
+// 0 2 1 3 8 10 9 11 4 6 5 7 12 14 13 15 (an involution), which a final permute undoes.
+template <typename Op>
+inline __m512 reduce16(const __m512 x[16], Op op) {
+  __m512 y[8], z[4], w[2];
+  for (int i = 0; i < 8; ++i)  // y[i]: lanes 0-7 from x[i], 8-15 from x[i + 8]
+    y[i] = op(_mm512_shuffle_f32x4(x[i], x[i + 8], 0x44), _mm512_shuffle_f32x4(x[i], x[i + 8], 0xee));
+  for (int i = 0; i < 4; ++i)
+    z[i] = op(_mm512_shuffle_f32x4(y[i], y[i + 4], 0x88), _mm512_shuffle_f32x4(y[i], y[i + 4], 0xdd));
+  for (int j = 0; j < 2; ++j) {
+    const __m512d a = _mm512_castps_pd(z[j]), b = _mm512_castps_pd(z[j + 2]);
+    w[j] = op(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 r = op(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xdd));
+  const __m512i where = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(where, r);
+}
+
+// The online-softmax step of softmax_row for the 16 rows of a tile at once: row i (item row r0 + i)
+// sees keys [a[i], b[i]) of its logits s[i * kTileChunk ...]. The per-row max and sum reductions
+// and the rescale exp run across the rows in vectors. The probabilities overwrite s (kBf16P false)
+// or go to P as bf16. A row that sees nothing keeps its state (alpha = 1) and gets probability 0.
+template <bool kBf16P>
+inline void softmax_tile(const AttentionParams& p, float* s, float mul, float* m, float* d,
+                         float* alpha, const int* a, const int* b, const RowMap& map, int r0,
+                         int64_t cs, bf16_bits* P) {
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  const bool transform = p.soft_cap > 0.0f || p.alibi_slopes;
+  const __m512 mulv = _mm512_set1_ps(transform ? 1.0f : mul);
+  __m512 mx[16];
+  __mmask16 live = 0;
+  for (int i = 0; i < 16; ++i) {
+    float* row = s + i * kTileChunk;
+    mx[i] = neg_inf;
+    if (a[i] >= b[i]) continue;
+    live |= __mmask16(1u << i);
+    if (transform) transform_logits(p, row, kTileChunk, mul, map.head(r0 + i), map.pos(r0 + i), cs);
+    for (int x = 0; x < kTileChunk / 16; ++x) {  // scale, mask (-inf), row max
+      const int lo = kmin(kmax(a[i] - 16 * x, 0), 16), hi = kmin(kmax(b[i] - 16 * x, 0), 16);
+      const __mmask16 vis = __mmask16(((1u << hi) - 1) & ~((1u << lo) - 1));
+      const __m512 v = _mm512_mask_mul_ps(neg_inf, vis, _mm512_loadu_ps(row + 16 * x), mulv);
+      _mm512_storeu_ps(row + 16 * x, v);
+      mx[i] = _mm512_max_ps(mx[i], v);
+    }
+  }
+  const __m512 m_old = _mm512_loadu_ps(m);
+  const __m512 row_max = reduce16(mx, [](__m512 u, __m512 v) { return _mm512_max_ps(u, v); });
+  const __m512 m_new = _mm512_mask_max_ps(m_old, live, m_old, row_max);
+  alignas(64) float mrow[16];
+  _mm512_store_ps(mrow, m_new);
+  __m512 sum[16];
+  for (int i = 0; i < 16; ++i) {
+    sum[i] = _mm512_setzero_ps();
+    float* row = s + i * kTileChunk;
+    const bool is_live = (live >> i) & 1;
+    const Vec mv = Vec::set1(mrow[i]);
+    for (int x = 0; x < kTileChunk; x += 32) {
+      Vec e0 = Vec::zero(), e1 = Vec::zero();
+      if (is_live) e0 = (Vec::load(row + x) - mv).exp(), e1 = (Vec::load(row + x + 16) - mv).exp();
+      sum[i] = _mm512_add_ps(sum[i], _mm512_add_ps(e0.v, e1.v));
+#if defined(KVK_AMX)
+      if constexpr (kBf16P) {
+        const __m512bh pb = _mm512_cvtne2ps_pbh(e1.v, e0.v);  // e0 in the low half
+        _mm512_storeu_si512(P + i * kTileChunk + x, reinterpret_cast<const __m512i&>(pb));
+        continue;
+      }
+#endif
+      e0.store(row + x), e1.store(row + x + 16);
+    }
+  }
+  // alpha = e^(m_old - m_new), 1 for rows that saw nothing (whose m_old may be -inf).
+  const __m512 al = _mm512_mask_blend_ps(live, _mm512_set1_ps(1.0f),
+                                         Vec{_mm512_sub_ps(m_old, m_new)}.exp().v);
+  const __m512 sums = reduce16(sum, [](__m512 u, __m512 v) { return _mm512_add_ps(u, v); });
+  _mm512_storeu_ps(alpha, al);
+  _mm512_storeu_ps(d, _mm512_fmadd_ps(_mm512_loadu_ps(d), al, sums));
+  _mm512_storeu_ps(m, m_new);
+}
+
+// ---- FMA form ----
+
+// Keys [j0, j1) of a chunk as floats transposed: kt[dim * kTileChunk + key], zero outside.
+template <typename C>
+inline void fma_pack_keys(const C* const* rows, int j0, int j1, int D, float* kt) {
+  const Mask full = Vec::mask(Vec::N);
+  for (int kb = 0; kb < kTileChunk / 16; ++kb) {
+    for (int db = 0; db < D / 16; ++db) {
+      __m512i r[16];
+      for (int n = 0; n < 16; ++n) {
+        const int j = kb * 16 + n;
+        r[n] = j >= j0 && j < j1 ? _mm512_castps_si512(Vec::load(rows[j] + db * 16, full).v)
+                                 : _mm512_setzero_si512();
+      }
+      transpose16_epi32(r);
+      for (int i = 0; i < 16; ++i)
+        _mm512_storeu_si512(kt + size_t(db * 16 + i) * kTileChunk + kb * 16, r[i]);
+    }
+  }
+}
+
+// Value rows [j0, j1) as float rows: float caches in place, others converted into vp.
+template <typename C>
+inline void fma_pack_values(const C* const* rows, int j0, int j1, int D, float* vp,
+                            const float** out) {
+  for (int j = j0; j < j1; ++j) {
+    if constexpr (std::is_same_v<C, float>) {
+      out[j] = rows[j];
+    } else {
+      float* o = vp + size_t(j) * D;
+      for (int c = 0; c < D; c += Vec::N) Vec::load(rows[j] + c, Vec::mask(Vec::N)).store(o + c);
+      out[j] = o;
+    }
+  }
+}
+
+// S[16, 64] = Q[16, D] K^T as outer products: 4 rows x 64 keys of S held in 16 registers while
+// the dims stream through (per dim: 4 key vectors, 4 broadcast queries, 16 FMAs).
+inline void fma_logits(const float* q, int D, const float* kt, float* s) {
+  for (int r = 0; r < 16; r += 4) {
+    Vec a[4][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+      for (int x = 0; x < 4; ++x) a[i][x] = Vec::zero();
+    const float* qr = q + size_t(r) * D;
+    for (int dd = 0; dd < D; ++dd) {
+      const float* k = kt + size_t(dd) * kTileChunk;
+      const Vec k0 = Vec::load(k), k1 = Vec::load(k + 16), k2 = Vec::load(k + 32),
+                k3 = Vec::load(k + 48);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const Vec qb = Vec::set1(qr[i * D + dd]);
+        a[i][0] = fma(qb, k0, a[i][0]), a[i][1] = fma(qb, k1, a[i][1]);
+        a[i][2] = fma(qb, k2, a[i][2]), a[i][3] = fma(qb, k3, a[i][3]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+      for (int x = 0; x < 4; ++x) a[i][x].store(s + (r + i) * kTileChunk + x * 16);
+  }
+}
+
+// O = alpha O + P V for one row tile, through pv4 (4 rows x 64 columns in registers).
+inline void fma_values(const TileScratch& sc, int r0, int D, const float* const* vals, int j0,
+                       int j1, const Mask* mk) {
+  for (int r = r0; r < r0 + 16; r += 4) {
+    float* acc = sc.acc + size_t(r) * D;
+    const float* P = sc.s + (r - r0) * kTileChunk;
+    int c = 0;
+    for (; c + 4 <= D / 16; c += 4)
+      pv4<4>(acc, D, P, kTileChunk, sc.alpha + r, vals, j0, j1, c, mk, nullptr);
+    for (; c < D / 16; ++c) pv4<1>(acc, D, P, kTileChunk, sc.alpha + r, vals, j0, j1, c, mk, nullptr);
+  }
+}
+
+}  // namespace kvkernels::cpu::KVK_ISA
+
+#if defined(KVK_AMX)
+#include "attention_amx.h"
+#endif
+
+namespace kvkernels::cpu::KVK_ISA {
+
+// One item on tiles (plan.tiles: one kv head per item, head_dim == head_dim_v, a multiple of 16;
+// of 32 on AMX, whose tile configuration the caller loads).
+template <typename Q, typename C, bool kAmx>
+void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, const AttentionItem& it,
+                       float* scratch, float* part_acc, float* part_m, float* part_d) {
+  const paged_kv_t& kv = p.kv;
+  const int G = plan.group, D = plan.dk;
+  const int rows = int(it.q1 - it.q0) * G, rows16 = (rows + 15) & ~15;
+  const int64_t seq_len = kv.seq_lens[it.seq];
+  const RowMap map{p.q_begin(it.seq) + it.q0, seq_len - p.q_len(it.seq) + it.q0, G,
+                   it.kv_head * G};
+  const TileScratch sc(plan, scratch);
+
+  for (int r = 0; r < rows16; ++r) {
+    const Q* src = r < rows ? static_cast<const Q*>(p.q) + map.token(r) * p.q_stride_token +
+                                  map.head(r) * p.q_stride_head
+                            : nullptr;
+    if constexpr (kAmx) {  // bf16 as it is
+      bf16_bits* q = sc.q_bf16() + size_t(r) * D;
+      if (src) std::memcpy(q, src, size_t(D) * sizeof(bf16_bits));
+      else std::memset(q, 0, size_t(D) * sizeof(bf16_bits));
+    } else {
+      float* q = sc.q + size_t(r) * D;
+      for (int i = 0; i < D; ++i) q[i] = src ? to_float(src[i]) : 0.0f;
+    }
+    sc.m[r] = -INFINITY, sc.d[r] = 0.0f, sc.alpha[r] = 1.0f;
+  }
+  std::memset(sc.acc, 0, size_t(rows16) * D * sizeof(float));
+
+  const float mul = p.scale * kv.k_scale_of(it.kv_head);
+  const ChunkRange cr(p, plan, it, map, rows, kTileChunk);
+  const RowMasks mk(kv);
+  const C* kb = static_cast<const C*>(kv.k);
+  const C* vb = static_cast<const C*>(kv.v);
+  const C *keys[kTileChunk], *vals[kTileChunk];
+  const float* fvals[kTileChunk];
+  for (int64_t c = cr.c_begin; c < cr.c_end; ++c) {
+    const int64_t cs = c * kTileChunk;
+    const int j0 = int(kmax<int64_t>(0, cr.lo - cs));
+    const int j1 = int(kmin<int64_t>(kTileChunk, cr.hi + 1 - cs));
+    for_chunk_slots(kv, it.seq, cs, j0, j1, [&](int j, int64_t block, int slot) {
+      keys[j] = kb + kv.k_offset(block, slot, it.kv_head);
+      vals[j] = vb + kv.v_offset(block, slot, it.kv_head);
+    });
+#if defined(KVK_AMX)
+    if constexpr (kAmx) {
+      amx_pack_keys(keys, j0, j1, D, sc.kp_bf16());
+      amx_pack_values(vals, j0, j1, D, sc.vp_bf16());
+    }
+#endif
+    if constexpr (!kAmx) {
+      fma_pack_keys(keys, j0, j1, D, sc.kp);
+      fma_pack_values(vals, j0, j1, D, sc.vp, fvals);
+    }
+    for (int r0 = 0; r0 < rows16; r0 += 16) {
+      int a[16], b[16];
+      bool any = false;
+      for (int i = 0; i < 16; ++i) {
+        a[i] = b[i] = 0;
+        if (r0 + i < rows) visible_keys(p, map.pos(r0 + i), cs, j0, j1, &a[i], &b[i]);
+        any |= a[i] < b[i];
+      }
+      if (!any) continue;  // e.g. causal rows before this chunk: state unchanged
+      float *m = sc.m + r0, *d = sc.d + r0, *alpha = sc.alpha + r0;
+#if defined(KVK_AMX)
+      if constexpr (kAmx) {
+        amx_logits(sc.q_bf16() + size_t(r0) * D, D, sc.kp_bf16(), sc.s);
+        softmax_tile<true>(p, sc.s, mul, m, d, alpha, a, b, map, r0, cs, sc.p);
+        amx_values(sc, r0, D);
+        continue;
+      }
+#endif
+      {
+        fma_logits(sc.q + size_t(r0) * D, D, sc.kp, sc.s);
+        softmax_tile<false>(p, sc.s, mul, m, d, alpha, a, b, map, r0, cs, nullptr);
+        fma_values(sc, r0, D, fvals, j0, j1, mk.v);
+      }
+    }
+  }
+  store_rows<Q>(p, plan, map, it.kv_head, 0, rows, sc.acc, sc.m, sc.d, part_acc, part_m, part_d);
+}
+
+template <typename Q, typename C>
+void attend_tiles(const AttentionParams& p, const AttentionPlan& plan, const AttentionItem* items,
+                  int64_t begin, int64_t end, float* scratch, const AttentionPartials& part) {
+  const size_t item_rows = size_t(plan.heads) * plan.max_rows;
+  auto run = [&](auto amx) {
+    for (int64_t i = begin; i < end; ++i) {
+      const size_t row0 = size_t(i) * item_rows;
+      const bool split = plan.splits > 1;
+      attend_item_tiles<Q, C, decltype(amx)::value>(
+          p, plan, items[i], scratch, split ? part.acc + row0 * plan.dv : nullptr,
+          split ? part.m + row0 : nullptr, split ? part.d + row0 : nullptr);
+    }
+  };
+#if defined(KVK_AMX)
+  if constexpr (std::is_same_v<Q, c10::BFloat16> && kWordRows<C>) {
+    if (plan.tiles == TileKernel::kAmx) {
+      amx_configure();
+      run(std::true_type{});
+      _tile_release();
+      return;
+    }
+  }
+#endif
+  run(std::false_type{});
+}
+
+}  // namespace kvkernels::cpu::KVK_ISA
