@@ -38,8 +38,8 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // caches (both exact as bf16 tile operands) and a width that is a multiple of 32 (tile rows).
 TileKernel tile_kernel(const AttentionParams& p, Isa isa, int64_t max_q_len, int group) {
   const int D = p.kv.head_dim;
-  if (isa < Isa::kAvx512 || max_q_len * group < 16 || D != p.kv.head_dim_v || D % 16 != 0 ||
-      D > 512 || p.kv.k == p.kv.v)
+  if (isa < Isa::kAvx512 || max_q_len * group < 16 || group > kTileRows ||
+      D != p.kv.head_dim_v || D % 16 != 0 || D > 512 || p.kv.k == p.kv.v)
     return TileKernel::kNone;
   const CacheFormat f = p.kv.format;
   const bool amx = isa == Isa::kAvx512Amx && p.q_format == FloatFormat::kBFloat16 && D % 32 == 0 &&

@@ -129,19 +129,24 @@ inline void amx_pv(float* acc, int D, const bf16_bits* P, const bf16_bits* vp) {
   if constexpr (N > 3) _tile_stored(3, acc + 48, D * 4);
 }
 
-// O[16, D] = alpha O + P V for one row tile: rows whose running max moved are rescaled in memory
-// first, then the accumulator tiles are loaded, multiplied into and stored back, 4 at a time.
-inline void amx_values(const TileScratch& sc, int r0, int D) {
+// O = alpha O for the rows of one row tile whose running max moved.
+inline void amx_rescale(const TileScratch& sc, int r0, int D) {
   for (int i = 0; i < 16; ++i) {
     const float al = sc.alpha[r0 + i];
     if (al == 1.0f) continue;
     float* o = sc.acc + size_t(r0 + i) * D;
     for (int c = 0; c < D; c += Vec::N) (Vec::load(o + c) * Vec::set1(al)).store(o + c);
   }
+}
+
+// O[16, D] += P V for one row tile (rescaled before by amx_rescale): the accumulator tiles are
+// loaded, multiplied into and stored back, 4 at a time.
+inline void amx_values(const TileScratch& sc, int r0, int D) {
+  const bf16_bits* P = sc.p + size_t(r0) * kTileChunk;
   float* acc = sc.acc + size_t(r0) * D;
   int cb = 0;  // column tile of 16
-  for (; cb + 4 <= D / 16; cb += 4) amx_pv<4>(acc + cb * 16, D, sc.p, sc.vp_bf16() + cb * 32);
-  if (D / 16 - cb == 2) amx_pv<2>(acc + cb * 16, D, sc.p, sc.vp_bf16() + cb * 32);  // D % 32 == 0
+  for (; cb + 4 <= D / 16; cb += 4) amx_pv<4>(acc + cb * 16, D, P, sc.vp_bf16() + cb * 32);
+  if (D / 16 - cb == 2) amx_pv<2>(acc + cb * 16, D, P, sc.vp_bf16() + cb * 32);  // D % 32 == 0
 }
 
 }  // namespace kvkernels::cpu::KVK_ISA

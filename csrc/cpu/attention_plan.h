@@ -46,9 +46,9 @@ inline size_t attention_head_scratch_floats(const AttentionPlan& plan) {
          size_t(kChunk) * (plan.dk + plan.dv);
 }
 inline size_t attention_scratch_floats(const AttentionPlan& plan) {
-  if (plan.tiles != TileKernel::kNone) {  // TileScratch: 9 regions, each aligned to 64 bytes
+  if (plan.tiles != TileKernel::kNone) {  // TileScratch: 10 regions, each aligned to 64 bytes
     const size_t R = size_t(plan.max_rows), D = size_t(plan.dk);
-    return 2 * R * D + 3 * R + 16 * kTileChunk + 8 * kTileChunk + 2 * D * kTileChunk + 10 * 16;
+    return 2 * R * D + 3 * R + R * kTileChunk * 3 / 2 + 2 * R + 2 * D * kTileChunk + 10 * 16;
   }
   return plan.heads * attention_head_scratch_floats(plan);
 }

@@ -7,8 +7,11 @@
 //   1. the chunk is packed once for all the item's rows: keys transposed so that a key index runs
 //      along a vector (FMA: [D, 64] floats; AMX: bf16 dim pairs x keys), values converted to float
 //      rows (FMA; float caches are used in place) or interleaved in pairs (AMX);
-//   2. for each tile of 16 rows that sees any key of the chunk: S (16 x 64) = Q K^T, the online
-//      softmax step across the 16 rows at once (softmax_tile), then O = alpha O + P V.
+//   2. for each tile of 16 rows that sees any key of the chunk, in three passes over the tiles:
+//      S (16 x 64) = Q K^T; the online softmax step across the 16 rows at once (softmax_tile);
+//      O = alpha O + P V. Separate passes put a whole pass between writing S, P or a rescaled row
+//      of O with one unit and reading it with the other: a tile load right after vector stores to
+//      the same lines waited for them (the first tdpbf16ps of P V took a quarter of the time).
 // Against the vector kernel (horizontal sums per logit, a softmax step per 16 keys and per row)
 // this does the logits as an outer product with no reductions and pays the softmax's reductions
 // and rescale exps once per 64 keys for 16 rows together.
@@ -26,8 +29,9 @@ struct TileScratch {
   float* q;              // [max_rows, D] queries: floats (FMA) or bf16 (AMX)
   float* acc;            // [max_rows, D] unnormalized output
   float *m, *d, *alpha;  // [max_rows] softmax state
-  float* s;              // [16, kTileChunk] logits of one row tile, then (FMA) probabilities
-  bf16_bits* p;          // [16, kTileChunk] probabilities as bf16 (AMX)
+  float* s;              // [max_rows, kTileChunk] logits, then (FMA) probabilities
+  bf16_bits* p;          // [max_rows, kTileChunk] probabilities as bf16 (AMX)
+  int* vis;              // [max_rows, 2] keys [a, b) of the chunk each row sees
   float* kp;             // the chunk's keys, packed
   float* vp;             // the chunk's values, packed
   TileScratch(const AttentionPlan& plan, float* base) {
@@ -41,8 +45,9 @@ struct TileScratch {
     q = take(R * D);
     acc = take(R * D);
     m = take(R), d = take(R), alpha = take(R);
-    s = take(16 * kTileChunk);
-    p = reinterpret_cast<bf16_bits*>(take(8 * kTileChunk));
+    s = take(R * kTileChunk);
+    p = reinterpret_cast<bf16_bits*>(take(R * kTileChunk / 2));
+    vis = reinterpret_cast<int*>(take(2 * R));
     kp = take(D * kTileChunk);
     vp = take(D * kTileChunk);
   }
@@ -162,6 +167,31 @@ inline void softmax_tile(const AttentionParams& p, float* s, float mul, float* m
   _mm512_storeu_ps(m, m_new);
 }
 
+// The lines of the next chunk's key and value rows, prefetched into L2 a slice at a time between
+// the softmax steps of the row tiles: paged blocks are scattered, so no hardware prefetcher finds
+// them, and a burst of all the chunk's lines at once would stall the core on the fill buffers.
+struct ChunkPrefetch {
+  const char* rows[2 * kTileChunk];
+  int n = 0, row_bytes = 0;  // rows, bytes per row
+  int row = 0, at = 0;       // next line to issue: rows[row] + at
+  template <typename C>
+  void start(const C* const* keys, const C* const* vals, int j0, int j1, int D) {
+    n = row = at = 0;
+    row_bytes = D * int(sizeof(C));
+    for (int j = j0; j < j1; ++j) {
+      rows[n++] = reinterpret_cast<const char*>(keys[j]);
+      rows[n++] = reinterpret_cast<const char*>(vals[j]);
+    }
+  }
+  void issue(int lines) {
+    for (; lines > 0 && row < n; --lines) {
+      prefetch(rows[row] + at);
+      if ((at += 64) >= row_bytes) at = 0, ++row;
+    }
+  }
+  int total() const { return n * ((row_bytes + 63) / 64); }
+};
+
 // ---- FMA form ----
 
 // Keys [j0, j1) of a chunk as floats transposed: kt[dim * kTileChunk + key], zero outside.
@@ -231,7 +261,7 @@ inline void fma_values(const TileScratch& sc, int r0, int D, const float* const*
                        int j1, const Mask* mk) {
   for (int r = r0; r < r0 + 16; r += 4) {
     float* acc = sc.acc + size_t(r) * D;
-    const float* P = sc.s + (r - r0) * kTileChunk;
+    const float* P = sc.s + size_t(r) * kTileChunk;
     int c = 0;
     for (; c + 4 <= D / 16; c += 4)
       pv4<4>(acc, D, P, kTileChunk, sc.alpha + r, vals, j0, j1, c, mk, nullptr);
@@ -281,16 +311,33 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
   const RowMasks mk(kv);
   const C* kb = static_cast<const C*>(kv.k);
   const C* vb = static_cast<const C*>(kv.v);
-  const C *keys[kTileChunk], *vals[kTileChunk];
+  // Row pointers of the chunk and of the next one (prefetched while this one is computed).
+  const C *rows_k[2][kTileChunk], *rows_v[2][kTileChunk];
   const float* fvals[kTileChunk];
-  for (int64_t c = cr.c_begin; c < cr.c_end; ++c) {
+  auto chunk_keys = [&](int64_t c, int* j0, int* j1, const C** keys, const C** vals) {
     const int64_t cs = c * kTileChunk;
-    const int j0 = int(kmax<int64_t>(0, cr.lo - cs));
-    const int j1 = int(kmin<int64_t>(kTileChunk, cr.hi + 1 - cs));
-    for_chunk_slots(kv, it.seq, cs, j0, j1, [&](int j, int64_t block, int slot) {
+    *j0 = int(kmax<int64_t>(0, cr.lo - cs));
+    *j1 = int(kmin<int64_t>(kTileChunk, cr.hi + 1 - cs));
+    for_chunk_slots(kv, it.seq, cs, *j0, *j1, [&](int j, int64_t block, int slot) {
       keys[j] = kb + kv.k_offset(block, slot, it.kv_head);
       vals[j] = vb + kv.v_offset(block, slot, it.kv_head);
     });
+  };
+  ChunkPrefetch pf;
+  int j0 = 0, j1 = 0, nj0 = 0, nj1 = 0;
+  if (cr.c_begin < cr.c_end) chunk_keys(cr.c_begin, &nj0, &nj1, rows_k[0], rows_v[0]);
+  for (int64_t c = cr.c_begin; c < cr.c_end; ++c) {
+    const int64_t cs = c * kTileChunk;
+    const C* const* keys = rows_k[(c - cr.c_begin) & 1];
+    const C* const* vals = rows_v[(c - cr.c_begin) & 1];
+    j0 = nj0, j1 = nj1;
+    pf.issue(pf.total());  // whatever the last chunk's tiles left
+    pf.n = 0;
+    if (c + 1 < cr.c_end) {
+      const int nxt = (c + 1 - cr.c_begin) & 1;
+      chunk_keys(c + 1, &nj0, &nj1, rows_k[nxt], rows_v[nxt]);
+      pf.start(rows_k[nxt], rows_v[nxt], nj0, nj1, D);
+    }
 #if defined(KVK_AMX)
     if constexpr (kAmx) {
       amx_pack_keys(keys, j0, j1, D, sc.kp_bf16());
@@ -301,30 +348,50 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
       fma_pack_keys(keys, j0, j1, D, sc.kp);
       fma_pack_values(vals, j0, j1, D, sc.vp, fvals);
     }
-    for (int r0 = 0; r0 < rows16; r0 += 16) {
-      int a[16], b[16];
-      bool any = false;
+    // Which rows see which keys; tiles that see none are skipped (e.g. causal rows before the
+    // chunk), their state unchanged.
+    bool live[kTileRows / 16] = {};  // the planner keeps max_rows <= kTileRows
+    const int tiles = rows16 / 16;
+    for (int t = 0; t < tiles; ++t) {
       for (int i = 0; i < 16; ++i) {
-        a[i] = b[i] = 0;
-        if (r0 + i < rows) visible_keys(p, map.pos(r0 + i), cs, j0, j1, &a[i], &b[i]);
-        any |= a[i] < b[i];
-      }
-      if (!any) continue;  // e.g. causal rows before this chunk: state unchanged
-      float *m = sc.m + r0, *d = sc.d + r0, *alpha = sc.alpha + r0;
-#if defined(KVK_AMX)
-      if constexpr (kAmx) {
-        amx_logits(sc.q_bf16() + size_t(r0) * D, D, sc.kp_bf16(), sc.s);
-        softmax_tile<true>(p, sc.s, mul, m, d, alpha, a, b, map, r0, cs, sc.p);
-        amx_values(sc, r0, D);
-        continue;
-      }
-#endif
-      {
-        fma_logits(sc.q + size_t(r0) * D, D, sc.kp, sc.s);
-        softmax_tile<false>(p, sc.s, mul, m, d, alpha, a, b, map, r0, cs, nullptr);
-        fma_values(sc, r0, D, fvals, j0, j1, mk.v);
+        const int r = t * 16 + i;
+        int* v = sc.vis + 2 * r;
+        v[0] = v[1] = 0;
+        if (r < rows) visible_keys(p, map.pos(r), cs, j0, j1, &v[0], &v[1]);
+        live[t] |= v[0] < v[1];
       }
     }
+    auto each_live_tile = [&](auto f) {
+      for (int t = 0; t < tiles; ++t)
+        if (live[t]) f(t * 16);
+    };
+    each_live_tile([&](int r0) {
+      float* s = sc.s + size_t(r0) * kTileChunk;
+#if defined(KVK_AMX)
+      if constexpr (kAmx) return amx_logits(sc.q_bf16() + size_t(r0) * D, D, sc.kp_bf16(), s);
+#endif
+      fma_logits(sc.q + size_t(r0) * D, D, sc.kp, s);
+    });
+    int live_tiles = 0;
+    for (int t = 0; t < tiles; ++t) live_tiles += live[t];
+    const int per_tile = (pf.total() + live_tiles - 1) / kmax(live_tiles, 1);
+    each_live_tile([&](int r0) {
+      pf.issue(per_tile);
+      float* s = sc.s + size_t(r0) * kTileChunk;
+      int a[16], b[16];
+      for (int i = 0; i < 16; ++i) a[i] = sc.vis[2 * (r0 + i)], b[i] = sc.vis[2 * (r0 + i) + 1];
+      float *m = sc.m + r0, *d = sc.d + r0, *alpha = sc.alpha + r0;
+      softmax_tile<kAmx>(p, s, mul, m, d, alpha, a, b, map, r0, cs, sc.p + size_t(r0) * kTileChunk);
+#if defined(KVK_AMX)
+      if constexpr (kAmx) amx_rescale(sc, r0, D);
+#endif
+    });
+    each_live_tile([&](int r0) {
+#if defined(KVK_AMX)
+      if constexpr (kAmx) return amx_values(sc, r0, D);
+#endif
+      fma_values(sc, r0, D, fvals, j0, j1, mk.v);
+    });
   }
   store_rows<Q>(p, plan, map, it.kv_head, 0, rows, sc.acc, sc.m, sc.d, part_acc, part_m, part_d);
 }
