@@ -426,8 +426,10 @@ class PagedKVCache:
         self._chain[dst] = self._chain[src][:full]
         if whole:
             self._tail[dst] = self._tail[src]
-        elif n % bs:  # the tokens of the partial block come from the source's history
-            self._tail[dst, :n % bs] = np.frombuffer(self._history[src][full], dtype="<i8")[:n % bs]
+        elif n % bs:  # the partial block's tokens: a full block of the source, or its tail
+            history = self._history[src]
+            part = np.frombuffer(history[full], dtype="<i8") if full < len(history) else self._tail[src]
+            self._tail[dst, :n % bs] = part[:n % bs]
         self._hashing[dst] = self._hashing[src]
         self._sparse[dst] = self._sparse[src]
         self._logical[dst] = self._logical[src]  # never mutated in place: shared safely
