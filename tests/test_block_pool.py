@@ -154,6 +154,15 @@ def test_pluggable_hash_function_is_used():
         b"kvkernels prefix-cache root").digest()
 
 
+def test_a_hash_collision_never_puts_one_block_twice_in_a_prefix():
+    pool = BlockPool(6, 2, hash_algorithm=lambda data: b"same")  # every block collides
+    a, b = pool.allocate(2)
+    assert pool.cache_block(a, pool.hash_block(None, tokens(1, 2).tobytes()))
+    assert not pool.cache_block(b, b"same")
+    got, _ = pool.acquire_prefix(tokens(1, 2, 3, 4, 5))
+    assert got == [a] and pool.refcount(a) == 2
+
+
 def test_prefix_hit_never_covers_the_last_token():
     pool = BlockPool(8, 4)
     blocks = register(pool, range(8))  # two full blocks

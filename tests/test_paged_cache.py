@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import kvkernels
 from kvkernels import ops
-from kvkernels.cache import (KeepRecentRatio, OutOfBlocksError, PagedKVCache, SinkRecentWindow,
+from kvkernels.cache import (KeepRecentRatio, OutOfBlocksError, PagedKVCache, SinkRecentWindow, SparsePolicy,
                              UnknownSequenceError)
 
 from helpers import dense_attention
@@ -486,9 +486,8 @@ def test_out_of_blocks_raises_before_any_change(what):
         call = lambda: cache.append_decode([a, b, c], [1, 2, 3])  # CoW of a's block (1) + c's new block (1)
         need = 2
     elif what == "cow":
-        cache.append(c, [1] * 5)  # takes the last free block
-        call = lambda: cache.append(a, [1])  # the shared partial block must be copied: no block left
-        need = 1
+        call = lambda: cache.append(a, [1] * 3)  # a copy of the shared partial block + 1 new block
+        need = 2
     else:
         cache.offload(c)  # frees 3 blocks: 4 free
         d, _ = cache.add_sequence([8] * 8)
@@ -729,6 +728,25 @@ def test_sixteen_beams_sharing_a_prompt_take_under_a_tenth_of_private_copies():
         private.append(s, prompt + [i] * 64)
     ratio = shared.memory_usage()["allocated_bytes"] / private.memory_usage()["allocated_bytes"]
     assert ratio <= 0.1 and shared.memory_usage()["sharing_ratio"] == pytest.approx(ratio)
+
+
+class DropAll(SparsePolicy):
+    min_tokens = 0
+
+    def select(self, num_tokens, block_size, logical_blocks):
+        return np.zeros(len(logical_blocks), dtype=bool)
+
+
+def test_sparse_policy_never_drops_the_block_being_written():
+    cache = make_cache(num_blocks=20, block_size=4)
+    a, _ = cache.add_sequence(list(range(9)))
+    cache.append(a, list(range(9)))
+    assert cache.sparsify(a, DropAll()) == 2
+    assert cache.seq_lens([a]).tolist() == [1] and cache.num_tokens(a) == 9
+    b, _ = cache.add_sequence(list(range(8)))
+    cache.append(b, list(range(8)))  # two full blocks: the second is still the last one
+    assert cache.sparsify(b, DropAll()) == 1 and cache.seq_lens([b]).tolist() == [4]
+    check_structure(cache)
 
 
 def test_keep_recent_ratio_drops_old_blocks_and_keeps_data():
