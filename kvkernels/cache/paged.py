@@ -416,7 +416,7 @@ class PagedKVCache:
         whole = n == self._num_tokens[src]
         nb = int(self._nblocks[src]) if whole else -(-n // bs)
         blocks = self._tables[src, :nb]
-        self.pool.incref(blocks)
+        self.pool.incref(blocks, distinct=True)
         self._tables[dst, :nb] = blocks
         self._nblocks[dst] = nb
         self._kv_len[dst] = self._kv_len[src] if whole else n

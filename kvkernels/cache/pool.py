@@ -264,14 +264,19 @@ class BlockPool:
                 self.ref[blocks] = 1
             return blocks
 
-    def incref(self, blocks: Sequence[int]) -> None:
-        """One more reference to each of ``blocks`` (all currently referenced), e.g. on a fork."""
+    def incref(self, blocks: Sequence[int], *, distinct: bool = False) -> None:
+        """One more reference per occurrence in ``blocks`` (all currently referenced), e.g. on a
+        fork. ``distinct=True`` promises no repeats (one block table): a plain vectorized add,
+        several times faster than the repeat-safe one on long tables."""
         with self.lock:
             arr = self._check_ids(blocks)
             if arr.size and (self.ref[arr] <= 0).any():
                 bad = int(arr[self.ref[arr] <= 0][0])
                 raise ValueError(f"kvkernels.BlockPool.incref: block {bad} is free")
-            np.add.at(self.ref, arr, 1)
+            if distinct:
+                self.ref[arr] += 1
+            else:
+                np.add.at(self.ref, arr, 1)
 
     def touch(self, blocks: Sequence[int]) -> None:
         """Take a reference to each of ``blocks``, reviving free (cached) ones: a prefix hit."""
