@@ -124,10 +124,36 @@ class Seq:
         return Seq(self.tokens, self.extra, self.visible, self.sparse)
 
 
+def model_keeps(policy, num_tokens: int, block: int) -> bool:
+    """The model's own version of each sparse policy: is logical ``block`` kept?"""
+    if isinstance(policy, KeepRecentRatio):
+        if num_tokens <= policy.threshold_tokens:
+            return True
+        total = math.ceil(num_tokens / BS)
+        return block >= total - max(1, math.ceil(policy.keep_ratio * total))
+    if num_tokens <= policy.sink_tokens + policy.window_tokens:
+        return True
+    return block < math.ceil(policy.sink_tokens / BS) or block >= (num_tokens - policy.window_tokens) // BS
+
+
+def model_sparsify(seq: "Seq", policy, protect_from: int) -> int:
+    """Apply ``policy`` to the model sequence; blocks from ``protect_from`` and the last block stay.
+    Returns the number of blocks dropped."""
+    n = len(seq.tokens)
+    last = (n - 1) // BS
+    keep = [p for p in seq.visible if model_keeps(policy, n, p // BS) or p // BS >= min(last, protect_from)]
+    dropped = (len(seq.visible) - len(keep)) // BS
+    seq.sparse |= dropped > 0
+    seq.visible = keep
+    return dropped
+
+
 class CacheMachine(RuleBasedStateMachine):
+    AUTO_POLICY = None  # the cache's sparse_policy, applied whenever a sequence gets a new block
+
     def __init__(self):
         super().__init__()
-        self.cache = make_cache(NUM_BLOCKS, BS)
+        self.cache = make_cache(NUM_BLOCKS, BS, sparse_policy=self.AUTO_POLICY)
         self.codes = Codes()
         self.model: dict[int, Seq] = {}
         self.offloaded: set[int] = set()
@@ -147,6 +173,8 @@ class CacheMachine(RuleBasedStateMachine):
         positions = range(start, len(seq.tokens))
         seq.visible += list(positions)
         write(self.cache, self.codes, slots, self.values(seq, positions))
+        if self.AUTO_POLICY is not None and math.ceil(len(seq.tokens) / BS) > math.ceil(start / BS):
+            model_sparsify(seq, self.AUTO_POLICY, protect_from=start // BS)  # blocks just written stay
 
     def expect_unchanged_on_oob(self, call):
         before = snapshot(self.cache)
@@ -234,18 +262,21 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def sparsify(self, data):
         sid = data.draw(st.sampled_from(self.resident()))
-        seq = self.model[sid]
-        n = len(seq.tokens)
         dropped = self.cache.sparsify(sid, SPARSE)
-        if n > SPARSE.threshold_tokens:  # the model's own version of the policy
-            total = math.ceil(n / BS)
-            first = total - max(1, math.ceil(SPARSE.keep_ratio * total))
-            keep = [p for p in seq.visible if p // BS >= first or p // BS == (n - 1) // BS]
-        else:
-            keep = seq.visible
-        assert dropped * BS == len(seq.visible) - len(keep)
-        seq.sparse |= dropped > 0
-        seq.visible = keep
+        assert dropped == model_sparsify(self.model[sid], SPARSE, protect_from=10**9)
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data(), count=st.integers(1, 2))
+    def share(self, data, count):
+        src = data.draw(st.sampled_from(self.resident()))
+        seq = self.model[src]
+        n = len(seq.tokens) if seq.sparse else data.draw(st.integers(0, len(seq.tokens)))
+        dsts = [self.cache.add_sequence([])[0] for _ in range(count)]
+        self.cache.share_prompt_blocks(src, dsts, n)
+        for dst in dsts:
+            child = seq.copy()
+            child.tokens, child.visible = child.tokens[:n], child.visible[:len(child.visible) - (len(seq.tokens) - n)]
+            self.model[dst] = child
 
     @precondition(lambda self: len(self.resident()) >= 2)
     @rule(data=st.data())
@@ -285,9 +316,17 @@ class CacheMachine(RuleBasedStateMachine):
         assert s.num_free_blocks == NUM_BLOCKS - 1 and s.num_sequences == 0 and not self.cache.pool.ref.any()
 
 
-CacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
-                                          suppress_health_check=[HealthCheck.too_slow])
+class SparseCacheMachine(CacheMachine):
+    """The same operations with a sink + recent-window policy applied on every new block."""
+    AUTO_POLICY = SinkRecentWindow(sink_tokens=3, window_tokens=6)
+
+
+MACHINE_SETTINGS = settings(max_examples=60, stateful_step_count=30, deadline=None,
+                            suppress_health_check=[HealthCheck.too_slow])
+CacheMachine.TestCase.settings = MACHINE_SETTINGS
+SparseCacheMachine.TestCase.settings = MACHINE_SETTINGS
 test_cache_state_machine = CacheMachine.TestCase
+test_cache_state_machine_with_sparse_policy = SparseCacheMachine.TestCase
 
 
 # ---- threads -----------------------------------------------------------------------------------
@@ -743,8 +782,8 @@ def test_sparse_policy_never_drops_the_block_being_written():
     cache.append(a, list(range(9)))
     assert cache.sparsify(a, DropAll()) == 2
     assert cache.seq_lens([a]).tolist() == [1] and cache.num_tokens(a) == 9
-    b, _ = cache.add_sequence(list(range(8)))
-    cache.append(b, list(range(8)))  # two full blocks: the second is still the last one
+    b, _ = cache.add_sequence(list(range(20, 28)))
+    cache.append(b, list(range(20, 28)))  # two full blocks: the second is still the last one
     assert cache.sparsify(b, DropAll()) == 1 and cache.seq_lens([b]).tolist() == [4]
     check_structure(cache)
 

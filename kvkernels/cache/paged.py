@@ -282,7 +282,8 @@ class PagedKVCache:
             self._kv_len[row] = kv + n
             self._num_tokens[row] += n
             if new and self.sparse_policy is not None:
-                self._auto_sparsify(np.array([row]))
+                # The blocks this call wrote into stay: their slots were just handed out.
+                self._auto_sparsify(np.array([row]), keep_from=first)
             return torch.from_numpy(slots).to(self.device)
 
     def append_decode(self, seqs: Sequence[int], token_ids) -> DecodeStep:
@@ -576,7 +577,9 @@ class PagedKVCache:
         later = nb - len(kept)
         return np.concatenate((kept, np.arange(total - later, total)))
 
-    def _sparsify_row(self, row: int, policy: SparsePolicy) -> int:
+    def _sparsify_row(self, row: int, policy: SparsePolicy, keep_from: Optional[int] = None) -> int:
+        """Drop the table entries ``policy`` does not keep, except the last one and every entry
+        from index ``keep_from`` on. Returns the number dropped."""
         nb = int(self._nblocks[row])
         if nb <= 1:
             return 0
@@ -586,6 +589,8 @@ class PagedKVCache:
             return 0
         keep = np.asarray(keep, dtype=bool).copy()
         keep[-1] = True  # the block being written stays
+        if keep_from is not None:
+            keep[keep_from:] = True
         drop = np.flatnonzero(~keep)
         if not drop.size:
             return 0
@@ -604,10 +609,10 @@ class PagedKVCache:
         self._counters["sparse_freed_blocks"] += len(released)
         return int(drop.size)
 
-    def _auto_sparsify(self, rows: np.ndarray) -> None:
+    def _auto_sparsify(self, rows: np.ndarray, keep_from: Optional[int] = None) -> None:
         policy = self.sparse_policy
         for row in rows[self._num_tokens[rows] > policy.min_tokens].tolist():
-            self._sparsify_row(row, policy)
+            self._sparsify_row(row, policy, keep_from)
 
     def sparse_stats(self, seq: int) -> dict:
         """Seed 003's block-sparse statistics for one sequence: whether blocks were dropped, logical
