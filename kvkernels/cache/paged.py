@@ -472,7 +472,7 @@ class PagedKVCache:
             # Take the new references before dropping the old ones: a block kept by both stays put.
             self.pool.incref(np.concatenate([self._blocks(r) for r in src.tolist()]))
             for r in dst.tolist():
-                self.pool.free(self._blocks(r).copy())
+                self.pool.free(self._blocks(r).copy(), distinct=True)
             for name in ("_tables", "_nblocks", "_kv_len", "_num_tokens", "_tail", "_hashing", "_sparse"):
                 a = getattr(self, name)
                 a[dst] = a[src]  # fancy indexing reads every source row before any is written
@@ -491,7 +491,7 @@ class PagedKVCache:
         with self._lock:
             row = self._row(seq, "free", resident=False)
             if self._resident[row]:
-                self.pool.free(self._blocks(row))
+                self.pool.free(self._blocks(row), distinct=True)
             del self._row_of[seq]
             self._release_row(row)
 
@@ -509,7 +509,7 @@ class PagedKVCache:
             if len(blocks):
                 mapping = torch.from_numpy(np.stack([blocks, np.arange(len(blocks))], axis=1).astype(np.int64))
                 ops.swap_blocks(self.kv, host, mapping, block_dim=_BLOCK_DIM)
-            self.pool.free(blocks)
+            self.pool.free(blocks, distinct=True)
             self._tables[row, :len(blocks)] = 0
             self._host[row] = host
             self._resident[row] = False
@@ -604,7 +604,7 @@ class PagedKVCache:
         self._logical[row] = logical[keep]
         self._sparse[row] = True
         self._hashing[row] = False  # later KV depends on what was dropped: not a prefill's KV
-        released = self.pool.free(dropped)
+        released = self.pool.free(dropped, distinct=True)
         self._counters["sparse_evicted_blocks"] += drop.size
         self._counters["sparse_freed_blocks"] += len(released)
         return int(drop.size)

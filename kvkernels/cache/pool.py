@@ -287,10 +287,11 @@ class BlockPool:
                     self.policy.remove(block)
                 self.ref[block] += 1
 
-    def free(self, blocks: Sequence[int]) -> list[int]:
+    def free(self, blocks: Sequence[int], *, distinct: bool = False) -> list[int]:
         """Drop one reference to each of ``blocks`` (distinct ids, in block-table order). Blocks
         reaching zero go to the eviction policy tail-first: the end of a sequence is reused before
-        its beginning. Returns the blocks that became free."""
+        its beginning. Returns the blocks that became free. ``distinct=True``: the caller promises
+        no repeats (one block table), which skips that check."""
         with self.lock:
             arr = self._check_ids(blocks)
             if not arr.size:
@@ -298,7 +299,7 @@ class BlockPool:
             if (self.ref[arr] <= 0).any():
                 bad = int(arr[self.ref[arr] <= 0][0])
                 raise ValueError(f"kvkernels.BlockPool.free: block {bad} is already free (double free)")
-            if np.unique(arr).size != arr.size:
+            if not distinct and np.unique(arr).size != arr.size:
                 raise ValueError("kvkernels.BlockPool.free: blocks: the same block appears twice")
             self.ref[arr] -= 1
             released = arr[self.ref[arr] == 0].tolist()
