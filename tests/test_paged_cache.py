@@ -644,6 +644,29 @@ def test_copy_on_write_of_one_step_is_one_copy_blocks_call(monkeypatch):
     check_structure(cache)
 
 
+def test_a_failing_block_copy_leaves_tables_and_pool_as_they_were(monkeypatch):
+    cache = make_cache(num_blocks=20, block_size=4)
+    a, _ = cache.add_sequence(list(range(6)))
+    cache.append(a, list(range(6)))
+    b = cache.fork(a)
+    c, _ = cache.add_sequence([9] * 5)
+    cache.append(c, [9] * 5)
+    cache.offload(c)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(ops, "copy_blocks", broken)
+    monkeypatch.setattr(ops, "swap_blocks", broken)
+    before = snapshot(cache)
+    with pytest.raises(RuntimeError, match="device lost"):
+        cache.append_decode([a, b], [1, 2])  # a must copy the shared partial block
+    with pytest.raises(RuntimeError, match="device lost"):
+        cache.restore(c)
+    after = snapshot(cache)
+    assert after[3:8] == before[3:8] and after[0].num_free_blocks == before[0].num_free_blocks
+    check_structure(cache)
+
+
 def test_fork_copies_no_kv_and_takes_no_block(monkeypatch):
     cache = make_cache(num_blocks=64, block_size=4)
     a, _ = cache.add_sequence(list(range(50)))

@@ -358,26 +358,33 @@ class PagedKVCache:
 
     def _copy_on_write(self, rows: list[int]) -> None:
         """Give each row a private copy of its shared last block; one copy_blocks call for all.
-        The caller has checked that the pool has the blocks."""
-        pairs, pending = [], {}
+        The caller has checked that the pool has the blocks. Tables change only after the copy
+        succeeded."""
         ref, cached, bs = self.pool.ref, self.pool.cached, self.block_size
+        writers, sources, pending = [], [], {}
         for row in rows:
-            col = int(self._nblocks[row]) - 1
-            src = int(self._tables[row, col])
+            src = int(self._tables[row, int(self._nblocks[row]) - 1])
+            # The last of k writers of an uncached block with k references keeps it.
             if cached[src] or ref[src] - pending.get(src, 0) > 1:
-                dst = self.pool.allocate(1)[0]
-                self._tables[row, col] = dst
-                pairs.append((src, dst))
+                writers.append(row)
+                sources.append(src)
                 pending[src] = pending.get(src, 0) + 1
-                self._counters["cow_copied_tokens"] += int(self._kv_len[row]) % bs
-        if not pairs:
+        if not writers:
             return
-        mapping = torch.tensor(pairs, dtype=torch.int64, device=self.device)
-        ops.copy_blocks(self.kv, mapping, block_dim=_BLOCK_DIM)
-        # Sources are released only now, so none of them could be handed out as a destination above.
-        for src, _ in pairs:
+        targets = self.pool.allocate(len(writers))
+        try:
+            mapping = torch.tensor(list(zip(sources, targets)), dtype=torch.int64, device=self.device)
+            ops.copy_blocks(self.kv, mapping, block_dim=_BLOCK_DIM)
+        except BaseException:
+            self.pool.free(targets, distinct=True)
+            raise
+        for row, dst in zip(writers, targets):
+            self._tables[row, int(self._nblocks[row]) - 1] = dst
+            self._counters["cow_copied_tokens"] += int(self._kv_len[row]) % bs
+        # Sources are released only after the copy, so none of them was handed out as a target.
+        for src in sources:
             self.pool.free([src])
-        self._counters["cow_copies"] += len(pairs)
+        self._counters["cow_copies"] += len(writers)
 
     # ---- sharing ---------------------------------------------------------------------------------
 
@@ -536,9 +543,13 @@ class PagedKVCache:
             pool.check_available(len(missing) + revived, f"restore of sequence {seq}")
             pool.touch(list(found.values()))
             fresh = pool.allocate(len(missing))
-            if missing:
-                mapping = torch.tensor(list(zip(missing, fresh)), dtype=torch.int64)
-                ops.swap_blocks(self._host[row], self.kv, mapping, block_dim=_BLOCK_DIM)
+            try:
+                if missing:
+                    mapping = torch.tensor(list(zip(missing, fresh)), dtype=torch.int64)
+                    ops.swap_blocks(self._host[row], self.kv, mapping, block_dim=_BLOCK_DIM)
+            except BaseException:  # leave the pool as it was
+                pool.free(fresh + list(found.values()), distinct=True)
+                raise
             for j, block in found.items():
                 self._tables[row, j] = block
             self._tables[row, missing] = fresh
