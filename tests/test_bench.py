@@ -71,3 +71,19 @@ def test_slow_baselines_are_cut_short_or_skipped_with_a_reason(tmp_path, capsys)
             assert case["impls"][name]["skipped"].startswith("predicted"), case["name"]
     assert all(case["impls"]["kvkernels"]["checked"] for case in rest)  # kvkernels has no limit
     assert "skipped (predicted" in capsys.readouterr().out
+
+
+def test_cache_suite_quick_run_writes_json_and_text(tmp_path):
+    code = bench.main(["--suite", "cache", "--quick", "--out", str(tmp_path)])
+    assert code == 0
+    (json_path,) = tmp_path.glob("cache-*.json")
+    (txt_path,) = tmp_path.glob("cache-*.txt")
+    record = json.loads(json_path.read_text())
+    for key in ("machine", "torch_version", "date", "command_line", "fork", "beams", "prefix", "decode"):
+        assert record[key], key
+    assert all(row["fork_kv_bytes_copied"] == 0 and row["fork_us"] > 0 for row in record["fork"]["rows"])
+    assert all(row["first_write_copy_bytes"] > 0 for row in record["fork"]["rows"])  # the partial block
+    assert record["beams"]["ratio_allocated"] < 0.2 and record["beams_unaligned"]["cow_copies"] == 15
+    assert 0 < record["prefix"]["hit_rate"] < 1
+    assert all(run["median_us_per_seq"] > 0 for run in record["decode"]["runs"])
+    assert "decode-step overhead" in txt_path.read_text()

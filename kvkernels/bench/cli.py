@@ -63,6 +63,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                 description="CPU benchmark of the kvkernels ops against PyTorch baselines, "
                                             "with memory bandwidth measured in the same run "
                                             "(details: benchmarks/README.md).")
+    p.add_argument("--suite", choices=("kernels", "cache"), default="kernels",
+                   help="kernels: the ops against PyTorch (default); cache: the Python cache manager "
+                        "(fork, beam memory, prefix hits, decode-step overhead), see benchmarks/README.md")
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes, no layer rotation, 64 MiB bandwidth buffers, min-time 0.01 (smoke test)")
     p.add_argument("--cases", type=_csv(str, CASE_GROUPS), default=list(CASE_GROUPS),
@@ -180,6 +183,9 @@ def run_cases(args: argparse.Namespace, shapes: Shapes, settings: Settings, llc:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.suite == "cache":
+        from kvkernels.bench import cache_manager
+        return cache_manager.run(args, argv)
     started = datetime.datetime.now().astimezone()
     if args.isa:
         os.environ["KVKERNELS_CPU_ISA"] = args.isa  # read by the kernels on each call
