@@ -31,18 +31,21 @@ const AttentionKernels& kernels_for(Isa isa) {
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// The tile kernels of prefill (attention_tiles.h) run on AVX-512 builds for calls with at least
-// one tile of 16 rows (decode stays on the vector kernel, which reads each block once for several
-// kv heads), key and value rows of one width that is a multiple of 16 (whole vectors), and
-// separate key and value rows (not MLA). The AMX form further needs bf16 queries over bf16 or fp8
-// caches (both exact as bf16 tile operands) and a width that is a multiple of 32 (tile rows).
+// The tile kernels (attention_tiles.h) run on AVX-512 builds for calls with at least one tile of
+// 16 rows per kv head: prefill, and MLA decode (16+ query heads over one latent head). GQA decode
+// stays on the vector kernel, which reads each block once for several kv heads. Key and value rows
+// must be whole vectors (multiples of 16 wide) and of one width, or for MLA the value a prefix of
+// the key row. The AMX form further needs bf16 queries over bf16 or fp8 caches (both exact as bf16
+// tile operands) and widths that are multiples of 32 (tile rows).
 TileKernel tile_kernel(const AttentionParams& p, Isa isa, int64_t max_q_len, int group) {
-  const int D = p.kv.head_dim;
-  if (isa < Isa::kAvx512 || max_q_len * group < 16 || group > kTileRows ||
-      D != p.kv.head_dim_v || D % 16 != 0 || D > 512 || p.kv.k == p.kv.v)
+  const int Dk = p.kv.head_dim, Dv = p.kv.head_dim_v;
+  const bool same_width = p.kv.k == p.kv.v ? Dv <= Dk : Dv == Dk;
+  if (isa < Isa::kAvx512 || max_q_len * group < 16 || group > kTileRows || !same_width ||
+      Dk % 16 != 0 || Dv % 16 != 0 || Dk > 1024)
     return TileKernel::kNone;
   const CacheFormat f = p.kv.format;
-  const bool amx = isa == Isa::kAvx512Amx && p.q_format == FloatFormat::kBFloat16 && D % 32 == 0 &&
+  const bool amx = isa == Isa::kAvx512Amx && p.q_format == FloatFormat::kBFloat16 &&
+                   Dk % 32 == 0 && Dv % 32 == 0 &&
                    (f == CacheFormat::kBFloat16 || f == CacheFormat::kFp8E4M3 ||
                     f == CacheFormat::kFp8E5M2);
   return amx ? TileKernel::kAmx : TileKernel::kFma;
@@ -58,7 +61,8 @@ AttentionPlan make_plan(const AttentionParams& p, Isa isa, int64_t max_q_len) {
   if (plan.tiles != TileKernel::kNone) {
     plan.q_tile = int(std::clamp<int64_t>(kTileRows / plan.group, 1, max_q_len));
     plan.max_rows = int(round_up(int64_t(plan.q_tile) * plan.group, 16));
-    plan.dk = plan.dv = p.kv.head_dim;
+    plan.dk = p.kv.head_dim;
+    plan.dv = p.kv.head_dim_v;
     return plan;
   }
   plan.q_tile = int(std::clamp<int64_t>(std::min<int64_t>(64 / plan.group, max_q_len), 1, 16));

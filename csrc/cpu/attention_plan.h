@@ -36,7 +36,7 @@ struct AttentionPlan {
   int max_rows = 0;    // q_tile * group rounded up to a multiple of 4
   int dk = 0, dv = 0;  // head_dim, head_dim_v rounded up to 32 (scratch row widths)
   int splits = 1;      // KV ranges per (sequence, query tile, kv head)
-  TileKernel tiles = TileKernel::kNone;  // not kNone: heads == 1, dk == dv, max_rows % 16 == 0
+  TileKernel tiles = TileKernel::kNone;  // not kNone: heads == 1, max_rows % 16 == 0
 };
 
 // Per-thread scratch (floats): for each kv head of an item, queries, accumulators, logits and
@@ -47,8 +47,9 @@ inline size_t attention_head_scratch_floats(const AttentionPlan& plan) {
 }
 inline size_t attention_scratch_floats(const AttentionPlan& plan) {
   if (plan.tiles != TileKernel::kNone) {  // TileScratch: 10 regions, each aligned to 64 bytes
-    const size_t R = size_t(plan.max_rows), D = size_t(plan.dk);
-    return 2 * R * D + 3 * R + R * kTileChunk * 3 / 2 + 2 * R + 2 * D * kTileChunk + 10 * 16;
+    const size_t R = size_t(plan.max_rows), Dk = size_t(plan.dk), Dv = size_t(plan.dv);
+    return R * (Dk + Dv) + 3 * R + R * kTileChunk * 3 / 2 + 2 * R + (Dk + Dv) * kTileChunk +
+           10 * 16;
   }
   return plan.heads * attention_head_scratch_floats(plan);
 }

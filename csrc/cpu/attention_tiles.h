@@ -35,21 +35,21 @@ struct TileScratch {
   float* kp;             // the chunk's keys, packed
   float* vp;             // the chunk's values, packed
   TileScratch(const AttentionPlan& plan, float* base) {
-    const size_t R = size_t(plan.max_rows), D = size_t(plan.dk);
+    const size_t R = size_t(plan.max_rows), Dk = size_t(plan.dk), Dv = size_t(plan.dv);
     float* at = align64(base);
     auto take = [&](size_t floats) {
       float* r = at;
       at = align64(at + floats);
       return r;
     };
-    q = take(R * D);
-    acc = take(R * D);
+    q = take(R * Dk);
+    acc = take(R * Dv);
     m = take(R), d = take(R), alpha = take(R);
     s = take(R * kTileChunk);
     p = reinterpret_cast<bf16_bits*>(take(R * kTileChunk / 2));
     vis = reinterpret_cast<int*>(take(2 * R));
-    kp = take(D * kTileChunk);
-    vp = take(D * kTileChunk);
+    kp = take(Dk * kTileChunk);
+    vp = take(Dv * kTileChunk);
   }
   bf16_bits* q_bf16() const { return reinterpret_cast<bf16_bits*>(q); }
   bf16_bits* kp_bf16() const { return reinterpret_cast<bf16_bits*>(kp); }
@@ -175,12 +175,12 @@ struct ChunkPrefetch {
   int n = 0, row_bytes = 0;  // rows, bytes per row
   int row = 0, at = 0;       // next line to issue: rows[row] + at
   template <typename C>
-  void start(const C* const* keys, const C* const* vals, int j0, int j1, int D) {
+  void start(const C* const* keys, const C* const* vals, int j0, int j1, int D, bool v_in_k) {
     n = row = at = 0;
     row_bytes = D * int(sizeof(C));
     for (int j = j0; j < j1; ++j) {
       rows[n++] = reinterpret_cast<const char*>(keys[j]);
-      rows[n++] = reinterpret_cast<const char*>(vals[j]);
+      if (!v_in_k) rows[n++] = reinterpret_cast<const char*>(vals[j]);
     }
   }
   void issue(int lines) {
@@ -277,13 +277,15 @@ inline void fma_values(const TileScratch& sc, int r0, int D, const float* const*
 
 namespace kvkernels::cpu::KVK_ISA {
 
-// One item on tiles (plan.tiles: one kv head per item, head_dim == head_dim_v, a multiple of 16;
-// of 32 on AMX, whose tile configuration the caller loads).
+// One item on tiles (plan.tiles: one kv head per item; head_dim and head_dim_v multiples of 16, of
+// 32 on AMX, whose tile configuration the caller loads; equal, or for MLA the value is a prefix of
+// the key row).
 template <typename Q, typename C, bool kAmx>
 void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, const AttentionItem& it,
                        float* scratch, float* part_acc, float* part_m, float* part_d) {
   const paged_kv_t& kv = p.kv;
-  const int G = plan.group, D = plan.dk;
+  const int G = plan.group, Dk = plan.dk, Dv = plan.dv;
+  const bool v_in_k = kv.v == kv.k;  // MLA: the value is the first Dv columns of the key row
   const int rows = int(it.q1 - it.q0) * G, rows16 = (rows + 15) & ~15;
   const int64_t seq_len = kv.seq_lens[it.seq];
   const RowMap map{p.q_begin(it.seq) + it.q0, seq_len - p.q_len(it.seq) + it.q0, G,
@@ -295,16 +297,16 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
                                   map.head(r) * p.q_stride_head
                             : nullptr;
     if constexpr (kAmx) {  // bf16 as it is
-      bf16_bits* q = sc.q_bf16() + size_t(r) * D;
-      if (src) std::memcpy(q, src, size_t(D) * sizeof(bf16_bits));
-      else std::memset(q, 0, size_t(D) * sizeof(bf16_bits));
+      bf16_bits* q = sc.q_bf16() + size_t(r) * Dk;
+      if (src) std::memcpy(q, src, size_t(Dk) * sizeof(bf16_bits));
+      else std::memset(q, 0, size_t(Dk) * sizeof(bf16_bits));
     } else {
-      float* q = sc.q + size_t(r) * D;
-      for (int i = 0; i < D; ++i) q[i] = src ? to_float(src[i]) : 0.0f;
+      float* q = sc.q + size_t(r) * Dk;
+      for (int i = 0; i < Dk; ++i) q[i] = src ? to_float(src[i]) : 0.0f;
     }
     sc.m[r] = -INFINITY, sc.d[r] = 0.0f, sc.alpha[r] = 1.0f;
   }
-  std::memset(sc.acc, 0, size_t(rows16) * D * sizeof(float));
+  std::memset(sc.acc, 0, size_t(rows16) * Dv * sizeof(float));
 
   const float mul = p.scale * kv.k_scale_of(it.kv_head);
   const ChunkRange cr(p, plan, it, map, rows, kTileChunk);
@@ -336,17 +338,17 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
     if (c + 1 < cr.c_end) {
       const int nxt = (c + 1 - cr.c_begin) & 1;
       chunk_keys(c + 1, &nj0, &nj1, rows_k[nxt], rows_v[nxt]);
-      pf.start(rows_k[nxt], rows_v[nxt], nj0, nj1, D);
+      pf.start(rows_k[nxt], rows_v[nxt], nj0, nj1, Dk, v_in_k);
     }
 #if defined(KVK_AMX)
     if constexpr (kAmx) {
-      amx_pack_keys(keys, j0, j1, D, sc.kp_bf16());
-      amx_pack_values(vals, j0, j1, D, sc.vp_bf16());
+      amx_pack_keys(keys, j0, j1, Dk, sc.kp_bf16());
+      amx_pack_values(vals, j0, j1, Dv, sc.vp_bf16());
     }
 #endif
     if constexpr (!kAmx) {
-      fma_pack_keys(keys, j0, j1, D, sc.kp);
-      fma_pack_values(vals, j0, j1, D, sc.vp, fvals);
+      fma_pack_keys(keys, j0, j1, Dk, sc.kp);
+      fma_pack_values(vals, j0, j1, Dv, sc.vp, fvals);
     }
     // Which rows see which keys; tiles that see none are skipped (e.g. causal rows before the
     // chunk), their state unchanged.
@@ -368,9 +370,9 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
     each_live_tile([&](int r0) {
       float* s = sc.s + size_t(r0) * kTileChunk;
 #if defined(KVK_AMX)
-      if constexpr (kAmx) return amx_logits(sc.q_bf16() + size_t(r0) * D, D, sc.kp_bf16(), s);
+      if constexpr (kAmx) return amx_logits(sc.q_bf16() + size_t(r0) * Dk, Dk, sc.kp_bf16(), s);
 #endif
-      fma_logits(sc.q + size_t(r0) * D, D, sc.kp, s);
+      fma_logits(sc.q + size_t(r0) * Dk, Dk, sc.kp, s);
     });
     int live_tiles = 0;
     for (int t = 0; t < tiles; ++t) live_tiles += live[t];
@@ -383,14 +385,14 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
       float *m = sc.m + r0, *d = sc.d + r0, *alpha = sc.alpha + r0;
       softmax_tile<kAmx>(p, s, mul, m, d, alpha, a, b, map, r0, cs, sc.p + size_t(r0) * kTileChunk);
 #if defined(KVK_AMX)
-      if constexpr (kAmx) amx_rescale(sc, r0, D);
+      if constexpr (kAmx) amx_rescale(sc, r0, Dv);
 #endif
     });
     each_live_tile([&](int r0) {
 #if defined(KVK_AMX)
-      if constexpr (kAmx) return amx_values(sc, r0, D);
+      if constexpr (kAmx) return amx_values(sc, r0, Dv);
 #endif
-      fma_values(sc, r0, D, fvals, j0, j1, mk.v);
+      fma_values(sc, r0, Dv, fvals, j0, j1, mk.v);
     });
   }
   store_rows<Q>(p, plan, map, it.kv_head, 0, rows, sc.acc, sc.m, sc.d, part_acc, part_m, part_d);
