@@ -8,7 +8,7 @@ import torch  # noqa: F401  (loads libtorch before the extension that links to i
 
 from kvkernels import _C  # noqa: F401  (registers torch.ops.kvkernels.*)
 from kvkernels import ops, reference  # noqa: F401
-from kvkernels.cache import BlockPool, OutOfBlocksError, PagedKVCache  # noqa: E402
+from kvkernels.cache import BlockPool, MLAPagedCache, OutOfBlocksError, PagedKVCache  # noqa: E402
 
 
 
@@ -21,5 +21,5 @@ def cpu_isa() -> str:
     return _C.cpu_isa()
 
 
-__all__ = ["ops", "reference", "cpu_isa", "BlockPool", "PagedKVCache", "OutOfBlocksError"]
+__all__ = ["ops", "reference", "cpu_isa", "BlockPool", "MLAPagedCache", "PagedKVCache", "OutOfBlocksError"]
 __version__ = "0.1.0"

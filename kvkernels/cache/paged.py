@@ -25,8 +25,6 @@ from kvkernels.cache.sparse import SparsePolicy
 from kvkernels.cache.stats import CacheStats
 from kvkernels.cache.tokens import as_token_array, check_count
 
-_BLOCK_DIM = 2  # storage is [layers, 2 (K, V), blocks, block_size, heads, dim]
-
 
 class UnknownSequenceError(KeyError):
     """A sequence id that was never returned by this cache, or was freed."""
@@ -88,16 +86,23 @@ class PagedKVCache:
         self._lock = self.pool.lock
         self.sparse_policy = sparse_policy
         self.pin_memory = self.device.type == "cuda" if pin_memory is None else bool(pin_memory)
-        self.kv = torch.empty(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
-                              device=self.device)
-        self.kv[:, :, 0].zero_()  # the null block: padding must never read as NaN garbage
-        self.bytes_per_token = num_layers * 2 * num_kv_heads * head_dim * self.kv.element_size()
+        self.kv = self._allocate_storage()
+        self.kv.select(self._block_dim, 0).zero_()  # the null block: padding must never read as NaN garbage
+        self.bytes_per_token = self.kv.numel() // (num_blocks * block_size) * self.kv.element_size()
         self.bytes_per_block = self.bytes_per_token * block_size
         self._init_rows(max_sequences)
         self._next_id = 0
         self._row_of: dict[int, int] = {}
         self._counters = dict(forks=0, cow_copies=0, cow_copied_tokens=0, sparse_evicted_blocks=0,
                               sparse_freed_blocks=0, offloads=0, restores=0, restore_cache_hit_blocks=0)
+
+    # Storage is [layers, 2 (K, V), blocks, block_size, heads, dim]; blocks are along this dim (what
+    # copy_blocks / swap_blocks take). Subclasses with another storage (MLAPagedCache) override both.
+    _block_dim = 2
+
+    def _allocate_storage(self) -> torch.Tensor:
+        return torch.empty(self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+                           self.head_dim, dtype=self.dtype, device=self.device)
 
     # ---- row storage -----------------------------------------------------------------------------
 
@@ -374,7 +379,7 @@ class PagedKVCache:
         targets = self.pool.allocate(len(writers))
         try:
             mapping = torch.tensor(list(zip(sources, targets)), dtype=torch.int64, device=self.device)
-            ops.copy_blocks(self.kv, mapping, block_dim=_BLOCK_DIM)
+            ops.copy_blocks(self.kv, mapping, block_dim=self._block_dim)
         except BaseException:
             self.pool.free(targets, distinct=True)
             raise
@@ -511,11 +516,12 @@ class PagedKVCache:
         with self._lock:
             row = self._row(seq, "offload")
             blocks = self._blocks(row).copy()
-            host = torch.empty((self.num_layers, 2, len(blocks)) + tuple(self.kv.shape[3:]), dtype=self.dtype,
-                               pin_memory=self.pin_memory)
+            shape = list(self.kv.shape)
+            shape[self._block_dim] = len(blocks)
+            host = torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory)
             if len(blocks):
                 mapping = torch.from_numpy(np.stack([blocks, np.arange(len(blocks))], axis=1).astype(np.int64))
-                ops.swap_blocks(self.kv, host, mapping, block_dim=_BLOCK_DIM)
+                ops.swap_blocks(self.kv, host, mapping, block_dim=self._block_dim)
             self.pool.free(blocks, distinct=True)
             self._tables[row, :len(blocks)] = 0
             self._host[row] = host
@@ -546,7 +552,7 @@ class PagedKVCache:
             try:
                 if missing:
                     mapping = torch.tensor(list(zip(missing, fresh)), dtype=torch.int64)
-                    ops.swap_blocks(self._host[row], self.kv, mapping, block_dim=_BLOCK_DIM)
+                    ops.swap_blocks(self._host[row], self.kv, mapping, block_dim=self._block_dim)
             except BaseException:  # leave the pool as it was
                 pool.free(fresh + list(found.values()), distinct=True)
                 raise
