@@ -87,3 +87,7 @@ def test_cache_suite_quick_run_writes_json_and_text(tmp_path):
     assert 0 < record["prefix"]["hit_rate"] < 1
     assert all(run["median_us_per_seq"] > 0 for run in record["decode"]["runs"])
     assert "decode-step overhead" in txt_path.read_text()
+    m = record["mla_memory"]  # 2 layers x 512 tokens, sparse above 256: half the blocks kept
+    assert m["latent_bytes"] == 512 * m["latent_bytes_per_token"] and m["sparse_bytes"] == m["latent_bytes"] // 2
+    assert m["standard_bytes_per_token"] * 576 == m["latent_bytes_per_token"] * 16 * 320  # 16 heads x (192 + 128)
+    assert "MLA latent cache" in txt_path.read_text()

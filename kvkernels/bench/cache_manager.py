@@ -35,7 +35,7 @@ import torch
 import kvkernels
 from kvkernels import ops
 from kvkernels.bench import machine
-from kvkernels.cache import PagedKVCache
+from kvkernels.cache import KeepRecentRatio, MLAPagedCache, PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -287,6 +287,37 @@ def decode_case(num_seqs: int, steps: int, prompt_range: tuple) -> dict:
             "runs": [batched, as_tensor, per_seq], "target_us_per_seq": 2.0}
 
 
+def mla_memory_case(tokens: int, layers: int = 27, heads: int = 16, kv_lora_rank: int = 512, rope_dim: int = 64,
+                    qk_nope: int = 128, v_head: int = 128, block_size: int = 64, threshold: int = 8192,
+                    keep_ratio: float = 0.5) -> dict:
+    """Issue 7 / seed 003: the memory of one ``tokens``-long sequence of a DeepSeek-V2-Lite-like model
+    (defaults) in a standard K/V cache, a latent cache, and a latent cache in block-sparse mode, all
+    taken from the caches' own accounting (the standard one from its bytes per token)."""
+    ids = _tokens(tokens, 0)
+
+    def fill(cache: MLAPagedCache, step: int) -> int:
+        seq, _ = cache.add_sequence(ids)
+        for start in range(0, tokens, step):  # block by block: the sparse policy runs as blocks open
+            cache.append(seq, ids[start:start + step])
+        return seq
+
+    num_blocks = tokens // block_size + 2
+    dense = MLAPagedCache(layers, kv_lora_rank, rope_dim, num_blocks, block_size, enable_prefix_caching=False)
+    seq = fill(dense, tokens)
+    sparse = MLAPagedCache(layers, kv_lora_rank, rope_dim, num_blocks, block_size, enable_prefix_caching=False,
+                           sparse_policy=KeepRecentRatio(threshold, keep_ratio))
+    sseq = fill(sparse, block_size)
+    standard_bpt = dense.standard_bytes_per_token(heads, qk_nope + rope_dim, v_head)
+    stats = sparse.block_sparse_stats(sseq)
+    return {"tokens": tokens, "layers": layers, "heads": heads, "kv_lora_rank": kv_lora_rank, "rope_dim": rope_dim,
+            "qk_head_dim": qk_nope + rope_dim, "v_head_dim": v_head, "block_size": block_size,
+            "standard_bytes_per_token": standard_bpt, "latent_bytes_per_token": dense.bytes_per_token,
+            "standard_bytes": standard_bpt * tokens,
+            "latent_bytes": round(dense.memory_usage_mb(seq) * 2**20),
+            "sparse_bytes": round(sparse.memory_usage_mb(sseq) * 2**20),
+            "sparse_policy": repr(sparse.sparse_policy), "sparse_stats": stats}
+
+
 # ---- driver -------------------------------------------------------------------------------------
 
 
@@ -333,6 +364,17 @@ def format_text(record: dict) -> str:
               f"{a['uncached_ms_mean']:.1f} ms without ({a['uncached_ms_mean'] / a['cached_ms_mean']:.1f}x), "
               f"mean of {len(a['timed_requests'])} requests"]
     d = record["decode"]
+    m = record.get("mla_memory")
+    mla_lines = [] if m is None else [
+        "", f"5. MLA latent cache, one {m['tokens']}-token sequence, {m['layers']} layers x {m['heads']} heads "
+            f"(DeepSeek-V2-Lite-like: kv_lora_rank {m['kv_lora_rank']}, rope {m['rope_dim']}, qk head "
+            f"{m['qk_head_dim']}, v head {m['v_head_dim']}, block {m['block_size']})",
+        f"   bytes per token: standard K/V {m['standard_bytes_per_token']:,}, latent {m['latent_bytes_per_token']:,} "
+        f"({m['standard_bytes_per_token'] / m['latent_bytes_per_token']:.1f}x less)",
+        f"   memory: standard K/V {_mib(m['standard_bytes'])}, latent {_mib(m['latent_bytes'])}, latent + "
+        f"{m['sparse_policy']} {_mib(m['sparse_bytes'])} ({m['sparse_stats']['active_blocks']} of "
+        f"{m['sparse_stats']['total_logical_blocks']} blocks kept; "
+        f"{m['standard_bytes'] / max(m['sparse_bytes'], 1):.1f}x less than standard)"]
     lines += ["", f"4. decode-step overhead of the manager, {d['sequences']} sequences, {d['steps']} steps "
                   f"(target <= {d['target_us_per_seq']} us per sequence)"]
     for r in d["runs"]:
@@ -340,7 +382,7 @@ def format_text(record: dict) -> str:
                      f"(mean {r['mean_us_per_seq']:.2f})")
     lines.append(f"   first run: {d['first_run_cow_copies']} copy-on-write copies, "
                  f"{d['first_run_blocks_hashed']} blocks hashed and registered")
-    return "\n".join(lines)
+    return "\n".join(lines + mla_lines)
 
 
 def run(args: argparse.Namespace, argv: list) -> int:
@@ -354,7 +396,7 @@ def run(args: argparse.Namespace, argv: list) -> int:
 
     def stage(label: str) -> None:
         steps.append(label)
-        print(f"[{len(steps)}/4] {label}", file=sys.stderr, flush=True)
+        print(f"[{len(steps)}/5] {label}", file=sys.stderr, flush=True)
 
     stage("fork")
     lengths = [256, 1024] if quick else [1024, 4096, 16384, 32768]
@@ -370,6 +412,8 @@ def run(args: argparse.Namespace, argv: list) -> int:
                          2 if quick else 8, 8 if quick else 32)
     stage("decode")
     decode = decode_case(32 if quick else 256, 32 if quick else 400, (20, 100) if quick else (200, 1000))
+    stage("mla memory")
+    mla_memory = (mla_memory_case(512, layers=2, threshold=256) if quick else mla_memory_case(16384))
     record = {
         "suite": "cache", "machine": info, "torch_version": torch.__version__,
         "kvkernels_version": kvkernels.__version__, "python_version": platform.python_version(),
@@ -377,7 +421,7 @@ def run(args: argparse.Namespace, argv: list) -> int:
         "command_line": shlex.join([sys.executable, *sys.argv]), "bench_args": argv, "quick": quick,
         "load_average": [round(x, 2) for x in load] if load else None,
         "fork": fork, "beams": dict(beams, geometry=beam_geometry.describe()),
-        "beams_unaligned": unaligned, "prefix": prefix, "decode": decode,
+        "beams_unaligned": unaligned, "prefix": prefix, "decode": decode, "mla_memory": mla_memory,
     }
     text = format_text(record)
     args.out.mkdir(parents=True, exist_ok=True)
