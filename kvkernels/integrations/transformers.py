@@ -62,8 +62,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvkernels.integrations.transformers_attention import PagedKV, dense_attention, paged_attention_forward
 from kvkernels.integrations.transformers_cache import ATTENTION_NAME, PagedCache, Step
+from kvkernels.integrations.transformers_decode import PagedDecoder
 
-__all__ = ["ATTENTION_NAME", "PagedCache", "PagedKV", "Step", "dense_attention", "paged_attention_forward",
+__all__ = ["ATTENTION_NAME", "PagedCache", "PagedDecoder", "PagedKV", "Step", "dense_attention", "paged_attention_forward",
            "register"]
 
 

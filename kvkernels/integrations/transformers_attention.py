@@ -82,14 +82,14 @@ def dense_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
     if attention_mask is None and q_len > 1 and getattr(module, "is_causal", True):
         attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
     if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            logits = logits.masked_fill(~attention_mask, float("-inf"))
+        if attention_mask.dtype == torch.bool:  # finite: a fully masked (padding) row must not be NaN
+            logits = logits.masked_fill(~attention_mask, torch.finfo(logits.dtype).min)
         else:
             logits = logits + attention_mask
     if sinks is not None:
         sink = sinks.reshape(1, -1, 1, 1).to(logits.dtype).expand(*logits.shape[:-1], 1)
         logits = torch.cat([logits, sink], dim=-1)
-    logits = logits - logits.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(logits.dtype).min)
+    logits = logits - logits.amax(dim=-1, keepdim=True)
     probs = torch.softmax(logits, dim=-1)
     if sinks is not None:
         probs = probs[..., :-1]

@@ -132,6 +132,7 @@ class PagedCache(Cache):
         self._last_layer: Optional[int] = None
         self._q = 0
         self._step: Optional[Step] = None
+        self._static: Optional[Step] = None  # set by PagedDecoder around a compiled step
         self._handles: list[Optional[PagedKV]] = [None] * self.num_layers
         self.peak_used_blocks = 0  # most blocks held at once (see memory_usage)
         self.grow_count = 0
@@ -143,6 +144,9 @@ class PagedCache(Cache):
         """Called by the model with this forward's new states ``[B, H, q, D]`` (RoPE applied).
         Returns a ``PagedKV`` handle twice (the ``"kvkernels"`` attention function writes and
         attends); MLA models get their gathered latents back instead (see module docs)."""
+        if self._static is not None:  # a PagedDecoder step: bookkeeping done outside the graph
+            handle = PagedKV(self, layer_idx, key_states, value_states)
+            return handle, handle
         batch, _, q, _ = key_states.shape
         if self._last_layer is None or layer_idx <= self._last_layer:
             self._begin_forward(key_states, value_states, batch, q)
@@ -382,6 +386,8 @@ class PagedCache(Cache):
         return step
 
     def _get_step(self, attention_mask) -> Step:
+        if self._static is not None:
+            return self._static
         if self._step is None:
             real = new_token_mask(attention_mask, len(self._seqs), self._q)
             self._step = self._append(real, len(self._seqs), self._q)
