@@ -32,12 +32,14 @@ class Step(NamedTuple):
     real_index: Optional[Tensor]  # int64: rows of [batch * q] that are real tokens; None: all are
 
 
-def decoder_num_layers(config) -> int:
-    for name in ("decoder_layers", "num_decoder_layers", "num_hidden_layers"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    raise ValueError("kvkernels PagedCache: cannot tell the number of decoder layers from the config")
+def decoder_num_layers(text_config) -> int:
+    """Layers of the decoder. ``config.get_text_config(decoder=True)`` maps ``num_hidden_layers`` to the
+    decoder's count for encoder-decoder configs too (BART's own ``decoder_layers`` field of that view
+    is not reliable)."""
+    value = getattr(text_config, "num_hidden_layers", None)
+    if not isinstance(value, int) or value < 1:
+        raise ValueError("kvkernels PagedCache: cannot tell the number of decoder layers from the config")
+    return value
 
 
 def check_attn_implementation(config) -> None:
