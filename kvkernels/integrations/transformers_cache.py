@@ -50,6 +50,25 @@ def check_attn_implementation(config) -> None:
                          f"transformers.register() first)")
 
 
+def duplicate_rows(key: Tensor, value: Tensor, real: Optional[np.ndarray]) -> np.ndarray:
+    """``rep[r]``: the first row whose padding and K/V ``[N, H, q, D]`` are bitwise equal to row r's
+    (``r`` itself when none). Candidates are found by a per-row fingerprint, then compared whole."""
+    rows = key.shape[0]
+    k, v = key.reshape(rows, -1), value.reshape(rows, -1)
+    prints = torch.stack([k.sum(1), v.sum(1), k[:, ::7].sum(1), v[:, 3::5].sum(1)], 1).double().cpu().numpy()
+    first: dict[bytes, list[int]] = {}
+    rep = np.arange(rows)
+    for r in range(rows):
+        tag = prints[r].tobytes() + (b"" if real is None else real[r].tobytes())
+        for cand in first.get(tag, ()):
+            if torch.equal(k[r], k[cand]) and torch.equal(v[r], v[cand]):
+                rep[r] = cand
+                break
+        else:
+            first.setdefault(tag, []).append(r)
+    return rep
+
+
 class _PagedLayer(CacheLayerMixin):
     """One layer's face of a paged cache. The storage and the bookkeeping belong to the owning cache
     (all layers share block tables), so this only forwards. ``keys``/``values`` are the handle of the
@@ -136,8 +155,10 @@ class PagedCache(Cache):
         self._step: Optional[Step] = None
         self._static: Optional[Step] = None  # set by PagedDecoder around a compiled step
         self._handles: list[Optional[PagedKV]] = [None] * self.num_layers
+        self._dups = None  # prefill rows forked from a duplicate row: (rep, real, counts, slots)
         self.peak_used_blocks = 0  # most blocks held at once (see memory_usage)
-        self.grow_count = 0
+        self.grow_count = 0  # storage growths
+        self.split_rows = 0  # prefill duplicates that turned out to differ in a later layer
         super().__init__(layers=[_PagedLayer(self, i) for i in range(self.num_layers)])
 
     # ---- transformers' Cache interface -----------------------------------------------------------
@@ -296,7 +317,7 @@ class PagedCache(Cache):
                 if key_states.shape[-1] != value_states.shape[-1]:
                     raise ValueError("kvkernels PagedCache: key and value head dims differ")
                 self._kv_heads, self._head_dim = key_states.shape[1], key_states.shape[-1]
-            blocks = self._fixed_blocks or 2 * batch * (math.ceil(q / self.block_size) + 2) + 1
+            blocks = self._fixed_blocks or batch * (math.ceil(q / self.block_size) + 2) + 1
             self.kv = self._new_storage(blocks)
         if not self._seqs:
             self._seqs = [self.kv.add_sequence([])[0] for _ in range(batch)]
@@ -352,8 +373,13 @@ class PagedCache(Cache):
 
     # ---- the step: bookkeeping once per forward --------------------------------------------------
 
-    def _append(self, real: Optional[np.ndarray], batch: int, q: int) -> Step:
-        """Append this forward's real tokens to every row; the kernels' tensors for the step."""
+    def _append(self, real: Optional[np.ndarray], batch: int, q: int, handle: Optional[PagedKV] = None) -> Step:
+        """Append this forward's real tokens to every row; the kernels' tensors for the step.
+
+        A prefill into empty rows first looks for duplicate rows (``generate()`` expands each prompt
+        to ``num_beams`` / ``num_return_sequences`` identical rows): rows whose padding and first-layer
+        K/V are bitwise equal to an earlier row's become zero-copy forks of it and write nothing."""
+        self._dups = None
         if real is None and q == 1:
             zeros = np.zeros(batch, dtype=np.int64)
             try:
@@ -364,35 +390,72 @@ class PagedCache(Cache):
             step = Step(ds.slot_mapping, ds.block_tables, ds.seq_lens, None, None)
         else:
             counts = np.full(batch, q, dtype=np.int64) if real is None else real.sum(1).astype(np.int64)
-            self._reserve(counts)
-            slots = np.full((batch, q), -1, dtype=np.int64)
             cols = self._cols[self._last_layer if self._last_layer is not None else 0]
-            for r, seq in enumerate(self._seqs):
+            base = cols - q  # columns before this forward (update counted this one already)
+            rep = np.arange(batch)
+            if handle is not None and base == 0 and batch > 1:
+                rep = duplicate_rows(handle.key, handle.value, real)
+            self._reserve(counts)  # room for every row: a duplicate may still need its own (see below)
+            slots = np.full((batch, q), -1, dtype=np.int64)
+            for r in np.flatnonzero(rep == np.arange(batch)).tolist():
                 if counts[r]:
-                    s = self.kv.append(seq, np.zeros(int(counts[r]), dtype=np.int64)).cpu().numpy()
+                    s = self.kv.append(self._seqs[r], np.zeros(int(counts[r]), dtype=np.int64)).cpu().numpy()
                     if real is None:
                         slots[r] = s
                     else:
                         slots[r, real[r]] = s
-                if real is not None and counts[r] < q:
-                    base = cols - q  # columns before this forward (update counted it already)
+            for r in np.flatnonzero(rep != np.arange(batch)).tolist():
+                self.kv.free(self._seqs[r])
+                self._seqs[r] = self.kv.fork(self._seqs[rep[r]])
+            if real is not None:
+                for r in np.flatnonzero(counts < q).tolist():
                     self._pads[r].extend((base + np.flatnonzero(~real[r])).tolist())
-            qsl = np.zeros(batch + 1, dtype=np.int32)
-            qsl[1:] = np.cumsum(counts)
-            dev = self.kv.device
-            real_index = None if real is None else torch.from_numpy(np.flatnonzero(real.ravel())).to(dev)
-            step = Step(torch.from_numpy(slots.ravel()).to(dev), self.kv.block_tables(self._seqs),
-                        self.kv.seq_lens(self._seqs), torch.from_numpy(qsl).to(dev), real_index)
+            if (rep != np.arange(batch)).any():
+                self._dups = (rep, real, counts, slots)
+            step = self._make_step(real, counts, slots)
         pool = self.kv.pool
         self.peak_used_blocks = max(self.peak_used_blocks, pool.num_usable_blocks - pool.num_free_blocks)
         return step
 
-    def _get_step(self, attention_mask) -> Step:
+    def _make_step(self, real: Optional[np.ndarray], counts: np.ndarray, slots: np.ndarray) -> Step:
+        dev = self.kv.device
+        qsl = np.zeros(len(counts) + 1, dtype=np.int32)
+        qsl[1:] = np.cumsum(counts)
+        real_index = None if real is None else torch.from_numpy(np.flatnonzero(real.ravel())).to(dev)
+        return Step(torch.from_numpy(slots.ravel()).to(dev), self.kv.block_tables(self._seqs),
+                    self.kv.seq_lens(self._seqs), torch.from_numpy(qsl).to(dev), real_index)
+
+    def _check_duplicates(self, layer: int, key: Tensor, value: Tensor) -> None:
+        """Rows forked from a duplicate at prefill write nothing; check that this layer's K/V of
+        each still equals its source row's, and give rows that differ their own blocks."""
+        rep, real, counts, slots = self._dups
+        rows = np.flatnonzero(rep != np.arange(len(rep)))
+        idx = torch.from_numpy(rows).to(key.device)
+        src = torch.from_numpy(rep[rows]).to(key.device)
+        if torch.equal(key[idx], key[src]) and torch.equal(value[idx], value[src]):
+            return
+        bad = [int(r) for r in rows if not (torch.equal(key[r], key[rep[r]]) and torch.equal(value[r], value[rep[r]]))]
+        flat = self.kv.kv.flatten(2, 3)  # [L, 2, blocks * block_size, H, D]
+        for r in bad:
+            self.kv.free(self._seqs[r])
+            self._seqs[r] = self.kv.add_sequence([])[0]
+            new = self.kv.append(self._seqs[r], np.zeros(int(counts[r]), dtype=np.int64)).cpu().numpy()
+            mine = slice(None) if real is None else real[r]
+            old = slots[rep[r]][mine]
+            slots[r][mine] = new
+            if layer:  # the layers written so far are the source row's
+                flat[:layer, :, torch.from_numpy(new).to(flat.device)] = flat[:layer, :, torch.from_numpy(old).to(flat.device)]
+            rep[r] = r
+        self.split_rows += len(bad)
+        self._dups = (rep, real, counts, slots) if (rep != np.arange(len(rep))).any() else None
+        self._step = self._make_step(real, counts, slots)
+
+    def _get_step(self, attention_mask, handle: Optional[PagedKV] = None) -> Step:
         if self._static is not None:
             return self._static
         if self._step is None:
             real = new_token_mask(attention_mask, len(self._seqs), self._q)
-            self._step = self._append(real, len(self._seqs), self._q)
+            self._step = self._append(real, len(self._seqs), self._q, handle)
         return self._step
 
     # ---- attention (called by the "kvkernels" attention function) --------------------------------
@@ -403,8 +466,11 @@ class PagedCache(Cache):
         ``query [B, Hq, q, D]`` -> ``[B, q, Hq, D]``. Rows of padding queries come out as zeros."""
         if not getattr(module, "is_causal", True):
             raise NotImplementedError("kvkernels PagedCache: bidirectional self-attention is not paged")
-        step = self._get_step(attention_mask)
+        step = self._get_step(attention_mask, handle)
         layer = handle.layer_idx
+        if self._dups is not None and handle.key is not None:
+            self._check_duplicates(layer, handle.key, handle.value)
+            step = self._step
         key_cache, value_cache = self.kv.key_cache(layer), self.kv.value_cache(layer)
         batch, heads, q, dim = query.shape
         if handle.key is not None:
