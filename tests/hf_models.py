@@ -57,6 +57,7 @@ DECODER_MODELS = list(_MODELS)
 
 
 def build(config, attn: str, fix=None, seed: int = 0, seq2seq: bool = False):
+    register()  # "kvkernels" must be known when the model is created
     torch.manual_seed(seed)
     auto = tf.AutoModelForSeq2SeqLM if seq2seq else tf.AutoModelForCausalLM
     model = auto.from_config(copy.deepcopy(config), attn_implementation=attn).eval()
@@ -69,7 +70,6 @@ def build(config, attn: str, fix=None, seed: int = 0, seq2seq: bool = False):
 @functools.lru_cache(maxsize=None)
 def model_pair(name: str):
     """(stock model, kvkernels model) with the same weights."""
-    register()
     config, stock_attn, fix = config_for(name)
     return build(config, stock_attn, fix), build(config, "kvkernels", fix)
 
@@ -83,7 +83,6 @@ def bart_config():
 
 @functools.lru_cache(maxsize=None)
 def bart_pair():
-    register()
     return build(bart_config(), "sdpa", seq2seq=True), build(bart_config(), "kvkernels", seq2seq=True)
 
 

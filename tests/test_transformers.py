@@ -95,12 +95,16 @@ def test_generate_matches_stock(name, mode, monkeypatch):
         assert cache.latent and cache.kv.bytes_per_token == text.num_hidden_layers * (
             text.kv_lora_rank + text.qk_rope_head_dim) * 4
         assert ops.calls["gather_kv"] > 0 and ops.calls["paged_attention"] == 0
+        if mode != "beam":  # this path stores padding columns too (they are masked)
+            assert usage["stored_tokens"] == rows * (ids.shape[1] + 10 - 1)
     else:
         # Attention runs on the paged storage: no gather into dense K/V.
         assert ops.calls["paged_attention"] > 0 and ops.calls["gather_kv"] == 0
         assert ops.calls["paged_attention"] == ops.calls["reshape_and_cache"]
         if mode != "beam":  # padding never enters the cache: one token per real column
             assert usage["stored_tokens"] == int(mask.sum()) + rows * 10 - rows
+    if mode == "beam":  # each prompt stored once for its beams, beams share their common history
+        assert usage["stored_tokens"] < usage["unshared_tokens"] and cache.split_rows == 0
 
 
 @pytest.mark.parametrize("name,feature", [
@@ -246,6 +250,24 @@ def test_eight_beams_peak_kv_bytes_at_most_a_quarter_of_stock():
     assert cache.split_rows == 0
     ratio = paged_probe.peak / probe.peak
     assert ratio <= 0.25, f"peak KV bytes {paged_probe.peak} vs stock {probe.peak}: {ratio:.3f}"
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_prefill_stores_each_prompt_once(name):
+    """generate() expands every prompt to num_beams rows before the prefill: stored once each."""
+    stock, paged = model_pair(name)
+    ids, mask = left_padded_batch()
+    ids4, mask4 = ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0)
+    cache = PagedCache(paged.config, block_size=4)
+    with torch.no_grad():
+        got = paged(ids4, attention_mask=mask4, past_key_values=cache).logits
+        want = stock(ids4, attention_mask=mask4).logits
+    real = mask4.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-5)
+    per_prompt = mask.sum(1) if name != "deepseek_v3" else torch.full((3,), ids.shape[1])  # MLA keeps padding
+    assert cache.memory_usage()["stored_tokens"] == int(per_prompt.sum())
+    assert cache.memory_usage()["unshared_tokens"] == 4 * int(per_prompt.sum())
+    cache.kv.check_invariants()
 
 
 def test_duplicate_rows_that_differ_later_get_their_own_blocks():

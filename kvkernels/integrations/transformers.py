@@ -63,9 +63,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from kvkernels.integrations.transformers_attention import PagedKV, dense_attention, paged_attention_forward
 from kvkernels.integrations.transformers_cache import ATTENTION_NAME, PagedCache, Step
 from kvkernels.integrations.transformers_decode import PagedDecoder
+from kvkernels.integrations.transformers_encdec import PagedEncoderDecoderCache
 
-__all__ = ["ATTENTION_NAME", "PagedCache", "PagedDecoder", "PagedKV", "Step", "dense_attention", "paged_attention_forward",
-           "register"]
+__all__ = ["ATTENTION_NAME", "PagedCache", "PagedDecoder", "PagedEncoderDecoderCache", "PagedKV", "Step",
+           "dense_attention", "paged_attention_forward", "register"]
 
 
 def register() -> str:

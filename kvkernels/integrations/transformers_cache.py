@@ -8,6 +8,7 @@ first layer, and reused by the others. See ``kvkernels.integrations.transformers
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple, Optional
 
@@ -54,7 +55,7 @@ def duplicate_rows(key: Tensor, value: Tensor, real: Optional[np.ndarray]) -> np
     """``rep[r]``: the first row whose padding and K/V ``[N, H, q, D]`` are bitwise equal to row r's
     (``r`` itself when none). Candidates are found by a per-row fingerprint, then compared whole."""
     rows = key.shape[0]
-    k, v = key.reshape(rows, -1), value.reshape(rows, -1)
+    k, v = key.detach().reshape(rows, -1), value.detach().reshape(rows, -1)
     prints = torch.stack([k.sum(1), v.sum(1), k[:, ::7].sum(1), v[:, 3::5].sum(1)], 1).double().cpu().numpy()
     first: dict[bytes, list[int]] = {}
     rep = np.arange(rows)
@@ -71,8 +72,7 @@ def duplicate_rows(key: Tensor, value: Tensor, real: Optional[np.ndarray]) -> np
 
 class _PagedLayer(CacheLayerMixin):
     """One layer's face of a paged cache. The storage and the bookkeeping belong to the owning cache
-    (all layers share block tables), so this only forwards. ``keys``/``values`` are the handle of the
-    layer (``PagedKV``) once written: encoder-decoder models read cross-attention K/V from them."""
+    (all layers share block tables), so this only forwards; ``keys``/``values`` stay ``None``."""
 
     is_sliding = False
     is_compileable = False
@@ -151,10 +151,10 @@ class PagedCache(Cache):
         self._cols = [0] * self.num_layers  # columns (tokens, padding included) seen by each layer
         self._pads: list[list[int]] = []  # per row: columns that were padding (never stored)
         self._last_layer: Optional[int] = None
-        self._q = 0
+        self._q = 0  # new columns of the forward in progress
+        self._base = 0  # columns before it
         self._step: Optional[Step] = None
         self._static: Optional[Step] = None  # set by PagedDecoder around a compiled step
-        self._handles: list[Optional[PagedKV]] = [None] * self.num_layers
         self._dups = None  # prefill rows forked from a duplicate row: (rep, real, counts, slots)
         self.peak_used_blocks = 0  # most blocks held at once (see memory_usage)
         self.grow_count = 0  # storage growths
@@ -172,7 +172,7 @@ class PagedCache(Cache):
             return handle, handle
         batch, _, q, _ = key_states.shape
         if self._last_layer is None or layer_idx <= self._last_layer:
-            self._begin_forward(key_states, value_states, batch, q)
+            self._begin_forward(key_states, value_states, batch, q, layer_idx)
         elif q != self._q or batch != len(self._seqs):
             raise ValueError(f"kvkernels PagedCache: layer {layer_idx} got [{batch}, q={q}] states in a forward "
                              f"that started with [{len(self._seqs)}, q={self._q}]")
@@ -235,11 +235,11 @@ class PagedCache(Cache):
         if not self._seqs:
             return
         idx = indices.tolist()
-        keep: dict[int, int] = {}
+        keep: set[int] = set()
         seqs = []
         for i in idx:
             seqs.append(self._seqs[i] if i not in keep else self.kv.fork(self._seqs[i]))
-            keep[i] = 1
+            keep.add(i)
         for i, seq in enumerate(self._seqs):
             if i not in keep:
                 self.kv.free(seq)
@@ -279,9 +279,29 @@ class PagedCache(Cache):
         self._seqs, self._pads = [], []
         self._cols = [0] * self.num_layers
         self._last_layer, self._step = None, None
-        self._handles = [None] * self.num_layers
         for layer in self.layers:
             layer.reset()
+
+    # ---- compiled decode steps (PagedDecoder) ----------------------------------------------------
+
+    def append_decode_step(self) -> Step:
+        """One more token in every row (``PagedKVCache.append_decode``), the columns counted: the
+        eager half of a ``PagedDecoder`` step, run before the compiled forward."""
+        step = self._append(None, len(self._seqs), 1)
+        self._cols = [c + 1 for c in self._cols]
+        return step
+
+    @contextlib.contextmanager
+    def static_step(self, step: Step):
+        """Within the block, ``update`` and ``attend`` use ``step`` (tensors that keep their identity
+        and shape from step to step) and do no Python bookkeeping, so a compiled forward has no
+        graph input that changes with the sequence lengths."""
+        self._static = step
+        try:
+            yield
+        finally:
+            self._static = None
+            self._last_layer, self._step = None, None
 
     # ---- inspection ------------------------------------------------------------------------------
 
@@ -306,7 +326,7 @@ class PagedCache(Cache):
                             dtype=self.dtype, device=self.device, enable_prefix_caching=False,
                             max_sequences=max(64, 2 * len(self._seqs)))
 
-    def _begin_forward(self, key_states: Tensor, value_states: Tensor, batch: int, q: int) -> None:
+    def _begin_forward(self, key_states: Tensor, value_states: Tensor, batch: int, q: int, layer_idx: int) -> None:
         if self.kv is None:
             check_attn_implementation(self.config)
             self.dtype = self.dtype or key_states.dtype
@@ -325,9 +345,9 @@ class PagedCache(Cache):
         elif batch != len(self._seqs):
             raise ValueError(f"kvkernels PagedCache: batch of {batch} rows for a cache holding {len(self._seqs)} "
                              f"(reset() it, or batch_repeat_interleave() to branch)")
-        self._q, self._step = q, None
+        self._q, self._base, self._step = q, self.get_seq_length(layer_idx), None
         if self.latent:  # the latent path stores every column; its bookkeeping needs no mask
-            self._step = self._append(None, batch, q)
+            self._step = self._append(None, batch, q, PagedKV(self, layer_idx, key_states, value_states))
 
     def _reserve(self, counts: np.ndarray) -> None:
         """Grow the storage unless appending ``counts[r]`` tokens to each row surely fits
@@ -390,8 +410,7 @@ class PagedCache(Cache):
             step = Step(ds.slot_mapping, ds.block_tables, ds.seq_lens, None, None)
         else:
             counts = np.full(batch, q, dtype=np.int64) if real is None else real.sum(1).astype(np.int64)
-            cols = self._cols[self._last_layer if self._last_layer is not None else 0]
-            base = cols - q  # columns before this forward (update counted this one already)
+            base = self._base
             rep = np.arange(batch)
             if handle is not None and base == 0 and batch > 1:
                 rep = duplicate_rows(handle.key, handle.value, real)
@@ -434,7 +453,8 @@ class PagedCache(Cache):
         src = torch.from_numpy(rep[rows]).to(key.device)
         if torch.equal(key[idx], key[src]) and torch.equal(value[idx], value[src]):
             return
-        bad = [int(r) for r in rows if not (torch.equal(key[r], key[rep[r]]) and torch.equal(value[r], value[rep[r]]))]
+        bad = [int(r) for r in rows
+               if not (torch.equal(key[r], key[rep[r]]) and torch.equal(value[r], value[rep[r]]))]
         flat = self.kv.kv.flatten(2, 3)  # [L, 2, blocks * block_size, H, D]
         for r in bad:
             self.kv.free(self._seqs[r])
@@ -444,7 +464,8 @@ class PagedCache(Cache):
             old = slots[rep[r]][mine]
             slots[r][mine] = new
             if layer:  # the layers written so far are the source row's
-                flat[:layer, :, torch.from_numpy(new).to(flat.device)] = flat[:layer, :, torch.from_numpy(old).to(flat.device)]
+                dst, src = torch.from_numpy(new).to(flat.device), torch.from_numpy(old).to(flat.device)
+                flat[:layer, :, dst] = flat[:layer, :, src]
             rep[r] = r
         self.split_rows += len(bad)
         self._dups = (rep, real, counts, slots) if (rep != np.arange(len(rep))).any() else None
@@ -495,6 +516,8 @@ class PagedCache(Cache):
         """Store the latent ``[B, 1, q, R]`` and rotary key ``[B, 1, q, r]`` (one row of R + r values
         per token, split over the K and V halves of the slot), then gather every column back:
         ``[B, 1, S, R]``, ``[B, 1, S, r]``. The model expands them with ``kv_b_proj`` itself."""
+        if self._dups is not None:
+            self._check_duplicates(layer_idx, kv_nope, k_rot)
         step = self._step
         batch, _, q, rank = kv_nope.shape
         half = self._head_dim

@@ -58,7 +58,7 @@ class PagedDecoder:
         if max_length is None:
             max_length = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 4096))
         if max_new_tokens:
-            cache._reserve(np.full(batch, max_new_tokens, dtype=np.int64))
+            cache._reserve(np.full(batch, max_new_tokens, dtype=np.int64))  # no growth (recompile) later
         dev = kv.device
         self.max_blocks = max(math.ceil(max_length / bs), 1)
         self._slots = torch.zeros(batch, dtype=torch.int64, device=dev)
@@ -67,7 +67,6 @@ class PagedDecoder:
         self._positions = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
         self._mask = torch.ones(batch, 1, 1, 1, dtype=torch.bool, device=dev)
         self._step = Step(self._slots, self._tables, self._seq_lens, None, None)
-        self._storage = kv.kv
         if compile and compile_kwargs.get("mode") in ("reduce-overhead", "max-autotune"):
             # CUDA graphs replay fixed addresses: the storage and the step buffers are updated in
             # place, never reallocated, so they are marked static instead of copied every replay.
@@ -85,21 +84,14 @@ class PagedDecoder:
         tokens = next_tokens.reshape(-1, 1)
         if tokens.shape[0] != self._slots.shape[0]:
             raise ValueError(f"kvkernels PagedDecoder: {tokens.shape[0]} tokens for {self._slots.shape[0]} rows")
-        step = cache._append(None, tokens.shape[0], 1)
+        step = cache.append_decode_step()
         width = step.block_tables.shape[1]
         if width > self.max_blocks:
             raise ValueError(f"kvkernels PagedDecoder: sequences outgrew max_length "
                              f"({self.max_blocks * cache.block_size} tokens)")
-        if cache.kv.kv is not self._storage:
-            self._storage = cache.kv.kv  # the storage grew: the next call recompiles once
         self._slots.copy_(step.slot_mapping)
         self._seq_lens.copy_(step.seq_lens)
         self._tables[:, :width].copy_(step.block_tables)
         self._positions.copy_((step.seq_lens - 1).view(-1, 1))
-        cache._cols = [c + 1 for c in cache._cols]
-        cache._static = self._step
-        try:
+        with cache.static_step(self._step):
             return self._forward(tokens, self._positions, self._mask)
-        finally:
-            cache._static = None
-            cache._last_layer, cache._step = None, None
