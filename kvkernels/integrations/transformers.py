@@ -36,9 +36,13 @@ How a forward runs on a ``PagedCache``
 So padding never enters a sequence's KV, and each real token sees exactly the real tokens before
 it (within its window) — the keys the stock cache + SDPA path lets it see.
 
-Beam search: ``reorder_cache(beam_idx)`` is ``PagedKVCache.reorder``: block tables and refcounts
-are permuted, no KV is copied; a partial block shared after the reorder is copied on the next
-write (copy-on-write). ``batch_repeat_interleave`` forks (prefill once, then branch).
+Beam search: ``generate()`` expands every prompt to ``num_beams`` identical rows before the prefill.
+A prefill into empty rows finds rows whose padding and first-layer K/V are bitwise equal to an
+earlier row's and makes them zero-copy forks of it (they write nothing); each later layer checks
+they are still equal, and a row that is not gets its own blocks. ``reorder_cache(beam_idx)`` is
+``PagedKVCache.reorder``: block tables and refcounts are permuted, no KV is copied; a partial block
+shared after the reorder is copied on the next write (copy-on-write). ``batch_repeat_interleave``
+forks (prefill once, then branch).
 
 MLA models (DeepSeek-V2/V3, config with ``kv_lora_rank``): the cache stores one row of latent +
 rotary key per token (``kv_lora_rank + qk_rope_head_dim`` values, split over the K and V halves of

@@ -84,11 +84,12 @@ class PagedDecoder:
         tokens = next_tokens.reshape(-1, 1)
         if tokens.shape[0] != self._slots.shape[0]:
             raise ValueError(f"kvkernels PagedDecoder: {tokens.shape[0]} tokens for {self._slots.shape[0]} rows")
+        longest = int(cache.kv.seq_lens(cache.sequences).max()) + 1
+        if longest > self.max_blocks * cache.block_size:  # checked before anything changes
+            raise ValueError(f"kvkernels PagedDecoder: a sequence would outgrow max_length "
+                             f"({self.max_blocks * cache.block_size} tokens)")
         step = cache.append_decode_step()
         width = step.block_tables.shape[1]
-        if width > self.max_blocks:
-            raise ValueError(f"kvkernels PagedDecoder: sequences outgrew max_length "
-                             f"({self.max_blocks * cache.block_size} tokens)")
         self._slots.copy_(step.slot_mapping)
         self._seq_lens.copy_(step.seq_lens)
         self._tables[:, :width].copy_(step.block_tables)
