@@ -98,9 +98,15 @@ def test_decoder_eager_mode_and_limits():
         PagedDecoder(mla, cache)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="needs a CUDA device (and the CUDA build of kvkernels): checks that mode='reduce-overhead' "
-                           "captures the decode step in a CUDA graph")
+def _cuda_kernels() -> bool:
+    return torch.cuda.is_available() and all(
+        torch._C._dispatch_has_kernel_for_dispatch_key(f"kvkernels::{op}", "CUDA")
+        for op in ("paged_attention", "reshape_and_cache"))
+
+
+@pytest.mark.skipif(not _cuda_kernels(),
+                    reason="needs a CUDA device and kvkernels built with its CUDA kernels: checks that "
+                           "mode='reduce-overhead' captures the decode step in a CUDA graph")
 def test_reduce_overhead_captures_cuda_graph():
     _, cpu_model = model_pair("llama")
     model = build(cpu_model.config, "kvkernels").cuda()
