@@ -16,7 +16,7 @@ SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -na
 $(VENV)/.ready:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q pytest numpy expecttest hypothesis ninja matplotlib
+	$(PY) -m pip install -q pytest numpy expecttest hypothesis ninja matplotlib "transformers>=5.20"
 	touch $@
 
 # In-place build; ninja keeps it incremental. --no-build-isolation semantics: compile against the

@@ -1,0 +1,81 @@
+"""Hugging Face ``transformers`` (5.x) on kvkernels' paged cache and kernels.
+
+Use::
+
+    from kvkernels.integrations.transformers import PagedCache, register
+    register()                                             # -> "kvkernels"
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="kvkernels")
+    out = model.generate(input_ids, attention_mask=mask, past_key_values=PagedCache(model.config),
+                         max_new_tokens=64, num_beams=4)
+
+``register()`` adds the attention function ``paged_attention_forward`` to ``AttentionInterface``
+and transformers' ``sdpa_mask`` to ``AttentionMaskInterface``, both under ``"kvkernels"``. Without
+the mask registration transformers hands every attention function ``attention_mask=None``, and
+left-padded batches would attend their padding.
+
+How a forward runs on a ``PagedCache``
+--------------------------------------
+1. The model builds its masks with ``sdpa_mask``, sized by ``PagedCache.get_mask_sizes`` (every
+   column seen so far plus the new ones).
+2. Each attention layer calls ``PagedCache.update(k, v, layer_idx)`` with the new tokens' states.
+   The cache returns a ``PagedKV`` handle (cache, layer, pending K/V) instead of tensors; the model
+   passes it unchanged to the attention function. The first ``update`` of a forward (a layer index
+   not above the previous one) starts the forward.
+3. The attention function of the first layer does the forward's bookkeeping, once for all layers:
+   it reads which new tokens are real off the mask — a token is real exactly when it may attend
+   itself, so the mask's diagonal over the new columns is the padding information (``None``: no
+   padding) — appends the real ones to each row's ``PagedKVCache`` sequence (``append_decode`` for a
+   plain one-token step) and keeps the slot mapping (``-1`` for padding, which the write skips),
+   block tables, sequence lengths, ``query_start_loc`` and the indices of the real query rows.
+4. Every layer then writes its new K/V with ``ops.reshape_and_cache`` and attends with
+   ``ops.paged_attention`` directly on the paged storage (no gather into dense K/V): ``window_left``
+   from the layer's sliding window (``W - 1``), ``soft_cap`` from ``softcap`` (Gemma2), ``sinks`` from
+   ``s_aux`` (GPT-OSS), ``scale`` from ``scaling``. Padding queries are left out of the kernel call
+   and come back as zero rows (they are discarded by the model's consumers).
+
+So padding never enters a sequence's KV, and each real token sees exactly the real tokens before
+it (within its window) — the keys the stock cache + SDPA path lets it see.
+
+Beam search: ``generate()`` expands every prompt to ``num_beams`` identical rows before the prefill.
+A prefill into empty rows finds rows whose padding and first-layer K/V are bitwise equal to an
+earlier row's and makes them zero-copy forks of it (they write nothing); each later layer checks
+they are still equal, and a row that is not gets its own blocks. ``reorder_cache(beam_idx)`` is
+``PagedKVCache.reorder``: block tables and refcounts are permuted, no KV is copied; a partial block
+shared after the reorder is copied on the next write (copy-on-write). ``batch_repeat_interleave``
+forks (prefill once, then branch).
+
+MLA models (DeepSeek-V2/V3, config with ``kv_lora_rank``): the cache stores one row of latent +
+rotary key per token (``kv_lora_rank + qk_rope_head_dim`` values, split over the K and V halves of
+a slot) instead of per-head K/V. transformers' DeepSeek code expands the latents with ``kv_b_proj``
+itself, after ``update`` and before attention, so for these models ``update`` writes the latents
+and returns them *gathered* (``ops.gather_kv``) ``[B, 1, S, rank]`` / ``[B, 1, S, rope]``, and the
+attention function then runs dense (SDPA) on the expanded K/V with the model's mask. This path
+stores padding columns too (they are masked, as in the stock cache), since the latents must line
+up with the mask column by column.
+
+Encoder-decoder models: ``PagedCache(config)`` of an encoder-decoder config builds a
+``PagedEncoderDecoderCache`` (see ``transformers_encdec``).
+
+Compiled decoding: ``PagedDecoder`` (see ``transformers_decode``).
+"""
+
+from __future__ import annotations
+
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvkernels.integrations.transformers_attention import PagedKV, dense_attention, paged_attention_forward
+from kvkernels.integrations.transformers_cache import ATTENTION_NAME, PagedCache, Step
+from kvkernels.integrations.transformers_decode import PagedDecoder
+from kvkernels.integrations.transformers_encdec import PagedEncoderDecoderCache
+
+__all__ = ["ATTENTION_NAME", "PagedCache", "PagedDecoder", "PagedEncoderDecoderCache", "PagedKV", "Step",
+           "dense_attention", "paged_attention_forward", "register"]
+
+
+def register() -> str:
+    """Register the attention function and its mask function (``sdpa_mask``) under ``"kvkernels"``
+    in transformers' global interfaces; returns the name. Idempotent."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    return ATTENTION_NAME

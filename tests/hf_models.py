@@ -1,0 +1,97 @@
+"""Tiny random-weight transformers models for the integration tests (nothing is downloaded).
+
+``model_pair(name)`` builds the stock model (SDPA, or eager where transformers has no SDPA path:
+Gemma2's soft cap, GPT-OSS's sinks) and the same weights with ``attn_implementation="kvkernels"``,
+each from its own copy of the config (``from_config`` stores the attention implementation on the
+config object it is given). Settings are chosen so that each feature changes the generated tokens
+(see test_transformers.py::test_features_matter): a test that passed with the feature ignored
+would prove nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+import transformers as tf
+
+from kvkernels.integrations.transformers import register
+
+VOCAB, PAD = 128, 0
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+
+
+def _gpt_oss_sinks(model) -> None:
+    # The default init leaves the sinks near 0, where they barely move the softmax: make them count.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(-2.0, 3.0, layer.self_attn.sinks.numel()))
+
+
+# name -> (config class, its settings beyond COMMON, stock attention implementation, weight fix-up)
+_MODELS = {
+    "llama": (tf.LlamaConfig, {}, "sdpa", None),
+    "qwen2": (tf.Qwen2Config, dict(use_sliding_window=True, sliding_window=4, max_window_layers=1), "sdpa", None),
+    "mistral": (tf.MistralConfig, dict(sliding_window=4), "sdpa", None),
+    "gemma2": (tf.Gemma2Config, dict(initializer_range=0.1, attn_logit_softcapping=0.5, sliding_window=4, head_dim=16,
+                                     final_logit_softcapping=30.0, query_pre_attn_scalar=16), "eager", None),
+    "gpt_oss": (tf.GptOssConfig, dict(intermediate_size=64, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+                "eager", _gpt_oss_sinks),
+    "deepseek_v3": (tf.DeepseekV3Config, dict(num_key_value_heads=4, moe_intermediate_size=32, kv_lora_rank=16,
+                                              q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                              n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+                                              n_group=1, topk_group=1), "sdpa", None),
+}
+
+
+def config_for(name: str, **overrides):
+    """(config, stock attention implementation, weight fix-up or None) of model ``name``."""
+    cls, settings, attn, fix = _MODELS[name]
+    return cls(**{**COMMON, **settings, **overrides}), attn, fix
+
+
+DECODER_MODELS = list(_MODELS)
+
+
+def build(config, attn: str, fix=None, seed: int = 0, seq2seq: bool = False):
+    register()  # "kvkernels" must be known when the model is created
+    torch.manual_seed(seed)
+    auto = tf.AutoModelForSeq2SeqLM if seq2seq else tf.AutoModelForCausalLM
+    model = auto.from_config(copy.deepcopy(config), attn_implementation=attn).eval()
+    if fix is not None:
+        fix(model)
+    assert model.config._attn_implementation == attn
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def model_pair(name: str):
+    """(stock model, kvkernels model) with the same weights."""
+    config, stock_attn, fix = config_for(name)
+    return build(config, stock_attn, fix), build(config, "kvkernels", fix)
+
+
+def bart_config():
+    return tf.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=3, decoder_layers=2, encoder_attention_heads=4,
+                         decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                         max_position_embeddings=128, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                         decoder_start_token_id=2, forced_eos_token_id=None)
+
+
+@functools.lru_cache(maxsize=None)
+def bart_pair():
+    return build(bart_config(), "sdpa", seq2seq=True), build(bart_config(), "kvkernels", seq2seq=True)
+
+
+def left_padded_batch(rows: int = 3, length: int = 9, seed: int = 1, pad: int = PAD):
+    """``(input_ids, attention_mask)``: row 0 full, the others left-padded by 3, 5, ... tokens."""
+    ids = torch.randint(3, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    for r in range(1, rows):
+        n = min(1 + 2 * r, length - 1)
+        mask[r, :n] = 0
+        ids[r, :n] = pad
+    return ids, mask

@@ -1,0 +1,390 @@
+"""kvkernels.integrations.transformers: ``model.generate()`` on ``PagedCache`` + the ``"kvkernels"``
+attention function is token-identical to the stock cache with SDPA (eager for Gemma2 / GPT-OSS, which
+transformers runs without SDPA) — greedy, seeded sampling and beam search, on left-padded batches —
+for Llama (GQA), Qwen2 and Mistral (sliding windows), Gemma2 (soft cap, alternating windows), GPT-OSS
+(sinks), DeepSeek-V3 (MLA latents) and BART (cross-attention shared by beams). Tiny random-weight
+models (tests/hf_models.py); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from transformers import AttentionInterface, DynamicCache, LogitsProcessor, LogitsProcessorList
+from transformers.masking_utils import AttentionMaskInterface
+
+import kvkernels
+from kvkernels.integrations import transformers_cache
+from kvkernels.integrations.transformers import PagedCache, paged_attention_forward, register
+from kvkernels.integrations.transformers_encdec import PagedEncoderDecoderCache
+
+from hf_models import DECODER_MODELS, bart_config, bart_pair, build, config_for, left_padded_batch, model_pair
+
+MODES = {
+    "greedy": dict(do_sample=False),
+    "sample": dict(do_sample=True, top_k=20),
+    "beam": dict(do_sample=False, num_beams=4, num_return_sequences=2),
+}
+
+
+class OpCounter:
+    """Counts calls of kvkernels.ops functions (the integration looks them up on the module)."""
+
+    def __init__(self, monkeypatch, *names):
+        self.calls = {name: 0 for name in names}
+        for name in names:
+            original = getattr(kvkernels.ops, name)
+
+            def counted(*args, _name=name, _original=original, **kwargs):
+                self.calls[_name] += 1
+                return _original(*args, **kwargs)
+            monkeypatch.setattr(kvkernels.ops, name, counted)
+
+
+def generate_both(stock, paged, ids, mask, mode, cache_kwargs=None, **extra):
+    """Stock generate() and generate() on a fresh PagedCache with the same seed."""
+    kwargs = dict(MODES[mode], output_scores=True, return_dict_in_generate=True, **{"max_new_tokens": 10, **extra})
+    torch.manual_seed(5)
+    ref = stock.generate(ids, attention_mask=mask, **kwargs)
+    cache = PagedCache(paged.config, **(cache_kwargs or dict(block_size=4)))
+    torch.manual_seed(5)
+    out = paged.generate(ids, attention_mask=mask, past_key_values=cache, **kwargs)
+    return ref, out, cache
+
+
+def assert_same_generation(ref, out, mode):
+    assert torch.equal(out.sequences, ref.sequences), f"tokens differ:\n{ref.sequences}\n{out.sequences}"
+    if mode == "beam":
+        torch.testing.assert_close(out.sequences_scores, ref.sequences_scores, rtol=1e-4, atol=1e-5)
+    else:
+        for a, b in zip(out.scores, ref.scores):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ---- registration --------------------------------------------------------------------------------
+
+
+def test_register():
+    assert register() == "kvkernels" == register()  # idempotent
+    assert AttentionInterface._global_mapping["kvkernels"] is paged_attention_forward
+    assert "kvkernels" in AttentionMaskInterface._global_mapping
+
+
+# ---- token identity ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", DECODER_MODELS)
+def test_generate_matches_stock(name, mode, monkeypatch):
+    stock, paged = model_pair(name)
+    ids, mask = left_padded_batch()
+    ops = OpCounter(monkeypatch, "paged_attention", "reshape_and_cache", "gather_kv")
+    ref, out, cache = generate_both(stock, paged, ids, mask, mode)
+    assert_same_generation(ref, out, mode)
+    rows = ids.shape[0] * MODES[mode].get("num_beams", 1)
+    assert cache.batch_size == rows
+    cache.kv.check_invariants()
+    usage = cache.memory_usage()
+    assert usage["stored_tokens"] > 0
+    if name == "deepseek_v3":
+        # MLA: one row of kv_lora_rank + rope values per token and layer, nothing per head; the
+        # model expands the latents itself, so they are handed back gathered.
+        text = paged.config
+        assert cache.latent and cache.kv.bytes_per_token == text.num_hidden_layers * (
+            text.kv_lora_rank + text.qk_rope_head_dim) * 4
+        assert ops.calls["gather_kv"] > 0 and ops.calls["paged_attention"] == 0
+        if mode != "beam":  # this path stores padding columns too (they are masked)
+            assert usage["stored_tokens"] == rows * (ids.shape[1] + 10 - 1)
+    else:
+        # Attention runs on the paged storage: no gather into dense K/V.
+        assert ops.calls["paged_attention"] > 0 and ops.calls["gather_kv"] == 0
+        assert ops.calls["paged_attention"] == ops.calls["reshape_and_cache"]
+        if mode != "beam":  # padding never enters the cache: one token per real column
+            assert usage["stored_tokens"] == int(mask.sum()) + rows * 10 - rows
+    if mode == "beam":  # each prompt stored once for its beams, beams share their common history
+        assert usage["stored_tokens"] < usage["unshared_tokens"] and cache.split_rows == 0
+
+
+@pytest.mark.parametrize("name,feature", [
+    ("mistral", dict(sliding_window=None)),
+    ("qwen2", dict(sliding_window=64)),
+    ("gemma2", dict(attn_logit_softcapping=None)),
+    ("gemma2", dict(sliding_window=64)),
+    ("gpt_oss", "sinks"),
+])
+def test_features_matter(name, feature):
+    """The tiny configs are sensitive to the features the kernel implements: generating without the
+    feature gives other tokens, so token identity above checks the feature."""
+    stock, _ = model_pair(name)
+    if feature == "sinks":
+        config, attn, _ = config_for(name)
+
+        def fix(model):
+            for layer in model.model.layers:
+                layer.self_attn.sinks.data.fill_(-1e4)  # a sink that takes no weight
+    else:
+        config, attn, fix = config_for(name, **feature)
+    without = build(config, attn, fix)
+    ids, mask = left_padded_batch()
+    a = stock.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    b = without.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    assert not torch.equal(a, b)
+
+
+def test_padding_changes_nothing():
+    """A left-padded row generates what it generates alone (pads are not stored nor attended)."""
+    _, paged = model_pair("llama")
+    ids, mask = left_padded_batch()
+    batch = paged.generate(ids, attention_mask=mask, past_key_values=PagedCache(paged.config), max_new_tokens=8,
+                           do_sample=False)
+    for r in range(ids.shape[0]):
+        real = ids[r, mask[r].bool()][None]
+        alone = paged.generate(real, past_key_values=PagedCache(paged.config), max_new_tokens=8, do_sample=False)
+        assert torch.equal(alone[0, -8:], batch[r, -8:])
+
+
+# ---- encoder-decoder -----------------------------------------------------------------------------
+
+
+def source_batch():
+    """Left and right padded sources (BART pads with 1)."""
+    ids, mask = left_padded_batch(pad=1)
+    ids[2], mask[2] = ids[0].clone(), mask[0].clone()
+    ids[2, 6:], mask[2, 6:] = 1, 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_bart_generate_matches_stock(mode, monkeypatch):
+    stock, paged = bart_pair()
+    ids, mask = source_batch()
+    ops = OpCounter(monkeypatch, "paged_attention", "gather_kv")
+    ref, out, cache = generate_both(stock, paged, ids, mask, mode)
+    assert_same_generation(ref, out, mode)
+    assert isinstance(cache, PagedEncoderDecoderCache)
+    assert ops.calls["gather_kv"] == 0 and ops.calls["paged_attention"] > 0
+    cross = cache.cross_attention_cache
+    # Computed once per input and held once: one group per input row, its real source tokens only,
+    # whatever the number of beams; beam reorders moved the row -> group map, never the K/V.
+    assert cross.num_groups == ids.shape[0]
+    assert cross.memory_usage()["stored_tokens"] == int(mask.sum())
+    assert cross.kv.stats().cow_copies == 0 and cross.ungrouped == 0
+    cache.self_attention_cache.kv.check_invariants()
+
+
+def test_bart_cross_rows_that_differ_later_get_their_own_copy():
+    """Rows equal in the first decoder layer's cross K/V but not the second's (a hook perturbs one
+    row there) are split, and the result still matches the stock cache."""
+    stock, paged = (build(bart_config(), attn, seq2seq=True) for attn in ("sdpa", "kvkernels"))
+
+    def perturb(module, args, output):
+        output = output.clone()
+        output[1] += 1e-3
+        return output
+    for model in (stock, paged):
+        model.model.decoder.layers[1].encoder_attn.k_proj.register_forward_hook(perturb)
+    ids, mask = source_batch()
+    ids[1], mask[1] = ids[0], mask[0]  # rows 0 and 1: one input
+    ref, out, cache = generate_both(stock, paged, ids, mask, "greedy")
+    assert_same_generation(ref, out, "greedy")
+    assert cache.cross_attention_cache.ungrouped == 1
+
+
+# ---- beam search: no KV copies, memory -----------------------------------------------------------
+
+
+def prefilled_cache(rows=4, block_size=4):
+    _, paged = model_pair("llama")
+    ids, mask = left_padded_batch(rows=rows)
+    cache = PagedCache(paged.config, block_size=block_size)
+    with torch.no_grad():
+        paged(ids, attention_mask=mask, past_key_values=cache)
+    return paged, cache
+
+
+def test_reorder_permutes_block_tables_without_copying(monkeypatch):
+    _, cache = prefilled_cache()
+    tables = cache.kv.block_tables(cache.sequences)
+    lens = cache.kv.seq_lens(cache.sequences)
+    storage = cache.kv.kv.clone()
+    ops = OpCounter(monkeypatch, "copy_blocks", "swap_blocks", "reshape_and_cache")
+    beam_idx = torch.tensor([2, 2, 0, 1])
+    cache.reorder_cache(beam_idx)
+    assert sum(ops.calls.values()) == 0
+    assert torch.equal(cache.kv.kv, storage)
+    assert torch.equal(cache.kv.block_tables(cache.sequences), tables[beam_idx])
+    assert torch.equal(cache.kv.seq_lens(cache.sequences), lens[beam_idx])
+    assert cache.kv.pool.refcount(int(tables[2, 0])) == 2  # row 2's blocks now serve rows 0 and 1
+    cache.kv.check_invariants()
+
+
+class BytesProbe(LogitsProcessor):
+    """Runs after every forward (before the beam reorder): records the most bytes held."""
+
+    def __init__(self, measure):
+        self.measure, self.peak = measure, 0
+
+    def __call__(self, input_ids, scores):
+        self.peak = max(self.peak, self.measure())
+        return scores
+
+
+def test_eight_beams_peak_kv_bytes_at_most_a_quarter_of_stock():
+    """generate() prefills the prompt once per beam; the paged cache notices the identical rows and
+    keeps one copy, and beam reorders share blocks. Peak stored bytes (token-granular, shared blocks
+    once) against the stock DynamicCache's tensors (benchmarks/hf_beam_memory.py has more cases)."""
+    stock, paged = model_pair("llama")
+    prompt = torch.randint(3, 128, (2, 128), generator=torch.Generator().manual_seed(3))
+    gen = dict(num_beams=8, max_new_tokens=16, min_new_tokens=16, do_sample=False, early_stopping=False)
+    with torch.no_grad():
+        dyn = DynamicCache(config=stock.config)
+        probe = BytesProbe(lambda: sum(t.nbytes for layer in dyn.layers for t in (layer.keys, layer.values)))
+        ref = stock.generate(prompt, past_key_values=dyn, logits_processor=LogitsProcessorList([probe]), **gen)
+        cache = PagedCache(paged.config, block_size=8)
+        paged_probe = BytesProbe(lambda: cache.memory_usage()["stored_bytes"])
+        out = paged.generate(prompt, past_key_values=cache, logits_processor=LogitsProcessorList([paged_probe]),
+                             **gen)
+    assert torch.equal(out, ref)
+    assert cache.split_rows == 0
+    ratio = paged_probe.peak / probe.peak
+    assert ratio <= 0.25, f"peak KV bytes {paged_probe.peak} vs stock {probe.peak}: {ratio:.3f}"
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_prefill_stores_each_prompt_once(name):
+    """generate() expands every prompt to num_beams rows before the prefill: stored once each."""
+    stock, paged = model_pair(name)
+    ids, mask = left_padded_batch()
+    ids4, mask4 = ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0)
+    cache = PagedCache(paged.config, block_size=4)
+    with torch.no_grad():
+        got = paged(ids4, attention_mask=mask4, past_key_values=cache).logits
+        want = stock(ids4, attention_mask=mask4).logits
+    real = mask4.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-5)
+    per_prompt = mask.sum(1) if name != "deepseek_v3" else torch.full((3,), ids.shape[1])  # MLA keeps padding
+    assert cache.memory_usage()["stored_tokens"] == int(per_prompt.sum())
+    assert cache.memory_usage()["unshared_tokens"] == 4 * int(per_prompt.sum())
+    cache.kv.check_invariants()
+
+
+def test_duplicate_rows_that_differ_later_get_their_own_blocks():
+    """Prefill rows equal in the first layer but not the second (a hook perturbs one row's keys
+    there): the row forked from its duplicate gets its own blocks, layer 0 copied over."""
+    config, attn, _ = config_for("llama")
+    stock, paged = build(config, attn), build(config, "kvkernels")
+
+    def perturb(module, args, output):
+        output = output.clone()
+        output[1] += 1e-2
+        return output
+    for model in (stock, paged):
+        model.model.layers[1].self_attn.k_proj.register_forward_hook(perturb)
+    ids, mask = left_padded_batch()
+    ids[1], mask[1] = ids[0], mask[0]
+    ref, out, cache = generate_both(stock, paged, ids, mask, "greedy")
+    assert_same_generation(ref, out, "greedy")
+    assert cache.split_rows == 1
+    cache.kv.check_invariants()
+
+
+# ---- cache operations ----------------------------------------------------------------------------
+
+
+def test_storage_grows_and_keeps_sharing():
+    """num_blocks=None: sized on first use, grown as needed (rebuilt; shared blocks stay shared)."""
+    stock, paged = model_pair("llama")
+    ids, mask = left_padded_batch()
+    for mode in ("greedy", "beam"):
+        ref, out, cache = generate_both(stock, paged, ids, mask, mode, cache_kwargs=dict(block_size=2),
+                                        max_new_tokens=30, min_new_tokens=30)
+        assert_same_generation(ref, out, mode)
+        if mode == "greedy":
+            assert cache.grow_count >= 1
+    # The beams share most of their blocks; a growth keeps exactly that sharing.
+    before = cache.memory_usage()
+    assert before["sharing_ratio"] < 0.5
+    blocks = cache.kv.num_blocks
+    cache._grow(1)
+    after = cache.memory_usage()
+    assert cache.kv.num_blocks >= 2 * blocks
+    for key in ("stored_bytes", "used_blocks", "unshared_bytes"):
+        assert after[key] == before[key], key
+    cache.kv.check_invariants()
+
+
+def test_fixed_num_blocks_runs_out():
+    _, paged = model_pair("llama")
+    ids, mask = left_padded_batch()
+    with pytest.raises(kvkernels.OutOfBlocksError):
+        paged.generate(ids, attention_mask=mask, past_key_values=PagedCache(paged.config, block_size=4, num_blocks=6),
+                       max_new_tokens=10)
+
+
+def test_prefill_once_then_branch():
+    """The zero-copy "prefill once, then branch" pattern: batch_repeat_interleave forks."""
+    stock, paged = model_pair("llama")
+    prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(4))
+    cache = PagedCache(paged.config, block_size=4)
+    with torch.no_grad():
+        paged(prompt[:, :-1], past_key_values=cache)
+    used = cache.kv.memory_usage()["used_blocks"]
+    cache.batch_repeat_interleave(3)
+    assert cache.batch_size == 3 and cache.kv.memory_usage()["used_blocks"] == used
+    out = paged.generate(prompt, past_key_values=cache, num_beams=3, max_new_tokens=6, do_sample=False)
+    ref = stock.generate(prompt, num_beams=3, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_crop_select_and_reset():
+    paged, cache = prefilled_cache(rows=3)
+    n = cache.get_seq_length()
+    lens = cache.kv.seq_lens(cache.sequences).tolist()
+    cache.crop(-2)  # the last two columns are real in every row
+    assert cache.get_seq_length() == n - 2
+    assert cache.kv.seq_lens(cache.sequences).tolist() == [x - 2 for x in lens]
+    cache.batch_select_indices(torch.tensor([2, 0, 0]))
+    assert cache.batch_size == 3
+    assert cache.kv.seq_lens(cache.sequences).tolist() == [lens[2] - 2, lens[0] - 2, lens[0] - 2]
+    cache.kv.check_invariants()
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.batch_size == -1 and len(cache.kv) == 0
+    ids, mask = left_padded_batch()  # the storage serves the next batch
+    out = paged.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False)
+    ref = paged.generate(ids, attention_mask=mask, past_key_values=PagedCache(paged.config), max_new_tokens=5,
+                         do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_wrong_attention_implementation_is_refused():
+    stock, _ = model_pair("llama")  # runs sdpa
+    ids, mask = left_padded_batch()
+    with pytest.raises(ValueError, match="kvkernels"):
+        stock.generate(ids, attention_mask=mask, past_key_values=PagedCache(stock.config), max_new_tokens=2)
+
+
+def test_dense_fallback_without_paged_cache():
+    """The "kvkernels" attention function also serves calls without a PagedCache (encoders, no
+    cache, a stock cache): transformers' SDPA, or a plain twin when soft cap / sinks are needed."""
+    for name in ("llama", "gemma2", "gpt_oss"):
+        stock, paged = model_pair(name)
+        ids, mask = left_padded_batch()
+        with torch.no_grad():
+            a = stock(ids, attention_mask=mask).logits
+            b = paged(ids, attention_mask=mask).logits
+        real = mask.bool()
+        torch.testing.assert_close(b[real], a[real], rtol=1e-4, atol=1e-5)
+        assert not b.isnan().any()
+
+
+def test_duplicate_rows_helper():
+    key = torch.randn(5, 2, 3, 4)
+    key[3] = key[1]
+    key[4] = key[1]
+    value = key * 2
+    real = np.ones((5, 3), dtype=bool)
+    assert transformers_cache.duplicate_rows(key, value, None).tolist() == [0, 1, 2, 1, 1]
+    real[4, 0] = False  # same K/V, other padding: not a duplicate
+    assert transformers_cache.duplicate_rows(key, value, real).tolist() == [0, 1, 2, 1, 4]
