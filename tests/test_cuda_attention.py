@@ -104,7 +104,7 @@ def run_cuda(kv, query, qsl=None, **kwargs):
     poison_allocator(8 * t * hq * d * 4)
     out, lse = ops.paged_attention(q, k, v, bt, sl, qsl_d, **kw)
     torch.cuda.synchronize()
-    assert out.device.type == "cuda" and lse.device.type == "cuda"
+    assert out.device.type == DEV and lse.device.type == DEV
     assert out.dtype == query.dtype and out.shape == (t, hq, d) and out.is_contiguous()
     assert lse.dtype == torch.float32 and lse.shape == (t, hq) and lse.is_contiguous()
     kr, vr = kv.ref_caches()

@@ -86,7 +86,7 @@ __device__ __forceinline__ void convert_fp8_stage(const char* raw, char* cvt) {
 }
 
 template <typename T, CacheFormat CF, int DPAD, Path PATH>
-__global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT)
+__global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, 1)
     mma_attention_kernel(const __grid_constant__ AttnArgs a) {
   using C = MmaCfg<T, CF, DPAD, PATH>;
   constexpr int KT = C::KT, KW = C::KW, NT = C::NT, ROWS = C::ROWS, STAGES = C::STAGES;
@@ -158,18 +158,19 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT)
   float m2[2] = {-INFINITY, -INFINITY}, dsum[2] = {0.0f, 0.0f};
   uint32_t qf[C::Q_IN_REGS ? DPAD / 16 : 1][4];
   const uint32_t sq_u32 = smem_u32(sq);
+  __syncthreads();  // queries in shared memory
+  if constexpr (C::Q_IN_REGS) {
+#pragma unroll
+    for (int kk = 0; kk < DPAD / 16; ++kk) {
+      qf[kk][0] = qf[kk][1] = qf[kk][2] = qf[kk][3] = 0u;
+      if (kk * 16 < d)
+        ldmatrix_x4(sq_u32 + swz<CPR16>(wm * 16 + (lane & 15), 2 * kk + (lane >> 4)), qf[kk]);
+    }
+  }
 
   for (int it = 0; it < ntiles; ++it) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();
-    if constexpr (C::Q_IN_REGS) {
-      if (it == 0) {
-#pragma unroll
-        for (int kk = 0; kk < DPAD / 16; ++kk)
-          if (kk * 16 < d)
-            ldmatrix_x4(sq_u32 + swz<CPR16>(wm * 16 + (lane & 15), 2 * kk + (lane >> 4)), qf[kk]);
-      }
-    }
     {
       const int nx = it + STAGES - 1;
       if (nx < ntiles) {

@@ -86,7 +86,7 @@ __device__ __forceinline__ void convert_stage_to_float(const char* raw, float* c
 }
 
 template <typename QT, CacheFormat CF, int DPAD>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(128, 1)
     simt_attention_kernel(const __grid_constant__ AttnArgs a) {
   using C = SimtCfg<QT, CF, DPAD>;
   constexpr int KT = C::KT, NT = C::NT, ROWS = C::ROWS, STAGES = C::STAGES;
