@@ -282,7 +282,8 @@ struct Work {
 template <int KT>
 __device__ __forceinline__ bool make_work(const AttnArgs& a, Work& w) {
   const AttentionParams& p = a.p;
-  const int tile = blockIdx.x;
+  // Varlen: the last tiles of a sequence see the most keys (causal), so they are scheduled first.
+  const int tile = p.query_start_loc ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : blockIdx.x;
   const int64_t num_seqs = p.kv.num_seqs;
   if (p.query_start_loc == nullptr) {
     w.seq = tile;
