@@ -1,0 +1,204 @@
+// Host side of the CUDA paged attention: plans a launch from shapes and the device (kernel path,
+// padded head dim, GQA packing, KV split count) and enqueues the kernels of
+// attention_{f32,f16,bf16}.cu. Torch-free; attention_binding.cpp validates the tensors, allocates
+// outputs and workspace through torch and calls in here.
+//
+// Path choice:
+//   float32 queries                          -> SIMT (float32 math end to end)
+//   fp16 / bf16, decode, group <= 16         -> tensor-core decode (16 rows, warps split keys)
+//   fp16 / bf16, varlen, or decode group > 16 -> tensor-core prefill (64 rows, warps split rows)
+// KVKERNELS_CUDA_ATTN_PATH=simt forces the SIMT kernel for every dtype.
+//
+// Split count: a function of the number of work items (from shapes), the longest context a block
+// table row can describe (block_tables.shape[1] * block_size) and the SM count; never of
+// seq_lens, so the launch is the same for every step of a decode loop and CUDA-graph safe.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "attention_api.cuh"
+#include "attention_common.cuh"
+
+namespace kvkernels::attn_cuda {
+namespace {
+
+constexpr int kMaxSplits = 128;
+constexpr int kMinKeysPerSplit = 256;  // a split below this costs more in merging than it saves
+constexpr int kCtasPerSm = 2;          // resident CTAs per SM the split heuristic aims to fill
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("kvkernels.paged_attention (CUDA): ") + what + ": " +
+                             cudaGetErrorString(err));
+}
+
+struct DeviceInfo {
+  int sm_count = 0;
+  int major = 0;
+};
+
+// SM count and compute capability per device, queried once (cudaDeviceGetAttribute, no sync).
+DeviceInfo device_info(int device) {
+  static std::mutex mu;
+  static DeviceInfo cache[64];
+  if (device < 0 || device >= 64) {
+    DeviceInfo info;
+    check(cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device),
+          "SM count");
+    check(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device),
+          "compute capability");
+    return info;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  DeviceInfo& info = cache[device];
+  if (info.sm_count == 0) {
+    check(cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device),
+          "SM count");
+    check(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device),
+          "compute capability");
+  }
+  return info;
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  return std::atoi(v);
+}
+
+bool env_is(const char* name, const char* value) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, value) == 0;
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+int64_t floats_aligned8(int64_t n) { return (n + 7) / 8 * 8; }
+
+}  // namespace
+
+LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
+  if (p.kv.head_dim_v != p.kv.head_dim || p.kv.k == p.kv.v)
+    throw std::runtime_error("kvkernels.paged_attention (CUDA): MLA-shaped parameters are not "
+                             "supported by this kernel");
+  const int d = p.kv.head_dim;
+  if (d <= 0 || d % 8 != 0 || d > 256)
+    throw std::runtime_error("kvkernels.paged_attention (CUDA): head_dim must be a positive "
+                             "multiple of 8 up to 256");
+  const DeviceInfo dev = device_info(device);
+  if (dev.major < 8)
+    throw std::runtime_error("kvkernels.paged_attention (CUDA): needs compute capability 8.0 or "
+                             "newer (cp.async, bf16 mma), device " + std::to_string(device) +
+                             " has " + std::to_string(dev.major) + ".x");
+
+  LaunchPlan plan;
+  plan.dpad = dpad_of(d);
+  plan.group = p.num_heads / p.kv.num_kv_heads;
+  const bool decode = p.query_start_loc == nullptr;
+  Path path;
+  if (p.q_format == FloatFormat::kFloat32 || env_is("KVKERNELS_CUDA_ATTN_PATH", "simt"))
+    path = Path::kSimt;
+  else if (decode && plan.group <= rows_of(Path::kMmaDecode))
+    path = Path::kMmaDecode;
+  else
+    path = Path::kMmaPrefill;
+  plan.path = static_cast<int>(path);
+
+  const int rows = rows_of(path);
+  plan.heads_per_cta = std::min(plan.group, rows);
+  plan.head_chunks = (plan.group + plan.heads_per_cta - 1) / plan.heads_per_cta;
+  plan.q_tile = decode ? 1 : rows / plan.heads_per_cta;
+  const int64_t T = plan.q_tile;
+  plan.grid_x = decode ? p.kv.num_seqs : (p.num_tokens + p.kv.num_seqs * (T - 1)) / T;
+  const int64_t grid_y = int64_t(p.kv.num_kv_heads) * plan.head_chunks;
+  if (plan.grid_x > 0x7fffffff || grid_y > 65535)
+    throw std::runtime_error("kvkernels.paged_attention (CUDA): too many sequences / tokens / "
+                             "heads for one launch");
+  plan.grid_y = static_cast<int>(grid_y);
+
+  // Split the keys of each work item when the items alone leave SMs idle.
+  const int kt = key_tile_of(path, plan.dpad);
+  const int64_t max_keys = p.kv.max_blocks_per_seq * p.kv.block_size;
+  const int64_t items = plan.grid_x * plan.grid_y;
+  int64_t splits = 1;
+  const int forced = env_int("KVKERNELS_CUDA_ATTN_SPLITS", 0);
+  if (forced > 0) {
+    splits = forced;
+  } else if (items > 0) {
+    const int64_t target = int64_t(dev.sm_count) * kCtasPerSm;
+    if (items < target) {
+      const int64_t wanted = (target + items - 1) / items;
+      const int64_t most = std::max<int64_t>(1, max_keys / kMinKeysPerSplit);
+      splits = std::min(wanted, most);
+    }
+  }
+  // More splits than key tiles would only add empty CTAs.
+  const int64_t max_tiles = std::max<int64_t>(1, (max_keys + kt - 1) / kt);
+  splits = std::max<int64_t>(1, std::min<int64_t>({splits, kMaxSplits, max_tiles}));
+  plan.num_splits = static_cast<int>(splits);
+  plan.grid_z = plan.num_splits;
+  if (plan.num_splits > 1) {
+    const int64_t rows_total = int64_t(plan.num_splits) * p.num_tokens * p.num_heads;
+    plan.workspace_floats = floats_aligned8(rows_total * d) + floats_aligned8(rows_total);
+  }
+  return plan;
+}
+
+void launch_paged_attention(const AttentionParams& p, const LaunchPlan& plan, float* workspace,
+                            void* stream_ptr) {
+  if (plan.grid_x == 0 || plan.grid_y == 0 || p.num_tokens == 0) return;
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  AttnArgs a;
+  a.p = p;
+  a.group = plan.group;
+  a.heads_per_cta = plan.heads_per_cta;
+  a.head_chunks = plan.head_chunks;
+  a.q_tile = plan.q_tile;
+  a.num_splits = plan.num_splits;
+  const int bs = p.kv.block_size;
+  a.bs_shift = -1;
+  if ((bs & (bs - 1)) == 0)
+    for (int s = 0; s < 31; ++s)
+      if ((1 << s) == bs) a.bs_shift = s;
+  const int64_t es = cache_esize(p.kv.format);
+  a.kv_aligned = aligned16(p.kv.k) && aligned16(p.kv.v) && (p.kv.k_stride_block * es) % 16 == 0 &&
+                 (p.kv.k_stride_slot * es) % 16 == 0 && (p.kv.k_stride_head * es) % 16 == 0 &&
+                 (p.kv.v_stride_block * es) % 16 == 0 && (p.kv.v_stride_slot * es) % 16 == 0 &&
+                 (p.kv.v_stride_head * es) % 16 == 0;
+  const int64_t qs = p.q_format == FloatFormat::kFloat32 ? 4 : 2;
+  a.q_aligned = aligned16(p.q) && (p.q_stride_token * qs) % 16 == 0 &&
+                (p.q_stride_head * qs) % 16 == 0;
+  if (plan.num_splits > 1) {
+    if (workspace == nullptr)
+      throw std::runtime_error("kvkernels.paged_attention (CUDA): split launch without workspace");
+    const int64_t rows_total = int64_t(plan.num_splits) * p.num_tokens * p.num_heads;
+    a.part_o = workspace;
+    a.part_lse = workspace + floats_aligned8(rows_total * p.kv.head_dim);
+  }
+
+  const dim3 grid(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(plan.grid_y),
+                  static_cast<unsigned>(plan.grid_z));
+  const Path path = static_cast<Path>(plan.path);
+  cudaError_t err;
+  switch (p.q_format) {
+    case FloatFormat::kFloat16: err = launch_attention_f16(a, path, plan.dpad, grid, stream); break;
+    case FloatFormat::kBFloat16: err = launch_attention_bf16(a, path, plan.dpad, grid, stream); break;
+    default: err = launch_attention_f32(a, path, plan.dpad, grid, stream); break;
+  }
+  check(err, "attention kernel launch");
+  if (plan.num_splits > 1) {
+    switch (p.q_format) {
+      case FloatFormat::kFloat16: err = launch_merge_f16(a, stream); break;
+      case FloatFormat::kBFloat16: err = launch_merge_bf16(a, stream); break;
+      default: err = launch_merge_f32(a, stream); break;
+    }
+    check(err, "split merge launch");
+  }
+}
+
+}  // namespace kvkernels::attn_cuda

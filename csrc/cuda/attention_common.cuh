@@ -1,0 +1,637 @@
+// Device code shared by the CUDA paged-attention kernels (attention_simt.cuh, attention_mma.cuh,
+// attention_merge.cuh). Torch-free: the kernels see only the AttentionParams of
+// kvkernels/params.h (raw pointers, element strides, sizes) plus the launch plan below.
+//
+// Work decomposition (one CTA = one work item, all index math from shapes, never a host read of
+// device data):
+//   blockIdx.x  query tile: decode (query_start_loc == nullptr) = the sequence; varlen = a tile of
+//               up to `q_tile` consecutive queries of one sequence (see make_work),
+//   blockIdx.y  kv head * head_chunks + chunk: the CTA's rows are `q_tile` queries x up to
+//               `heads_per_cta` query heads of that kv head's GQA group, so each K/V byte a CTA
+//               reads serves every query head of its group,
+//   blockIdx.z  KV split: the visible keys of the tile are cut into `num_splits` ranges of whole
+//               key tiles; with more than one split each CTA writes a normalized partial
+//               (out, lse) to the workspace and attention_merge.cuh combines them exactly.
+// Rows of a CTA: row r = query r / heads_per_cta, head r % heads_per_cta of the chunk.
+//
+// Logits are kept in log2 units inside the kernels (x * log2 e, exp2f); lse is converted to the
+// natural log only when written to the output. The sink joins the denominator only where the
+// full softmax is known: in the finalization of an unsplit CTA or in the merge kernel.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kvkernels/params.h"
+
+namespace kvkernels::attn_cuda {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ---------------------------------------------------------------------------------------------
+// Launch plan and kernel geometry (host and device)
+// ---------------------------------------------------------------------------------------------
+
+enum class Path : int {
+  kSimt = 0,        // CUDA-core kernel: every dtype, the only one for float32 queries
+  kMmaDecode = 1,   // tensor cores, 16 rows per CTA, warps split the keys of each tile
+  kMmaPrefill = 2,  // tensor cores, 64 rows per CTA (4 warps x 16 rows), 1 warp per row block
+};
+
+// Everything a kernel needs: the validated params and the host-side plan.
+struct AttnArgs {
+  AttentionParams p;
+  int group = 1;          // query heads per kv head
+  int heads_per_cta = 1;  // hc: query heads of one group handled by one CTA
+  int head_chunks = 1;    // ceil(group / hc)
+  int q_tile = 1;         // queries per CTA (varlen); 1 for decode
+  int num_splits = 1;
+  int bs_shift = -1;      // log2(block_size) when it is a power of two, else -1
+  int kv_aligned = 0;     // K/V rows 16-byte aligned: cp.async; else plain element loads
+  int q_aligned = 0;      // query rows 16-byte aligned: 16-byte loads
+  float* part_o = nullptr;    // [num_splits, num_tokens, num_heads, head_dim] (num_splits > 1)
+  float* part_lse = nullptr;  // [num_splits, num_tokens, num_heads], log2 units
+};
+
+// Padded head dim the kernels are instantiated for: every head dim that is a multiple of 8 runs on
+// the smallest of 64 / 128 / 256 that holds it (columns past head_dim are zero-filled).
+__host__ __device__ constexpr int dpad_of(int head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
+
+__host__ __device__ constexpr int cache_esize(CacheFormat f) {
+  return f == CacheFormat::kFloat32 ? 4
+         : (f == CacheFormat::kFloat16 || f == CacheFormat::kBFloat16) ? 2
+                                                                        : 1;
+}
+
+// Rows (query x head pairs) per CTA.
+__host__ __device__ constexpr int rows_of(Path path) { return path == Path::kMmaPrefill ? 64 : 16; }
+
+// Warps of the tensor-core kernels: (WM row blocks of 16) x (WN key slices).
+__host__ __device__ constexpr int mma_wm(Path path) { return path == Path::kMmaPrefill ? 4 : 1; }
+__host__ __device__ constexpr int mma_wn(Path path, int dpad) {
+  return path == Path::kMmaPrefill ? 1 : (dpad == 256 ? 2 : 4);
+}
+
+// Keys per pipeline stage.
+__host__ __device__ constexpr int key_tile_of(Path path, int dpad) {
+  return path == Path::kSimt ? (dpad == 256 ? 16 : 32)
+         : path == Path::kMmaDecode ? 16 * mma_wn(path, dpad)
+                                    : (dpad == 256 ? 32 : 64);
+}
+
+__host__ __device__ constexpr int threads_of(Path path, int dpad) {
+  return path == Path::kSimt ? 128 : 32 * mma_wm(path) * mma_wn(path, dpad);
+}
+
+// Pipeline depth: as many stages as fit in 64 KiB next to the conversion buffer, 2 to 4.
+__host__ __device__ constexpr int pipeline_stages(int stage_bytes, int cvt_bytes) {
+  return (65536 - cvt_bytes) / stage_bytes < 2   ? 2
+         : (65536 - cvt_bytes) / stage_bytes > 4 ? 4
+                                                 : (65536 - cvt_bytes) / stage_bytes;
+}
+
+// Every kernel fits the smallest opt-in shared memory of sm_80+ parts (99 KiB on sm_86 / sm_89).
+constexpr int kMaxSmem = 99 * 1024;
+
+// ---------------------------------------------------------------------------------------------
+// Small device helpers
+// ---------------------------------------------------------------------------------------------
+
+template <FloatFormat F>
+struct QType;
+template <>
+struct QType<FloatFormat::kFloat32> { using type = float; };
+template <>
+struct QType<FloatFormat::kFloat16> { using type = __half; };
+template <>
+struct QType<FloatFormat::kBFloat16> { using type = __nv_bfloat16; };
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Two floats packed as one 32-bit register of two 16-bit values (x in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float x, float y);
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float x, float y) {
+  __half2 h = __floats2half2_rn(x, y);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float x, float y) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// Two 16-bit values of one register as floats.
+__device__ __forceinline__ float2 unpack2_half(uint32_t u) {
+  __half2 h = *reinterpret_cast<__half2*>(&u);
+  return __half22float2(h);
+}
+__device__ __forceinline__ float2 unpack2_bf16(uint32_t u) {
+  return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+}
+
+// ---- fp8 -> fp16 bit conversion (exact) --------------------------------------------------------
+// e5m2 is the top byte of an fp16. An e4m3 byte b maps to the fp16 whose bits are
+// sign | (b & 0x7f) << 7, which is the e4m3 value times 2^-8 (normals and subnormals alike, and
+// every e4m3 value is exactly representable that way); NaN (0x7f / 0xff) is kept NaN. The factor
+// 256 of e4m3 is folded into the k/v multipliers (fp8_unit below).
+
+// Bytes 0,1 (sel 0x1404) or 2,3 (sel 0x3424) of w, each as the high byte of a 16-bit lane.
+__device__ __forceinline__ uint32_t fp8_pair_hi(uint32_t w, uint32_t sel) {
+  return __byte_perm(w, 0u, sel);
+}
+
+template <CacheFormat CF>
+__device__ __forceinline__ uint32_t fp8x2_to_half2_bits(uint32_t hi_bytes) {
+  if constexpr (CF == CacheFormat::kFp8E5M2) {
+    return hi_bytes;
+  } else {
+    const uint32_t sign = hi_bytes & 0x80008000u;
+    const uint32_t mag = (hi_bytes & 0x7f007f00u) >> 1;
+    const uint32_t nan = __vcmpeq2(mag, 0x3f803f80u) & 0x7c007c00u;
+    return sign | mag | nan;
+  }
+}
+
+// 4 fp8 values (one 32-bit word, element 0 in the low byte) -> 2 registers of half2.
+template <CacheFormat CF>
+__device__ __forceinline__ void fp8x4_to_half2x2(uint32_t w, uint32_t* lo, uint32_t* hi) {
+  *lo = fp8x2_to_half2_bits<CF>(fp8_pair_hi(w, 0x1404u));
+  *hi = fp8x2_to_half2_bits<CF>(fp8_pair_hi(w, 0x3424u));
+}
+
+// What one unit of a converted fp8 value is worth: e4m3 values are stored times 2^-8.
+template <CacheFormat CF>
+__host__ __device__ constexpr float fp8_unit() {
+  return CF == CacheFormat::kFp8E4M3 ? 256.0f : 1.0f;
+}
+
+// ---- PTX wrappers ------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; bytes past src_bytes (0..16) are zero-filled and not read.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)),
+               "l"(gmem), "r"(src_bytes)
+               : "memory");
+#else
+  (void)smem, (void)gmem, (void)src_bytes;
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t* r) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+#else
+  (void)addr, r[0] = r[1] = r[2] = r[3] = 0;
+#endif
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t* r) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+#else
+  (void)addr, r[0] = r[1] = r[2] = r[3] = 0;
+#endif
+}
+
+// d += a * b for one m16n8k16 tile, fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::is_same_v<T, __half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+#else
+  (void)d, (void)a, (void)b0, (void)b1;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Work items
+// ---------------------------------------------------------------------------------------------
+
+struct Work {
+  int seq = 0;
+  int q_len = 0, q0 = 0, nq = 0;  // queries of the sequence, first query and count of this CTA
+  int64_t token0 = 0;             // token of query 0 of the sequence
+  int seq_len = 0;
+  int pos0 = 0;                   // position of query q0 (bottom-right causal alignment)
+  int lo = 0, hi = -1;            // keys the CTA's rows may see: [lo, hi]
+  int kv_head = 0, head0 = 0, nh = 0;  // kv head; first query head and count of this CTA
+  int split = 0;
+  int tile_begin = 0, tile_end = 0;    // key tiles [tile_begin, tile_end) of this split
+};
+
+// Fills the work item of this CTA; false when the CTA has no queries (a padding tile of varlen).
+// Varlen tiles: sequence s owns tiles [start(s), start(s + 1)) with
+// start(s) = floor((qsl[s] + s * (q_tile - 1)) / q_tile), at least ceil(q_len(s) / q_tile) of
+// them; the grid has start(num_seqs) = (num_tokens + num_seqs * (q_tile - 1)) / q_tile tiles, so
+// the grid size depends on shapes only. Index tensors are read defensively (clamped), so bad input
+// gives wrong numbers at worst, never an out-of-bounds access.
+template <int KT>
+__device__ __forceinline__ bool make_work(const AttnArgs& a, Work& w) {
+  const AttentionParams& p = a.p;
+  // Varlen: the last tiles of a sequence see the most keys (causal), so they are scheduled first.
+  const int tile = p.query_start_loc ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+  const int64_t num_seqs = p.kv.num_seqs;
+  if (p.query_start_loc == nullptr) {
+    w.seq = tile;
+    w.q_len = 1;
+    w.q0 = 0;
+    w.token0 = tile;
+  } else {
+    const int32_t* qsl = p.query_start_loc;
+    const int64_t T = a.q_tile;
+    int lo = 0, hi = static_cast<int>(num_seqs) - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      const int64_t start = (int64_t(qsl[mid]) + int64_t(mid) * (T - 1)) / T;
+      if (start <= tile) lo = mid; else hi = mid - 1;
+    }
+    const int64_t start = (int64_t(qsl[lo]) + int64_t(lo) * (T - 1)) / T;
+    w.seq = lo;
+    w.token0 = qsl[lo];
+    w.q_len = qsl[lo + 1] - qsl[lo];
+    const int64_t q0 = (int64_t(tile) - start) * T;
+    if (q0 < 0 || q0 >= w.q_len) return false;
+    w.q0 = static_cast<int>(q0);
+  }
+  w.nq = min(a.q_tile, w.q_len - w.q0);
+
+  const int64_t capacity = p.kv.max_blocks_per_seq * p.kv.block_size;
+  int64_t len = p.kv.seq_lens[w.seq];
+  len = len < 0 ? 0 : (len > capacity ? capacity : len);
+  w.seq_len = static_cast<int>(len);
+  w.pos0 = w.seq_len - w.q_len + w.q0;
+  w.hi = w.pos0 + w.nq - 1;
+  w.lo = 0;
+  if (p.window_left >= 0) {
+    const int64_t lo = int64_t(w.pos0) - p.window_left;
+    w.lo = lo < 0 ? 0 : static_cast<int>(lo);
+  }
+
+  const int chunk = static_cast<int>(blockIdx.y) % a.head_chunks;
+  w.kv_head = static_cast<int>(blockIdx.y) / a.head_chunks;
+  w.head0 = w.kv_head * a.group + chunk * a.heads_per_cta;
+  w.nh = min(a.heads_per_cta, a.group - chunk * a.heads_per_cta);
+  w.split = blockIdx.z;
+
+  w.tile_begin = w.tile_end = 0;
+  if (w.hi >= w.lo && w.nq > 0) {
+    const int64_t first = w.lo / KT, n = w.hi / KT - first + 1;
+    w.tile_begin = static_cast<int>(first + n * w.split / a.num_splits);
+    w.tile_end = static_cast<int>(first + n * (w.split + 1) / a.num_splits);
+  }
+  return true;
+}
+
+struct RowId {
+  bool valid;
+  int64_t token;
+  int head;
+  int pos;  // query position; rows that are not valid get the CTA's last position (harmless)
+};
+
+__device__ __forceinline__ RowId row_id(const AttnArgs& a, const Work& w, int r) {
+  const int qi = r / a.heads_per_cta, hh = r - qi * a.heads_per_cta;
+  RowId id;
+  id.token = w.token0 + w.q0 + qi;
+  id.head = w.head0 + hh;
+  id.valid = qi < w.nq && hh < w.nh && id.token >= 0 && id.token < a.p.num_tokens;
+  id.pos = id.valid ? w.pos0 + qi : w.hi;
+  return id;
+}
+
+// Logit of one key for one row, natural units in, log2 units out: soft cap, ALiBi, mask
+// (docs/ops.md order: scale first, already applied by the caller through qk_mul).
+struct LogitOps {
+  float cap, inv_cap;  // cap <= 0: off
+  int window;          // < 0: off
+  bool alibi;
+  bool plain;          // no cap, no ALiBi
+};
+
+__device__ __forceinline__ LogitOps logit_ops(const AttentionParams& p) {
+  LogitOps o;
+  o.cap = p.soft_cap;
+  o.inv_cap = p.soft_cap > 0.0f ? 1.0f / p.soft_cap : 0.0f;
+  o.window = p.window_left;
+  o.alibi = p.alibi_slopes != nullptr;
+  o.plain = !(p.soft_cap > 0.0f) && !o.alibi;
+  return o;
+}
+
+__device__ __forceinline__ bool key_visible(int key, int pos, int window) {
+  return key <= pos && (window < 0 || key >= pos - window);
+}
+
+// x: raw logit times qk_mul (= scale * k_scale). Returns the log2-unit logit, -inf if masked.
+__device__ __forceinline__ float transform_logit(float x, const LogitOps& o, float slope, int key,
+                                                 int pos, bool mask) {
+  if (!o.plain) {
+    if (o.cap > 0.0f) x = o.cap * tanhf(x * o.inv_cap);
+    if (o.alibi) x = fmaf(slope, static_cast<float>(key - pos), x);
+  }
+  x *= kLog2e;
+  if (mask && !key_visible(key, pos, o.window)) x = -INFINITY;
+  return x;
+}
+
+// Does the whole tile [k0, k0 + KT) need no mask for any row of the CTA?
+__device__ __forceinline__ bool tile_needs_mask(const Work& w, int k0, int kt, int window) {
+  return k0 + kt - 1 > w.pos0 || (window >= 0 && k0 < w.hi - window);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paged K/V tile loader
+// ---------------------------------------------------------------------------------------------
+
+// Loads keys [tile * KT, tile * KT + KT) of one kv head into shared memory, K and V, as 16-byte
+// chunks of raw cache elements: chunk c (0 <= c < CPR) of tile row r goes to `off(r, c)` bytes
+// past the K / V destination. Rows whose key lies outside [w.lo, w.hi] or whose block id is out of
+// range, and bytes past head_dim, are zero-filled (never read from global memory), so NaN in
+// unused cache slots never reaches the math. Each thread owns one chunk column and RPT rows; the
+// block ids of the next tile are fetched one iteration ahead (fetch) so the cp.async issue (issue)
+// does not wait on the block table.
+template <int KT, int NT, int CPR, int ESZ>
+struct TileLoader {
+  static_assert(NT % CPR == 0, "threads must cover whole rows");
+  static constexpr int RPP = NT / CPR;                // rows per pass
+  static constexpr int RPT = (KT + RPP - 1) / RPP;    // rows per thread
+  int col;
+  int row0;
+  int ids[RPT];
+  int col_bytes;  // valid bytes of this thread's chunk column (0..16)
+
+  __device__ __forceinline__ void init(const AttentionParams& p) {
+    col = threadIdx.x % CPR;
+    row0 = threadIdx.x / CPR;
+    const int b = p.kv.head_dim * ESZ - col * 16;
+    col_bytes = b < 0 ? 0 : (b > 16 ? 16 : b);
+  }
+
+  __device__ __forceinline__ void fetch(const AttnArgs& a, const Work& w, int tile) {
+    const paged_kv_t& kv = a.p.kv;
+    const int32_t* bt = kv.block_tables + int64_t(w.seq) * kv.max_blocks_per_seq;
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int r = row0 + i * RPP;
+      const int key = tile * KT + r;
+      ids[i] = -1;
+      if (r < KT && key >= w.lo && key <= w.hi) {
+        const int lb = a.bs_shift >= 0 ? key >> a.bs_shift : key / kv.block_size;
+        const int id = bt[lb];
+        ids[i] = (id >= 0 && id < kv.num_blocks) ? id : -1;
+      }
+    }
+  }
+
+  // dst_k / dst_v: shared memory of the stage; off(r, c): byte offset of chunk c of row r.
+  template <typename Off>
+  __device__ __forceinline__ void issue(const AttnArgs& a, const Work& w, int tile, char* dst_k,
+                                        char* dst_v, Off off) const {
+    const paged_kv_t& kv = a.p.kv;
+    const char* kbase = static_cast<const char*>(kv.k);
+    const char* vbase = static_cast<const char*>(kv.v);
+    const int64_t kh = int64_t(w.kv_head) * kv.k_stride_head + col * (16 / ESZ);
+    const int64_t vh = int64_t(w.kv_head) * kv.v_stride_head + col * (16 / ESZ);
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+      const int r = row0 + i * RPP;
+      if (r >= KT) continue;
+      const int bytes = ids[i] >= 0 ? col_bytes : 0;
+      const char* gk = kbase;
+      const char* gv = vbase;
+      if (bytes > 0) {
+        const int key = tile * KT + r;
+        const int slot = a.bs_shift >= 0 ? key & ((1 << a.bs_shift) - 1) : key % kv.block_size;
+        gk += (int64_t(ids[i]) * kv.k_stride_block + int64_t(slot) * kv.k_stride_slot + kh) * ESZ;
+        gv += (int64_t(ids[i]) * kv.v_stride_block + int64_t(slot) * kv.v_stride_slot + vh) * ESZ;
+      }
+      char* sk = dst_k + off(r, col);
+      char* sv = dst_v + off(r, col);
+      if (a.kv_aligned) {
+        cp_async16(sk, gk, bytes);
+        cp_async16(sv, gv, bytes);
+      } else {
+        copy_chunk(sk, gk, bytes);
+        copy_chunk(sv, gv, bytes);
+      }
+    }
+  }
+
+  // Synchronous fallback for caches whose rows are not 16-byte aligned (odd views): element loads.
+  // Written without local arrays (a dynamically indexed array would live in local memory).
+  __device__ __forceinline__ static uint32_t word_at(const char* g, int at, int bytes) {
+    uint32_t w = 0u;
+    if constexpr (ESZ == 4) {
+      if (at < bytes) w = *reinterpret_cast<const uint32_t*>(g + at);
+    } else if constexpr (ESZ == 2) {
+      if (at < bytes) w = *reinterpret_cast<const uint16_t*>(g + at);
+      if (at + 2 < bytes) w |= uint32_t(*reinterpret_cast<const uint16_t*>(g + at + 2)) << 16;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (at + e < bytes) w |= uint32_t(static_cast<uint8_t>(g[at + e])) << (8 * e);
+    }
+    return w;
+  }
+  __device__ __forceinline__ static void copy_chunk(char* s, const char* g, int bytes) {
+    *reinterpret_cast<uint4*>(s) = make_uint4(word_at(g, 0, bytes), word_at(g, 4, bytes),
+                                              word_at(g, 8, bytes), word_at(g, 12, bytes));
+  }
+};
+
+// Loads 8 consecutive query elements (columns c .. c+7 of row `src`) as floats; zero past head_dim.
+template <typename QT>
+__device__ __forceinline__ void load_q8(const QT* src, int c, int d, bool aligned, float* x) {
+  if (c >= d) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = 0.0f;
+    return;
+  }
+  if constexpr (std::is_same_v<QT, float>) {
+    if (aligned) {
+      const float4 u = *reinterpret_cast<const float4*>(src + c);
+      const float4 v = *reinterpret_cast<const float4*>(src + c + 4);
+      x[0] = u.x, x[1] = u.y, x[2] = u.z, x[3] = u.w, x[4] = v.x, x[5] = v.y, x[6] = v.z, x[7] = v.w;
+      return;
+    }
+  } else {
+    if (aligned) {
+      const uint4 u = *reinterpret_cast<const uint4*>(src + c);
+      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = std::is_same_v<QT, __half> ? unpack2_half(w[i]) : unpack2_bf16(w[i]);
+        x[2 * i] = f.x, x[2 * i + 1] = f.y;
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = to_float(src[c + i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Epilogue: combine the per-warp states of each row, then write out/lse or the split partial
+// ---------------------------------------------------------------------------------------------
+
+// Log2-unit lse of the attention over the keys plus the sink logit s2 (log2 units), and the factor
+// that rescales an output normalized without the sink.
+__device__ __forceinline__ void add_sink(float lse2, float s2, float* lse_out, float* factor) {
+  if (s2 != s2) {  // NaN sink: NaN results, as in the reference
+    *lse_out = s2;
+    *factor = s2;
+  } else if (s2 == -INFINITY) {  // a -inf sink adds nothing
+    *lse_out = lse2;
+    *factor = 1.0f;
+  } else if (s2 == INFINITY) {
+    *lse_out = INFINITY;
+    *factor = 0.0f;
+  } else {
+    const float mx = fmaxf(lse2, s2);
+    const float tot = exp2f(lse2 - mx) + exp2f(s2 - mx);  // lse2 = -inf gives 0
+    *lse_out = mx + log2f(tot);
+    *factor = exp2f(lse2 - *lse_out);
+  }
+}
+
+template <typename OT>
+__device__ __forceinline__ void store8(OT* dst, const float* x) {
+  if constexpr (std::is_same_v<OT, float>) {
+    reinterpret_cast<float4*>(dst)[0] = make_float4(x[0], x[1], x[2], x[3]);
+    reinterpret_cast<float4*>(dst)[1] = make_float4(x[4], x[5], x[6], x[7]);
+  } else {
+    uint4 u;
+    u.x = pack2<OT>(x[0], x[1]);
+    u.y = pack2<OT>(x[2], x[3]);
+    u.z = pack2<OT>(x[4], x[5]);
+    u.w = pack2<OT>(x[6], x[7]);
+    *reinterpret_cast<uint4*>(dst) = u;
+  }
+}
+
+// Epilogue shared memory: eo [WN][ROWS][DPAD + 4] unnormalized outputs, em / ed [WN][ROWS]
+// running max (log2 units) and denominator of each warp slice. Every row of the CTA ends here:
+// the final out / lse (one split) or the normalized partial (several splits).
+template <typename OT, int ROWS, int DPAD, int WN, int NT>
+__device__ __forceinline__ void finalize_rows(const AttnArgs& a, const Work& w, const float* eo,
+                                              const float* em, const float* ed, float v_mul) {
+  constexpr int C8 = DPAD / 8;
+  constexpr int STRIDE = DPAD + 4;
+  const AttentionParams& p = a.p;
+  const int d = p.kv.head_dim;
+  for (int idx = threadIdx.x; idx < ROWS * C8; idx += NT) {
+    const int r = idx / C8, c = (idx - r * C8) * 8;
+    if (c >= d) continue;
+    const RowId id = row_id(a, w, r);
+    if (!id.valid) continue;
+    float M = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < WN; ++s) M = fmaxf(M, em[s * ROWS + r]);
+    float D = 0.0f, acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+    if (M > -INFINITY) {
+#pragma unroll
+      for (int s = 0; s < WN; ++s) {
+        const float ms = em[s * ROWS + r];
+        if (!(ms > -INFINITY)) continue;
+        const float e = exp2f(ms - M);
+        D += ed[s * ROWS + r] * e;
+        const float* o = eo + (s * ROWS + r) * STRIDE + c;
+        const float4 o0 = *reinterpret_cast<const float4*>(o);
+        const float4 o1 = *reinterpret_cast<const float4*>(o + 4);
+        acc[0] += e * o0.x, acc[1] += e * o0.y, acc[2] += e * o0.z, acc[3] += e * o0.w;
+        acc[4] += e * o1.x, acc[5] += e * o1.y, acc[6] += e * o1.z, acc[7] += e * o1.w;
+      }
+    }
+    const float lse2 = D > 0.0f ? M + log2f(D) : -INFINITY;
+    float mul = D > 0.0f ? v_mul / D : 0.0f;
+    const int64_t row = id.token * p.num_heads + id.head;
+    if (a.num_splits == 1) {
+      float lse_out = lse2, factor = 1.0f;
+      if (p.sinks) add_sink(lse2, p.sinks[id.head] * kLog2e, &lse_out, &factor);
+      mul *= factor;
+      float x[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = acc[i] * mul;
+      store8(static_cast<OT*>(p.out) + row * d + c, x);
+      if (c == 0) p.lse[row] = lse_out * kLn2;
+    } else {
+      const int64_t prow = int64_t(w.split) * p.num_tokens * p.num_heads + row;
+      float x[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = acc[i] * mul;
+      store8(a.part_o + prow * d + c, x);
+      if (c == 0) a.part_lse[prow] = lse2;
+    }
+  }
+}
+
+// Entry points of the per-query-dtype translation units (attention_{f32,f16,bf16}.cu), called by
+// the planner in attention.cu: the attention kernel of `path` for the cache format in a.p and the
+// padded head dim `dpad`, and the split merge.
+cudaError_t launch_attention_f32(const AttnArgs& a, Path path, int dpad, dim3 grid,
+                                 cudaStream_t stream);
+cudaError_t launch_attention_f16(const AttnArgs& a, Path path, int dpad, dim3 grid,
+                                 cudaStream_t stream);
+cudaError_t launch_attention_bf16(const AttnArgs& a, Path path, int dpad, dim3 grid,
+                                  cudaStream_t stream);
+cudaError_t launch_merge_f32(const AttnArgs& a, cudaStream_t stream);
+cudaError_t launch_merge_f16(const AttnArgs& a, cudaStream_t stream);
+cudaError_t launch_merge_bf16(const AttnArgs& a, cudaStream_t stream);
+
+}  // namespace kvkernels::attn_cuda

@@ -1,0 +1,304 @@
+// Tensor-core paged attention for fp16 / bf16 queries (caches of the query dtype, or fp8 e4m3 /
+// e5m2 dequantized to the query dtype in shared memory). One template, two configurations:
+//
+//   Path::kMmaDecode   (WM = 1, WN = 4, or 2 for head dim 256): a CTA holds 16 rows (the query
+//                      heads of one GQA group for one decode query) and its warps split the keys
+//                      of each tile, 16 keys per warp, each with its own online-softmax state;
+//                      the warp states are merged exactly in the epilogue. 64 keys per stage
+//                      (32 for head dim 256).
+//   Path::kMmaPrefill  (WM = 4, WN = 1): 64 rows per CTA (q_tile queries x the group's heads),
+//                      each warp owns 16 rows and walks every key of the tile (64, or 32 for
+//                      head dim 256). Key tiles wholly past the causal
+//                      diagonal or before the sliding window are never loaded; tiles wholly
+//                      visible skip the mask.
+//
+// Per tile and warp: S = Q K^T with mma.sync.m16n8k16 (A = Q from registers or ldmatrix, B = K
+// via ldmatrix from a swizzled [key][dim] tile), logits scaled / capped / biased / masked in fp32,
+// online softmax in log2 units, P rounded to the query dtype and O += P V with B = V via
+// ldmatrix.trans. fp32 accumulation throughout; the denominator uses the unrounded P.
+// K/V tiles stream through a cp.async pipeline of pipeline_stages() stages (2 to 4, at most 64 KiB
+// of stages and fp8 conversion buffer).
+#pragma once
+
+#include "attention_common.cuh"
+
+namespace kvkernels::attn_cuda {
+
+template <typename T, CacheFormat CF, int DPAD, Path PATH>
+struct MmaCfg {
+  static constexpr int WM = mma_wm(PATH), WN = mma_wn(PATH, DPAD);
+  static constexpr int NT = 32 * WM * WN;
+  static constexpr int ROWS = 16 * WM;
+  static constexpr int KT = key_tile_of(PATH, DPAD);
+  static constexpr int KW = KT / WN;  // keys per warp per tile
+  static_assert(KW % 16 == 0, "each warp needs whole k16 steps of keys");
+  static constexpr bool FP8 = CF == CacheFormat::kFp8E4M3 || CF == CacheFormat::kFp8E5M2;
+  static constexpr int ESZ = FP8 ? 1 : 2;
+  static constexpr int CPR = DPAD * ESZ / 16;  // 16-byte chunks per raw cache row in smem
+  static constexpr int CPR16 = DPAD / 8;       // 16-byte chunks per 16-bit row
+  static constexpr int Q_BYTES = ROWS * DPAD * 2;
+  static constexpr int RAW_TILE = KT * DPAD * ESZ;  // K or V of one stage
+  static constexpr int STAGE_BYTES = 2 * RAW_TILE;
+  static constexpr int CVT_TILE = KT * DPAD * 2;
+  static constexpr int CVT_BYTES = FP8 ? 2 * CVT_TILE : 0;
+  static constexpr int STAGES = pipeline_stages(STAGE_BYTES, CVT_BYTES);
+  static constexpr int MAIN_BYTES = STAGES * STAGE_BYTES + CVT_BYTES;
+  static constexpr int EPI_BYTES = WN * ROWS * (DPAD + 4) * 4;
+  static constexpr int MD_BYTES = 2 * WN * ROWS * 4;
+  static constexpr int Q_OFF = 0;
+  static constexpr int MAIN_OFF = Q_BYTES;
+  static constexpr int MD_OFF = MAIN_OFF + (MAIN_BYTES > EPI_BYTES ? MAIN_BYTES : EPI_BYTES);
+  static constexpr int SMEM = MD_OFF + MD_BYTES;
+  static constexpr bool Q_IN_REGS = DPAD <= 128;
+  static_assert(SMEM <= kMaxSmem, "shared memory of the tensor-core kernel");
+};
+
+// Byte offset of 16-byte chunk c of row r in a [rows][DPAD] 16-bit tile: chunks are XOR-swizzled
+// with the row (mod 8), so the 8 row addresses of one ldmatrix hit 8 different bank groups.
+template <int CPR16>
+__device__ __forceinline__ int swz(int r, int c) {
+  return (r * CPR16 + (c ^ (r & 7))) * 16;
+}
+
+// Dequantizes one stage of raw fp8 K and V (plain [KT][DPAD] bytes) into swizzled 16-bit tiles.
+template <typename T, CacheFormat CF, int KT, int DPAD, int NT>
+__device__ __forceinline__ void convert_fp8_stage(const char* raw, char* cvt) {
+  constexpr int CPR = DPAD / 16, RAW_TILE = KT * DPAD, CVT_TILE = KT * DPAD * 2;
+  for (int idx = threadIdx.x; idx < 2 * KT * CPR; idx += NT) {
+    const int tensor = idx / (KT * CPR), rem = idx - tensor * KT * CPR;
+    const int r = rem / CPR, c = rem - r * CPR;
+    const uint4 u = *reinterpret_cast<const uint4*>(raw + tensor * RAW_TILE + (r * CPR + c) * 16);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+    uint32_t h[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) fp8x4_to_half2x2<CF>(w[i], &h[2 * i], &h[2 * i + 1]);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float2 f = unpack2_half(h[i]);  // exact
+        h[i] = pack2<__nv_bfloat16>(f.x, f.y);  // exact: every fp8 value fits bf16
+      }
+    }
+    char* dst = cvt + tensor * CVT_TILE;
+    *reinterpret_cast<uint4*>(dst + swz<DPAD / 8>(r, 2 * c)) = make_uint4(h[0], h[1], h[2], h[3]);
+    *reinterpret_cast<uint4*>(dst + swz<DPAD / 8>(r, 2 * c + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+  }
+}
+
+template <typename T, CacheFormat CF, int DPAD, Path PATH>
+__global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, 1)
+    mma_attention_kernel(const __grid_constant__ AttnArgs a) {
+  using C = MmaCfg<T, CF, DPAD, PATH>;
+  constexpr int KT = C::KT, KW = C::KW, NT = C::NT, ROWS = C::ROWS, STAGES = C::STAGES;
+  constexpr int CPR16 = C::CPR16;
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  Work w;
+  if (!make_work<KT>(a, w)) return;
+  const AttentionParams& p = a.p;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp % C::WM, wn = warp / C::WM;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int d = p.kv.head_dim;
+
+  char* sq = reinterpret_cast<char*>(smem) + C::Q_OFF;
+  char* smain = reinterpret_cast<char*>(smem) + C::MAIN_OFF;
+  float* em = reinterpret_cast<float*>(smem + C::MD_OFF);
+  float* ed = em + C::WN * ROWS;
+
+  // Queries of the CTA's rows -> shared memory (16-bit, swizzled); zero rows / columns as padding.
+  for (int idx = tid; idx < ROWS * CPR16; idx += NT) {
+    const int r = idx / CPR16, c = idx - r * CPR16;
+    const RowId id = row_id(a, w, r);
+    float x[8];
+    if (id.valid) {
+      const T* src = static_cast<const T*>(p.q) + id.token * p.q_stride_token +
+                     int64_t(id.head) * p.q_stride_head;
+      load_q8(src, c * 8, d, a.q_aligned != 0, x);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = 0.0f;
+    }
+    *reinterpret_cast<uint4*>(sq + swz<CPR16>(r, c)) =
+        make_uint4(pack2<T>(x[0], x[1]), pack2<T>(x[2], x[3]), pack2<T>(x[4], x[5]),
+                   pack2<T>(x[6], x[7]));
+  }
+
+  // This thread's two rows (g and g + 8 of its warp's 16).
+  const RowId ra = row_id(a, w, wm * 16 + g), rb = row_id(a, w, wm * 16 + g + 8);
+  const float slope_a = (p.alibi_slopes && ra.valid) ? p.alibi_slopes[ra.head] : 0.0f;
+  const float slope_b = (p.alibi_slopes && rb.valid) ? p.alibi_slopes[rb.head] : 0.0f;
+  constexpr float unit = C::FP8 ? fp8_unit<CF>() : 1.0f;
+  const float qk_mul = p.scale * p.kv.k_scale_of(w.kv_head) * unit;
+  const float v_mul = p.kv.v_scale_of(w.kv_head) * unit;
+  const float plain_mul = qk_mul * kLog2e;
+  const LogitOps ops = logit_ops(p);
+
+  TileLoader<KT, NT, C::CPR, C::ESZ> ld;
+  ld.init(p);
+  auto stage_k = [&](int s) { return smain + s * C::STAGE_BYTES; };
+  auto off = [](int r, int c) {
+    if constexpr (C::FP8) return (r * C::CPR + c) * 16;
+    else return swz<CPR16>(r, c);
+  };
+  const int ntiles = w.tile_end - w.tile_begin;
+  if (ntiles > 0) ld.fetch(a, w, w.tile_begin);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ntiles) {
+      ld.issue(a, w, w.tile_begin + s, stage_k(s), stage_k(s) + C::RAW_TILE, off);
+      if (s + 1 < ntiles) ld.fetch(a, w, w.tile_begin + s + 1);
+    }
+    cp_async_commit();
+  }
+
+  float o[DPAD / 8][4];
+#pragma unroll
+  for (int i = 0; i < DPAD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float m2[2] = {-INFINITY, -INFINITY}, dsum[2] = {0.0f, 0.0f};
+  uint32_t qf[C::Q_IN_REGS ? DPAD / 16 : 1][4];
+  const uint32_t sq_u32 = smem_u32(sq);
+  __syncthreads();  // queries in shared memory
+  if constexpr (C::Q_IN_REGS) {
+#pragma unroll
+    for (int kk = 0; kk < DPAD / 16; ++kk) {
+      qf[kk][0] = qf[kk][1] = qf[kk][2] = qf[kk][3] = 0u;
+      if (kk * 16 < d)
+        ldmatrix_x4(sq_u32 + swz<CPR16>(wm * 16 + (lane & 15), 2 * kk + (lane >> 4)), qf[kk]);
+    }
+  }
+
+  for (int it = 0; it < ntiles; ++it) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    {
+      const int nx = it + STAGES - 1;
+      if (nx < ntiles) {
+        ld.issue(a, w, w.tile_begin + nx, stage_k(nx % STAGES), stage_k(nx % STAGES) + C::RAW_TILE,
+                 off);
+        if (nx + 1 < ntiles) ld.fetch(a, w, w.tile_begin + nx + 1);
+      }
+      cp_async_commit();
+    }
+    const char* tk = stage_k(it % STAGES);
+    if constexpr (C::FP8) {
+      char* cvt = smain + STAGES * C::STAGE_BYTES;
+      convert_fp8_stage<T, CF, KT, DPAD, NT>(tk, cvt);
+      __syncthreads();
+      tk = cvt;
+    }
+    const uint32_t tk_u32 = smem_u32(tk);
+    const uint32_t tv_u32 = tk_u32 + (C::FP8 ? C::CVT_TILE : C::RAW_TILE);
+
+    // S = Q K^T for this warp's 16 rows x KW keys.
+    float s[KW / 8][4];
+#pragma unroll
+    for (int i = 0; i < KW / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < DPAD / 16; ++kk) {
+      if (kk * 16 >= d) continue;
+      uint32_t af[4];
+      if constexpr (C::Q_IN_REGS) {
+        af[0] = qf[kk][0], af[1] = qf[kk][1], af[2] = qf[kk][2], af[3] = qf[kk][3];
+      } else {
+        ldmatrix_x4(sq_u32 + swz<CPR16>(wm * 16 + (lane & 15), 2 * kk + (lane >> 4)), af);
+      }
+#pragma unroll
+      for (int nn = 0; nn < KW / 16; ++nn) {
+        uint32_t b[4];
+        const int key = wn * KW + nn * 16 + (lane & 7) + ((lane >> 4) << 3);
+        ldmatrix_x4(tk_u32 + swz<CPR16>(key, 2 * kk + ((lane >> 3) & 1)), b);
+        mma_16816<T>(s[2 * nn], af, b[0], b[1]);
+        mma_16816<T>(s[2 * nn + 1], af, b[2], b[3]);
+      }
+    }
+
+    // Logits (log2 units, masked) and the online-softmax update of both rows.
+    const int k0 = (w.tile_begin + it) * KT;
+    const bool need_mask = tile_needs_mask(w, k0, KT, ops.window);
+#pragma unroll
+    for (int i = 0; i < KW / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = k0 + wn * KW + i * 8 + 2 * t4 + (e & 1);
+        const int pos = e < 2 ? ra.pos : rb.pos;
+        float x = s[i][e];
+        if (ops.plain) {
+          x *= plain_mul;
+          if (need_mask && !key_visible(key, pos, ops.window)) x = -INFINITY;
+        } else {
+          x = transform_logit(x * qk_mul, ops, e < 2 ? slope_a : slope_b, key, pos, need_mask);
+        }
+        s[i][e] = x;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < KW / 8; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * h], s[i][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m2[h], mx);
+      const float base = m_new == -INFINITY ? 0.0f : m_new;  // nothing seen yet: all weights 0
+      const float alpha = exp2f(m2[h] - base);                // m2 = -inf gives 0
+      m2[h] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < KW / 8; ++i) {
+        s[i][2 * h] = exp2f(s[i][2 * h] - base);
+        s[i][2 * h + 1] = exp2f(s[i][2 * h + 1] - base);
+        sum += s[i][2 * h] + s[i][2 * h + 1];
+      }
+      dsum[h] = dsum[h] * alpha + sum;  // per-thread partial; the quad is summed at the end
+#pragma unroll
+      for (int i = 0; i < DPAD / 8; ++i) o[i][2 * h] *= alpha, o[i][2 * h + 1] *= alpha;
+    }
+
+    // O += P V: the S accumulators of two adjacent n8 tiles are the A fragment of one k16 step.
+#pragma unroll
+    for (int kk = 0; kk < KW / 16; ++kk) {
+      uint32_t pa[4];
+      pa[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+      pa[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+      pa[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dn = 0; dn < DPAD / 16; ++dn) {
+        if (dn * 16 >= d) continue;
+        uint32_t b[4];
+        const int key = wn * KW + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+        ldmatrix_x4_trans(tv_u32 + swz<CPR16>(key, 2 * dn + (lane >> 4)), b);
+        mma_16816<T>(o[2 * dn], pa, b[0], b[1]);
+        mma_16816<T>(o[2 * dn + 1], pa, b[2], b[3]);
+      }
+    }
+  }
+
+  // Epilogue: per-warp states to shared memory (the pipeline buffers are free once every copy
+  // has landed and every warp is past its last tile), then one pass over the rows.
+  cp_async_wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 1);
+    dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 2);
+  }
+  float* eo = reinterpret_cast<float*>(smain);
+  constexpr int STRIDE = DPAD + 4;
+  const int r0 = wn * ROWS + wm * 16 + g;
+#pragma unroll
+  for (int i = 0; i < DPAD / 8; ++i) {
+    *reinterpret_cast<float2*>(eo + r0 * STRIDE + i * 8 + 2 * t4) = make_float2(o[i][0], o[i][1]);
+    *reinterpret_cast<float2*>(eo + (r0 + 8) * STRIDE + i * 8 + 2 * t4) =
+        make_float2(o[i][2], o[i][3]);
+  }
+  if (t4 == 0) {
+    em[r0] = m2[0], ed[r0] = dsum[0];
+    em[r0 + 8] = m2[1], ed[r0 + 8] = dsum[1];
+  }
+  __syncthreads();
+  finalize_rows<T, ROWS, DPAD, C::WN, NT>(a, w, eo, em, ed, v_mul);
+}
+
+}  // namespace kvkernels::attn_cuda

@@ -1,0 +1,478 @@
+"""CUDA paged-attention benchmark cases (issue 6): decode and causal prefill on the GPU, timed with CUDA
+events, against the device's measured copy bandwidth and the PyTorch baselines on the same data.
+
+Entry point (for the GPU script / the bench CLI)::
+
+    from kvkernels.bench import cuda_attention
+    parser = argparse.ArgumentParser(); cuda_attention.add_arguments(parser)
+    rows = cuda_attention.run(parser.parse_args([...]))   # list of dicts, one per (case, implementation)
+    # or: python -m kvkernels.bench.cuda_attention [--quick] [--json out.json]
+
+``run(args=None)`` (``None``: the defaults below) returns plain dicts, JSON-ready:
+
+    {"case": "decode bfloat16 b64 ctx4096", "kind": "decode" | "prefill" | "copy", "dtype", "batch",
+     "context", "impl": "kvkernels" | "sdpa-flash-contiguous" | "flex-paged" | "copy",
+     "ms": median milliseconds per call, "gbps": KV-cache bytes of the case / time (decode),
+     "fraction_of_copy_bw": gbps / measured copy bandwidth (decode), "tflops" (prefill),
+     "speedup_vs": {baseline: baseline_ms / kvkernels_ms} (kvkernels rows), "max_abs_diff",
+     "tolerance", "checked", "skipped": reason or None, "note", "device", "torch"}
+
+Cases (issue 6): decode batch {1, 16, 64, 256} x context {1k, 4k, 32k}, 32 query heads / 8 kv heads, head
+dim 128, block 16, bfloat16 and fp8 (e4m3 cache, bfloat16 queries, per-tensor scales); prefill 4096
+queries over 4096 keys, causal, bfloat16. Baselines: the copy bandwidth (``dst.copy_(src)`` of a large
+buffer, bytes read + written per second), SDPA restricted to the flash backend over a contiguous
+[batch, kv_heads, context, dim] copy of the same K/V (fp8: dequantized to bfloat16 first, outside the
+timing; decode folds the GQA group into the query length, which is exact for one query per sequence),
+FlexAttention over the paged cache through torch's experimental PagedAttention block-mask conversion
+(recorded as skipped, with the error, where it does not run).
+
+Targets of issue 6 (reported by ``targets(rows)``): decode >= 80% of the copy bandwidth at batch 64 x 4k in
+bfloat16 and >= 70% at batch 1 x 32k; fp8 >= 1.6x bfloat16 (same batch / context); prefill >= 0.8x SDPA
+flash on contiguous keys.
+
+Timing: each implementation rotates through enough copies of its data that the bytes touched between two
+reuses exceed ``--rotate-mib`` (default 4x a 50 MiB L2), so a case never times an L2-resident cache; the
+median of ``--reps`` batches of calls, each batch timed with one pair of CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from kvkernels import ops
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+GROUP = HEADS // KV_HEADS
+DECODE_BATCHES = (1, 16, 64, 256)
+DECODE_CONTEXTS = (1024, 4096, 32768)
+PREFILL = (4096, 4096)  # (queries, context)
+FP8_SCALE = 4.0 / 448
+CHECKED_SEQS = 2
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-2, torch.float32: 1e-4}
+
+
+# ----------------------------------------------------------------------------------------------------
+# options
+# ----------------------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("CUDA attention")
+    g.add_argument("--attn-batches", type=_ints, default=list(DECODE_BATCHES))
+    g.add_argument("--attn-contexts", type=_ints, default=list(DECODE_CONTEXTS))
+    g.add_argument("--attn-dtypes", default="bfloat16,fp8_e4m3", help="decode cache dtypes")
+    g.add_argument("--attn-prefill", type=_ints, default=list(PREFILL), help="queries,context ('' = none)")
+    g.add_argument("--attn-reps", type=int, default=10, help="timed batches per implementation")
+    g.add_argument("--attn-min-ms", type=float, default=20.0, help="minimum milliseconds per timed batch")
+    g.add_argument("--rotate-mib", type=int, default=200, help="bytes between reuses of one data copy")
+    g.add_argument("--memory-fraction", type=float, default=0.8, help="of free GPU memory a case may use")
+    g.add_argument("--no-baselines", action="store_true")
+    g.add_argument("--no-flex", action="store_true", help="skip the FlexAttention baseline (compile time)")
+    g.add_argument("--quick", action="store_true", help="small shapes, few reps (a smoke run)")
+
+
+def _defaults() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([])
+
+
+# ----------------------------------------------------------------------------------------------------
+# timing
+# ----------------------------------------------------------------------------------------------------
+
+
+def time_cuda(call: Callable[[int], object], reps: int, min_ms: float) -> float:
+    """Median milliseconds per call of ``call(i)``, i counting up (the callee rotates its copies)."""
+    for i in range(3):
+        call(i)
+    torch.cuda.synchronize()
+    # Calls per timed batch: enough for min_ms, from one probe batch.
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call(3)
+    end.record()
+    end.synchronize()
+    per_call = max(start.elapsed_time(end), 1e-3)
+    n = max(1, min(1000, math.ceil(min_ms / per_call)))
+    times, index = [], 4
+    for _ in range(reps):
+        start.record()
+        for _ in range(n):
+            call(index)
+            index += 1
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / n)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int, reps: int) -> float:
+    """GB/s of dst.copy_(src) on the device, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.int16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = time_cuda(lambda i: dst.copy_(src), reps, 50.0)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+# ----------------------------------------------------------------------------------------------------
+# data
+# ----------------------------------------------------------------------------------------------------
+
+
+def _fill(t: torch.Tensor, scale: Optional[torch.Tensor], gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float32)
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x = (x / scale).clamp(-448, 448)
+    t.copy_(x)
+    return t
+
+
+class Paged:
+    """``copies`` rotated copies of one paged K/V layer [blocks, 16, 8, 128], one shared shuffled table."""
+
+    def __init__(self, batch: int, context: int, num_queries: int, dtype: torch.dtype, copies: int,
+                 gen: torch.Generator):
+        per_seq = math.ceil(context / BLOCK)
+        num_blocks = batch * per_seq
+        self.block_ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).view(
+            batch, per_seq).cuda()
+        self.block_tables = self.block_ids.to(torch.int32)
+        self.seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        self.scale = torch.tensor([FP8_SCALE], device="cuda") if fp8 else None
+        shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+        first_k = _fill(torch.empty(shape, dtype=dtype, device="cuda"), self.scale, gen)
+        first_v = _fill(torch.empty(shape, dtype=dtype, device="cuda"), self.scale, gen)
+        self.keys = [first_k] + [first_k.clone() for _ in range(copies - 1)]
+        self.values = [first_v] + [first_v.clone() for _ in range(copies - 1)]
+        self.query = torch.randn(num_queries, HEADS, HEAD_DIM, generator=gen, device="cuda",
+                                 dtype=torch.float32).to(torch.bfloat16)
+        self.context, self.batch, self.dtype = context, batch, dtype
+
+    def dequantized(self, cache: torch.Tensor, seqs: Optional[int] = None) -> torch.Tensor:
+        """Contiguous bfloat16 [seqs, kv_heads, context, dim] of one cache copy (default: every sequence),
+        built a few sequences at a time so that large caches need no full-size temporaries."""
+        seqs = self.batch if seqs is None else seqs
+        out = torch.empty(seqs, KV_HEADS, self.context, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        step = max(1, (256 << 20) // (self.context * KV_HEADS * HEAD_DIM * 4))
+        for s0 in range(0, seqs, step):
+            ids = self.block_ids[s0:s0 + step]
+            x = cache[ids].reshape(ids.shape[0], -1, KV_HEADS, HEAD_DIM)[:, :self.context].transpose(1, 2)
+            if self.scale is not None:
+                x = x.float() * self.scale
+            out[s0:s0 + step] = x
+        return out
+
+    def reference(self, seqs: int, causal_queries: bool) -> torch.Tensor:
+        """float32 attention of the first ``seqs`` sequences (decode) or of all queries (prefill)."""
+        k = self.dequantized(self.keys[0], seqs).float()
+        v = self.dequantized(self.values[0], seqs).float()
+        if causal_queries:  # prefill: one sequence, queries = the last len(query) positions
+            k, v = k.repeat_interleave(GROUP, dim=1), v.repeat_interleave(GROUP, dim=1)
+            q = self.query.float().transpose(0, 1)[None]  # [1, H, Tq, D]
+            tq, s = q.shape[2], k.shape[2]
+            logits = q @ k.transpose(-1, -2) * HEAD_DIM ** -0.5
+            mask = torch.arange(s, device="cuda")[None, :] > torch.arange(tq, device="cuda")[:, None] + (s - tq)
+            return (logits.masked_fill(mask, float("-inf")).softmax(-1) @ v)[0].transpose(0, 1)
+        q = self.query[:seqs].float().view(seqs, KV_HEADS, GROUP, HEAD_DIM)  # GQA group as query rows
+        w = (q @ k.transpose(-1, -2) * HEAD_DIM ** -0.5).softmax(-1)
+        return (w @ v).reshape(seqs, HEADS, HEAD_DIM)
+
+
+def _copies(layer_bytes: int, args) -> int:
+    return max(1, math.ceil(args.rotate_mib * (1 << 20) / max(layer_bytes, 1)))
+
+
+def _row(case: str, kind: str, dtype: str, batch: int, context: int, impl: str, **extra) -> dict:
+    row = dict(case=case, kind=kind, dtype=dtype, batch=batch, context=context, impl=impl, ms=None, gbps=None,
+               fraction_of_copy_bw=None, tflops=None, speedup_vs={}, max_abs_diff=None, tolerance=None,
+               checked=None, skipped=None, note="", device=torch.cuda.get_device_name(), torch=torch.__version__)
+    row.update(extra)
+    return row
+
+
+def _attempt(row: dict, call: Callable[[int], object], args, check: Optional[Callable] = None) -> None:
+    """Time ``call`` into ``row``; an implementation that raises is recorded as skipped with the error."""
+    try:
+        if check is not None:
+            out = call(0)
+            torch.cuda.synchronize()
+            row["max_abs_diff"], row["tolerance"] = check(out)
+            row["checked"] = row["max_abs_diff"] <= row["tolerance"]
+        row["ms"] = time_cuda(call, args.attn_reps, args.attn_min_ms)
+    except Exception as error:  # noqa: BLE001 - one failing implementation must not end the run
+        row["skipped"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+        torch.cuda.synchronize()
+
+
+def _free_bytes() -> int:
+    free, _ = torch.cuda.mem_get_info()
+    return free
+
+
+# ----------------------------------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------------------------------
+
+
+def flex_paged_decode(data: Paged):
+    """FlexAttention over the paged cache through torch.nn.attention.experimental PagedAttention: the
+    caches are re-laid as [1, kv_heads, blocks * 16, dim] (outside the timing) and a logical block mask
+    over each sequence's pages is converted to physical pages. Returns call(i) or raises."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    num_blocks = data.keys[0].shape[0]
+    pa = PagedAttention(num_blocks, BLOCK, data.batch, device="cuda")
+    per_seq = data.block_ids.shape[1]
+    pa.page_table[:, :per_seq] = data.block_ids
+    for b in range(data.batch):
+        pa.physical_to_logical[b, data.block_ids[b]] = torch.arange(per_seq, device="cuda")
+    pa.capacity[:] = per_seq * BLOCK
+    pa.empty_pages = []
+
+    def relayout(c: torch.Tensor) -> torch.Tensor:
+        if data.scale is not None:
+            c = (c.to(torch.bfloat16) * data.scale.to(torch.bfloat16))
+        return c.permute(2, 0, 1, 3).reshape(1, KV_HEADS, num_blocks * BLOCK, HEAD_DIM).contiguous()
+
+    ks = [relayout(c) for c in data.keys]
+    vs = [relayout(c) for c in data.values]
+    context = data.context
+
+    def visible(b, h, q_idx, kv_idx):
+        return kv_idx < context
+
+    logical = create_block_mask(visible, data.batch, None, GROUP, per_seq * BLOCK, device="cuda",
+                                BLOCK_SIZE=(GROUP, BLOCK))
+    physical = pa.convert_logical_block_mask(logical)
+    flex = torch.compile(flex_attention, dynamic=False)
+    # Decode with GQA folded into the query length: q [batch, kv_heads, group, dim] per kv head.
+    q = data.query.view(data.batch, KV_HEADS, GROUP, HEAD_DIM)
+
+    def call(i: int):
+        j = i % len(ks)
+        # flex needs a batch of 1 over the shared physical cache; the block mask picks each batch's pages.
+        k = ks[j].expand(data.batch, -1, -1, -1)
+        v = vs[j].expand(data.batch, -1, -1, -1)
+        return flex(q, k, v, block_mask=physical).reshape(data.batch, HEADS, HEAD_DIM)
+
+    return call
+
+
+def decode_case(dtype_name: str, batch: int, context: int, copy_gbps: float, args,
+                gen: torch.Generator) -> list[dict]:
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}[dtype_name]
+    name = f"decode {dtype_name} b{batch} ctx{context}"
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * dtype.itemsize
+    layer_bytes = 2 * batch * math.ceil(context / BLOCK) * BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
+    budget = int(_free_bytes() * args.memory_fraction)
+    rows = []
+    copies = min(_copies(layer_bytes, args), budget // layer_bytes)
+    if copies < 1:
+        return [_row(name, "decode", dtype_name, batch, context, "kvkernels",
+                     skipped=f"one cache copy ({layer_bytes / 2**30:.1f} GiB) exceeds the memory budget")]
+    data = Paged(batch, context, batch, dtype, copies, gen)
+    expected = data.reference(min(CHECKED_SEQS, batch), causal_queries=False)
+
+    def check(out):
+        return float((out[:expected.shape[0]].float() - expected).abs().max()), TOLERANCE[torch.bfloat16]
+
+    def kernel(i: int):
+        j = i % copies
+        return ops.paged_attention(data.query, data.keys[j], data.values[j], data.block_tables, data.seq_lens,
+                                   k_scale=data.scale, v_scale=data.scale)[0]
+
+    mine = _row(name, "decode", dtype_name, batch, context, "kvkernels", copies=copies)
+    _attempt(mine, kernel, args, check)
+    rows.append(mine)
+
+    if not args.no_baselines:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        contig_layer = 2 * batch * context * KV_HEADS * HEAD_DIM * 2  # bfloat16
+        n = min(_copies(contig_layer, args), (budget - copies * layer_bytes) // max(contig_layer, 1))
+        sd = _row(name, "decode", dtype_name, batch, context, "sdpa-flash-contiguous",
+                  note="bfloat16 [B, Hkv, ctx, D] K/V (fp8: dequantized outside the timing); GQA folded into "
+                       "the query length; GB/s counts the case's cache bytes")
+        if n < 1:
+            sd["skipped"] = "no room for a contiguous bfloat16 copy next to the paged cache"
+        else:
+            ks = [data.dequantized(data.keys[i % copies]) for i in range(n)]
+            vs = [data.dequantized(data.values[i % copies]) for i in range(n)]
+            q = data.query.view(batch, KV_HEADS, GROUP, HEAD_DIM)
+
+            def sdpa(i: int):
+                j = i % n
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return F.scaled_dot_product_attention(q, ks[j], vs[j]).reshape(batch, HEADS, HEAD_DIM)
+
+            _attempt(sd, sdpa, args, check)
+            del ks, vs
+        rows.append(sd)
+        if not args.no_flex:
+            fx = _row(name, "decode", dtype_name, batch, context, "flex-paged",
+                      note="torch.compile(flex_attention) with PagedAttention.convert_logical_block_mask; "
+                           "cache re-laid [1, Hkv, blocks*16, D] bfloat16 outside the timing")
+            try:
+                _attempt(fx, flex_paged_decode(data), args, check)
+            except Exception as error:  # noqa: BLE001
+                fx["skipped"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+            rows.append(fx)
+    for r in rows:
+        if r["ms"]:
+            r["gbps"] = kv_bytes / (r["ms"] * 1e-3) / 1e9
+            r["fraction_of_copy_bw"] = r["gbps"] / copy_gbps
+    for r in rows[1:]:
+        if r["ms"] and mine["ms"]:
+            mine["speedup_vs"][r["impl"]] = r["ms"] / mine["ms"]
+    del data
+    torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# prefill
+# ----------------------------------------------------------------------------------------------------
+
+
+def prefill_case(q_len: int, context: int, args, gen: torch.Generator) -> list[dict]:
+    name = f"prefill bfloat16 q{q_len} ctx{context}"
+    dtype = torch.bfloat16
+    layer_bytes = 2 * math.ceil(context / BLOCK) * BLOCK * KV_HEADS * HEAD_DIM * 2
+    copies = _copies(layer_bytes, args)
+    data = Paged(1, context, q_len, dtype, copies, gen)
+    qsl = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
+    pairs = sum(context - q_len + i + 1 for i in range(q_len))
+    flops = 4 * HEAD_DIM * HEADS * pairs
+    expected = data.reference(1, causal_queries=True)
+
+    def check(out):
+        return float((out.float() - expected).abs().max()), TOLERANCE[dtype]
+
+    def kernel(i: int):
+        j = i % copies
+        return ops.paged_attention(data.query, data.keys[j], data.values[j], data.block_tables, data.seq_lens,
+                                   qsl)[0]
+
+    mine = _row(name, "prefill", "bfloat16", 1, context, "kvkernels", copies=copies,
+                note="flops = 4 * head_dim * heads * (query, key) pairs inside the causal mask")
+    _attempt(mine, kernel, args, check)
+    rows = [mine]
+    if not args.no_baselines:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
+        ks = [data.dequantized(c) for c in data.keys]
+        vs = [data.dequantized(c) for c in data.values]
+        q4 = data.query.transpose(0, 1)[None].contiguous()  # [1, H, Tq, D]
+        mask = causal_lower_right(q_len, context) if q_len != context else None
+        sd = _row(name, "prefill", "bfloat16", 1, context, "sdpa-flash-contiguous",
+                  note="causal (lower-right aligned), enable_gqa, contiguous bfloat16 K/V")
+
+        def sdpa(i: int):
+            j = i % copies
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                if mask is None:
+                    out = F.scaled_dot_product_attention(q4, ks[j], vs[j], is_causal=True, enable_gqa=True)
+                else:
+                    out = F.scaled_dot_product_attention(q4, ks[j], vs[j], attn_mask=mask, enable_gqa=True)
+            return out[0].transpose(0, 1)
+
+        _attempt(sd, sdpa, args, check)
+        rows.append(sd)
+    for r in rows:
+        if r["ms"]:
+            r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
+    for r in rows[1:]:
+        if r["ms"] and mine["ms"]:
+            mine["speedup_vs"][r["impl"]] = r["ms"] / mine["ms"]
+    del data
+    torch.cuda.empty_cache()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# the run
+# ----------------------------------------------------------------------------------------------------
+
+
+def run(args: Optional[argparse.Namespace] = None) -> list[dict]:
+    """Every case; one dict per (case, implementation), plus one "copy" row with the bandwidth."""
+    if args is None:
+        args = _defaults()
+    if not torch.cuda.is_available():
+        return [dict(case="cuda attention", kind="copy", impl="copy", skipped="no CUDA device")]
+    if args.quick:
+        args.attn_batches, args.attn_contexts, args.attn_prefill = [1, 4], [1024], [512, 1024]
+        args.attn_reps, args.attn_min_ms, args.rotate_mib = 3, 2.0, 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    copy_gbps = copy_bandwidth(1 << 30 if not args.quick else 1 << 28, args.attn_reps)
+    rows = [_row("copy bandwidth", "copy", "-", 0, 0, "copy", gbps=copy_gbps,
+                 note="dst.copy_(src), bytes read + written per second")]
+    for dtype_name in [d for d in args.attn_dtypes.split(",") if d]:
+        for batch in args.attn_batches:
+            for context in args.attn_contexts:
+                rows += decode_case(dtype_name, batch, context, copy_gbps, args, gen)
+    if args.attn_prefill:
+        rows += prefill_case(args.attn_prefill[0], args.attn_prefill[1], args, gen)
+    return rows
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """The issue's targets, evaluated on the rows that exist (a missing case says so)."""
+    def get(case: str, impl: str = "kvkernels") -> Optional[dict]:
+        return next((r for r in rows if r["case"] == case and r["impl"] == impl), None)
+
+    lines = []
+    for case, goal in (("decode bfloat16 b64 ctx4096", 0.8), ("decode bfloat16 b1 ctx32768", 0.7)):
+        r = get(case)
+        frac = r and r.get("fraction_of_copy_bw")
+        lines.append(f"{case}: {'missing' if frac is None else f'{frac:.2f}'} of copy bandwidth "
+                     f"(target {goal})")
+    for r in rows:
+        if r["impl"] == "kvkernels" and r["dtype"] == "fp8_e4m3" and r["ms"]:
+            b = get(r["case"].replace("fp8_e4m3", "bfloat16"))
+            if b and b["ms"]:
+                lines.append(f"{r['case']}: fp8 {b['ms'] / r['ms']:.2f}x bfloat16 (target 1.6)")
+    for r in rows:
+        if r["kind"] == "prefill" and r["impl"] == "kvkernels":
+            s = r["speedup_vs"].get("sdpa-flash-contiguous")
+            lines.append(f"{r['case']}: {'missing' if s is None else f'{s:.2f}'}x SDPA flash (target 0.8)")
+    return lines
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="CUDA paged-attention benchmark (kvkernels issue 6)")
+    add_arguments(parser)
+    parser.add_argument("--json", help="write the rows to this file")
+    args = parser.parse_args(argv)
+    rows = run(args)
+    for r in rows:
+        extra = (f"{r['gbps']:.0f} GB/s ({r['fraction_of_copy_bw']:.2f} of copy)" if r.get("fraction_of_copy_bw")
+                 else f"{r['tflops']:.0f} TFLOP/s" if r.get("tflops")
+                 else f"{r['gbps']:.0f} GB/s" if r.get("gbps") else "")
+        ms = (f"{r['ms']:.4f} ms" if r.get("ms") else "" if r["kind"] == "copy"
+              else f"skipped: {r.get('skipped')}")
+        print(f"{r['case']:<36} {r['impl']:<24} {ms:<18} {extra} {r.get('speedup_vs') or ''}")
+    for line in targets(rows):
+        print("target:", line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,488 @@
+"""The CUDA paged_attention kernels (csrc/cuda/attention*) against the float64 reference.
+
+Every attention case of test_attention.py (all CONFIGS and FEATURE_CONFIGS, decode and varlen, long
+contexts, empty sequences, partial blocks, shuffled block ids with junk past each sequence, GQA ratios,
+window edges) runs here on CUDA tensors, on the kernel the planner picks ("auto": tensor cores for fp16 /
+bf16 queries, CUDA cores for float32) and on the generic CUDA-core kernel for every dtype
+(KVKERNELS_CUDA_ATTN_PATH=simt), without and with forced KV splits (KVKERNELS_CUDA_ATTN_SPLITS, which
+exercises the split-K partials and the merge kernel even on small cases). Then: head dims and block sizes
+off the fast paths, unaligned cache views (the plain-load fallback), opcheck on CUDA, bad input on CUDA,
+debug-mode index checks, a non-default stream, and a CUDA-graph capture of a decode step replayed with
+new seq_lens / block table contents.
+
+Caches keep their layout on the device (the whole storage is copied and the same strided view taken), so
+NaN in unused slots and the NHD / HND / stacked strides reach the kernel exactly as on the CPU. The outputs
+are new tensors the op allocates: before each call the CUDA caching allocator is handed NaN-filled blocks
+(best effort: the op's allocations usually reuse them), and the comparison requires NaN, +inf and -inf at
+the reference's positions only, so an output row the kernel never wrote shows up as a mismatch.
+
+Every test skips, with the reason, without a CUDA device or without the CUDA kernel in the build.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helpers import (TOLERANCES, assert_close, generator, make_paged_kv, make_query, query_start_loc, randn,
+                     upcast)
+from kvkernels import ops, reference
+from test_attention import CONFIGS, FEATURE_CONFIGS, FEATURE_NAMES, LONG_CONFIGS, features, make_case
+
+f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _cuda_kernel_registered() -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("kvkernels::paged_attention", "CUDA")
+    except Exception:  # noqa: BLE001 - an older torch without the helper: let the tests find out
+        return True
+
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() "
+                                                             "is False)"),
+    pytest.mark.skipif(torch.cuda.is_available() and not _cuda_kernel_registered(),
+                       reason="kvkernels was built without its CUDA kernels (torch without CUDA or no nvcc)"),
+]
+
+DEV = "cuda"
+# (path, splits): the planner's choice, the CUDA-core kernel, and both with 5 forced KV splits.
+PATHS = {"auto": (None, None), "simt": ("simt", None), "auto-split5": (None, 5), "simt-split5": ("simt", 5)}
+
+
+@pytest.fixture(params=list(PATHS), ids=list(PATHS))
+def path(request, monkeypatch):
+    kind, splits = PATHS[request.param]
+    monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
+    monkeypatch.delenv("KVKERNELS_CUDA_ATTN_SPLITS", raising=False)
+    if kind:
+        monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", kind)
+    if splits:
+        monkeypatch.setenv("KVKERNELS_CUDA_ATTN_SPLITS", str(splits))
+    return request.param
+
+
+# ----------------------------------------------------------------------------------------------------
+# moving cases to the device
+# ----------------------------------------------------------------------------------------------------
+
+
+def like_on(t: torch.Tensor | None, device=DEV) -> torch.Tensor | None:
+    """``t`` on ``device`` with the same sizes, strides and storage offset: the whole storage is copied
+    (poison in unused slots included) and the same view taken."""
+    if t is None:
+        return None
+    n = t.untyped_storage().nbytes() // t.element_size()
+    flat = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, (n,), (1,))
+    return flat.to(device).as_strided(t.size(), t.stride(), t.storage_offset())
+
+
+def opt_on(x, device=DEV):
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
+def poison_allocator(nbytes: int) -> None:
+    """Hand the caching allocator NaN-filled blocks of about ``nbytes`` (and small ones) so that the op's
+    freshly allocated outputs most likely start as NaN instead of zeros or stale results."""
+    blocks = [torch.full((max(nbytes, 1 << 20) // 4,), float("nan"), device=DEV)]
+    blocks += [torch.full((n,), float("nan"), device=DEV) for n in (64, 512, 4096, 32768, 131072)]
+    del blocks
+
+
+def run_cuda(kv, query, qsl=None, **kwargs):
+    """The CUDA kernel vs the float64 reference (on the CPU copies); returns (out, lse) on the CPU."""
+    q = like_on(query)
+    k, v = like_on(kv.key_cache), like_on(kv.value_cache)
+    bt, sl = kv.block_tables.to(DEV), kv.seq_lens.to(DEV)
+    qsl_d = qsl.to(DEV) if qsl is not None else None
+    kw = {name: opt_on(x) for name, x in {**kwargs, **kv.scales}.items()}
+    t, hq, d = query.shape
+    poison_allocator(8 * t * hq * d * 4)
+    out, lse = ops.paged_attention(q, k, v, bt, sl, qsl_d, **kw)
+    torch.cuda.synchronize()
+    assert out.device.type == DEV and lse.device.type == DEV
+    assert out.dtype == query.dtype and out.shape == (t, hq, d) and out.is_contiguous()
+    assert lse.dtype == torch.float32 and lse.shape == (t, hq) and lse.is_contiguous()
+    kr, vr = kv.ref_caches()
+    ref_out, ref_lse = reference.paged_attention(upcast(query), kr, vr, kv.block_tables, kv.seq_lens, qsl,
+                                                 **kwargs, **kv.scales)
+    out, lse = out.cpu(), lse.cpu()
+    assert_close(out, ref_out, query.dtype, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------
+# the cases of test_attention.py
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_paged_attention(config, mode, path):
+    dtype, fp8, per_head, layout, hq, hkv, d, b, strided = config
+    seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b]
+    kv, query, qsl = make_case(mode, seq_lens, dtype=dtype, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                               block_size=b, layout=layout, fp8=fp8, per_head=per_head, strided=strided)
+    out, lse = run_cuda(kv, query, qsl)
+    if mode == "decode":
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        assert torch.isneginf(lse[1]).all()
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("feature", FEATURE_NAMES)
+@pytest.mark.parametrize("config", FEATURE_CONFIGS.values(), ids=FEATURE_CONFIGS.keys())
+def test_paged_attention_features(config, feature, mode, path):
+    dtype, fp8, per_head, layout, hkv, d, b = config
+    seq_lens = [2 * b, 2 * b + 1, 3 * b - 1, 1, 0, b, 40]
+    kv, query, qsl = make_case(mode, seq_lens, dtype=dtype, num_heads=8, num_kv_heads=hkv, head_dim=d,
+                               block_size=b, layout=layout, fp8=fp8, per_head=per_head, seed=3)
+    kwargs = features(b, d)[feature]
+    out, lse = run_cuda(kv, query, qsl, **kwargs)
+    if mode == "decode":
+        assert torch.equal(out[4], torch.zeros_like(out[4]))
+        sinks = kwargs.get("sinks")
+        expected = sinks if sinks is not None else torch.full((8,), float("-inf"))
+        assert_close(lse[4], expected, f32, msg="lse of the empty sequence")
+
+
+@pytest.mark.parametrize("splits", [None, 1, 16, 128], ids=["planned", "1", "16", "128"])
+@pytest.mark.parametrize("opts", [{}, dict(window_left=1500, sinks=torch.linspace(-1, 1, 8))],
+                         ids=["plain", "window-sinks"])
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("config", LONG_CONFIGS.values(), ids=LONG_CONFIGS.keys())
+def test_long_context(config, mode, opts, splits, monkeypatch):
+    """Thousands of keys over few sequences: the planner splits them (4 x 2 work items leave any GPU
+    idle); the forced counts cover no split, many, and more splits than some sequences have tiles."""
+    if splits:
+        monkeypatch.setenv("KVKERNELS_CUDA_ATTN_SPLITS", str(splits))
+    dtype, fp8, layout, b = config
+    seq_lens = [4100, 1, 2049, 700]
+    kv, query, qsl = make_case("decode", seq_lens, dtype=dtype, num_heads=8, num_kv_heads=2, head_dim=128,
+                               block_size=b, layout=layout, fp8=fp8, per_head=True, seed=41)
+    if mode == "varlen":
+        q_lens = [min(n, 40) for n in seq_lens]
+        qsl = query_start_loc(q_lens)
+        query = make_query(sum(q_lens), 8, 128, dtype, generator(42))
+    run_cuda(kv, query, qsl, **opts)
+
+
+@pytest.mark.parametrize("window_left", [0, 4, 15, 16])
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_window_against_dense(window_left, dtype):
+    b, d, seq_len, q_len = 16, 16, 50, 20
+    kv = make_paged_kv(seq_lens=[seq_len], num_kv_heads=1, head_dim=d, block_size=b, seed=11, dtype=dtype)
+    query = make_query(q_len, 2, d, dtype, generator(12))
+    out, lse = ops.paged_attention(like_on(query), like_on(kv.key_cache), like_on(kv.value_cache),
+                                   kv.block_tables.to(DEV), kv.seq_lens.to(DEV),
+                                   query_start_loc([q_len]).to(DEV), window_left=window_left)
+    out, lse = out.cpu(), lse.cpu()
+    k, v = kv.keys[0][:, 0], kv.values[0][:, 0]
+    for i in range(q_len):
+        pos = seq_len - q_len + i
+        lo = max(pos - window_left, 0)
+        s = query[i].double() @ k[lo:pos + 1].T * d ** -0.5
+        assert_close(lse[i], torch.logsumexp(s, dim=-1), f32, msg=f"lse of query {i}")
+        assert_close(out[i], torch.softmax(s, dim=-1) @ v[lo:pos + 1], dtype, msg=f"out of query {i}")
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_empty_sequences(mode, sinks, dtype, path):
+    seq_lens = [0, 5, 0, 33]
+    kv, query, qsl = make_case(mode, seq_lens, dtype=dtype, num_heads=4, num_kv_heads=2, head_dim=16,
+                               block_size=16, seed=5)
+    sink = randn(4, gen=generator(6)) if sinks else None
+    out, lse = run_cuda(kv, query, qsl, sinks=sink)
+    if mode == "decode":
+        no_key = sink if sinks else torch.full((4,), float("-inf"))
+        for row in (0, 2):
+            assert torch.equal(out[row], torch.zeros(4, 16, dtype=dtype))
+            assert_close(lse[row], no_key, f32, msg="lse of an empty sequence")
+    # An empty batch, and a varlen batch whose sequences have no queries: nothing to launch.
+    table = torch.zeros(0, 3, dtype=torch.int32, device=DEV)
+    lens = torch.zeros(0, dtype=torch.int32, device=DEV)
+    q0 = torch.randn(0, 4, 16, device=DEV).to(dtype)
+    qsl0 = None if mode == "decode" else torch.zeros(1, dtype=torch.int32, device=DEV)
+    out, lse = ops.paged_attention(q0, like_on(kv.key_cache), like_on(kv.value_cache), table, lens, qsl0,
+                                   sinks=opt_on(sink))
+    assert out.shape == (0, 4, 16) and lse.shape == (0, 4)
+
+
+# ----------------------------------------------------------------------------------------------------
+# beyond test_attention.py: generic head dims / block sizes, GQA extremes, alignment, path agreement
+# ----------------------------------------------------------------------------------------------------
+
+# (dtype, fp8, head_dim, block_size): every padded head dim (64 / 128 / 256) hit exactly and off its
+# fast path, block sizes 1..256 including non-powers of two.
+GENERIC = [
+    (bf16, None, 8, 5), (f16, None, 40, 7), (bf16, None, 72, 32), (f32, None, 96, 13), (f16, None, 136, 16),
+    (bf16, None, 192, 24), (bf16, None, 256, 16), (f32, None, 256, 2), (f16, "e4m3", 256, 32),
+    (bf16, "e5m2", 120, 64), (bf16, "e4m3", 24, 256), (f32, "e4m3", 200, 9), (bf16, None, 128, 128),
+]
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("dtype,fp8,d,b", GENERIC, ids=[f"{str(t)[6:]}-{f}-d{d}-b{b}" for t, f, d, b in GENERIC])
+def test_generic_head_dims_and_block_sizes(dtype, fp8, d, b, mode, path):
+    seq_lens = [3 * b + 5, 1, 2 * b, 77]
+    kv, query, qsl = make_case(mode, seq_lens, dtype=dtype, num_heads=4, num_kv_heads=2, head_dim=d,
+                               block_size=b, fp8=fp8, per_head=True, seed=17)
+    run_cuda(kv, query, qsl, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]), soft_cap=3.0)
+
+
+# (num_heads, num_kv_heads): MHA, GQA 2..16, the decode group limit of the tensor-core decode kernel (16),
+# groups above it (prefill kernel for decode), above the 64 rows of a prefill CTA (head chunks), MQA.
+GQA = [(4, 4), (8, 4), (12, 3), (32, 8), (32, 2), (48, 2), (40, 1), (64, 1), (96, 1), (128, 2)]
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("dtype", [f32, bf16])
+@pytest.mark.parametrize("hq,hkv", GQA, ids=[f"{a}-{b}" for a, b in GQA])
+def test_gqa_ratios(hq, hkv, dtype, mode, path):
+    seq_lens = [70, 17, 1, 33]
+    kv, query, qsl = make_case(mode, seq_lens, dtype=dtype, num_heads=hq, num_kv_heads=hkv, head_dim=64,
+                               block_size=16, seed=23)
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / hq) for h in range(hq)], dtype=f32)
+    run_cuda(kv, query, qsl, alibi_slopes=slopes, window_left=30)
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("dtype,fp8", [(f32, None), (bf16, None), (f16, "e4m3")], ids=["f32", "bf16", "e4m3"])
+def test_unaligned_cache_rows(dtype, fp8, mode, path):
+    """Caches whose rows are not 16-byte aligned (a [..., 4:4+D] slice of wider rows) take the plain-load
+    fallback instead of cp.async; the query is a strided slice too."""
+    d, b = 64, 16
+    kv, query, qsl = make_case(mode, [40, 9, 0, 16], dtype=dtype, num_heads=8, num_kv_heads=2, head_dim=d,
+                               block_size=b, fp8=fp8, strided="fused", seed=29)
+    for name in ("key_cache", "value_cache"):
+        t = getattr(kv, name)
+        wide = torch.empty(*t.shape[:-1], d + 6, dtype=t.dtype)
+        view = wide[..., 2:2 + d]
+        if fp8:
+            wide.view(torch.uint8).fill_(0x7F)  # NaN
+            view.view(torch.uint8).copy_(t.view(torch.uint8))
+        else:
+            wide.fill_(float("nan"))
+            view.copy_(t)
+        setattr(kv, name, view)
+    run_cuda(kv, query, qsl)
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("dtype,fp8", [(bf16, None), (f16, None), (bf16, "e4m3"), (f16, "e5m2")])
+def test_tensor_core_and_simt_agree(dtype, fp8, mode, monkeypatch):
+    """The tensor-core and CUDA-core kernels on the same inputs agree to the query dtype's tolerance."""
+    kv, query, qsl = make_case(mode, [300, 64, 1, 129], dtype=dtype, num_heads=16, num_kv_heads=4,
+                               head_dim=128, block_size=16, fp8=fp8, per_head=True, seed=37)
+    args = (like_on(query), like_on(kv.key_cache), like_on(kv.value_cache), kv.block_tables.to(DEV),
+            kv.seq_lens.to(DEV), opt_on(qsl))
+    kw = {k: opt_on(v) for k, v in dict(soft_cap=5.0, **kv.scales).items()}
+    monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
+    out_tc, lse_tc = ops.paged_attention(*args, **kw)
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", "simt")
+    out_s, lse_s = ops.paged_attention(*args, **kw)
+    rtol, atol = TOLERANCES[dtype]
+    assert_close(out_tc.cpu(), out_s.cpu().double(), dtype, rtol=2 * rtol, atol=2 * atol, msg="out")
+    assert_close(lse_tc.cpu(), lse_s.cpu().double(), f32, rtol=1e-4, atol=1e-4, msg="lse")
+
+
+def test_splits_are_exact(monkeypatch):
+    """float32 (CUDA cores, float32 math): 1 split vs many splits differ only by float32 rounding."""
+    kv, query, _ = make_case("decode", [5000, 3000, 17], dtype=f32, num_heads=8, num_kv_heads=2,
+                             head_dim=128, block_size=16, seed=43)
+    args = (like_on(query), like_on(kv.key_cache), like_on(kv.value_cache), kv.block_tables.to(DEV),
+            kv.seq_lens.to(DEV))
+    results = []
+    for splits in (1, 3, 64):
+        monkeypatch.setenv("KVKERNELS_CUDA_ATTN_SPLITS", str(splits))
+        results.append([x.cpu() for x in ops.paged_attention(*args, sinks=torch.ones(8, device=DEV))])
+    for out, lse in results[1:]:
+        torch.testing.assert_close(out, results[0][0], rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(lse, results[0][1], rtol=2e-6, atol=2e-6)
+
+
+def test_current_stream():
+    """The kernels run on the current stream: work queued on a side stream, read after a sync of it."""
+    kv, query, _ = make_case("decode", [700, 5], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=128,
+                             block_size=16, seed=47)
+    args = (like_on(query), like_on(kv.key_cache), like_on(kv.value_cache), kv.block_tables.to(DEV),
+            kv.seq_lens.to(DEV))
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        out, lse = ops.paged_attention(*args)
+    side.synchronize()
+    ref_out, ref_lse = reference.paged_attention(upcast(query), *kv.ref_caches(), kv.block_tables, kv.seq_lens)
+    assert_close(out.cpu(), ref_out, bf16, msg="out")
+    assert_close(lse.cpu(), ref_lse, f32, msg="lse")
+
+
+# ----------------------------------------------------------------------------------------------------
+# opcheck, bad input, debug checks
+# ----------------------------------------------------------------------------------------------------
+
+
+def _finite(t):
+    if t.dtype in (E4M3, E5M2):
+        b = t.view(torch.uint8)
+        b.masked_fill_(torch.isnan(t.float()), 0)
+    else:
+        t.nan_to_num_(0.0)
+    return t
+
+
+OPCHECK = {
+    "f32-decode-NHD": dict(dtype=f32, layout="NHD"),
+    "bf16-varlen-HND-strided-window-softcap": dict(dtype=bf16, layout="HND", varlen=True, strided="fused",
+                                                   opts=dict(window_left=3, soft_cap=2.0)),
+    "e4m3-head-f16-stacked-alibi-sinks": dict(dtype=f16, layout="stacked", fp8="e4m3", per_head=True,
+                                              strided="transposed",
+                                              opts=dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
+                                                        sinks=torch.tensor([0.1, -0.2, 0.3, 1.0]))),
+    "e5m2-varlen-f32-scale": dict(dtype=f32, layout="NHD", fp8="e5m2", varlen=True, opts=dict(scale=0.3)),
+}
+
+
+@pytest.mark.parametrize("name", list(OPCHECK))
+def test_opcheck(name):
+    c = OPCHECK[name]
+    kv = make_paged_kv(seq_lens=[5, 0, 9], num_kv_heads=2, head_dim=16, block_size=4, dtype=c["dtype"],
+                       layout=c["layout"], fp8=c.get("fp8"), per_head_scale=c.get("per_head", False))
+    for t in kv.storage:
+        _finite(t)
+    q_lens = [3, 0, 4] if c.get("varlen") else [1, 1, 1]
+    q = make_query(sum(q_lens), 4, 16, c["dtype"], generator(3), strided=c.get("strided"))
+    qsl = query_start_loc(q_lens).to(DEV) if c.get("varlen") else None
+    args = (like_on(q), like_on(kv.key_cache), like_on(kv.value_cache), kv.block_tables.to(DEV),
+            kv.seq_lens.to(DEV), qsl)
+    kwargs = {k: opt_on(v) for k, v in dict(c.get("opts", {}), **kv.scales).items()}
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    if c.get("fp8"):
+        utils = utils[1:]  # SchemaCheckMode compares fp8 tensors with allclose, which has no fp8 kernel
+    torch.library.opcheck(torch.ops.kvkernels.paged_attention.default, args, kwargs, test_utils=utils)
+
+
+def _base(varlen=False, fp8=None):
+    kv, query, qsl = make_case("varlen" if varlen else "decode", [5, 9, 12], dtype=f16 if not fp8 else bf16,
+                               num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, fp8=fp8, seed=53)
+    return dict(query=like_on(query), key_cache=like_on(kv.key_cache), value_cache=like_on(kv.value_cache),
+                block_tables=kv.block_tables.to(DEV), seq_lens=kv.seq_lens.to(DEV),
+                query_start_loc=opt_on(qsl), k_scale=opt_on(kv.k_scale), v_scale=opt_on(kv.v_scale))
+
+
+BAD = [
+    ("query-float64", "query", lambda a: a.update(query=a["query"].double())),
+    ("cache-dtype", "query|key_cache", lambda a: a.update(query=a["query"].float())),
+    ("block_tables-on-cpu", "block_tables", lambda a: a.update(block_tables=a["block_tables"].cpu())),
+    ("seq_lens-on-cpu", "seq_lens", lambda a: a.update(seq_lens=a["seq_lens"].cpu())),
+    ("value_cache-on-cpu", "value_cache", lambda a: a.update(value_cache=a["value_cache"].cpu())),
+    ("block_tables-int64", "block_tables", lambda a: a.update(block_tables=a["block_tables"].long())),
+    ("head_dim-mismatch", "query|key_cache", lambda a: a.update(query=a["query"][..., :8])),
+    ("heads-not-multiple", "query|key_cache", lambda a: a.update(query=a["query"][:, :3])),
+    ("decode-tokens-ne-seqs", "query|seq_lens", lambda a: a.update(query=a["query"][:2])),
+    ("alibi-size", "alibi_slopes", lambda a: a.update(alibi_slopes=torch.ones(2, device=DEV))),
+    ("sinks-on-cpu", "sinks", lambda a: a.update(sinks=torch.ones(4))),
+]
+
+
+@pytest.mark.parametrize("name,arg,mutate", BAD, ids=[b[0] for b in BAD])
+def test_bad_input(name, arg, mutate):
+    a = _base()
+    mutate(a)
+    with pytest.raises(RuntimeError, match=rf"kvkernels\.paged_attention: ({arg}):"):
+        ops.paged_attention(**a)
+    torch.cuda.synchronize()  # and the device is still fine
+
+
+def test_fp8_without_scale():
+    a = _base(fp8="e4m3")
+    a["k_scale"] = None
+    with pytest.raises(RuntimeError, match=r"kvkernels\.paged_attention: k_scale:"):
+        ops.paged_attention(**a)
+
+
+@pytest.mark.parametrize("bad", ["block-id-too-large", "block-id-negative", "seq_len-over-capacity",
+                                 "qsl-decreasing"])
+def test_debug_index_checks(bad, monkeypatch):
+    """KVKERNELS_DEBUG=1 runs the host range checks on copies of the index tensors; without it bad ids
+    give wrong numbers at worst, never a device fault (the kernels clamp / zero-fill)."""
+    a = _base(varlen=bad.startswith("qsl"))
+    bt, sl = a["block_tables"], a["seq_lens"]
+    if bad == "block-id-too-large":
+        bt[1, 1], arg = 10 ** 6, "block_tables"
+    elif bad == "block-id-negative":
+        bt[2, 0], arg = -5, "block_tables"
+    elif bad == "seq_len-over-capacity":
+        sl[0], arg = bt.shape[1] * 4 + 1, "seq_lens"
+    else:
+        a["query_start_loc"] = torch.tensor([0, 3, 2, a["query"].shape[0]], dtype=torch.int32, device=DEV)
+        arg = "query_start_loc"
+    monkeypatch.setenv("KVKERNELS_DEBUG", "1")
+    with pytest.raises(RuntimeError, match=rf"kvkernels\.paged_attention: {arg}:"):
+        ops.paged_attention(**a)
+    monkeypatch.delenv("KVKERNELS_DEBUG")
+    ops.paged_attention(**a)
+    torch.cuda.synchronize()  # no illegal address: the context is still usable
+    torch.ones(1, device=DEV).add_(1)
+    torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA graphs
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,fp8", [(bf16, None), (f32, None), (bf16, "e4m3")], ids=["bf16", "f32", "e4m3"])
+def test_cuda_graph_decode_step(dtype, fp8):
+    """Capture one decode step (long enough contexts that the plan splits: workspace allocated inside the
+    capture), then change seq_lens and the block tables' contents in place and replay: the replays match
+    the reference for the new contents. Nothing in the launch depends on device data."""
+    b, hq, hkv, d = 16, 8, 2, 128
+    lens_a = [1500, 33, 900]
+    lens_b = [1700, 1, 2047]  # different lengths, same table width (2048 / 16 = 128 columns + junk)
+    kv = make_paged_kv(seq_lens=[2048, 2048, 2048], num_kv_heads=hkv, head_dim=d, block_size=b, dtype=dtype,
+                       fp8=fp8, per_head_scale=True, seed=59)
+    key_cache, value_cache = like_on(kv.key_cache), like_on(kv.value_cache)
+    scales = {k: opt_on(v) for k, v in kv.scales.items()}
+    block_tables = kv.block_tables.to(DEV)
+    seq_lens = torch.tensor(lens_a, dtype=torch.int32, device=DEV)
+    query = make_query(3, hq, d, dtype, generator(60)).to(DEV)
+
+    def step():
+        return ops.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, **scales)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up outside the capture (first-use kernel attributes, allocator pools)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+
+    def check(lens, table):
+        ref_out, ref_lse = reference.paged_attention(upcast(query.cpu()), *kv.ref_caches(), table,
+                                                     torch.tensor(lens, dtype=torch.int32), **kv.scales)
+        assert_close(out.cpu(), ref_out, dtype, msg="graph out")
+        assert_close(lse.cpu(), ref_lse, f32, msg="graph lse")
+
+    seq_lens.copy_(torch.tensor(lens_a, dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(lens_a, kv.block_tables)
+
+    # New lengths, and the rows of sequences 0 and 2 swapped in the table (same storage, new contents).
+    table_b = kv.block_tables.clone()
+    table_b[[0, 2]] = kv.block_tables[[2, 0]]
+    block_tables.copy_(table_b)
+    seq_lens.copy_(torch.tensor(lens_b, dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(lens_b, table_b)
