@@ -286,8 +286,8 @@ int64_t block_copy_block_bytes(const BlockCopyParams& p) {
   return bytes;
 }
 
-Status block_copy_kernel(const BlockCopyParams& p, int64_t src_num_blocks, int64_t dst_num_blocks,
-                         cudaStream_t stream) {
+Status block_copy(const BlockCopyParams& p, int64_t src_num_blocks, int64_t dst_num_blocks,
+                  cudaStream_t stream) {
   BlockCopyPlan plan;
   if (p.num_pairs == 0 || !make_plan(p, &plan)) return Status{};
   plan.src_num_blocks = src_num_blocks;
@@ -295,8 +295,8 @@ Status block_copy_kernel(const BlockCopyParams& p, int64_t src_num_blocks, int64
   return run_plan(plan, stream);
 }
 
-Status block_copy_kernel_staged(const BlockCopyParams& p, int64_t src_num_blocks,
-                                int64_t dst_num_blocks, char* staging, cudaStream_t stream) {
+Status block_copy_staged(const BlockCopyParams& p, int64_t src_num_blocks, int64_t dst_num_blocks,
+                         char* staging, cudaStream_t stream) {
   BlockCopyPlan plan;
   if (p.num_pairs == 0 || !make_plan(p, &plan)) return Status{};
   plan.src_num_blocks = src_num_blocks;

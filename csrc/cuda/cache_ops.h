@@ -31,13 +31,13 @@ int64_t block_copy_block_bytes(const BlockCopyParams& p);
 
 // One kernel for every pair (and every layer of a stacked cache). p.mapping is device memory;
 // p.src / p.dst are device memory or mapped pinned host memory (device-usable addresses).
-Status block_copy_kernel(const BlockCopyParams& p, int64_t src_num_blocks, int64_t dst_num_blocks,
-                         cudaStream_t stream);
+Status block_copy(const BlockCopyParams& p, int64_t src_num_blocks, int64_t dst_num_blocks,
+                  cudaStream_t stream);
 
 // The same when src and dst share memory: every source block is first copied into `staging`
 // (device, num_pairs * block_copy_block_bytes(p) bytes), then from there to its destination.
-Status block_copy_kernel_staged(const BlockCopyParams& p, int64_t src_num_blocks,
-                                int64_t dst_num_blocks, char* staging, cudaStream_t stream);
+Status block_copy_staged(const BlockCopyParams& p, int64_t src_num_blocks, int64_t dst_num_blocks,
+                         char* staging, cudaStream_t stream);
 
 // cudaMemcpy(2D)Async per contiguous run; p.mapping is host memory (read here, so already
 // validated). Asynchronous with pinned host memory; with pageable host memory the CUDA runtime

@@ -94,7 +94,7 @@ void copy_blocks_cuda(Tensor& cache, const Tensor& block_mapping, int64_t block_
   check_mapping(c, r, mapping_on_host, /*same_tensor=*/true, scope.stream());
   if (r.params.num_pairs == 0 || cache.numel() == 0) return;
   r.params.mapping = device_mapping(block_mapping, cache, mapping_on_host, r.keep_alive);
-  check_launch(c, block_copy_kernel(r.params, r.src_num_blocks, r.dst_num_blocks, scope.stream()),
+  check_launch(c, block_copy(r.params, r.src_num_blocks, r.dst_num_blocks, scope.stream()),
                "block copy kernel");
 }
 
@@ -156,16 +156,15 @@ void swap_blocks_cuda(const Tensor& src, Tensor& dst, const Tensor& block_mappin
   if (src_cuda && dst_cuda) {
     p.mapping = device_mapping(block_mapping, src, mapping_on_host, r.keep_alive);
     if (!overlap(src, dst)) {
-      check_launch(c, block_copy_kernel(p, r.src_num_blocks, r.dst_num_blocks, scope.stream()),
+      check_launch(c, block_copy(p, r.src_num_blocks, r.dst_num_blocks, scope.stream()),
                    "block copy kernel");
       return;
     }
     const int64_t bytes = block_copy_block_bytes(p) * p.num_pairs;
     Tensor staging = torch::stable::new_empty(src, {bytes}, ScalarType::Byte);
     r.keep_alive.push_back(staging);
-    check_launch(c, block_copy_kernel_staged(p, r.src_num_blocks, r.dst_num_blocks,
-                                             static_cast<char*>(staging.mutable_data_ptr()),
-                                             scope.stream()),
+    char* staged = static_cast<char*>(staging.mutable_data_ptr());
+    check_launch(c, block_copy_staged(p, r.src_num_blocks, r.dst_num_blocks, staged, scope.stream()),
                  "staged block copy kernel");
     return;
   }
@@ -181,7 +180,7 @@ void swap_blocks_cuda(const Tensor& src, Tensor& dst, const Tensor& block_mappin
            "host memory must be pinned (tensor.pin_memory()) when block_mapping is on the GPU; "
            "for pageable memory pass block_mapping on the CPU");
   p.dst = static_cast<char*>(mapped);
-  check_launch(c, block_copy_kernel(p, r.src_num_blocks, r.dst_num_blocks, scope.stream()),
+  check_launch(c, block_copy(p, r.src_num_blocks, r.dst_num_blocks, scope.stream()),
                "block copy kernel (to mapped host memory)");
 }
 
