@@ -12,7 +12,7 @@ import torch
 
 from helpers import (DEVICES, FP8_DTYPES, FP8_MAX, alloc_kv_cache, assert_bytes_equal, assert_close,
                      clone_storage, dequantize64, generator, kv_views, make_paged_kv, make_scale,
-                     randn, require_kernel, to_device)
+                     randn, require_kernel)
 from kvkernels import ops, reference
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16

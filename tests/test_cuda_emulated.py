@@ -41,6 +41,13 @@ def test_reshape_and_cache(emu):
                                             emu.reshape_and_cache(k, v, kc, vc, s, k_scale, v_scale))
 
 
+def test_concat_and_cache_mla(emu):
+    import test_mla
+    for case in test_mla.CONCAT_CASES.values():
+        test_mla.check_concat_and_cache_mla(case, op=lambda kv_c, k_pe, cache, slots, scale=None:
+                                            emu.concat_and_cache_mla(kv_c, k_pe, cache, slots, scale))
+
+
 def test_mixed_layouts(emu):
     cache_tests.check_mixed_layouts_write(op=lambda k, v, kc, vc, s, k_scale=None, v_scale=None:
                                           emu.reshape_and_cache(k, v, kc, vc, s, k_scale, v_scale))
