@@ -42,7 +42,7 @@ bench: build
 
 # Compile every CUDA source for sm_80 and sm_90a; fail on errors or register spills.
 cuda-check:
-	scripts/check_cuda.sh
+	PYTHON=$$( [ -x $(PY) ] && echo $(PY) || command -v python3 ) scripts/check_cuda.sh
 
 clean:
 	rm -rf build kvkernels/_C*.so kvkernels/.built

@@ -36,7 +36,10 @@ def extension():
     srcs = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
     if build_cuda():
         srcs += sources("csrc/cuda/*.cu") + sources("csrc/cuda/*.cpp")
-        nvcc = [*opt, TORCH_TARGET, "-DUSE_CUDA", "-std=c++17", "-Xptxas=-v"]
+        # nvcc has no -g0 (it stops with "Unknown option"); -lineinfo keeps debug builds profilable.
+        nvcc_opt = ["-O0", "-g", "-lineinfo"] if debug else ["-O3"]
+        # -Xptxas=-v: the build log reports registers and spills of every kernel (gpu_validate.sh).
+        nvcc = [*nvcc_opt, TORCH_TARGET, "-DUSE_CUDA", "-std=c++17", "-Xptxas=-v"]
         return cpp_extension.CUDAExtension(
             "kvkernels._C", srcs, include_dirs=include_dirs, py_limited_api=True,
             extra_compile_args={"cxx": cxx + ["-DUSE_CUDA"], "nvcc": nvcc},

@@ -2,6 +2,9 @@
 # Compile every CUDA source (csrc/cuda/*.cu) with nvcc for sm_80 and sm_90a, without torch (the
 # kernels are torch-free templates, DESIGN.md §5), and fail on compile errors or on any register
 # spill / local-memory use reported by ptxas. Arguments: files to check instead of csrc/cuda/*.cu.
+# Without arguments it also compiles the CUDA bindings (csrc/cuda/*.cpp, host C++ with -DUSE_CUDA)
+# with -fsyntax-only against the headers of the torch that $PYTHON imports (skipped, with a note, when
+# there is none: a CPU-only torch has every header they use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
@@ -30,4 +33,27 @@ for src in "${sources[@]}"; do
     fi
   done
 done
+if [ $# -eq 0 ]; then
+  PYTHON=${PYTHON:-$(command -v python3 || true)}
+  torch_inc=$("${PYTHON:-false}" -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'include'))" 2>/dev/null || true)
+  py_inc=$("${PYTHON:-false}" -c "import sysconfig; print(sysconfig.get_paths()['include'])" 2>/dev/null || true)
+  cuda_inc=""
+  for dir in ${CUDA_HOME:+"$CUDA_HOME"} "$(dirname "$(dirname "$(readlink -f "$NVCC")")")" /usr/local/cuda; do
+    if [ -f "$dir/include/cuda_runtime_api.h" ]; then cuda_inc=$dir/include; break; fi
+  done
+  if [ -z "$torch_inc" ]; then
+    echo "skip csrc/cuda/*.cpp: no torch importable by PYTHON=${PYTHON:-<none>}"
+  elif [ -z "$cuda_inc" ]; then
+    echo "skip csrc/cuda/*.cpp: no cuda_runtime_api.h next to $NVCC (set CUDA_HOME)"
+  else
+    for src in csrc/cuda/*.cpp; do
+      if ${CXX:-c++} -std=c++17 -fsyntax-only -Wall -DUSE_CUDA -DTORCH_TARGET_VERSION=0x020a000000000000 \
+           -Icsrc -Icsrc/include -I"$torch_inc" -I"$cuda_inc" -I"$py_inc" "$src" >"$out/cpp.log" 2>&1; then
+        echo "ok   $src (host C++, -DUSE_CUDA)"
+      else
+        echo "FAIL $src (host C++, -DUSE_CUDA)"; cat "$out/cpp.log"; status=1
+      fi
+    done
+  fi
+fi
 exit $status

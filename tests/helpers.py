@@ -39,6 +39,36 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_MAX
 
 
+# ----------------------------------------------------------------------------------------------------
+# devices: every correctness test of the cache ops runs on the CPU and, where there is one, on CUDA
+# ----------------------------------------------------------------------------------------------------
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (torch.cuda.is_available() is False)")
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+
+
+def has_kernel(op: str, device: str) -> bool:
+    """Whether this build registered a kernel of ``torch.ops.kvkernels.<op>`` for ``device``."""
+    key = {"cpu": "CPU", "cuda": "CUDA", "mps": "MPS"}[torch.device(device).type]
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"kvkernels::{op}", key)
+
+
+def require_kernel(op: str, device: str) -> None:
+    """Skip (with the reason) when ``op`` has no kernel for ``device`` in this build."""
+    if not has_kernel(op, device):
+        pytest.skip(f"kvkernels.{op} has no {torch.device(device).type.upper()} kernel in this build")
+
+
+def to_device(t, device):
+    """``t`` copied to ``device`` with its shape and strides (a transposed or sliced view stays one);
+    the tensor itself when it is already there; anything else unchanged."""
+    if not isinstance(t, torch.Tensor) or t.device == torch.device(device):
+        return t
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    return out.copy_(t)
+
+
 def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -265,6 +295,17 @@ class PagedKV:
     def ref_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Caches for the reference: float64 copies, or the fp8 caches themselves."""
         return upcast(self.key_cache), upcast(self.value_cache)
+
+    def to(self, device) -> "PagedKV":
+        """The same cache on ``device``: storage copied whole, so the views keep their layout and
+        offsets; index tensors and scales moved too. ``keys``/``values`` (the truth) stay on the CPU."""
+        if torch.device(device) == self.key_cache.device:
+            return self
+        storage = tuple(t.to(device) for t in self.storage)
+        key_cache, value_cache = kv_views(storage, self.layout)
+        return PagedKV(self.layout, storage, key_cache, value_cache, self.block_tables.to(device),
+                       self.seq_lens.to(device), self.blocks, to_device(self.k_scale, device),
+                       to_device(self.v_scale, device), self.keys, self.values)
 
 
 def make_paged_kv(num_seqs: int | None = None, seq_lens=(), num_kv_heads: int = 2, head_dim: int = 64,

@@ -91,3 +91,33 @@ def test_cache_suite_quick_run_writes_json_and_text(tmp_path):
     assert m["latent_bytes"] == 512 * m["latent_bytes_per_token"] and m["sparse_bytes"] == m["latent_bytes"] // 2
     assert m["standard_bytes_per_token"] * 576 == m["latent_bytes_per_token"] * 16 * 320  # 16 heads x (192 + 128)
     assert "MLA latent cache" in txt_path.read_text()
+
+
+def test_cuda_suite_dry_run_on_the_cpu(tmp_path):
+    """The CUDA benchmark's cases, checks and records, run on CPU tensors with --quick shapes (its GPU
+    timing and pinned-memory cases need a GPU: those are recorded as skipped here)."""
+    from kvkernels.bench import cli, cuda
+    argv = ["--device", "cuda", "--quick", "--out", str(tmp_path)]
+    code = cuda.run(cli.parse_args(argv), argv, device=torch.device("cpu"))
+    assert code == 0
+    (json_path,) = tmp_path.glob("cuda-*.json")
+    (txt_path,) = tmp_path.glob("cuda-*.txt")
+    record = json.loads(json_path.read_text())
+    for key in ("machine", "torch_version", "date", "command_line", "bandwidth_gbps", "cases"):
+        assert record[key], key
+    assert "cuda_version" in record
+    kinds = {case["kind"] for case in record["cases"]}
+    assert {"copy_blocks", "reshape_and_cache", "gather_kv", "merge", "swap_blocks", "decode", "prefill"} <= kinds
+    for case in record["cases"]:
+        ours = case["impls"]["kvkernels"]
+        if case["kind"] in ("copy_blocks", "reshape_and_cache", "gather_kv", "merge"):
+            assert ours["checked"] is True and ours["gbps"] > 0, case["name"]
+        else:  # needs a GPU, or the attention cases of cuda_attention.py
+            assert ours["skipped"], case["name"]
+    assert "copy_blocks" in txt_path.read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_suite_without_a_gpu_says_so(capsys):
+    assert bench.main(["--device", "cuda", "--quick"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from helpers import (FP8_DTYPES, assert_bytes_equal, assert_close, dense_attention, generator, make_paged_mla,
-                     make_query, poison, quantize, query_start_loc, randn, upcast)
+from helpers import (DEVICES, FP8_DTYPES, assert_bytes_equal, assert_close, dense_attention, generator,
+                     make_paged_mla, make_query, poison, quantize, query_start_loc, randn, require_kernel, upcast)
 from kvkernels import ops, reference
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
@@ -35,7 +35,14 @@ CONCAT_CASES = {
 
 
 @pytest.mark.parametrize("case", CONCAT_CASES.values(), ids=CONCAT_CASES.keys())
-def test_concat_and_cache_mla(case):
+@pytest.mark.parametrize("device", DEVICES)
+def test_concat_and_cache_mla(case, device):
+    require_kernel("concat_and_cache_mla", device)
+    check_concat_and_cache_mla(case, device)
+
+
+def check_concat_and_cache_mla(case, device="cpu", op=ops.concat_and_cache_mla):
+    """Inputs built on the CPU, the kernel run on ``device`` (the allocation copied whole)."""
     dtype, fp8, r, p, strided = case
     gen = generator(1)
     n, b, t = 5, 4, 13
@@ -53,7 +60,11 @@ def test_concat_and_cache_mla(case):
     slots[[2, 7]] = -1
     scale = torch.tensor([0.03]) if fp8 else None
 
-    ops.concat_and_cache_mla(kv_c, k_pe, cache, slots, scale=scale)
+    dev_alloc, dev_fused = alloc.to(device), fused.to(device)
+    op(dev_fused[:, :r], dev_fused[:, r:], dev_alloc[..., :r + p], slots.to(device),
+       scale=None if scale is None else scale.to(device))
+    alloc = dev_alloc.cpu()
+    cache = alloc[..., :r + p]
     reference.concat_and_cache_mla(kv_c, k_pe, ref_cache, slots, scale=scale)
     assert_bytes_equal(alloc, ref_alloc, msg="vs reference")
 

@@ -23,7 +23,7 @@ from kvkernels.bench.core import GIB, CaseResult, Settings, finalize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp8_e4m3": torch.float8_e4m3fn}
-CASE_GROUPS = ("decode", "prefill", "copy", "extra")
+CASE_GROUPS = ("decode", "prefill", "copy", "extra", "swap")  # swap: CUDA only (host <-> device)
 
 
 @dataclass(frozen=True)
@@ -63,13 +63,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                 description="CPU benchmark of the kvkernels ops against PyTorch baselines, "
                                             "with memory bandwidth measured in the same run "
                                             "(details: benchmarks/README.md).")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (default) or cuda: the CUDA kernels against torch on the GPU, timed with CUDA "
+                        "events, bandwidth measured on the device (kvkernels/bench/cuda.py)")
     p.add_argument("--suite", choices=("kernels", "cache"), default="kernels",
                    help="kernels: the ops against PyTorch (default); cache: the Python cache manager "
                         "(fork, beam memory, prefix hits, decode-step overhead), see benchmarks/README.md")
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes, no layer rotation, 64 MiB bandwidth buffers, min-time 0.01 (smoke test)")
     p.add_argument("--cases", type=_csv(str, CASE_GROUPS), default=list(CASE_GROUPS),
-                   help="comma-separated subset of: " + ",".join(CASE_GROUPS))
+                   help="comma-separated subset of: " + ",".join(CASE_GROUPS) + " (swap: --device cuda only)")
     p.add_argument("--dtypes", type=_csv(str, tuple(DTYPES)), default=list(DTYPES),
                    help="decode cache dtypes (default: all of " + ",".join(DTYPES) + ")")
     p.add_argument("--batches", type=_csv(int), help="decode batch sizes (default 1,8,32; quick 1,2)")
@@ -82,8 +85,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-baseline-seconds", type=float, default=3.0,
                    help="a baseline whose call takes (or is predicted to take) longer is timed once or "
                         "skipped, with the reason recorded (default 3)")
-    p.add_argument("--max-memory-gib", type=float, default=16.0,
-                   help="memory one case may hold, baselines included (default 16)")
+    p.add_argument("--max-memory-gib", type=float, default=None,
+                   help="memory one case may hold, baselines included (default 16 on the CPU; on CUDA 85%% of "
+                        "the device memory free at the start)")
     p.add_argument("--isa", choices=("avx512amx", "avx512vbmi", "avx512", "avx2", "portable"),
                    help="sets KVKERNELS_CPU_ISA for the kernels' runtime dispatch")
     return p.parse_args(argv)
@@ -186,6 +190,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.suite == "cache":
         from kvkernels.bench import cache_manager
         return cache_manager.run(args, argv)
+    if args.device == "cuda":
+        from kvkernels.bench import cuda
+        return cuda.run(args, argv)
     started = datetime.datetime.now().astimezone()
     if args.isa:
         os.environ["KVKERNELS_CPU_ISA"] = args.isa  # read by the kernels on each call
@@ -195,7 +202,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     llc = machine.llc_bytes()
     settings = Settings(min_time=shapes.min_time if args.min_time is None else args.min_time,
                         rotate_bytes=0 if args.quick else 2 * (llc or machine.LLC_FALLBACK),
-                        memory_budget=int(args.max_memory_gib * GIB), baselines=not args.no_baselines,
+                        memory_budget=int((16.0 if args.max_memory_gib is None else args.max_memory_gib) * GIB),
+                        baselines=not args.no_baselines,
                         max_baseline_seconds=args.max_baseline_seconds)
     bandwidth, cases = run_cases(args, shapes, settings, llc or machine.LLC_FALLBACK)
 

@@ -34,6 +34,8 @@ class Settings:
     step: Callable[[str], None] = lambda label: None  # progress: the implementation being timed
     # Best GB/s seen per (kind, dtype, implementation): predicts a baseline's time on a bigger case.
     best_gbps: dict = field(default_factory=dict)
+    # (call, min_time, limit_s) -> (Timing, first result); None: ``measure`` (the host clock).
+    timer: Optional[Callable] = None
 
 
 @dataclass
@@ -149,6 +151,7 @@ def run_impl(case: CaseResult, name: str, call: Callable[[int], Any], layers: in
     Baselines are skipped (with the reason recorded) when their predicted time per call exceeds
     ``--max-baseline-seconds``; ``verify(first_result)`` returns the max abs difference against the
     case's reference. An implementation that raises is recorded as failed, and the run goes on.
+    ``settings.timer`` measures (``measure``: host clock; the CUDA benchmark uses CUDA events).
     """
     settings.step(name)
     result = case.impls[name] = ImplResult(layers=layers)
@@ -161,7 +164,7 @@ def run_impl(case: CaseResult, name: str, call: Callable[[int], Any], layers: in
                               f"> --max-baseline-seconds {limit:g}")
             return
     try:
-        timing, first = measure(call, settings.min_time, limit)
+        timing, first = (settings.timer or measure)(call, settings.min_time, limit)
     except Exception as error:  # noqa: BLE001  (one broken implementation must not end a long run)
         result.skipped = f"raised {type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
         result.checked = False  # counted as a failure: loud in the table, exit code 1

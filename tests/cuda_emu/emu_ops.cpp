@@ -1,0 +1,110 @@
+// The CUDA launchers and kernels of csrc/cuda/cache_ops.cu run on the CPU through cuda_emu.h,
+// registered as torch.ops.kvkernels_emu.* for tests/test_cuda_emulated.py. The bindings below
+// mirror csrc/cuda/cache_ops_binding.cpp's paths with every tensor in host memory: index tensors
+// stand in for device memory (no host-side index checks unless the real binding always does
+// them), so the kernels' own range guards are exercised too.
+#include "cuda_emu.h"
+
+#include "cache_ops_emu.inc"  // csrc/cuda/cache_ops.cu, launches rewritten to emu::launch (build_emu.py)
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+
+#include "index_checks.h"
+#include "prepare.h"
+
+namespace emu_ops {
+
+using namespace kvkernels;
+
+void check(const ArgCheck& c, const cuda::Status& s) {
+  if (s.message) c.fail("CUDA", s.message);
+  if (s.error != cudaSuccess) c.fail("CUDA", "error ", int(s.error));
+}
+
+void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
+                       const Tensor& slot_mapping, std::optional<Tensor> k_scale, std::optional<Tensor> v_scale) {
+  const ArgCheck c("reshape_and_cache");
+  PreparedCacheWrite r = prepare_reshape_and_cache(c, key, value, key_cache, value_cache, slot_mapping, k_scale,
+                                                   v_scale);
+  check(c, cuda::cache_write(r.writes.data(), int(r.writes.size()), key_cache.size(0) * key_cache.size(1), nullptr));
+}
+
+void concat_and_cache_mla(const Tensor& kv_c, const Tensor& k_pe, Tensor& kv_cache, const Tensor& slot_mapping,
+                          std::optional<Tensor> scale) {
+  const ArgCheck c("concat_and_cache_mla");
+  PreparedCacheWrite r = prepare_concat_and_cache_mla(c, kv_c, k_pe, kv_cache, slot_mapping, scale);
+  check(c, cuda::cache_write(r.writes.data(), int(r.writes.size()), kv_cache.size(0) * kv_cache.size(1), nullptr));
+}
+
+// The mapping plays device memory: no host check (the kernel skips out-of-range pairs).
+void copy_blocks(Tensor& cache, const Tensor& block_mapping, int64_t block_dim) {
+  const ArgCheck c("copy_blocks");
+  PreparedBlockCopy r = prepare_block_copy(c, cache, cache, block_mapping, block_dim, true);
+  check(c, cuda::block_copy(r.params, r.src_num_blocks, r.dst_num_blocks, nullptr));
+}
+
+// path 0: the kernel (staged when src and dst share memory, as the binding decides);
+// path 1: the cudaMemcpy2DAsync path of a host mapping (checked first, as the binding does).
+void swap_blocks(const Tensor& src, Tensor& dst, const Tensor& block_mapping, int64_t block_dim, int64_t path,
+                 bool overlapping) {
+  const ArgCheck c("swap_blocks");
+  PreparedBlockCopy r = prepare_block_copy(c, src, dst, block_mapping, block_dim, false);
+  BlockCopyParams& p = r.params;
+  if (path == 1) {
+    check_block_mapping(c, p.mapping, p.num_pairs, r.src_num_blocks, r.dst_num_blocks, false);
+    check(c, cuda::block_copy_memcpy(p, cudaMemcpyDeviceToHost, nullptr));
+  } else if (overlapping) {
+    Tensor staging = torch::stable::new_empty(src, {cuda::block_copy_block_bytes(p) * p.num_pairs},
+                                              ScalarType::Byte);
+    check(c, cuda::block_copy_staged(p, r.src_num_blocks, r.dst_num_blocks,
+                                            static_cast<char*>(staging.mutable_data_ptr()), nullptr));
+  } else {
+    check(c, cuda::block_copy(p, r.src_num_blocks, r.dst_num_blocks, nullptr));
+  }
+}
+
+std::tuple<Tensor, Tensor> gather_kv(const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_tables,
+                                     const Tensor& seq_lens, std::optional<Tensor> k_scale,
+                                     std::optional<Tensor> v_scale, int64_t num_tokens,
+                                     std::optional<ScalarType> out_dtype) {
+  const ArgCheck c("gather_kv");
+  auto never = [&](const paged_kv_t&) -> int64_t { c.fail("num_tokens", "required here"); };
+  PreparedGather r = prepare_gather_kv(c, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale,
+                                       num_tokens, out_dtype, never);
+  Tensor starts = torch::stable::new_empty(key_cache, {r.params.kv.num_seqs + 1}, ScalarType::Long);
+  check(c, cuda::gather_kv(r.params, static_cast<int64_t*>(starts.mutable_data_ptr()), nullptr));
+  return {r.key, r.value};
+}
+
+std::tuple<Tensor, Tensor> merge_attention_states(const Tensor& out_a, const Tensor& lse_a, const Tensor& out_b,
+                                                  const Tensor& lse_b) {
+  const ArgCheck c("merge_attention_states");
+  PreparedMerge r = prepare_merge(c, out_a, lse_a, out_b, lse_b);
+  check(c, cuda::merge_attention_states(r.params, nullptr));
+  return {r.out, r.lse};
+}
+
+}  // namespace emu_ops
+
+STABLE_TORCH_LIBRARY(kvkernels_emu, m) {
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+  m.def("concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
+        "Tensor? scale=None) -> ()");
+  m.def("copy_blocks(Tensor(a!) cache, Tensor block_mapping, int block_dim=0) -> ()");
+  m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping, int block_dim=0, int path=0, "
+        "bool overlapping=False) -> ()");
+  m.def("gather_kv(Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor? k_scale, Tensor? v_scale, int num_tokens, ScalarType? out_dtype=None) -> (Tensor, Tensor)");
+  m.def("merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(kvkernels_emu, CPU, m) {
+  m.impl("reshape_and_cache", TORCH_BOX(&emu_ops::reshape_and_cache));
+  m.impl("concat_and_cache_mla", TORCH_BOX(&emu_ops::concat_and_cache_mla));
+  m.impl("copy_blocks", TORCH_BOX(&emu_ops::copy_blocks));
+  m.impl("swap_blocks", TORCH_BOX(&emu_ops::swap_blocks));
+  m.impl("gather_kv", TORCH_BOX(&emu_ops::gather_kv));
+  m.impl("merge_attention_states", TORCH_BOX(&emu_ops::merge_attention_states));
+}

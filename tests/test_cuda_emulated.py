@@ -1,0 +1,197 @@
+"""The CUDA cache-op kernels and launchers (csrc/cuda/cache_ops.cu), compiled for the CPU with the
+emulator of tests/cuda_emu/cuda_emu.h, against the same checks as the CPU and CUDA tests.
+
+Opt-in (KVKERNELS_CUDA_EMU=1): building takes a minute or two. It needs the CUDA headers (nvcc's
+include directory), not a GPU, and is how the kernels' logic was checked on a machine without one.
+What it cannot show: anything about real hardware (speed, alignment faults, races between CTAs,
+launch limits) and the CUDA binding (cache_ops_binding.cpp), which tests/test_cuda_ops.py and the
+device parameters of the other tests cover on a GPU.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+import kvkernels  # noqa: F401
+import test_cache_ops as cache_tests
+from helpers import generator, randn, upcast, assert_close, assert_bytes_equal
+from kvkernels import ops, reference
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "cuda_emu"))
+import build_emu  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(os.environ.get("KVKERNELS_CUDA_EMU") != "1",
+                       reason="opt-in: set KVKERNELS_CUDA_EMU=1 to build the CUDA kernels for the CPU emulator"),
+    pytest.mark.skipif(not build_emu.available()[0], reason=build_emu.available()[1]),
+]
+f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return build_emu.build()
+
+
+def test_reshape_and_cache(emu):
+    for case in cache_tests.WRITE_CASES.values():
+        cache_tests.check_reshape_and_cache(case, op=lambda k, v, kc, vc, s, k_scale=None, v_scale=None:
+                                            emu.reshape_and_cache(k, v, kc, vc, s, k_scale, v_scale))
+
+
+def test_concat_and_cache_mla(emu):
+    import test_mla
+    for case in test_mla.CONCAT_CASES.values():
+        test_mla.check_concat_and_cache_mla(case, op=lambda kv_c, k_pe, cache, slots, scale=None:
+                                            emu.concat_and_cache_mla(kv_c, k_pe, cache, slots, scale))
+
+
+def test_mixed_layouts(emu):
+    cache_tests.check_mixed_layouts_write(op=lambda k, v, kc, vc, s, k_scale=None, v_scale=None:
+                                          emu.reshape_and_cache(k, v, kc, vc, s, k_scale, v_scale))
+    cache_tests.check_gather_kv_mixed_layouts(
+        op=lambda kc, vc, bt, sl, num_tokens, out_dtype, k_scale, v_scale:
+        emu.gather_kv(kc, vc, bt, sl, k_scale, v_scale, num_tokens, out_dtype))
+
+
+def test_reshape_and_cache_scalar_path(emu):
+    """head_dim 12: no 16-byte vector fits, the scalar kernel runs."""
+    gen = generator(3)
+    key, value = randn(9, 2, 12, gen=gen, dtype=bf16), randn(9, 2, 12, gen=gen, dtype=bf16)
+    for cache_dtype, scale in ((bf16, None), (torch.float8_e4m3fn, torch.tensor([0.02, 0.05]))):
+        caches = [torch.zeros(4, 3, 2, 12, dtype=cache_dtype) for _ in range(4)]
+        slots = torch.tensor([0, 5, -1, 11, 2, 7, 1, 3, 4])
+        emu.reshape_and_cache(key, value, caches[0], caches[1], slots, scale, scale)
+        reference.reshape_and_cache(key, value, caches[2], caches[3], slots, k_scale=scale, v_scale=scale)
+        assert_bytes_equal(caches[0], caches[2])
+        assert_bytes_equal(caches[1], caches[3])
+
+
+def test_reshape_and_cache_skips_out_of_range_slots(emu):
+    """Without debug checks (device index data), a slot beyond the cache is skipped, never written."""
+    key = value = torch.ones(3, 2, 8)
+    kc, vc = torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8)
+    emu.reshape_and_cache(key, value, kc, vc, torch.tensor([1, 8, 2**40]), None, None)
+    assert kc.view(8, 16).sum(1).tolist() == [0, 16, 0, 0, 0, 0, 0, 0]
+
+
+def test_copy_blocks(emu):
+    op = lambda cache, m, block_dim=0: emu.copy_blocks(cache, m, block_dim)  # noqa: E731
+    for dtype in (f32, bf16, torch.float8_e4m3fn, torch.uint8):
+        for block_dim in (2, -4):
+            cache_tests.check_copy_blocks_stacked(dtype, block_dim, op=op)
+    for kind in cache_tests.BLOCK_DIM0_CASES:
+        for pairs in (cache_tests.COPY_PAIRS, []):
+            cache_tests.check_copy_blocks_block_dim0(kind, pairs, op=op)
+
+
+def test_copy_blocks_odd_alignment(emu):
+    """A view starting 3 bytes into its storage with 5-byte rows: 1-byte accesses."""
+    whole = torch.randint(0, 255, (9 * 4 * 8 + 3,), dtype=torch.uint8)
+    view = whole[3:].view(9, 4, 8)[..., :5]
+    expected = whole.clone()
+    ev = expected[3:].view(9, 4, 8)[..., :5]
+    for s, d in cache_tests.COPY_PAIRS:
+        ev[d] = ev[s].clone()
+    emu.copy_blocks(view, cache_tests.mapping(cache_tests.COPY_PAIRS), 0)
+    assert_bytes_equal(whole, expected)
+
+
+def test_copy_blocks_skips_out_of_range_pairs(emu):
+    cache = torch.arange(6 * 4, dtype=torch.float32).view(6, 4)
+    before = cache.clone()
+    emu.copy_blocks(cache, torch.tensor([[0, 1], [7, 2], [3, 9], [-1, 4], [5, 3]]), 0)
+    before[1], before[3] = before[0], before[5]
+    assert_bytes_equal(cache, before)
+
+
+@pytest.mark.parametrize("path", [0, 1], ids=["kernel", "memcpy"])
+def test_swap_blocks(emu, path):
+    def op(src, dst, m, block_dim=0):
+        emu.swap_blocks(src, dst, m, block_dim, path, False)
+
+    for dtype in (f32, bf16, torch.float8_e5m2):
+        for shape, block_dim in (((6, 4, 2, 8), 0), ((2, 2, 6, 4, 2, 8), 2), ((2, 2, 6, 4, 2, 8), -4)):
+            cache_tests.check_swap_blocks(dtype, shape, block_dim, op=op)
+
+
+def test_swap_blocks_memcpy_layouts(emu):
+    """The cudaMemcpy2DAsync path on an HND view (one run per block) and a row slice (2D copies)."""
+    gen = generator(11)
+    for shape, view, dim in (((6, 2, 4, 8), lambda x: x.transpose(1, 2), 0), ((6, 16, 80), lambda x: x[..., :72], 0),
+                             ((3, 2, 6, 4, 2, 8), lambda x: x[1:], 2), ((6, 4, 2, 8), lambda x: x, 0)):
+        src, dst = randn(*shape, gen=gen), randn(*shape, gen=gen)
+        pairs = [(5, 1), (0, 3), (1, 4), (2, 5)]  # 0->3, 1->4, 2->5: merged into one copy when contiguous
+        expected = dst.clone()
+        for s, d in pairs:
+            view(expected).select(dim, d).copy_(view(src).select(dim, s))
+        emu.swap_blocks(view(src), view(dst), cache_tests.mapping(pairs), dim, 1, False)
+        assert_bytes_equal(dst, expected)
+
+
+def test_swap_blocks_overlapping_staged(emu):
+    for views, pairs in (("same", [(0, 1), (1, 2), (2, 0), (3, 5)]), ("shifted", [(0, 2), (1, 0), (4, 1)])):
+        cache_tests.check_swap_blocks_overlapping(
+            views, pairs, op=lambda src, dst, m, block_dim=0: emu.swap_blocks(src, dst, m, block_dim, 0, True))
+
+
+def test_gather_kv(emu):
+    def op(key_cache, value_cache, block_tables, seq_lens, *, num_tokens=None, out_dtype=None, k_scale=None,
+           v_scale=None):
+        n = int(seq_lens.sum()) if num_tokens is None else num_tokens
+        return emu.gather_kv(key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, n, out_dtype)
+
+    for case in cache_tests.GATHER_CASES.values():
+        cache_tests.check_gather_kv(case, op=op)
+
+
+def test_gather_kv_many_sequences(emu):
+    """More sequences than one scan chunk (1024), many of them empty; tokens of several CTAs."""
+    from helpers import make_paged_kv
+    gen = generator(12)
+    lens = [int(x) for x in torch.randint(0, 4, (1500,), generator=gen)]
+    kv = make_paged_kv(seq_lens=lens, num_kv_heads=1, head_dim=8, block_size=2, seed=13)
+    key, value = emu.gather_kv(kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, None, None, sum(lens),
+                               None)
+    assert_bytes_equal(key, torch.cat(kv.keys).float())
+    assert_bytes_equal(value, torch.cat(kv.values).float())
+
+
+def test_gather_kv_bad_indices_give_zeros(emu):
+    """num_tokens beyond sum(seq_lens) and a block id out of range: zeros, no out-of-bounds read."""
+    from helpers import make_paged_kv
+    kv = make_paged_kv(seq_lens=[3, 5], num_kv_heads=2, head_dim=8, block_size=4, seed=14)
+    table = kv.block_tables.clone()
+    table[1, 1] = 10**6
+    key, _ = emu.gather_kv(kv.key_cache, kv.value_cache, table, kv.seq_lens, None, None, 10, None)
+    assert_bytes_equal(key[:7], torch.cat(kv.keys)[:7].float())
+    assert key[7:].eq(0).all()
+
+
+@pytest.mark.parametrize("dtype", [f32, f16, bf16])
+def test_merge_attention_states(emu, dtype):
+    gen = generator(21)
+    t, h, d = 9, 4, 64
+    out_a = randn(t, h, d, gen=gen, dtype=dtype)
+    out_b = randn(h, t, d, gen=gen, dtype=dtype).transpose(0, 1)
+    lse_a, lse_b = randn(t, h, gen=gen, std=3.0), randn(t, h, gen=gen, std=3.0)
+    lse_a[0] = float("-inf")
+    lse_b[1] = float("-inf")
+    lse_a[2, :2] = lse_b[2, :2] = float("-inf")
+    lse_a[3], lse_b[3] = 1000.0, 999.0
+    out_b[0, 0, 0] = float("nan")  # weight 1 side: stays NaN
+    out_a[0, 1, 0] = float("nan")  # weight 0 side: must not leak
+    out, lse = emu.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    cpu_out, cpu_lse = ops.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    ref_out, ref_lse = reference.merge_attention_states(upcast(out_a), lse_a, upcast(out_b), lse_b)
+    assert_close(out, ref_out, dtype, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
+    assert torch.equal(out[2, :2], torch.zeros(2, d, dtype=dtype))
+    assert_close(out, cpu_out.double(), dtype, rtol=0, atol=0, msg="out vs the CPU kernel")
+    assert_close(lse, cpu_lse.double(), f32, rtol=1e-6, atol=1e-6, msg="lse vs the CPU kernel")
+    # Scalar path: head_dim 6 fits no 16-byte vector.
+    out6, _ = emu.merge_attention_states(out_a[..., :6], lse_a, out_b[..., :6], lse_b)
+    assert_close(out6, reference.merge_attention_states(upcast(out_a[..., :6]), lse_a, upcast(out_b[..., :6]),
+                                                        lse_b)[0], dtype, msg="head_dim 6")
