@@ -36,8 +36,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-SHIM_DIR = ROOT / "metal" / "shim"
+from kvkernels.metal.source import METAL_DIR
+
+SHIM_DIR = METAL_DIR / "shim"
 LANE_ORDERS = ("forward", "reverse", "random")
 _ORDER_CODES = {name: i for i, name in enumerate(LANE_ORDERS)}
 
