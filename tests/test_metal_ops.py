@@ -170,3 +170,88 @@ def test_merge_attention_states(dtype, lane_order):
     ref_out, ref_lse = reference.merge_attention_states(upcast(out_a), lse_a, upcast(out_b), lse_b)
     assert_close(out, ref_out, dtype, msg="out")
     assert_close(lse, ref_lse, f32, msg="lse")
+
+
+# ----------------------------------------------------------------------------------------------------
+# paged_attention
+# ----------------------------------------------------------------------------------------------------
+
+
+def varlen_q_lens(seq_lens):
+    """Per-sequence query counts: full prefill, chunked prefill, one query, none (cycling)."""
+    pattern = (lambda n: n, lambda n: (n + 1) // 2, lambda n: min(n, 1), lambda n: 0)
+    return [pattern[i % 4](n) for i, n in enumerate(seq_lens)]
+
+
+def attention_case(mode, seq_lens, *, dtype, hq, hkv, d, b, layout="NHD", fp8=None, per_head=False, strided=None,
+                   seed=0):
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=d, block_size=b, dtype=dtype, layout=layout,
+                       fp8=fp8, per_head_scale=per_head, seed=seed)
+    if mode == "decode":
+        q_lens, qsl = [1] * len(seq_lens), None
+    else:
+        q_lens = varlen_q_lens(seq_lens)
+        qsl = query_start_loc(q_lens)
+    query = make_query(sum(q_lens), hq, d, dtype, generator(seed + 1), strided=strided)
+    return kv, query, qsl
+
+
+def check_paged_attention(kv, query, qsl=None, **kwargs):
+    out, lse = dispatch.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl,
+                                        **kwargs, **kv.scales)
+    kr, vr = kv.ref_caches()
+    ref_out, ref_lse = reference.paged_attention(upcast(query), kr, vr, kv.block_tables, kv.seq_lens, qsl,
+                                                 **kwargs, **kv.scales)
+    assert out.dtype == query.dtype and out.shape == query.shape and lse.dtype == f32
+    assert_close(out, ref_out, query.dtype, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
+    return out, lse
+
+
+# id: dtype, fp8, per-head scale, layout, Hq, Hkv, D, B, strided query
+ATTENTION_CASES = {
+    "f32-NHD-gqa2-d40-b3": (f32, None, False, "NHD", 4, 2, 40, 3, None),
+    "f16-HND-mqa-d24-b4-fused": (f16, None, False, "HND", 3, 1, 24, 4, "fused"),
+    "bf16-stacked-mha-d72-b5": (bf16, None, False, "stacked", 2, 2, 72, 5, "transposed"),
+    "e4m3-head-bf16-NHD-gqa2-d32-b3": (bf16, "e4m3", True, "NHD", 4, 2, 32, 3, None),
+    "e5m2-tensor-f32-HND-gqa3-d8-b2": (f32, "e5m2", False, "HND", 3, 1, 8, 2, None),
+}
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("case", ATTENTION_CASES.values(), ids=ATTENTION_CASES.keys())
+def test_paged_attention(case, mode, lane_order):
+    dtype, fp8, per_head, layout, hq, hkv, d, b, strided = case
+    seq_lens = [b + 1, 0, 3 * b - 1, 1, 2 * b]  # partial and full last blocks, empty, one token
+    kv, query, qsl = attention_case(mode, seq_lens, dtype=dtype, hq=hq, hkv=hkv, d=d, b=b, layout=layout, fp8=fp8,
+                                    per_head=per_head, strided=strided)
+    out, lse = check_paged_attention(kv, query, qsl)
+    if mode == "decode":  # the empty sequence sees no key
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+
+
+def attention_features(b, d, hq):
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / hq) for h in range(hq)], dtype=f32)
+    sinks = randn(hq, gen=generator(7), std=2.0)
+    return {
+        "window0": dict(window_left=0),
+        "window=B": dict(window_left=b),
+        "softcap": dict(soft_cap=1.5, scale=2.0 / math.sqrt(d)),
+        "alibi": dict(alibi_slopes=slopes),
+        "sinks": dict(sinks=sinks),
+        "all": dict(window_left=b + 1, soft_cap=2.0, scale=1.5 / math.sqrt(d), alibi_slopes=slopes, sinks=sinks),
+    }
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("fi, feature", list(enumerate(attention_features(4, 32, 4))))
+def test_paged_attention_features(fi, feature, mode, lane_order):
+    b, d, hq = 3, 32, 4
+    seq_lens = [2 * b, 2 * b + 1, 1, 0, 3 * b + 2]
+    kv, query, qsl = attention_case(mode, seq_lens, dtype=f32, hq=hq, hkv=2, d=d, b=b, fp8="e4m3" if fi % 2 else None,
+                                    per_head=True, seed=3)
+    out, lse = check_paged_attention(kv, query, qsl, **attention_features(b, d, hq)[feature])
+    if mode == "decode":
+        sinks = attention_features(b, d, hq)[feature].get("sinks")
+        assert torch.equal(out[3], torch.zeros_like(out[3]))
+        assert torch.equal(lse[3], sinks if sinks is not None else torch.full((hq,), float("-inf")))

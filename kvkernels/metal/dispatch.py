@@ -329,3 +329,87 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: T
     lib.merge_attention_states(out_a, lse_a, out_b, lse_b, out, lse, p, threads=[d, h, t],
                                group_size=[_group(d), 1, 1], arg_casts={6: "uint8"})
     return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# paged_attention
+# ---------------------------------------------------------------------------------------------
+
+PA_SIMD_GROUPS = 4  # metal/paged_attention.metal: threads per threadgroup = 32 * PA_SIMD_GROUPS
+MAX_HEAD_DIM = 256
+
+
+def _check_rows(op, dev, query_start_loc, num_tokens, num_seqs, seq_lens):
+    """Varlen rows: int32 [S + 1], first 0, non-decreasing, last = T, q_len <= seq_len."""
+    _check(query_start_loc.dtype == torch.int32 and query_start_loc.shape == (num_seqs + 1,), op,
+           "query_start_loc", f"expected int32 [{num_seqs + 1}], got {query_start_loc.dtype} "
+           f"{tuple(query_start_loc.shape)}")
+    if _debug_checks(dev):
+        qsl = query_start_loc.cpu().to(torch.int64)
+        _check(int(qsl[0]) == 0 and int(qsl[-1]) == num_tokens, op, "query_start_loc",
+               f"must start at 0 and end at num_tokens = {num_tokens}")
+        q_lens = qsl[1:] - qsl[:-1]
+        _check(bool((q_lens >= 0).all()), op, "query_start_loc", "must be non-decreasing")
+        _check(bool((q_lens <= seq_lens.cpu().to(torch.int64)).all()), op, "query_start_loc",
+               "a sequence has more queries than keys (q_len > seq_len)")
+
+
+def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                    query_start_loc: Optional[Tensor] = None, scale: Optional[float] = None, window_left: int = -1,
+                    soft_cap: float = 0.0, alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                    k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None):
+    op = "paged_attention"
+    dev = query.device
+    _check_device(op, dev, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                  seq_lens=seq_lens, query_start_loc=query_start_loc, alibi_slopes=alibi_slopes, sinks=sinks,
+                  k_scale=k_scale, v_scale=v_scale)
+    _check(query.dim() == 3, op, "query", f"expected [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
+    _check_float(op, "query", query)
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check_kv_cache(op, name, cache)
+        _check(cache.dtype in FP8 or cache.dtype == query.dtype, op, name,
+               f"dtype {cache.dtype} must equal query's {query.dtype} or be an fp8 type")
+    _check(value_cache.shape == key_cache.shape and value_cache.dtype == key_cache.dtype, op, "value_cache",
+           "shape and dtype must equal key_cache's")
+    t, hq, d = query.shape
+    n, b, hkv, dk = key_cache.shape
+    _check(dk == d, op, "key_cache", f"head_dim {dk} differs from query's {d}")
+    _check(d % 8 == 0 and 0 < d <= MAX_HEAD_DIM, op, "query", f"head_dim must be a multiple of 8 in [8, "
+           f"{MAX_HEAD_DIM}], got {d}")
+    _check(hkv > 0 and hq % hkv == 0, op, "query", f"num_heads {hq} is not a multiple of num_kv_heads {hkv}")
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    _check_paged(op, dev, block_tables, seq_lens, n, b)
+    if query_start_loc is None:
+        _check(t == num_seqs, op, "query", f"decode: expected one query per sequence ({num_seqs}), got {t}")
+    else:
+        _check_rows(op, dev, query_start_loc, t, num_seqs, seq_lens)
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None:
+            _check(x.dtype == torch.float32 and x.shape == (hq,), op, name,
+                   f"expected float32 [{hq}], got {x.dtype} {tuple(x.shape)}")
+    ks_head = _check_scale(op, "k_scale", k_scale, key_cache, hkv)
+    vs_head = _check_scale(op, "v_scale", v_scale, value_cache, hkv)
+    out = torch.empty(t, hq, d, dtype=query.dtype, device=dev)
+    lse = torch.empty(t, hq, dtype=torch.float32, device=dev)
+    if t == 0 or hq == 0:
+        return out, lse
+    fp8 = key_cache.dtype in FP8
+    lib = library(dev, "paged_attention", Q_T=source.msl_type(query.dtype), KV_T=source.msl_type(key_cache.dtype),
+                  KV_FP8=int(fp8))
+    p = _params("paged_attention", "AttentionParams", num_tokens=t, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                num_seqs=num_seqs, block_size=b, num_blocks=n, table_stride=block_tables.stride(0),
+                q_stride_t=query.stride(0), q_stride_h=query.stride(1), q_stride_d=query.stride(2),
+                kc_stride_b=key_cache.stride(0), kc_stride_s=key_cache.stride(1), kc_stride_h=key_cache.stride(2),
+                vc_stride_b=value_cache.stride(0), vc_stride_s=value_cache.stride(1),
+                vc_stride_h=value_cache.stride(2), varlen=int(query_start_loc is not None),
+                window_left=int(window_left), has_alibi=int(alibi_slopes is not None),
+                has_sinks=int(sinks is not None), k_scale_per_head=ks_head, v_scale_per_head=vs_head,
+                scale=float(d ** -0.5 if scale is None else scale), soft_cap=float(soft_cap))
+    dummy = seq_lens
+    lib.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                        query_start_loc if query_start_loc is not None else dummy,
+                        _scale_or_dummy(alibi_slopes, dummy), _scale_or_dummy(sinks, dummy),
+                        _scale_or_dummy(k_scale, dummy), _scale_or_dummy(v_scale, dummy), out, lse, p,
+                        threads=[32 * PA_SIMD_GROUPS, hq, t], group_size=[32 * PA_SIMD_GROUPS, 1, 1],
+                        arg_casts={12: "uint8"})
+    return out, lse
