@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from helpers import (FP8_DTYPES, alloc_kv_cache, assert_bytes_equal, assert_close, clone_storage, generator,
+from helpers import (FP8_DTYPES, alloc_kv_cache, make_paged_mla, assert_bytes_equal, assert_close, clone_storage, generator,
                      kv_views, make_paged_kv, make_query, make_scale, poison, query_start_loc, randn, upcast)
 from kvkernels import reference
 from kvkernels.metal import dispatch, emulator
@@ -255,3 +255,95 @@ def test_paged_attention_features(fi, feature, mode, lane_order):
         sinks = attention_features(b, d, hq)[feature].get("sinks")
         assert torch.equal(out[3], torch.zeros_like(out[3]))
         assert torch.equal(lse[3], sinks if sinks is not None else torch.full((hq,), float("-inf")))
+
+
+# ----------------------------------------------------------------------------------------------------
+# MLA
+# ----------------------------------------------------------------------------------------------------
+
+# id: dtype, fp8, R, P, strided cache rows
+CONCAT_CASES = {
+    "f32-R40-P8-strided": (f32, None, 40, 8, True),
+    "bf16-R64-P16": (bf16, None, 64, 16, False),
+    "f16->e4m3-R40-P8": (f16, "e4m3", 40, 8, False),
+    "f32->e5m2-R64-P16-strided": (f32, "e5m2", 64, 16, True),
+}
+
+
+@pytest.mark.parametrize("case", CONCAT_CASES.values(), ids=CONCAT_CASES.keys())
+def test_concat_and_cache_mla(case, lane_order):
+    dtype, fp8, r, p, strided = case
+    gen = generator(1)
+    n, b, t = 4, 3, 7
+    cache_dtype = FP8_DTYPES[fp8] if fp8 else dtype
+    alloc = random_bytes((n, b, r + p + (8 if strided else 0)), cache_dtype, gen)
+    ref_alloc = alloc.clone()
+    fused = randn(t, r + p, gen=gen, dtype=dtype, std=2.0)
+    kv_c, k_pe = fused[:, :r], fused[:, r:]
+    slots = torch.randperm(n * b, generator=gen)[:t]
+    slots[[2, 5]] = -1
+    scale = torch.tensor([0.03]) if fp8 else None
+    dispatch.concat_and_cache_mla(kv_c, k_pe, alloc[..., :r + p], slots, scale=scale)
+    reference.concat_and_cache_mla(kv_c, k_pe, ref_alloc[..., :r + p], slots, scale=scale)
+    assert_bytes_equal(alloc, ref_alloc, msg="cache bytes vs reference")
+
+
+# id: w dtype, fp8, R, P, heads, dn, dv, RMSNorm, block size, strided cache
+DECOMPRESS_CASES = {
+    "f32-R40-P8-H2-b3-strided": (f32, None, 40, 8, 2, 16, 24, False, 3, True),
+    "bf16-R64-P16-H3-norm-b4": (bf16, None, 64, 16, 3, 16, 8, True, 4, False),
+    "f16-R72-P0-H1-norm": (f16, None, 72, 0, 1, 40, 8, True, 5, False),
+    "e4m3-f32-R64-P8-H2-norm": (f32, "e4m3", 64, 8, 2, 24, 16, True, 4, False),
+    "e5m2-bf16-R40-P16-H2": (bf16, "e5m2", 40, 16, 2, 16, 16, False, 3, False),
+}
+
+
+@pytest.mark.parametrize("case", DECOMPRESS_CASES.values(), ids=DECOMPRESS_CASES.keys())
+def test_mla_decompress(case, lane_order):
+    """Tokens 35 (two token tiles, the second partial), Hq * (dn + dv) rows of w_kv_b not a multiple of the
+    32-row tile, R not a multiple of the 32-element K step."""
+    dtype, fp8, r, p, h, dn, dv, norm, b, strided = case
+    gen = generator(2)
+    seq_lens = [5, 0, 25, 1, b]
+    mla = make_paged_mla(seq_lens, r, p, b, dtype=dtype, fp8=fp8, seed=3, strided=strided)
+    w = randn(h * (dn + dv), r, gen=gen, std=r ** -0.5, dtype=dtype)
+    norm_weight = (1 + 0.5 * randn(r, gen=gen)).to(dtype) if norm else None
+    kwargs = dict(kv_lora_rank=r, qk_nope_head_dim=dn, v_head_dim=dv, norm_eps=1e-5, scale=mla.scale)
+    key, value = dispatch.mla_decompress(mla.kv_cache, mla.block_tables, mla.seq_lens, w, norm_weight=norm_weight,
+                                         **kwargs)
+    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, upcast(w),
+                                                  norm_weight=upcast(norm_weight), **kwargs)
+    assert key.shape == (sum(seq_lens), h, dn + p) and value.shape == (sum(seq_lens), h, dv)
+    assert_close(key, ref_key, dtype, msg="key")
+    assert_close(value, ref_value, dtype, msg="value")
+
+
+# id: q dtype, fp8, R, P, heads, block size, strided q
+MLA_ATTN_CASES = {
+    "f32-R64-P16-H5-b3": (f32, None, 64, 16, 5, 3, "fused"),
+    "bf16-R512-P64-H4-b4": (bf16, None, 512, 64, 4, 4, None),
+    "f16-R40-P8-H3-b5": (f16, None, 40, 8, 3, 5, "transposed"),
+    "e4m3-bf16-R64-P16-H4-b3": (bf16, "e4m3", 64, 16, 4, 3, None),
+    "e5m2-f32-R40-P0-H6-b4": (f32, "e5m2", 40, 0, 6, 4, None),
+}
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("case", MLA_ATTN_CASES.values(), ids=MLA_ATTN_CASES.keys())
+def test_mla_paged_attention(case, mode, lane_order):
+    """Hq not a multiple of the 4 heads per threadgroup (H5, H3, H6), sequences ending inside an 8-row tile."""
+    dtype, fp8, r, p, h, b, strided = case
+    seq_lens = [b + 1, 0, 2 * b + 5, 1, 9]
+    mla = make_paged_mla(seq_lens, r, p, b, dtype=dtype, fp8=fp8, seed=4)
+    q_lens = [1] * len(seq_lens) if mode == "decode" else varlen_q_lens(seq_lens)
+    qsl = None if mode == "decode" else query_start_loc(q_lens)
+    q = make_query(sum(q_lens), h, r + p, dtype, generator(5), strided=strided)
+    kwargs = dict(kv_lora_rank=r, scale=(r + p) ** -0.5 * 2, query_start_loc=qsl, kv_scale=mla.scale)
+    out, lse = dispatch.mla_paged_attention(q, mla.kv_cache, mla.block_tables, mla.seq_lens, **kwargs)
+    ref_out, ref_lse = reference.mla_paged_attention(upcast(q), mla.ref_cache(), mla.block_tables, mla.seq_lens,
+                                                     **kwargs)
+    assert out.shape == (sum(q_lens), h, r) and out.dtype == dtype
+    assert_close(out, ref_out, dtype, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
+    if mode == "decode":
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()

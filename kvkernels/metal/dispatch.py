@@ -413,3 +413,159 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
                         threads=[32 * PA_SIMD_GROUPS, hq, t], group_size=[32 * PA_SIMD_GROUPS, 1, 1],
                         arg_casts={12: "uint8"})
     return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA: concat_and_cache_mla, mla_decompress, mla_paged_attention
+# ---------------------------------------------------------------------------------------------
+
+MLA_MAX_RANK, MLA_MAX_ROW, MLA_HEADS = 512, 576, 4  # metal/mla.metal
+
+
+def _check_mla_cache(op, cache, name="kv_cache"):
+    _check(cache.dim() == 3, op, name, f"expected [num_blocks, block_size, kv_lora_rank + rope_dim], got "
+           f"{tuple(cache.shape)}")
+    _check(cache.stride(2) == 1 or cache.shape[2] <= 1, op, name, "the last dimension must have stride 1")
+
+
+def _check_mla_scale(op, name, scale, cache):
+    if cache.dtype not in FP8:
+        return
+    _check(scale is not None, op, name, f"required for an {cache.dtype} cache")
+    _check(scale.dtype == torch.float32 and scale.numel() == 1, op, name,
+           f"expected a float32 tensor of 1 element, got {scale.dtype} with {scale.numel()}")
+
+
+def concat_and_cache_mla(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                         scale: Optional[Tensor] = None) -> None:
+    op = "concat_and_cache_mla"
+    dev = kv_cache.device
+    _check_device(op, dev, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping, scale=scale)
+    _check(kv_c.dim() == 2, op, "kv_c", f"expected [num_tokens, kv_lora_rank], got {tuple(kv_c.shape)}")
+    _check(k_pe.dim() == 2 and k_pe.shape[0] == kv_c.shape[0], op, "k_pe",
+           f"expected [{kv_c.shape[0]}, rope_dim], got {tuple(k_pe.shape)}")
+    _check_float(op, "kv_c", kv_c)
+    _check(k_pe.dtype == kv_c.dtype, op, "k_pe", f"dtype {k_pe.dtype} differs from kv_c's {kv_c.dtype}")
+    _check_mla_cache(op, kv_cache)
+    t, r = kv_c.shape
+    p_dim = k_pe.shape[1]
+    _check(kv_cache.shape[2] == r + p_dim, op, "kv_cache", f"row width {kv_cache.shape[2]} != kv_lora_rank + rope_dim "
+           f"= {r + p_dim}")
+    _check(kv_cache.dtype in FP8 or kv_cache.dtype == kv_c.dtype, op, "kv_cache",
+           f"dtype {kv_cache.dtype} must equal kv_c's {kv_c.dtype} or be an fp8 type")
+    _check(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (t,), op, "slot_mapping",
+           f"expected int64 [{t}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    _check_mla_scale(op, "scale", scale, kv_cache)
+    n, b = kv_cache.shape[:2]
+    if _debug_checks(dev) and t:
+        _check(int(slot_mapping.max()) < n * b, op, "slot_mapping", f"slot out of range [0, {n * b})")
+    if t == 0 or r + p_dim == 0:
+        return
+    fp8 = kv_cache.dtype in FP8
+    lib = library(dev, "mla", CONCAT_SRC_T=source.msl_type(kv_c.dtype), CONCAT_CACHE_T=source.msl_type(kv_cache.dtype),
+                  CONCAT_FP8=int(fp8))
+    p = _params("mla", "ConcatParams", num_tokens=t, kv_lora_rank=r, rope_dim=p_dim, num_slots=n * b, block_size=b,
+                c_stride_t=kv_c.stride(0), c_stride_d=kv_c.stride(1), pe_stride_t=k_pe.stride(0),
+                pe_stride_d=k_pe.stride(1), cache_stride_b=kv_cache.stride(0), cache_stride_s=kv_cache.stride(1))
+    slots = slot_mapping.contiguous()
+    lib.concat_and_cache_mla(kv_c, k_pe, kv_cache, slots, _scale_or_dummy(scale, slots), p,
+                             threads=[r + p_dim, t], group_size=[_group(r + p_dim, 64), 1], arg_casts={5: "uint8"})
+
+
+def mla_decompress(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, w_kv_b: Tensor, kv_lora_rank: int,
+                   qk_nope_head_dim: int, v_head_dim: int, norm_weight: Optional[Tensor] = None,
+                   norm_eps: float = 1e-6, scale: Optional[Tensor] = None, num_tokens: Optional[int] = None):
+    op = "mla_decompress"
+    dev = kv_cache.device
+    _check_device(op, dev, block_tables=block_tables, seq_lens=seq_lens, w_kv_b=w_kv_b, norm_weight=norm_weight,
+                  scale=scale)
+    _check_mla_cache(op, kv_cache)
+    _check_float(op, "w_kv_b", w_kv_b)
+    r, dn, dv = int(kv_lora_rank), int(qk_nope_head_dim), int(v_head_dim)
+    n, b, width = kv_cache.shape
+    _check(0 < r <= MLA_MAX_RANK and r % 8 == 0, op, "kv_lora_rank", f"must be a multiple of 8 in [8, {MLA_MAX_RANK}]")
+    _check(r <= width <= MLA_MAX_ROW, op, "kv_cache", f"row width {width} must be in [kv_lora_rank, {MLA_MAX_ROW}]")
+    _check(dn >= 0 and dv >= 0 and dn + dv > 0, op, "qk_nope_head_dim", "head dims must be >= 0 and not both 0")
+    _check(w_kv_b.dim() == 2 and w_kv_b.shape[1] == r and w_kv_b.shape[0] % (dn + dv) == 0, op, "w_kv_b",
+           f"expected [num_heads * {dn + dv}, {r}], got {tuple(w_kv_b.shape)}")
+    _check(kv_cache.dtype in FP8 or kv_cache.dtype == w_kv_b.dtype, op, "kv_cache",
+           f"dtype {kv_cache.dtype} must equal w_kv_b's {w_kv_b.dtype} or be an fp8 type")
+    if norm_weight is not None:
+        _check(norm_weight.dtype == w_kv_b.dtype and norm_weight.shape == (r,), op, "norm_weight",
+               f"expected {w_kv_b.dtype} [{r}], got {norm_weight.dtype} {tuple(norm_weight.shape)}")
+    _check_mla_scale(op, "scale", scale, kv_cache)
+    _check_paged(op, dev, block_tables, seq_lens, n, b)
+    heads = w_kv_b.shape[0] // (dn + dv)
+    p_dim = width - r
+    cu = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(seq_lens, 0, out=cu[1:])
+    if num_tokens is None:
+        num_tokens = int(cu[-1])
+    elif _debug_checks(dev):
+        _check(int(cu[-1]) == int(num_tokens), op, "num_tokens", f"expected sum(seq_lens) = {int(cu[-1])}")
+    t = int(num_tokens)
+    key = torch.empty(t, heads, dn + p_dim, dtype=w_kv_b.dtype, device=dev)
+    value = torch.empty(t, heads, dv, dtype=w_kv_b.dtype, device=dev)
+    if t == 0 or heads == 0:
+        return key, value
+    fp8 = kv_cache.dtype in FP8
+    lib = library(dev, "mla", DEC_W_T=source.msl_type(w_kv_b.dtype), DEC_CACHE_T=source.msl_type(kv_cache.dtype),
+                  DEC_FP8=int(fp8))
+    p = _params("mla", "DecompressParams", num_tokens=t, num_seqs=seq_lens.shape[0], kv_lora_rank=r, rope_dim=p_dim,
+                num_heads=heads, qk_nope_head_dim=dn, v_head_dim=dv, block_size=b, num_blocks=n,
+                table_stride=block_tables.stride(0), cache_stride_b=kv_cache.stride(0),
+                cache_stride_s=kv_cache.stride(1), w_stride_n=w_kv_b.stride(0), w_stride_r=w_kv_b.stride(1),
+                has_norm=int(norm_weight is not None), norm_eps=float(norm_eps))
+    nw = norm_weight.contiguous() if norm_weight is not None else w_kv_b
+    sc = _scale_or_dummy(scale, cu)
+    rows = heads * (dn + dv)
+    lib.mla_decompress(kv_cache, block_tables, cu, w_kv_b, nw, sc, key, value, p,
+                       threads=[16 * -(-rows // 32), 16 * -(-t // 32)], group_size=[16, 16], arg_casts={8: "uint8"})
+    if p_dim:
+        lib.mla_copy_pe(kv_cache, block_tables, cu, sc, key, p, threads=[p_dim, heads, t],
+                        group_size=[_group(p_dim), 1, 1], arg_casts={5: "uint8"})
+    return key, value
+
+
+def mla_paged_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, kv_lora_rank: int,
+                        scale: float, query_start_loc: Optional[Tensor] = None, kv_scale: Optional[Tensor] = None):
+    op = "mla_paged_attention"
+    dev = q.device
+    _check_device(op, dev, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens,
+                  query_start_loc=query_start_loc, kv_scale=kv_scale)
+    _check(q.dim() == 3, op, "q", f"expected [num_tokens, num_heads, kv_lora_rank + rope_dim], got {tuple(q.shape)}")
+    _check_float(op, "q", q)
+    _check_mla_cache(op, kv_cache)
+    t, hq, width = q.shape
+    n, b, cw = kv_cache.shape
+    r = int(kv_lora_rank)
+    _check(cw == width, op, "kv_cache", f"row width {cw} differs from q's {width}")
+    _check(0 < r <= MLA_MAX_RANK and r % 8 == 0 and r <= width <= MLA_MAX_ROW, op, "kv_lora_rank",
+           f"need a multiple of 8 in [8, {MLA_MAX_RANK}] and kv_lora_rank <= row width <= {MLA_MAX_ROW}")
+    _check(kv_cache.dtype in FP8 or kv_cache.dtype == q.dtype, op, "kv_cache",
+           f"dtype {kv_cache.dtype} must equal q's {q.dtype} or be an fp8 type")
+    _check_mla_scale(op, "kv_scale", kv_scale, kv_cache)
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    _check_paged(op, dev, block_tables, seq_lens, n, b)
+    if query_start_loc is None:
+        _check(t == num_seqs, op, "q", f"decode: expected one query per sequence ({num_seqs}), got {t}")
+    else:
+        _check_rows(op, dev, query_start_loc, t, num_seqs, seq_lens)
+    out = torch.empty(t, hq, r, dtype=q.dtype, device=dev)
+    lse = torch.empty(t, hq, dtype=torch.float32, device=dev)
+    if t == 0 or hq == 0:
+        return out, lse
+    fp8 = kv_cache.dtype in FP8
+    lib = library(dev, "mla", MLA_Q_T=source.msl_type(q.dtype), MLA_KV_T=source.msl_type(kv_cache.dtype),
+                  MLA_FP8=int(fp8))
+    p = _params("mla", "MlaParams", num_tokens=t, num_heads=hq, kv_lora_rank=r, row_width=width, num_seqs=num_seqs,
+                block_size=b, num_blocks=n, table_stride=block_tables.stride(0), q_stride_t=q.stride(0),
+                q_stride_h=q.stride(1), q_stride_d=q.stride(2), cache_stride_b=kv_cache.stride(0),
+                cache_stride_s=kv_cache.stride(1), varlen=int(query_start_loc is not None), scale=float(scale))
+    dummy = seq_lens
+    lib.mla_paged_attention(q, kv_cache, block_tables, seq_lens,
+                            query_start_loc if query_start_loc is not None else dummy,
+                            _scale_or_dummy(kv_scale, dummy), out, lse, p,
+                            threads=[32 * MLA_HEADS, -(-hq // MLA_HEADS), t], group_size=[32 * MLA_HEADS, 1, 1],
+                            arg_casts={8: "uint8"})
+    return out, lse

@@ -145,7 +145,9 @@ def _variants():
     attention = [dict(Q_T=q, KV_T=kv, KV_FP8=int(kv in FP8_TYPES))
                  for q, kv in itertools.product(FLOAT_TYPES, FLOAT_TYPES + FP8_TYPES)
                  if kv in FP8_TYPES or kv == q]
-    mla = [*_cache_write_variants()] + attention
+    mla = [{f"CONCAT_{k}": v for k, v in d.items()} for d in _cache_write_variants()]
+    mla += [dict(DEC_W_T=d["SRC_T"], DEC_CACHE_T=d["CACHE_T"], DEC_FP8=d["FP8"]) for d in _cache_write_variants()]
+    mla += [dict(MLA_Q_T=d["Q_T"], MLA_KV_T=d["KV_T"], MLA_FP8=d["KV_FP8"]) for d in attention]
     return {
         "cache_ops": cache_ops,
         "merge": [dict(OUT_T=t) for t in FLOAT_TYPES],
