@@ -311,3 +311,92 @@ def test_call_shape_errors(lib):
 def test_unsupported_threadgroup_declaration():
     with pytest.raises(emu.EmulatorError, match="unsupported threadgroup declaration"):
         emu.rewrite_threadgroup("kernel void k() {\n  threadgroup float a[4], b[4];\n}")
+
+
+# ---- the op tests would catch a missing barrier in the real kernels -----------------------------------
+
+
+@pytest.fixture
+def mutate(monkeypatch):
+    """mutate(family, n): metal/<family>.metal with its n-th loop-level barrier line removed, for the
+    dispatch code's next compile."""
+    from kvkernels.metal import dispatch, source
+
+    real = source.read
+
+    def apply(family, n, indent="    "):
+        text = real(f"{family}.metal")
+        line = f"\n{indent}threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+        at = -1
+        for _ in range(n):
+            at = text.index(line, at + 1)
+        broken = text[:at] + f"\n{indent}// barrier removed by the test\n" + text[at + len(line):]
+        monkeypatch.setattr(source, "read", lambda name: broken if name == f"{family}.metal" else real(name))
+        dispatch._library.cache_clear()
+
+    yield apply
+    dispatch._library.cache_clear()
+
+
+def _fails_in_some_order(run):
+    """True when run() raises an emulator error or an assertion in at least one lane order."""
+    failures = 0
+    for order in ORDERS:
+        with emu.lane_order(order, seed=5):
+            try:
+                run()
+            except (AssertionError, emu.EmulatorError):
+                failures += 1
+    return failures > 0
+
+
+def test_missing_barrier_in_paged_attention_is_caught(mutate):
+    from helpers import assert_close, make_paged_kv, make_query, generator, upcast
+    from kvkernels import reference
+    from kvkernels.metal import dispatch
+
+    kv = make_paged_kv(seq_lens=[7, 12, 1], num_kv_heads=2, head_dim=40, block_size=3, seed=2)
+    q = make_query(3, 4, 40, torch.float32, generator(3))
+
+    def run():
+        out, lse = dispatch.paged_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens)
+        ref_out, ref_lse = reference.paged_attention(upcast(q), *kv.ref_caches(), kv.block_tables, kv.seq_lens)
+        assert_close(out, ref_out, torch.float32)
+        assert_close(lse, ref_lse, torch.float32)
+
+    run()  # the real kernel passes in every order (also tested in test_metal_ops.py)
+    mutate("paged_attention", 1, indent="  ")
+    assert _fails_in_some_order(run)
+
+
+@pytest.mark.parametrize("n, op", [(1, "mla_decompress"), (2, "mla_decompress"), (3, "mla_paged_attention"),
+                                   (4, "mla_paged_attention")])
+def test_missing_barrier_in_mla_tiles_is_caught(mutate, n, op):
+    from helpers import assert_close, make_paged_mla, make_query, generator, randn, upcast
+    from kvkernels import reference
+    from kvkernels.metal import dispatch
+
+    mla = make_paged_mla([9, 30], 40, 8, 4, seed=1)
+    if op == "mla_decompress":
+        w = randn(2 * 40, 40, gen=generator(2), std=0.2)
+        kw = dict(kv_lora_rank=40, qk_nope_head_dim=16, v_head_dim=24)
+
+        def run():
+            got = dispatch.mla_decompress(mla.kv_cache, mla.block_tables, mla.seq_lens, w, **kw)
+            want = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, upcast(w), **kw)
+            for g, x in zip(got, want):
+                assert_close(g, x, torch.float32)
+    else:
+        q = make_query(2, 5, 48, torch.float32, generator(3))
+
+        def run():
+            got = dispatch.mla_paged_attention(q, mla.kv_cache, mla.block_tables, mla.seq_lens, kv_lora_rank=40,
+                                               scale=0.2)
+            want = reference.mla_paged_attention(upcast(q), mla.ref_cache(), mla.block_tables, mla.seq_lens,
+                                                 kv_lora_rank=40, scale=0.2)
+            for g, x in zip(got, want):
+                assert_close(g, x, torch.float32)
+
+    run()
+    mutate("mla", n)
+    assert _fails_in_some_order(run)

@@ -347,3 +347,74 @@ def test_mla_paged_attention(case, mode, lane_order):
     assert_close(lse, ref_lse, f32, msg="lse")
     if mode == "decode":
         assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+
+
+# ----------------------------------------------------------------------------------------------------
+# registration, validation, and the real device (Apple Silicon only)
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_mps_kernels_registered():
+    """Every op has an MPS kernel (the dispatch functions above) and keeps its CPU kernel."""
+    import kvkernels.metal
+
+    for op in kvkernels.metal.OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kvkernels::{op}", "MPS"), op
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kvkernels::{op}", "CPU"), op
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda kv, q: dispatch.paged_attention(q.to(torch.float64), kv.key_cache, kv.value_cache, kv.block_tables,
+                                            kv.seq_lens), "kvkernels.paged_attention: query: expected float32"),
+    (lambda kv, q: dispatch.paged_attention(q[..., :12], kv.key_cache[..., :12], kv.value_cache[..., :12],
+                                            kv.block_tables, kv.seq_lens),
+     "kvkernels.paged_attention: query: head_dim must be a multiple of 8"),
+    (lambda kv, q: dispatch.paged_attention(q, kv.key_cache, kv.value_cache, kv.block_tables.fill_(99), kv.seq_lens),
+     "kvkernels.paged_attention: block_tables: block id out of range"),
+    (lambda kv, q: dispatch.gather_kv(kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens + 100),
+     "kvkernels.gather_kv: seq_lens: a sequence is longer than its block table"),
+    (lambda kv, q: dispatch.reshape_and_cache(q[:, :2], q[:, :2], kv.key_cache, kv.value_cache,
+                                              torch.tensor([0, 1, 2, 10**6])),
+     "kvkernels.reshape_and_cache: slot_mapping: slot out of range"),
+])
+def test_validation(call, message):
+    kv = make_paged_kv(seq_lens=[3, 5, 1, 2], num_kv_heads=2, head_dim=16, block_size=2, seed=1)
+    q = make_query(4, 4, 16, f32, generator(2))
+    before = kv.key_cache.clone()
+    with pytest.raises(RuntimeError, match=message):
+        call(kv, q)
+    assert_bytes_equal(kv.key_cache, before, msg="cache unchanged")
+
+
+mps = pytest.mark.skipif(not torch.backends.mps.is_available(), reason="needs an Apple GPU (MPS)")
+
+
+@mps
+@pytest.mark.parametrize("dtype", [f32, f16])
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+def test_mps_paged_attention(dtype, mode):  # pragma: no cover (never ran: no Apple hardware here)
+    kv, query, qsl = attention_case(mode, [5, 0, 11, 1], dtype=dtype, hq=4, hkv=2, d=64, b=4)
+    dev = torch.device("mps")
+    out, lse = torch.ops.kvkernels.paged_attention(query.to(dev), kv.key_cache.to(dev), kv.value_cache.to(dev),
+                                                   kv.block_tables.to(dev), kv.seq_lens.to(dev),
+                                                   None if qsl is None else qsl.to(dev))
+    ref_out, ref_lse = reference.paged_attention(upcast(query), *kv.ref_caches(), kv.block_tables, kv.seq_lens, qsl)
+    assert_close(out.cpu(), ref_out, dtype, msg="out")
+    assert_close(lse.cpu(), ref_lse, f32, msg="lse")
+
+
+@mps
+def test_mps_cache_ops():  # pragma: no cover (never ran: no Apple hardware here)
+    dev = torch.device("mps")
+    kv = make_paged_kv(seq_lens=[5, 0, 11], num_kv_heads=2, head_dim=32, block_size=4, dtype=f16)
+    k, v = (t.to(dev) for t in kv_views(tuple(s.to(dev) for s in kv.storage), kv.layout))
+    got = torch.ops.kvkernels.gather_kv(k, v, kv.block_tables.to(dev), kv.seq_lens.to(dev))
+    want = reference.gather_kv(kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens)
+    for g, w in zip(got, want):
+        assert_bytes_equal(g.cpu(), w)
+    cache = randn(6, 4, 2, 8, gen=generator(1)).to(dev)
+    mapping = torch.tensor([[0, 3], [1, 4]], device=dev)
+    ref = cache.cpu()
+    torch.ops.kvkernels.copy_blocks(cache, mapping)
+    reference.copy_blocks(ref, mapping.cpu())
+    assert_bytes_equal(cache.cpu(), ref)
