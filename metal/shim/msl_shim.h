@@ -53,7 +53,51 @@ typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef unsigned char uchar;
 typedef unsigned long ulong;  // MSL long/ulong are 64-bit, as on LP64 Linux
-typedef _Float16 half;        // g++ >= 12 and clang >= 15 on x86-64; conversions round to nearest even
+#if defined(__FLT16_MAX__)
+typedef _Float16 half;  // g++ >= 12 and recent clang on x86-64; conversions round to nearest even
+#else
+// Compilers without _Float16 on this target (clang 14 on x86-64): IEEE half in software, converted
+// to and from float with round to nearest even; arithmetic goes through float.
+struct half {
+  unsigned short bits = 0;
+  half() = default;
+  half(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    const unsigned sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) { bits = (unsigned short)(sign | 0x7E00u); return; }
+    if (a >= 0x477FF000u) { bits = (unsigned short)(sign | 0x7C00u); return; }  // rounds to inf
+    if (a < 0x38800000u) {  // below 2^-14: subnormal half, steps of 2^-24
+      const unsigned e = a >> 23;
+      if (e < 102u) { bits = (unsigned short)sign; return; }
+      const unsigned m = (a & 0x7FFFFFu) | 0x800000u, sh = 126u - e;
+      unsigned q = m >> sh;
+      const unsigned rem = m & ((1u << sh) - 1u), hlf = 1u << (sh - 1u);
+      q += (rem > hlf || (rem == hlf && (q & 1u))) ? 1u : 0u;
+      bits = (unsigned short)(sign | q);
+      return;
+    }
+    const unsigned r = a + 0xFFFu + ((a >> 13) & 1u);
+    bits = (unsigned short)(sign | (((r >> 23) - 112u) << 10) | ((r >> 13) & 0x3FFu));
+  }
+  operator float() const {
+    const unsigned sign = (bits & 0x8000u) << 16, e = (bits >> 10) & 0x1Fu, m = bits & 0x3FFu;
+    unsigned u;
+    if (e == 0x1Fu) {
+      u = sign | 0x7F800000u | (m << 13);
+    } else if (e == 0) {
+      float f = float(m) * 5.9604644775390625e-8f;  // m * 2^-24
+      std::memcpy(&u, &f, 4);
+      u |= sign;
+    } else {
+      u = sign | ((e + 112u) << 23) | (m << 13);
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+#endif
 
 #ifndef HALF_MAX
 #define HALF_MAX 65504.0f
