@@ -162,6 +162,12 @@ struct vec_ops {
   MSL_VEC_CMP(>)
   MSL_VEC_CMP(>=)
 #undef MSL_VEC_CMP
+  // Vector functions as hidden friends too, so that swizzles convert (dot(v.xy, v.zw)).
+  friend T dot(const vec<T, N>& a, const vec<T, N>& b) {
+    T s = T(0);
+    for (int i = 0; i < N; ++i) s += a[i] * b[i];
+    return s;
+  }
   friend vec<T, N> operator-(const vec<T, N>& a) {
     vec<T, N> r;
     for (int i = 0; i < N; ++i) r[i] = T(-a[i]);
@@ -337,12 +343,6 @@ inline int abs(int x) { return x < 0 ? -x : x; }
 inline long abs(long x) { return x < 0 ? -x : x; }
 inline float abs(float x) { return std::fabs(x); }
 inline half abs(half x) { return half(std::fabs(float(x))); }
-template <typename T, int N>
-inline T dot(const vec<T, N>& a, const vec<T, N>& b) {
-  T s = T(0);
-  for (int i = 0; i < N; ++i) s += a[i] * b[i];
-  return s;
-}
 
 namespace fast {
 using metal::exp;
