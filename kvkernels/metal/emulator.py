@@ -356,7 +356,7 @@ class EmuKernel:
                 st = a.untyped_storage()
                 ptr = st.data_ptr()
                 base[i] = ptr
-                nbytes[i] = max(st.nbytes(), 1)
+                nbytes[i] = st.nbytes()
                 offset[i] = a.storage_offset() * a.element_size()
                 storage_id[i] = storages.setdefault(ptr, len(storages))
                 if threads is None:
@@ -380,8 +380,6 @@ class EmuKernel:
                 raise EmulatorError(f"{name}: give group_size for a multi-dimensional dispatch")
             group_size = min(grid[0], self.max_threads_per_threadgroup)
         group = _dims(group_size, "group_size")
-        if (isinstance(threads, int) or len(list(threads))) != (isinstance(group_size, int) or len(list(group_size))):
-            pass  # torch requires equal lengths; _dims pads both to 3
         if any(g == 0 for g in grid):
             return  # nothing to run (PyTorch's dispatch of an empty grid is a no-op too)
         order, seed = current_lane_order()

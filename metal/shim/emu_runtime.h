@@ -455,7 +455,7 @@ inline int launch(const LaunchDesc* desc, void (*invoke)(Thread&), const char* n
     if (owner[size_t(s)] < 0) {
       owner[size_t(s)] = k;
       l.storages[size_t(s)] = map_region(size_t(desc->nbytes[k]), 16);
-      std::memcpy(l.storages[size_t(s)].data, desc->base[k], size_t(desc->nbytes[k]));
+      if (desc->nbytes[k] > 0) std::memcpy(l.storages[size_t(s)].data, desc->base[k], size_t(desc->nbytes[k]));
     }
     l.bufs.push_back(l.storages[size_t(s)].data + desc->offset[k]);
   }
@@ -510,7 +510,7 @@ inline int launch(const LaunchDesc* desc, void (*invoke)(Thread&), const char* n
   if (ok && l.num_errors == 0) {
     for (int s = 0; s < nstorage; ++s) {
       const int k = owner[size_t(s)];
-      std::memcpy(desc->base[k], l.storages[size_t(s)].data, size_t(desc->nbytes[k]));
+      if (desc->nbytes[k] > 0) std::memcpy(desc->base[k], l.storages[size_t(s)].data, size_t(desc->nbytes[k]));
     }
   }
   for (Region& r : l.storages) unmap_region(r);
