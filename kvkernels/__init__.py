@@ -8,6 +8,7 @@ import torch  # noqa: F401  (loads libtorch before the extension that links to i
 
 from kvkernels import _C  # noqa: F401  (registers torch.ops.kvkernels.*)
 from kvkernels import ops, reference  # noqa: F401
+from kvkernels import metal  # noqa: F401  (registers the MPS kernels: metal/*.metal)
 from kvkernels.cache import BlockPool, MLAPagedCache, OutOfBlocksError, PagedKVCache  # noqa: E402
 
 

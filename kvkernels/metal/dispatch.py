@@ -1,0 +1,571 @@
+"""The Metal implementation of the kvkernels ops: checks, outputs, parameters, dispatch.
+
+One code path for two back ends, chosen by the tensors' device:
+  * ``mps``: ``torch.mps.compile_shader`` compiles the kernel source (once per process and variant)
+    and dispatches on PyTorch's MPS stream;
+  * ``cpu``: ``kvkernels.metal.emulator.compile_shader`` runs the same source, with the same call,
+    through the MSL emulator (how the tests check the kernels on Linux).
+The functions here are registered as the MPS kernels of ``torch.ops.kvkernels`` (see __init__.py);
+called directly with CPU tensors they run on the emulator.
+
+Argument checks follow docs/ops.md and raise ``RuntimeError("kvkernels.<op>: <argument>: ...")``
+before any kernel runs. Checks that read index tensors (block ids, slots, sequence lengths) run
+on the emulator always and on MPS only with ``KVKERNELS_DEBUG=1`` (they synchronize the device);
+the kernels skip ids outside the cache either way instead of reading or writing outside it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kvkernels.metal import source
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# libraries: compiled once per process per (family, variant, back end)
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _library(family: str, defines: tuple, backend: str):
+    unit = source.compile_unit(family, dict(defines))
+    if backend == "mps":
+        return torch.mps.compile_shader(unit)
+    from kvkernels.metal import emulator
+
+    return emulator.compile_shader(unit)
+
+
+def library(device: torch.device, family: str, **defines):
+    """The compiled library of metal/<family>.metal for ``defines`` on ``device``'s back end."""
+    if device.type not in ("mps", "cpu"):
+        raise RuntimeError(f"kvkernels Metal kernels run on MPS (or, emulated, on CPU), not on {device}")
+    return _library(family, tuple(sorted(defines.items())), device.type)
+
+
+def _debug_checks(device: torch.device) -> bool:
+    return device.type == "cpu" or os.environ.get("KVKERNELS_DEBUG") == "1"
+
+
+def _params(family: str, name: str, **fields):
+    return source.pack(family, name, **fields)
+
+
+def _fail(op: str, arg: str, msg: str):
+    raise RuntimeError(f"kvkernels.{op}: {arg}: {msg}")
+
+
+def _check(cond, op, arg, msg):
+    if not cond:
+        _fail(op, arg, msg)
+
+
+def _check_device(op, device, **tensors):
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            _fail(op, name, f"expected a tensor on {device}, got {t.device}")
+
+
+def _check_float(op, name, t):
+    _check(t.dtype in FLOATS, op, name, f"expected float32, float16 or bfloat16, got {t.dtype}")
+
+
+def _check_scale(op, name, scale, cache, num_heads):
+    """fp8 caches need a float32 scale with 1 or num_heads elements; other caches ignore it."""
+    if cache.dtype not in FP8:
+        return 0
+    _check(scale is not None, op, name, f"required for an {cache.dtype} cache")
+    _check(scale.dtype == torch.float32, op, name, f"expected float32, got {scale.dtype}")
+    _check(scale.numel() in (1, num_heads), op, name,
+           f"expected 1 or {num_heads} (num_kv_heads) elements, got {scale.numel()}")
+    return int(scale.numel() != 1)
+
+
+def _check_kv_cache(op, name, cache):
+    _check(cache.dim() == 4, op, name, f"expected [num_blocks, block_size, num_kv_heads, head_dim], got "
+           f"{tuple(cache.shape)}")
+    _check(cache.stride(3) == 1 or cache.shape[3] <= 1, op, name, "the last dimension must have stride 1")
+
+
+def _scale_or_dummy(scale, dummy):
+    # Metal needs a buffer at every index; a kernel variant without fp8 never reads it.
+    return scale.contiguous() if scale is not None else dummy
+
+
+def _group(n: int, cap: int = 32) -> int:
+    return max(1, min(n, cap))
+
+
+# ---------------------------------------------------------------------------------------------
+# reshape_and_cache
+# ---------------------------------------------------------------------------------------------
+
+
+def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor,
+                      k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None) -> None:
+    op = "reshape_and_cache"
+    dev = key_cache.device
+    _check_device(op, dev, key=key, value=value, value_cache=value_cache, slot_mapping=slot_mapping,
+                  k_scale=k_scale, v_scale=v_scale)
+    _check(key.dim() == 3, op, "key", f"expected [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)}")
+    _check(value.shape == key.shape, op, "value", f"shape {tuple(value.shape)} differs from key's {tuple(key.shape)}")
+    _check_float(op, "key", key)
+    _check(value.dtype == key.dtype, op, "value", f"dtype {value.dtype} differs from key's {key.dtype}")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check_kv_cache(op, name, cache)
+        _check(cache.shape[2:] == key.shape[1:], op, name,
+               f"[num_kv_heads, head_dim] = {tuple(cache.shape[2:])} differ from key's {tuple(key.shape[1:])}")
+        _check(cache.dtype in FP8 or cache.dtype == key.dtype, op, name,
+               f"dtype {cache.dtype} must equal key's {key.dtype} or be an fp8 type")
+    _check(value_cache.shape == key_cache.shape and value_cache.dtype == key_cache.dtype, op, "value_cache",
+           "shape and dtype must equal key_cache's")
+    _check(slot_mapping.dtype == torch.int64 and slot_mapping.shape == key.shape[:1], op, "slot_mapping",
+           f"expected int64 [{key.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    t, h, d = key.shape
+    ks_head = _check_scale(op, "k_scale", k_scale, key_cache, h)
+    vs_head = _check_scale(op, "v_scale", v_scale, value_cache, h)
+    n, b = key_cache.shape[:2]
+    if _debug_checks(dev) and t:
+        _check(int(slot_mapping.max()) < n * b, op, "slot_mapping", f"slot out of range [0, {n * b})")
+    if t == 0 or h == 0 or d == 0:
+        return
+    fp8 = key_cache.dtype in FP8
+    lib = library(dev, "cache_ops", WRITE_SRC_T=source.msl_type(key.dtype),
+                  WRITE_CACHE_T=source.msl_type(key_cache.dtype), WRITE_FP8=int(fp8))
+    p = _params("cache_ops", "WriteParams", num_tokens=t, num_heads=h, head_dim=d, num_slots=n * b, block_size=b,
+                k_stride_t=key.stride(0), k_stride_h=key.stride(1), k_stride_d=key.stride(2),
+                v_stride_t=value.stride(0), v_stride_h=value.stride(1), v_stride_d=value.stride(2),
+                kc_stride_b=key_cache.stride(0), kc_stride_s=key_cache.stride(1), kc_stride_h=key_cache.stride(2),
+                vc_stride_b=value_cache.stride(0), vc_stride_s=value_cache.stride(1),
+                vc_stride_h=value_cache.stride(2), k_scale_per_head=ks_head, v_scale_per_head=vs_head)
+    slots = slot_mapping.contiguous()
+    lib.reshape_and_cache(key, value, key_cache, value_cache, slots, _scale_or_dummy(k_scale, slots),
+                          _scale_or_dummy(v_scale, slots), p, threads=[d, h, t], group_size=[_group(d), 1, 1],
+                          arg_casts={7: "uint8"})
+
+
+# ---------------------------------------------------------------------------------------------
+# gather_kv
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_paged(op, dev, block_tables, seq_lens, num_blocks, block_size, num_seqs=None):
+    _check(block_tables.dtype == torch.int32 and block_tables.dim() == 2, op, "block_tables",
+           f"expected int32 [num_seqs, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    _check(block_tables.stride(1) == 1 or block_tables.shape[1] <= 1, op, "block_tables",
+           "the last dimension must have stride 1")
+    _check(seq_lens.dtype == torch.int32 and seq_lens.dim() == 1 and seq_lens.shape[0] == block_tables.shape[0],
+           op, "seq_lens", f"expected int32 [{block_tables.shape[0]}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if num_seqs is not None:
+        _check(block_tables.shape[0] == num_seqs, op, "block_tables", f"expected {num_seqs} rows")
+    if _debug_checks(dev) and seq_lens.numel():
+        lens = seq_lens.cpu()
+        _check(int(lens.min()) >= 0, op, "seq_lens", "negative length")
+        width = block_tables.shape[1]
+        _check(int(lens.max()) <= width * block_size, op, "seq_lens",
+               f"a sequence is longer than its block table ({width} blocks of {block_size})")
+        table = block_tables.cpu()
+        for i, n in enumerate(lens.tolist()):
+            used = table[i, :(n + block_size - 1) // block_size]
+            if used.numel():
+                _check(int(used.min()) >= 0 and int(used.max()) < num_blocks, op, "block_tables",
+                       f"block id out of range [0, {num_blocks}) in row {i}")
+
+
+def gather_kv(key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+              k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None, num_tokens: Optional[int] = None,
+              out_dtype: Optional[torch.dtype] = None):
+    op = "gather_kv"
+    dev = key_cache.device
+    _check_device(op, dev, value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens, k_scale=k_scale,
+                  v_scale=v_scale)
+    _check_kv_cache(op, "key_cache", key_cache)
+    _check_kv_cache(op, "value_cache", value_cache)
+    _check(value_cache.shape == key_cache.shape and value_cache.dtype == key_cache.dtype, op, "value_cache",
+           "shape and dtype must equal key_cache's")
+    _check(key_cache.dtype in FLOATS + FP8, op, "key_cache", f"unsupported dtype {key_cache.dtype}")
+    n, b, h, d = key_cache.shape
+    _check_paged(op, dev, block_tables, seq_lens, n, b)
+    ks_head = _check_scale(op, "k_scale", k_scale, key_cache, h)
+    vs_head = _check_scale(op, "v_scale", v_scale, value_cache, h)
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if key_cache.dtype in FP8 else key_cache.dtype
+    _check(out_dtype in FLOATS, op, "out_dtype", f"expected a float dtype, got {out_dtype}")
+    cu = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(seq_lens, 0, out=cu[1:])
+    if num_tokens is None:
+        num_tokens = int(cu[-1])
+    elif _debug_checks(dev):
+        _check(int(cu[-1]) == int(num_tokens), op, "num_tokens", f"expected sum(seq_lens) = {int(cu[-1])}")
+    t = int(num_tokens)
+    key = torch.empty(t, h, d, dtype=out_dtype, device=dev)
+    value = torch.empty(t, h, d, dtype=out_dtype, device=dev)
+    if t == 0 or h == 0 or d == 0:
+        return key, value
+    fp8 = key_cache.dtype in FP8
+    lib = library(dev, "cache_ops", GATHER_CACHE_T=source.msl_type(key_cache.dtype),
+                  GATHER_OUT_T=source.msl_type(out_dtype), GATHER_FP8=int(fp8))
+    p = _params("cache_ops", "GatherParams", num_tokens=t, num_seqs=seq_lens.shape[0], num_heads=h, head_dim=d,
+                block_size=b, num_blocks=n, table_stride=block_tables.stride(0),
+                kc_stride_b=key_cache.stride(0), kc_stride_s=key_cache.stride(1), kc_stride_h=key_cache.stride(2),
+                vc_stride_b=value_cache.stride(0), vc_stride_s=value_cache.stride(1),
+                vc_stride_h=value_cache.stride(2), k_scale_per_head=ks_head, v_scale_per_head=vs_head)
+    lib.gather_kv(key_cache, value_cache, block_tables, cu, _scale_or_dummy(k_scale, cu), _scale_or_dummy(v_scale, cu),
+                  key, value, p, threads=[d, h, t], group_size=[_group(d), 1, 1], arg_casts={8: "uint8"})
+    return key, value
+
+
+# ---------------------------------------------------------------------------------------------
+# copy_blocks
+# ---------------------------------------------------------------------------------------------
+
+_ELEM_TYPES = {1: "uchar", 2: "ushort", 4: "uint", 8: "ulong"}
+
+
+def _merge_dims(sizes, strides):
+    """Drop size-1 dims and merge dims that are contiguous with the next one."""
+    dims = [(s, st) for s, st in zip(sizes, strides) if s != 1]
+    out = []
+    for s, st in dims:
+        if out and out[-1][1] == st * s:
+            out[-1] = (out[-1][0] * s, st)
+        else:
+            out.append((s, st))
+    return out or [(1, 1)]
+
+
+def copy_blocks(cache: Tensor, block_mapping: Tensor, block_dim: int = 0) -> None:
+    op = "copy_blocks"
+    dev = cache.device
+    _check_device(op, dev, block_mapping=block_mapping)
+    _check(cache.dim() >= 1, op, "cache", "expected at least one dimension")
+    _check(-cache.dim() <= block_dim < cache.dim(), op, "block_dim", f"{block_dim} out of range for {cache.dim()} dims")
+    block_dim %= cache.dim()
+    _check(cache.element_size() in _ELEM_TYPES, op, "cache", f"element size {cache.element_size()} not supported")
+    _check(block_mapping.dtype == torch.int64 and block_mapping.dim() == 2 and block_mapping.shape[1] == 2, op,
+           "block_mapping", f"expected int64 [n, 2], got {block_mapping.dtype} {tuple(block_mapping.shape)}")
+    num_blocks = cache.shape[block_dim]
+    pairs = block_mapping.shape[0]
+    if _debug_checks(dev) and pairs:
+        m = block_mapping.cpu()
+        _check(int(m.min()) >= 0 and int(m.max()) < num_blocks, op, "block_mapping",
+               f"block id out of range [0, {num_blocks})")
+        dst = m[:, 1].tolist()
+        _check(len(set(dst)) == len(dst), op, "block_mapping", "destinations must be distinct")
+        _check(not set(dst) & set(m[:, 0].tolist()), op, "block_mapping", "a destination is also a source")
+    sizes = [s for i, s in enumerate(cache.shape) if i != block_dim]
+    strides = [s for i, s in enumerate(cache.stride()) if i != block_dim]
+    dims = _merge_dims(sizes, strides)
+    _check(len(dims) <= 8, op, "cache", "more than 8 non-contiguous dimensions per block")
+    numel = 1
+    for s in sizes:
+        numel *= s
+    if pairs == 0 or numel == 0:
+        return
+    lib = library(dev, "cache_ops", COPY_ELEM_T=_ELEM_TYPES[cache.element_size()])
+    p = _params("cache_ops", "CopyParams", num_pairs=pairs, num_blocks=num_blocks, block_stride=cache.stride(block_dim),
+                block_numel=numel, ndim=len(dims), sizes=[s for s, _ in dims], strides=[st for _, st in dims])
+    threads_x = min(numel, 1 << 16)
+    lib.copy_blocks(cache, block_mapping.contiguous(), p, threads=[threads_x, pairs],
+                    group_size=[_group(threads_x, 256), 1], arg_casts={2: "uint8"})
+
+
+def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor, block_dim: int = 0) -> None:
+    """Across devices (MPS <-> CPU) with torch copies, not a Metal kernel: every source block is read
+    before any destination is written (src and dst may overlap)."""
+    op = "swap_blocks"
+    _check(src.dtype == dst.dtype and src.dim() == dst.dim(), op, "dst", "dtype and number of dims must equal src's")
+    _check(-src.dim() <= block_dim < src.dim(), op, "block_dim", f"{block_dim} out of range")
+    _check(block_mapping.dtype == torch.int64 and block_mapping.dim() == 2 and block_mapping.shape[1] == 2, op,
+           "block_mapping", f"expected int64 [n, 2], got {block_mapping.dtype} {tuple(block_mapping.shape)}")
+    pairs = block_mapping.cpu().tolist()
+    for s, d in pairs:
+        _check(0 <= s < src.shape[block_dim], op, "block_mapping", f"source id {s} out of range")
+        _check(0 <= d < dst.shape[block_dim], op, "block_mapping", f"destination id {d} out of range")
+    if not pairs:
+        return
+    idx_s = torch.tensor([s for s, _ in pairs], device=src.device)
+    blocks = src.index_select(block_dim, idx_s).to(dst.device)
+    for k, (_, d) in enumerate(pairs):
+        dst.select(block_dim, d).copy_(blocks.select(block_dim, k))
+
+
+# ---------------------------------------------------------------------------------------------
+# merge_attention_states
+# ---------------------------------------------------------------------------------------------
+
+
+def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor):
+    op = "merge_attention_states"
+    dev = out_a.device
+    _check_device(op, dev, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
+    _check(out_a.dim() == 3, op, "out_a", f"expected [num_tokens, num_heads, head_dim], got {tuple(out_a.shape)}")
+    _check_float(op, "out_a", out_a)
+    _check(out_b.shape == out_a.shape and out_b.dtype == out_a.dtype, op, "out_b", "shape and dtype must equal out_a's")
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        _check(lse.dtype == torch.float32 and lse.shape == out_a.shape[:2], op, name,
+               f"expected float32 {tuple(out_a.shape[:2])}, got {lse.dtype} {tuple(lse.shape)}")
+    t, h, d = out_a.shape
+    out = torch.empty(t, h, d, dtype=out_a.dtype, device=dev)
+    lse = torch.empty(t, h, dtype=torch.float32, device=dev)
+    if out.numel() == 0:
+        if d == 0 and t * h:
+            lse.copy_(torch.logaddexp(lse_a, lse_b))
+        return out, lse
+    lib = library(dev, "merge", OUT_T=source.msl_type(out_a.dtype))
+    p = _params("merge", "MergeParams", num_tokens=t, num_heads=h, head_dim=d,
+                a_stride_t=out_a.stride(0), a_stride_h=out_a.stride(1), a_stride_d=out_a.stride(2),
+                b_stride_t=out_b.stride(0), b_stride_h=out_b.stride(1), b_stride_d=out_b.stride(2),
+                la_stride_t=lse_a.stride(0), la_stride_h=lse_a.stride(1),
+                lb_stride_t=lse_b.stride(0), lb_stride_h=lse_b.stride(1))
+    lib.merge_attention_states(out_a, lse_a, out_b, lse_b, out, lse, p, threads=[d, h, t],
+                               group_size=[_group(d), 1, 1], arg_casts={6: "uint8"})
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# paged_attention
+# ---------------------------------------------------------------------------------------------
+
+PA_SIMD_GROUPS = 4  # metal/paged_attention.metal: threads per threadgroup = 32 * PA_SIMD_GROUPS
+MAX_HEAD_DIM = 256
+
+
+def _check_rows(op, dev, query_start_loc, num_tokens, num_seqs, seq_lens):
+    """Varlen rows: int32 [S + 1], first 0, non-decreasing, last = T, q_len <= seq_len."""
+    _check(query_start_loc.dtype == torch.int32 and query_start_loc.shape == (num_seqs + 1,), op,
+           "query_start_loc", f"expected int32 [{num_seqs + 1}], got {query_start_loc.dtype} "
+           f"{tuple(query_start_loc.shape)}")
+    if _debug_checks(dev):
+        qsl = query_start_loc.cpu().to(torch.int64)
+        _check(int(qsl[0]) == 0 and int(qsl[-1]) == num_tokens, op, "query_start_loc",
+               f"must start at 0 and end at num_tokens = {num_tokens}")
+        q_lens = qsl[1:] - qsl[:-1]
+        _check(bool((q_lens >= 0).all()), op, "query_start_loc", "must be non-decreasing")
+        _check(bool((q_lens <= seq_lens.cpu().to(torch.int64)).all()), op, "query_start_loc",
+               "a sequence has more queries than keys (q_len > seq_len)")
+
+
+def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                    query_start_loc: Optional[Tensor] = None, scale: Optional[float] = None, window_left: int = -1,
+                    soft_cap: float = 0.0, alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                    k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None):
+    op = "paged_attention"
+    dev = query.device
+    _check_device(op, dev, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                  seq_lens=seq_lens, query_start_loc=query_start_loc, alibi_slopes=alibi_slopes, sinks=sinks,
+                  k_scale=k_scale, v_scale=v_scale)
+    _check(query.dim() == 3, op, "query", f"expected [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
+    _check_float(op, "query", query)
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check_kv_cache(op, name, cache)
+        _check(cache.dtype in FP8 or cache.dtype == query.dtype, op, name,
+               f"dtype {cache.dtype} must equal query's {query.dtype} or be an fp8 type")
+    _check(value_cache.shape == key_cache.shape and value_cache.dtype == key_cache.dtype, op, "value_cache",
+           "shape and dtype must equal key_cache's")
+    t, hq, d = query.shape
+    n, b, hkv, dk = key_cache.shape
+    _check(dk == d, op, "key_cache", f"head_dim {dk} differs from query's {d}")
+    _check(d % 8 == 0 and 0 < d <= MAX_HEAD_DIM, op, "query", f"head_dim must be a multiple of 8 in [8, "
+           f"{MAX_HEAD_DIM}], got {d}")
+    _check(hkv > 0 and hq % hkv == 0, op, "query", f"num_heads {hq} is not a multiple of num_kv_heads {hkv}")
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    _check_paged(op, dev, block_tables, seq_lens, n, b)
+    if query_start_loc is None:
+        _check(t == num_seqs, op, "query", f"decode: expected one query per sequence ({num_seqs}), got {t}")
+    else:
+        _check_rows(op, dev, query_start_loc, t, num_seqs, seq_lens)
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None:
+            _check(x.dtype == torch.float32 and x.shape == (hq,), op, name,
+                   f"expected float32 [{hq}], got {x.dtype} {tuple(x.shape)}")
+    ks_head = _check_scale(op, "k_scale", k_scale, key_cache, hkv)
+    vs_head = _check_scale(op, "v_scale", v_scale, value_cache, hkv)
+    out = torch.empty(t, hq, d, dtype=query.dtype, device=dev)
+    lse = torch.empty(t, hq, dtype=torch.float32, device=dev)
+    if t == 0 or hq == 0:
+        return out, lse
+    fp8 = key_cache.dtype in FP8
+    lib = library(dev, "paged_attention", Q_T=source.msl_type(query.dtype), KV_T=source.msl_type(key_cache.dtype),
+                  KV_FP8=int(fp8))
+    p = _params("paged_attention", "AttentionParams", num_tokens=t, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                num_seqs=num_seqs, block_size=b, num_blocks=n, table_stride=block_tables.stride(0),
+                q_stride_t=query.stride(0), q_stride_h=query.stride(1), q_stride_d=query.stride(2),
+                kc_stride_b=key_cache.stride(0), kc_stride_s=key_cache.stride(1), kc_stride_h=key_cache.stride(2),
+                vc_stride_b=value_cache.stride(0), vc_stride_s=value_cache.stride(1),
+                vc_stride_h=value_cache.stride(2), varlen=int(query_start_loc is not None),
+                window_left=int(window_left), has_alibi=int(alibi_slopes is not None),
+                has_sinks=int(sinks is not None), k_scale_per_head=ks_head, v_scale_per_head=vs_head,
+                scale=float(d ** -0.5 if scale is None else scale), soft_cap=float(soft_cap))
+    dummy = seq_lens
+    lib.paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                        query_start_loc if query_start_loc is not None else dummy,
+                        _scale_or_dummy(alibi_slopes, dummy), _scale_or_dummy(sinks, dummy),
+                        _scale_or_dummy(k_scale, dummy), _scale_or_dummy(v_scale, dummy), out, lse, p,
+                        threads=[32 * PA_SIMD_GROUPS, hq, t], group_size=[32 * PA_SIMD_GROUPS, 1, 1],
+                        arg_casts={12: "uint8"})
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA: concat_and_cache_mla, mla_decompress, mla_paged_attention
+# ---------------------------------------------------------------------------------------------
+
+MLA_MAX_RANK, MLA_MAX_ROW, MLA_HEADS = 512, 576, 4  # metal/mla.metal
+
+
+def _check_mla_cache(op, cache, name="kv_cache"):
+    _check(cache.dim() == 3, op, name, f"expected [num_blocks, block_size, kv_lora_rank + rope_dim], got "
+           f"{tuple(cache.shape)}")
+    _check(cache.stride(2) == 1 or cache.shape[2] <= 1, op, name, "the last dimension must have stride 1")
+
+
+def _check_mla_scale(op, name, scale, cache):
+    if cache.dtype not in FP8:
+        return
+    _check(scale is not None, op, name, f"required for an {cache.dtype} cache")
+    _check(scale.dtype == torch.float32 and scale.numel() == 1, op, name,
+           f"expected a float32 tensor of 1 element, got {scale.dtype} with {scale.numel()}")
+
+
+def concat_and_cache_mla(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                         scale: Optional[Tensor] = None) -> None:
+    op = "concat_and_cache_mla"
+    dev = kv_cache.device
+    _check_device(op, dev, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping, scale=scale)
+    _check(kv_c.dim() == 2, op, "kv_c", f"expected [num_tokens, kv_lora_rank], got {tuple(kv_c.shape)}")
+    _check(k_pe.dim() == 2 and k_pe.shape[0] == kv_c.shape[0], op, "k_pe",
+           f"expected [{kv_c.shape[0]}, rope_dim], got {tuple(k_pe.shape)}")
+    _check_float(op, "kv_c", kv_c)
+    _check(k_pe.dtype == kv_c.dtype, op, "k_pe", f"dtype {k_pe.dtype} differs from kv_c's {kv_c.dtype}")
+    _check_mla_cache(op, kv_cache)
+    t, r = kv_c.shape
+    p_dim = k_pe.shape[1]
+    _check(kv_cache.shape[2] == r + p_dim, op, "kv_cache", f"row width {kv_cache.shape[2]} != kv_lora_rank + rope_dim "
+           f"= {r + p_dim}")
+    _check(kv_cache.dtype in FP8 or kv_cache.dtype == kv_c.dtype, op, "kv_cache",
+           f"dtype {kv_cache.dtype} must equal kv_c's {kv_c.dtype} or be an fp8 type")
+    _check(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (t,), op, "slot_mapping",
+           f"expected int64 [{t}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    _check_mla_scale(op, "scale", scale, kv_cache)
+    n, b = kv_cache.shape[:2]
+    if _debug_checks(dev) and t:
+        _check(int(slot_mapping.max()) < n * b, op, "slot_mapping", f"slot out of range [0, {n * b})")
+    if t == 0 or r + p_dim == 0:
+        return
+    fp8 = kv_cache.dtype in FP8
+    lib = library(dev, "mla", CONCAT_SRC_T=source.msl_type(kv_c.dtype), CONCAT_CACHE_T=source.msl_type(kv_cache.dtype),
+                  CONCAT_FP8=int(fp8))
+    p = _params("mla", "ConcatParams", num_tokens=t, kv_lora_rank=r, rope_dim=p_dim, num_slots=n * b, block_size=b,
+                c_stride_t=kv_c.stride(0), c_stride_d=kv_c.stride(1), pe_stride_t=k_pe.stride(0),
+                pe_stride_d=k_pe.stride(1), cache_stride_b=kv_cache.stride(0), cache_stride_s=kv_cache.stride(1))
+    slots = slot_mapping.contiguous()
+    lib.concat_and_cache_mla(kv_c, k_pe, kv_cache, slots, _scale_or_dummy(scale, slots), p,
+                             threads=[r + p_dim, t], group_size=[_group(r + p_dim, 64), 1], arg_casts={5: "uint8"})
+
+
+def mla_decompress(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, w_kv_b: Tensor, kv_lora_rank: int,
+                   qk_nope_head_dim: int, v_head_dim: int, norm_weight: Optional[Tensor] = None,
+                   norm_eps: float = 1e-6, scale: Optional[Tensor] = None, num_tokens: Optional[int] = None):
+    op = "mla_decompress"
+    dev = kv_cache.device
+    _check_device(op, dev, block_tables=block_tables, seq_lens=seq_lens, w_kv_b=w_kv_b, norm_weight=norm_weight,
+                  scale=scale)
+    _check_mla_cache(op, kv_cache)
+    _check_float(op, "w_kv_b", w_kv_b)
+    r, dn, dv = int(kv_lora_rank), int(qk_nope_head_dim), int(v_head_dim)
+    n, b, width = kv_cache.shape
+    _check(0 < r <= MLA_MAX_RANK and r % 8 == 0, op, "kv_lora_rank", f"must be a multiple of 8 in [8, {MLA_MAX_RANK}]")
+    _check(r <= width <= MLA_MAX_ROW, op, "kv_cache", f"row width {width} must be in [kv_lora_rank, {MLA_MAX_ROW}]")
+    _check(dn >= 0 and dv >= 0 and dn + dv > 0, op, "qk_nope_head_dim", "head dims must be >= 0 and not both 0")
+    _check(w_kv_b.dim() == 2 and w_kv_b.shape[1] == r and w_kv_b.shape[0] % (dn + dv) == 0, op, "w_kv_b",
+           f"expected [num_heads * {dn + dv}, {r}], got {tuple(w_kv_b.shape)}")
+    _check(kv_cache.dtype in FP8 or kv_cache.dtype == w_kv_b.dtype, op, "kv_cache",
+           f"dtype {kv_cache.dtype} must equal w_kv_b's {w_kv_b.dtype} or be an fp8 type")
+    if norm_weight is not None:
+        _check(norm_weight.dtype == w_kv_b.dtype and norm_weight.shape == (r,), op, "norm_weight",
+               f"expected {w_kv_b.dtype} [{r}], got {norm_weight.dtype} {tuple(norm_weight.shape)}")
+    _check_mla_scale(op, "scale", scale, kv_cache)
+    _check_paged(op, dev, block_tables, seq_lens, n, b)
+    heads = w_kv_b.shape[0] // (dn + dv)
+    p_dim = width - r
+    cu = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(seq_lens, 0, out=cu[1:])
+    if num_tokens is None:
+        num_tokens = int(cu[-1])
+    elif _debug_checks(dev):
+        _check(int(cu[-1]) == int(num_tokens), op, "num_tokens", f"expected sum(seq_lens) = {int(cu[-1])}")
+    t = int(num_tokens)
+    key = torch.empty(t, heads, dn + p_dim, dtype=w_kv_b.dtype, device=dev)
+    value = torch.empty(t, heads, dv, dtype=w_kv_b.dtype, device=dev)
+    if t == 0 or heads == 0:
+        return key, value
+    fp8 = kv_cache.dtype in FP8
+    lib = library(dev, "mla", DEC_W_T=source.msl_type(w_kv_b.dtype), DEC_CACHE_T=source.msl_type(kv_cache.dtype),
+                  DEC_FP8=int(fp8))
+    p = _params("mla", "DecompressParams", num_tokens=t, num_seqs=seq_lens.shape[0], kv_lora_rank=r, rope_dim=p_dim,
+                num_heads=heads, qk_nope_head_dim=dn, v_head_dim=dv, block_size=b, num_blocks=n,
+                table_stride=block_tables.stride(0), cache_stride_b=kv_cache.stride(0),
+                cache_stride_s=kv_cache.stride(1), w_stride_n=w_kv_b.stride(0), w_stride_r=w_kv_b.stride(1),
+                has_norm=int(norm_weight is not None), norm_eps=float(norm_eps))
+    nw = norm_weight.contiguous() if norm_weight is not None else w_kv_b
+    sc = _scale_or_dummy(scale, cu)
+    rows = heads * (dn + dv)
+    lib.mla_decompress(kv_cache, block_tables, cu, w_kv_b, nw, sc, key, value, p,
+                       threads=[16 * -(-rows // 32), 16 * -(-t // 32)], group_size=[16, 16], arg_casts={8: "uint8"})
+    if p_dim:
+        lib.mla_copy_pe(kv_cache, block_tables, cu, sc, key, p, threads=[p_dim, heads, t],
+                        group_size=[_group(p_dim), 1, 1], arg_casts={5: "uint8"})
+    return key, value
+
+
+def mla_paged_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, kv_lora_rank: int,
+                        scale: float, query_start_loc: Optional[Tensor] = None, kv_scale: Optional[Tensor] = None):
+    op = "mla_paged_attention"
+    dev = q.device
+    _check_device(op, dev, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens,
+                  query_start_loc=query_start_loc, kv_scale=kv_scale)
+    _check(q.dim() == 3, op, "q", f"expected [num_tokens, num_heads, kv_lora_rank + rope_dim], got {tuple(q.shape)}")
+    _check_float(op, "q", q)
+    _check_mla_cache(op, kv_cache)
+    t, hq, width = q.shape
+    n, b, cw = kv_cache.shape
+    r = int(kv_lora_rank)
+    _check(cw == width, op, "kv_cache", f"row width {cw} differs from q's {width}")
+    _check(0 < r <= MLA_MAX_RANK and r % 8 == 0 and r <= width <= MLA_MAX_ROW, op, "kv_lora_rank",
+           f"need a multiple of 8 in [8, {MLA_MAX_RANK}] and kv_lora_rank <= row width <= {MLA_MAX_ROW}")
+    _check(kv_cache.dtype in FP8 or kv_cache.dtype == q.dtype, op, "kv_cache",
+           f"dtype {kv_cache.dtype} must equal q's {q.dtype} or be an fp8 type")
+    _check_mla_scale(op, "kv_scale", kv_scale, kv_cache)
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    _check_paged(op, dev, block_tables, seq_lens, n, b)
+    if query_start_loc is None:
+        _check(t == num_seqs, op, "q", f"decode: expected one query per sequence ({num_seqs}), got {t}")
+    else:
+        _check_rows(op, dev, query_start_loc, t, num_seqs, seq_lens)
+    out = torch.empty(t, hq, r, dtype=q.dtype, device=dev)
+    lse = torch.empty(t, hq, dtype=torch.float32, device=dev)
+    if t == 0 or hq == 0:
+        return out, lse
+    fp8 = kv_cache.dtype in FP8
+    lib = library(dev, "mla", MLA_Q_T=source.msl_type(q.dtype), MLA_KV_T=source.msl_type(kv_cache.dtype),
+                  MLA_FP8=int(fp8))
+    p = _params("mla", "MlaParams", num_tokens=t, num_heads=hq, kv_lora_rank=r, row_width=width, num_seqs=num_seqs,
+                block_size=b, num_blocks=n, table_stride=block_tables.stride(0), q_stride_t=q.stride(0),
+                q_stride_h=q.stride(1), q_stride_d=q.stride(2), cache_stride_b=kv_cache.stride(0),
+                cache_stride_s=kv_cache.stride(1), varlen=int(query_start_loc is not None), scale=float(scale))
+    dummy = seq_lens
+    lib.mla_paged_attention(q, kv_cache, block_tables, seq_lens,
+                            query_start_loc if query_start_loc is not None else dummy,
+                            _scale_or_dummy(kv_scale, dummy), out, lse, p,
+                            threads=[32 * MLA_HEADS, -(-hq // MLA_HEADS), t], group_size=[32 * MLA_HEADS, 1, 1],
+                            arg_casts={8: "uint8"})
+    return out, lse
