@@ -159,11 +159,10 @@ class GenerationResult:
         return sum(len(p.tokens) for p in self.paths)
 
     def release(self) -> None:
-        """Free every path's sequence (the cache's storage is kept for reuse)."""
-        kv = None if self.cache is None else self.cache.kv
+        """Free every path's sequence (``cache.reset()``; the storage is kept for reuse)."""
+        if self.cache is not None:
+            self.cache.reset()
         for path in self.paths:
-            if kv is not None and path.seq is not None and path.seq in kv:
-                kv.free(path.seq)
             path.seq = None
 
 
@@ -245,8 +244,9 @@ class _Runner:
         return self._logprobs(out.logits[:, -1])
 
     def keep(self, row: int) -> int:
-        """A sequence that holds row ``row``'s KV after the row leaves the batch (a fork)."""
-        return self.cache.kv.fork(self.cache.sequences[row])
+        """Keep row ``row``'s KV after the row leaves the batch (``PagedCache.hold_row``: a fork
+        that survives storage growth); returns the handle."""
+        return self.cache.hold_row(row)
 
     def select(self, rows: list[int]) -> None:
         """The next step's rows: ``rows[i]`` is the current row whose KV row ``i`` continues (a row
@@ -256,9 +256,11 @@ class _Runner:
 
     def finish(self, prompt, paths, branch_events, pruned, max_live, start, entropies, tokenizer) -> GenerationResult:
         """Free the batch rows (every returned path holds its own fork), then the memory reports."""
-        self.cache.reset()
+        if self.cache.sequences:
+            self.cache.batch_select_indices(torch.empty(0, dtype=torch.long))
         kv = self.cache.kv
         for path in paths:
+            path.seq = self.cache.held_sequence(path.seq)
             m = kv.memory_usage(path.seq)
             own, shared = m["own_bytes"], m["shared_bytes"]
             path.memory = {"own_bytes": own, "shared_bytes": shared, "total_bytes": own + shared,
