@@ -540,6 +540,7 @@ def beam_search(model, input_ids: Tensor, num_beams: int = 4, max_new_tokens: in
                   position_ids=_positions(mask, batch, length - 1, input_ids.device), logits_to_keep=1)
             prefill = batch * (length - 1) if mask is None else int(mask.sum())
             cache.batch_repeat_interleave(num_beams)
+            cache.reserve(1 + max_new_tokens)
         out, probe = _generate(model, cache, input_ids, attention_mask, max_new_tokens, progress,
                                dict(generate_kwargs, num_beams=num_beams))
     return BeamSearchResult(_sequences(out), out, prefill, _memory_report(cache, probe), time.perf_counter() - start,
@@ -614,6 +615,7 @@ def generate_shared_prefix(model, prefix: Sequence[int], suffixes: Sequence[Sequ
         pre = torch.tensor([prefix], dtype=torch.long, device=model.device)
         model(input_ids=pre, past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache.batch_repeat_interleave(len(suffixes) * expand)
+        cache.reserve(max(len(s) for s in suffixes) + max_new_tokens)
         out, probe = _generate(model, cache, ids, mask, max_new_tokens, progress, generate_kwargs)
     seqs = _sequences(out)
     suffix_tokens = sum(len(s) for s in suffixes)

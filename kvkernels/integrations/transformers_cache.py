@@ -272,6 +272,12 @@ class PagedCache(Cache):
         self._cols = [max(c - n, 0) for c in self._cols]
         self._step = None
 
+    def reserve(self, new_tokens: int) -> None:
+        """Make room now (one storage growth at most) for ``new_tokens`` more tokens in every row,
+        so that no growth interrupts the steps that follow (``num_blocks=None`` caches only)."""
+        if self.kv is not None and self._seqs and self._fixed_blocks is None:
+            self._reserve(np.full(len(self._seqs), int(new_tokens), dtype=np.int64))
+
     def hold_row(self, row: int) -> int:
         """Keep what row ``row`` holds now alive outside the batch (a zero-copy fork that later
         ``batch_select_indices`` / ``reorder_cache`` calls do not touch): generation strategies park
@@ -414,6 +420,7 @@ class PagedCache(Cache):
                 flat_new[:, :, dst] = flat_old[:, :, old.slot_mapping(seq, shared, lens[r])]
             rebuilt.append((blocks, lens[r], child))
             seqs.append(child)
+        new._counters.update(old._counters)  # forks / copy-on-write counts go on (the rebuild's own are not counted)
         rows = len(self._seqs)
         for i, seq in zip(held, seqs[rows:]):
             self._held[i] = seq
