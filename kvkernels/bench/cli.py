@@ -87,6 +87,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-memory-gib", type=float, default=16.0,
                    help="memory one case may hold, baselines included (default 16)")
     p.add_argument("--reps", type=int, help="generate suite: timed runs per implementation (default 3; quick 1)")
+    p.add_argument("--flush-denormal", action="store_true",
+                   help="generate suite: torch.set_flush_denormal(True) for every implementation (the CPU "
+                        "paged_attention kernel slows down when exp() underflows into denormals)")
     p.add_argument("--generate-cases", type=_csv(str, ("greedy", "beam")), default=["greedy", "beam"],
                    help="generate suite: comma-separated subset of greedy,beam")
     p.add_argument("--isa", choices=("avx512amx", "avx512vbmi", "avx512", "avx2", "portable"),

@@ -14,7 +14,7 @@ forked, where ``generate()`` itself computes the prompt once per beam). Each is 
 times, interleaved, after a warm-up; the median is reported. Tokens must be identical to stock.
 
 Per implementation also: the decode phase alone (time from the first to the last forward, from a
-logits processor), KV copies per decode step counted by spies (stock: ``DynamicLayer.update``'s
+logits processor), KV copies per forward counted by spies (stock: ``DynamicLayer.update``'s
 ``torch.cat`` and ``reorder_cache``'s ``index_select``, which copy the whole cache; kvkernels:
 ``copy_blocks`` calls / blocks (copy-on-write) and ``PagedKVCache.reorder`` calls), peak KV bytes,
 and one extra run with timers around the components (attention, cache update / bookkeeping,
@@ -362,7 +362,8 @@ def format_text(record: dict) -> str:
     m = record["model"]
     lines = [f"kvkernels {record['kvkernels_version']} generate() benchmark, {record['date']}",
              f"machine: {record['machine']['cpu_model']}, {record['machine']['usable_cpus']} usable CPUs, "
-             f"{record['machine']['threads']} torch threads, load average at start {record['load_average']}; torch "
+             f"{record['machine']['threads']} torch threads, flush denormals {record['flush_denormal']}, load "
+             f"average at start {record['load_average']}, at end {record['load_average_end']}; torch "
              f"{record['torch_version']}, transformers {record['transformers_version']}",
              f"model: Llama-like, random weights, {m['num_hidden_layers']} layers, hidden {m['hidden_size']}, "
              f"{m['num_attention_heads']} query / {m['num_key_value_heads']} KV heads of "
@@ -376,8 +377,9 @@ def format_text(record: dict) -> str:
         lines.append(f"   {'implementation':<24} {'total s':>8} {'tok/s':>8} {'vs stock':>8} {'decode ms/step':>15} "
                      f"{'decode vs stock':>16} {'peak KV':>10}  identical")
         for impl, e in case["impls"].items():
-            lines.append(f"   {impl:<24} {e['median_s']:>8.2f} {e['tokens_per_s']:>8.1f} {e['speedup_vs_stock']:>7.2f}x "
-                         f"{e['decode_ms_per_step']:>15.1f} {e['decode_speedup_vs_stock']:>15.2f}x "
+            lines.append(f"   {impl:<24} {e['median_s']:>8.2f} {e['tokens_per_s']:>8.1f} "
+                         f"{e['speedup_vs_stock']:>7.2f}x {e['decode_ms_per_step']:>15.1f} "
+                         f"{e['decode_speedup_vs_stock']:>15.2f}x "
                          f"{_mib(e['peak_kv_bytes']):>10}  {e['tokens_identical_to_stock']}")
         for impl, e in case["impls"].items():
             c = e["copies_per_forward"]
@@ -392,7 +394,8 @@ def format_text(record: dict) -> str:
                              f"block-table reorders; gather_kv {e['copies']['gather_kv_calls']}")
         for impl, e in case["impls"].items():
             b = e["breakdown_s"]
-            lines.append(f"   time in components, {impl} (seconds, one run with timers: {b['total (timed run)']:.2f} s)")
+            lines.append(f"   time in components, {impl} (seconds; one run with timers, "
+                         f"{b['total (timed run)']:.2f} s)")
             for phase in ("prefill", "decode"):
                 parts = ", ".join(f"{k.split(': ', 1)[1]} {v:.3f}" for k, v in b.items()
                                   if k.startswith(phase + ":") and k != f"{phase}: total" and v >= 0.0005)
@@ -407,6 +410,10 @@ def run(args: argparse.Namespace, argv: list) -> int:
     started = datetime.datetime.now().astimezone()
     if args.threads:
         torch.set_num_threads(args.threads)
+    flush = bool(getattr(args, "flush_denormal", False))
+    if flush and not torch.set_flush_denormal(True):
+        print("torch.set_flush_denormal(True) is not supported on this CPU; running without", file=sys.stderr)
+        flush = False
     shapes = QUICK if args.quick else FULL
     reps = args.reps if getattr(args, "reps", None) else shapes.reps
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -444,7 +451,7 @@ def run(args: argparse.Namespace, argv: list) -> int:
               "date": started.isoformat(timespec="seconds"), "command_line": shlex.join([sys.executable, *sys.argv]),
               "bench_args": argv, "quick": args.quick, "load_average": [round(x, 2) for x in load] if load else None,
               "load_average_end": [round(x, 2) for x in os.getloadavg()] if load else None,
-              "model": {k: v for k, v in shapes.model.items()}, "dtype": "float32",
+              "model": {k: v for k, v in shapes.model.items()}, "dtype": "float32", "flush_denormal": flush,
               "parameters": sum(p.numel() for p in model.parameters()), "kv_bytes_per_token": kv_bytes,
               "cases": cases, "targets_met": targets}
     for case in cases:
@@ -457,6 +464,8 @@ def run(args: argparse.Namespace, argv: list) -> int:
     stem.with_suffix(".txt").write_text(text + "\n")
     print(text)
     print(f"JSON: {stem.with_suffix('.json')}\nTXT: {stem.with_suffix('.txt')}")
+    if flush:
+        torch.set_flush_denormal(False)
     identical = all(e["tokens_identical_to_stock"] for case in cases for e in case["impls"].values())
     if not identical:
         print("!!! FAILED: tokens differ from the stock cache", file=sys.stderr)
