@@ -79,3 +79,9 @@ def test_local_checkpoint(tmp_path, capsys, with_tokenizer):
 def test_ops_level_demo_subcommand(capsys):
     assert demo.main(["kernels", "--batch", "2", "--prompt-len", "9", "--new-tokens", "4"]) == 0
     assert "-> OK" in capsys.readouterr().out
+
+
+def test_thread_count_restored():
+    before = torch.get_num_threads()
+    assert demo.main([*SMALL, "--threads", "1"]) == 0
+    assert torch.get_num_threads() == before
