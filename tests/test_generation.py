@@ -402,10 +402,11 @@ def test_held_rows_survive_storage_growth():
         paged(ids, past_key_values=cache)
         handle = cache.hold_row(1)
         before = kv_of(cache.held_sequence(handle))
-        grows = cache.grow_count
+        grows, forks = cache.grow_count, cache.kv.stats().forks
         for _ in range(12):
             paged(torch.tensor([[7], [8]]), past_key_values=cache)
     assert cache.grow_count > grows
+    assert cache.kv.stats().forks == forks  # the counters survive the growth (its rebuild forks are not counted)
     held = cache.held_sequence(handle)
     assert torch.equal(kv_of(held), before)
     assert cache.kv.memory_usage(held)["shared_tokens"] == 4  # two whole blocks still shared with row 1
