@@ -121,3 +121,32 @@ def test_cuda_suite_dry_run_on_the_cpu(tmp_path):
 def test_cuda_suite_without_a_gpu_says_so(capsys):
     assert bench.main(["--device", "cuda", "--quick"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_generate_suite_quick_run_writes_json_and_text(tmp_path):
+    pytest.importorskip("transformers")
+    code = bench.main(["--suite", "generate", "--quick", "--out", str(tmp_path)])
+    assert code == 0
+    (json_path,) = tmp_path.glob("generate-*.json")
+    (txt_path,) = tmp_path.glob("generate-*.txt")
+    record = json.loads(json_path.read_text())
+    for key in ("machine", "torch_version", "transformers_version", "date", "command_line", "model", "dtype"):
+        assert record[key], key
+    cases = {case["name"]: case for case in record["cases"]}
+    assert set(cases) == {"greedy", "beam"}
+    assert set(cases["beam"]["impls"]) == {"stock", "kvkernels", "kvkernels prefill-once"}
+    for case in cases.values():
+        for name, e in case["impls"].items():
+            assert e["tokens_identical_to_stock"] and e["tokens_per_s"] > 0 and e["median_decode_s"] > 0, name
+            assert e["breakdown_s"]["decode: total"] > 0 and e["peak_kv_bytes"] > 0, name
+            if name != "stock":  # attention on the paged storage: no gather, no torch.cat
+                assert e["copies"]["gather_kv_calls"] == 0 and e["copies"]["stock_cat_calls"] == 0, name
+    beam = cases["beam"]["impls"]
+    forwards = cases["beam"]["new_tokens"]
+    # stock: every layer's K/V rewritten by torch.cat and by the reorder's index_select at every step;
+    # kvkernels: block tables permuted, KV copied only as copy-on-write of shared partial blocks
+    assert beam["stock"]["copies"]["stock_reorder_calls"] > 0 and beam["stock"]["copies"]["stock_cat_calls"] > 0
+    assert beam["kvkernels"]["copies"]["stock_reorder_calls"] == 0
+    assert beam["kvkernels"]["copies"]["table_reorders"] >= forwards - 1
+    assert beam["kvkernels"]["copies"]["copy_blocks_bytes"] < beam["stock"]["copies"]["stock_reorder_bytes"]
+    assert "targets:" in txt_path.read_text()

@@ -66,9 +66,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (default) or cuda: the CUDA kernels against torch on the GPU, timed with CUDA "
                         "events, bandwidth measured on the device (kvkernels/bench/cuda.py)")
-    p.add_argument("--suite", choices=("kernels", "cache"), default="kernels",
+    p.add_argument("--suite", choices=("kernels", "cache", "generate"), default="kernels",
                    help="kernels: the ops against PyTorch (default); cache: the Python cache manager "
-                        "(fork, beam memory, prefix hits, decode-step overhead), see benchmarks/README.md")
+                        "(fork, beam memory, prefix hits, decode-step overhead); generate: transformers "
+                        "generate() tokens/s on PagedCache vs DynamicCache + SDPA (greedy, 8 beams); "
+                        "see benchmarks/README.md")
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes, no layer rotation, 64 MiB bandwidth buffers, min-time 0.01 (smoke test)")
     p.add_argument("--cases", type=_csv(str, CASE_GROUPS), default=list(CASE_GROUPS),
@@ -88,6 +90,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-memory-gib", type=float, default=None,
                    help="memory one case may hold, baselines included (default 16 on the CPU; on CUDA 85%% of "
                         "the device memory free at the start)")
+    p.add_argument("--reps", type=int, help="generate suite: timed runs per implementation (default 3; quick 1)")
+    p.add_argument("--flush-denormal", action="store_true",
+                   help="generate suite: torch.set_flush_denormal(True) for every implementation (the CPU "
+                        "paged_attention kernel slows down when exp() underflows into denormals)")
+    p.add_argument("--generate-cases", type=_csv(str, ("greedy", "beam")), default=["greedy", "beam"],
+                   help="generate suite: comma-separated subset of greedy,beam")
     p.add_argument("--isa", choices=("avx512amx", "avx512vbmi", "avx512", "avx2", "portable"),
                    help="sets KVKERNELS_CPU_ISA for the kernels' runtime dispatch")
     return p.parse_args(argv)
@@ -190,6 +198,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.suite == "cache":
         from kvkernels.bench import cache_manager
         return cache_manager.run(args, argv)
+    if args.suite == "generate":
+        from kvkernels.bench import generate
+        return generate.run(args, argv)
     if args.device == "cuda":
         from kvkernels.bench import cuda
         return cuda.run(args, argv)

@@ -156,6 +156,7 @@ class PagedCache(Cache):
         self._step: Optional[Step] = None
         self._static: Optional[Step] = None  # set by PagedDecoder around a compiled step
         self._dups = None  # prefill rows forked from a duplicate row: (rep, real, counts, slots)
+        self._held: list[Optional[int]] = []  # sequences kept outside the batch rows (hold_row), None: released
         self.peak_used_blocks = 0  # most blocks held at once (see memory_usage)
         self.grow_count = 0  # storage growths
         self.split_rows = 0  # prefill duplicates that turned out to differ in a later layer
@@ -271,8 +272,37 @@ class PagedCache(Cache):
         self._cols = [max(c - n, 0) for c in self._cols]
         self._step = None
 
+    def reserve(self, new_tokens: int) -> None:
+        """Make room now (one storage growth at most) for ``new_tokens`` more tokens in every row,
+        so that no growth interrupts the steps that follow (``num_blocks=None`` caches only)."""
+        if self.kv is not None and self._seqs and self._fixed_blocks is None:
+            self._reserve(np.full(len(self._seqs), int(new_tokens), dtype=np.int64))
+
+    def hold_row(self, row: int) -> int:
+        """Keep what row ``row`` holds now alive outside the batch (a zero-copy fork that later
+        ``batch_select_indices`` / ``reorder_cache`` calls do not touch): generation strategies park
+        finished continuations this way. Returns a handle; ``held_sequence(handle)`` is its
+        ``PagedKVCache`` sequence id (a storage growth moves it into the new storage under a new id)."""
+        self._held.append(self.kv.fork(self._seqs[row]))
+        return len(self._held) - 1
+
+    def held_sequence(self, handle: int) -> int:
+        seq = self._held[handle]
+        if seq is None:
+            raise ValueError(f"kvkernels PagedCache: held sequence {handle} was released")
+        return seq
+
+    def release_held(self) -> None:
+        """Free every sequence kept by ``hold_row``."""
+        for i, seq in enumerate(self._held):
+            if seq is not None and self.kv is not None:
+                self.kv.free(seq)
+            self._held[i] = None
+
     def reset(self) -> None:
-        """Forget every sequence (the storage is kept for the next batch)."""
+        """Forget every sequence, held ones included (the storage is kept for the next batch)."""
+        self.release_held()
+        self._held = []
         if self.kv is not None:
             for seq in self._seqs:
                 self.kv.free(seq)
@@ -368,12 +398,14 @@ class PagedCache(Cache):
         old, bs = self.kv, self.block_size
         used = old.pool.num_usable_blocks - old.pool.num_free_blocks
         new = self._new_storage(max(2 * old.num_blocks, used + need + 1))
-        tables = old.block_tables(self._seqs).cpu().numpy()
-        lens = old.seq_lens(self._seqs).tolist()
+        held = [i for i, seq in enumerate(self._held) if seq is not None]
+        everything = self._seqs + [self._held[i] for i in held]  # batch rows, then held sequences
+        tables = old.block_tables(everything).cpu().numpy()
+        lens = old.seq_lens(everything).tolist()
         flat_old, flat_new = old.kv.flatten(2, 3), new.kv.flatten(2, 3)  # [L, 2, blocks * block_size, H, D]
         rebuilt: list[tuple[np.ndarray, int, int]] = []  # (old blocks, length, new seq) of each row done
         seqs = []
-        for r, seq in enumerate(self._seqs):
+        for r, seq in enumerate(everything):
             blocks = tables[r, :-(-lens[r] // bs)]
             shared, parent = 0, None
             for prev_blocks, prev_len, prev_seq in rebuilt:
@@ -388,7 +420,11 @@ class PagedCache(Cache):
                 flat_new[:, :, dst] = flat_old[:, :, old.slot_mapping(seq, shared, lens[r])]
             rebuilt.append((blocks, lens[r], child))
             seqs.append(child)
-        self.kv, self._seqs, self._step = new, seqs, None
+        new._counters.update(old._counters)  # forks / copy-on-write counts go on (the rebuild's own are not counted)
+        rows = len(self._seqs)
+        for i, seq in zip(held, seqs[rows:]):
+            self._held[i] = seq
+        self.kv, self._seqs, self._step = new, seqs[:rows], None
         self.grow_count += 1
 
     # ---- the step: bookkeeping once per forward --------------------------------------------------
