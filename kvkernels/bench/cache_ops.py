@@ -9,10 +9,13 @@ import torch
 from torch import Tensor
 
 from kvkernels import ops
-from kvkernels.bench.attention import BLOCK, FP8_SCALE, HEAD_DIM, HEADS, KV_HEADS, build_paged, paged_layer_bytes
+from kvkernels.bench.attention import BLOCK, FP8_SCALE, HEAD_DIM, HEADS, KV_HEADS
 from kvkernels.bench.core import (GIB, TOLERANCE, CaseResult, Settings, fill_random, is_fp8, max_abs_diff,
                                   num_layers, run_impl, skip)
 from kvkernels.reference import quantize_fp8
+
+
+CPU = torch.device("cpu")
 
 
 def poison(t: Tensor) -> Tensor:
@@ -22,8 +25,20 @@ def poison(t: Tensor) -> Tensor:
     return t
 
 
+def fits(case: CaseResult, names: tuple, need: int, settings: Settings) -> bool:
+    """Whether ``need`` bytes fit the memory budget; else the implementations are skipped, saying so."""
+    if need <= settings.memory_budget:
+        return True
+    skip(case, names, f"needs ~{need / GIB:.1f} GiB > the memory budget of {settings.memory_budget / GIB:.1f} GiB")
+    return False
+
+
+# Every case takes the device its tensors live on: the CPU suite (cli.py) and the CUDA suite (cuda.py)
+# run the same cases, timed by whatever `settings` carries.
+
+
 def copy_blocks_case(dtype_name: str, dtype: torch.dtype, layers: int, num_blocks: int, pairs: int,
-                     settings: Settings, gen: torch.Generator) -> CaseResult:
+                     settings: Settings, gen: torch.Generator, *, device: torch.device = CPU) -> CaseResult:
     """``pairs`` (src, dst) block copies across every layer of one stacked [L, 2, N, B, H, D] cache."""
     block_bytes = BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
     moved = 2 * pairs * layers * 2 * block_bytes  # read + write, K and V, every layer
@@ -31,19 +46,17 @@ def copy_blocks_case(dtype_name: str, dtype: torch.dtype, layers: int, num_block
     case = CaseResult(f"copy_blocks {dtype_name} L{layers} x{pairs}", "copy_blocks", dtype_name, None, None,
                       bytes=moved, bandwidth_ref="copy",
                       check_reference="every destination block equals its source (exact)",
-                      note=f"stacked cache {list(shape)}, block_dim=2, {pairs} pairs of distinct random blocks; "
-                           "baseline: cache[:, :, dst] = cache[:, :, src]")
+                      note=f"stacked cache {list(shape)}, block_dim=2, {pairs} pairs of distinct random blocks, "
+                           f"mapping on the {device.type}; baseline: cache[:, :, dst] = cache[:, :, src]")
     cache_bytes = math.prod(shape) * dtype.itemsize
-    if cache_bytes + moved // 2 > settings.memory_budget:  # the baseline gathers the sources first
-        skip(case, ("kvkernels", "torch-index"), f"needs ~{(cache_bytes + moved // 2) / GIB:.1f} GiB "
-                                                 "> memory budget")
-        return case
-    cache = fill_random(torch.empty(shape, dtype=dtype), gen)
+    if not fits(case, ("kvkernels", "torch-index"), cache_bytes + moved // 2, settings):  # the baseline
+        return case                                                                        # gathers first
+    cache = fill_random(torch.empty(shape, dtype=dtype, device=device), gen)
     # Rotated mappings use disjoint blocks, so after any number of calls every destination equals
     # its source and one check after timing covers them all.
-    rotations = min(num_layers(moved, settings), num_blocks // (2 * pairs))
-    perm = torch.randperm(num_blocks, generator=gen)[:rotations * 2 * pairs].view(rotations, 2, pairs)
-    mappings = [torch.stack([src, dst], dim=1) for src, dst in perm]
+    rotations = max(1, min(num_layers(moved, settings), num_blocks // (2 * pairs)))
+    perm = torch.randperm(num_blocks, generator=gen)[:rotations * 2 * pairs].view(rotations, 2, pairs).to(device)
+    mappings = [torch.stack([src, dst], dim=1).contiguous() for src, dst in perm]
     case.note += f"; {rotations} disjoint mapping(s) rotated"
 
     def reset() -> None:
@@ -71,7 +84,7 @@ def copy_blocks_case(dtype_name: str, dtype: torch.dtype, layers: int, num_block
 
 
 def reshape_and_cache_case(dtype_name: str, dtype: torch.dtype, tokens: int, settings: Settings,
-                           gen: torch.Generator) -> CaseResult:
+                           gen: torch.Generator, *, device: torch.device = CPU) -> CaseResult:
     """Write ``tokens`` bfloat16 K/V rows into shuffled slots of a cache (fp8: quantizing)."""
     row = KV_HEADS * HEAD_DIM
     moved = 2 * tokens * row * (2 + dtype.itemsize)  # read bf16 key/value, write the cache rows
@@ -82,14 +95,16 @@ def reshape_and_cache_case(dtype_name: str, dtype: torch.dtype, tokens: int, set
     layers = num_layers(moved, settings)
     num_blocks = math.ceil(tokens / BLOCK)
     slots = (torch.randperm(num_blocks, generator=gen)[:, None] * BLOCK + torch.arange(BLOCK)).flatten()[:tokens]
-    scale = torch.tensor([FP8_SCALE]) if is_fp8(dtype) else None
-    key = fill_random(torch.empty(tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16), gen)
+    slots = slots.to(device)
+    scale = torch.tensor([FP8_SCALE], device=device) if is_fp8(dtype) else None
+    key = fill_random(torch.empty(tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device), gen)
     value = fill_random(torch.empty_like(key), gen)
-    keys, values = [key] + [key.clone() for _ in range(layers - 1)], [value] + [value.clone() for _ in
-                                                                                 range(layers - 1)]
+    keys = [key] + [key.clone() for _ in range(layers - 1)]
+    values = [value] + [value.clone() for _ in range(layers - 1)]
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    k_caches = [torch.empty(shape, dtype=dtype) for _ in range(layers)]
-    v_caches = [torch.empty(shape, dtype=dtype) for _ in range(layers)]
+    k_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+    v_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+    case.note += f"; {layers} copies rotated"
 
     def stored(x: Tensor) -> Tensor:
         return quantize_fp8(x, scale, dtype) if scale is not None else x
@@ -127,20 +142,32 @@ def reshape_and_cache_case(dtype_name: str, dtype: torch.dtype, tokens: int, set
     return case
 
 
-def gather_kv_case(batch: int, context: int, settings: Settings, gen: torch.Generator) -> CaseResult:
+def gather_kv_case(batch: int, context: int, settings: Settings, gen: torch.Generator, *,
+                   device: torch.device = CPU) -> CaseResult:
     """Paged bfloat16 cache -> contiguous [batch * context, H, D] keys and values."""
-    layer_bytes = paged_layer_bytes(batch, context, torch.bfloat16)
+    per_seq = math.ceil(context / BLOCK)
+    num_blocks = batch * per_seq
+    layer_bytes = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * 2
     case = CaseResult(f"gather_kv bfloat16 b{batch} ctx{context}", "gather_kv", "bfloat16", batch, context,
                       bytes=2 * layer_bytes, bandwidth_ref="copy", check_reference="torch indexing (exact)",
                       note="bytes: paged K/V read + contiguous K/V written; baseline: cache[block_table]")
     layers = num_layers(layer_bytes, settings)
-    data = build_paged(batch, context, 1, torch.bfloat16, layers, gen)
+    if not fits(case, ("kvkernels", "torch-index"), (layers + 2) * layer_bytes, settings):
+        return case
+    table = torch.randperm(num_blocks, generator=gen).view(batch, per_seq).to(device)  # shuffled blocks
+    tables32 = table.to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    k0 = fill_random(torch.empty(shape, dtype=torch.bfloat16, device=device), gen)
+    v0 = fill_random(torch.empty(shape, dtype=torch.bfloat16, device=device), gen)
+    k_caches = [k0] + [k0.clone() for _ in range(layers - 1)]
+    v_caches = [v0] + [v0.clone() for _ in range(layers - 1)]
     tokens = batch * context
 
     def torch_index(i: int) -> tuple[Tensor, Tensor]:
         j = i % layers
-        return tuple(cache[data.block_ids].reshape(batch, -1, KV_HEADS, HEAD_DIM)[:, :context]
-                     .reshape(tokens, KV_HEADS, HEAD_DIM) for cache in (data.key_caches[j], data.value_caches[j]))
+        return tuple(c[table].reshape(batch, -1, KV_HEADS, HEAD_DIM)[:, :context].reshape(tokens, KV_HEADS, HEAD_DIM)
+                     for c in (k_caches[j], v_caches[j]))
 
     expected = torch_index(0)
 
@@ -149,8 +176,7 @@ def gather_kv_case(batch: int, context: int, settings: Settings, gen: torch.Gene
 
     def kernel(i: int) -> tuple[Tensor, Tensor]:
         j = i % layers
-        return ops.gather_kv(data.key_caches[j], data.value_caches[j], data.block_tables, data.seq_lens,
-                             num_tokens=tokens)
+        return ops.gather_kv(k_caches[j], v_caches[j], tables32, seq_lens, num_tokens=tokens)
 
     run_impl(case, "kvkernels", kernel, layers, settings, baseline=False, verify=check)
     if settings.baselines:
@@ -165,7 +191,7 @@ def merge_f32(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Ten
     return (torch.exp(lse_a - lse)[..., None] * out_a.float() + torch.exp(lse_b - lse)[..., None] * out_b.float())
 
 
-def merge_case(tokens: int, settings: Settings, gen: torch.Generator) -> CaseResult:
+def merge_case(tokens: int, settings: Settings, gen: torch.Generator, *, device: torch.device = CPU) -> CaseResult:
     """merge_attention_states of two bfloat16 partial results [tokens, 32, 128] with their lse."""
     out_bytes, lse_bytes = tokens * HEADS * HEAD_DIM * 2, tokens * HEADS * 4
     case = CaseResult(f"merge bfloat16 t{tokens}", "merge", "bfloat16", None, None,
@@ -175,10 +201,13 @@ def merge_case(tokens: int, settings: Settings, gen: torch.Generator) -> CaseRes
     layers = num_layers(2 * (out_bytes + lse_bytes), settings)
     # Partial outputs are averages of value rows, so smaller than N(0, 1) draws; 0.25 also keeps
     # bfloat16 rounding of the result (half an ulp grows with magnitude) well inside the tolerance.
-    inputs = [fill_random(torch.empty(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16), gen).mul_(0.25),
-              2 * torch.randn(tokens, HEADS, generator=gen),
-              fill_random(torch.empty(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16), gen).mul_(0.25),
-              2 * torch.randn(tokens, HEADS, generator=gen)]
+    def partial_out() -> Tensor:
+        return fill_random(torch.empty(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device), gen).mul_(0.25)
+
+    def lse() -> Tensor:
+        return (2 * torch.randn(tokens, HEADS, generator=gen)).to(device)
+
+    inputs = [partial_out(), lse(), partial_out(), lse()]
     copies = [inputs] + [[t.clone() for t in inputs] for _ in range(layers - 1)]
     expected = merge_f32(*inputs)
 

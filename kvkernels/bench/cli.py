@@ -19,10 +19,7 @@ import torch
 
 import kvkernels
 from kvkernels.bench import attention, cache_ops, machine, report
-from kvkernels.bench.core import GIB, CaseResult, Settings, finalize
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "fp8_e4m3": torch.float8_e4m3fn}
+from kvkernels.bench.core import DTYPES, GIB, CaseResult, Settings, finalize
 CASE_GROUPS = ("decode", "prefill", "copy", "extra", "swap")  # swap: CUDA only (host <-> device)
 
 

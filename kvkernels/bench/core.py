@@ -13,6 +13,9 @@ import torch
 
 from kvkernels.reference import quantize_fp8
 
+# Cache dtypes of the benchmarks, by the names the CLI takes.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp8_e4m3": torch.float8_e4m3fn}
 GIB = 1 << 30
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Loose tolerances of the one-off output check (max abs difference against a float32 computation).

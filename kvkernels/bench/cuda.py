@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import math
 import platform
 import shlex
 import statistics
@@ -31,19 +30,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-from torch import Tensor
 
 import kvkernels
 from kvkernels import ops
-from kvkernels.bench import machine, report
-from kvkernels.bench.core import (GIB, TOLERANCE, CaseResult, Settings, Timing, fill_random, finalize, is_fp8,
-                                  max_abs_diff, num_layers, run_impl, skip)
-from kvkernels.reference import quantize_fp8
+from kvkernels.bench import cache_ops, machine, report
+from kvkernels.bench.attention import BLOCK, HEAD_DIM, KV_HEADS
+from kvkernels.bench.core import (DTYPES, GIB, CaseResult, Settings, Timing, fill_random, finalize, max_abs_diff,
+                                  run_impl, skip)
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
-FP8_SCALE = 4.0 / 448
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
-          "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -157,200 +151,6 @@ def measure_bandwidth(device: torch.device, buffer_bytes: int, min_time: float) 
 # ---- cases ----------------------------------------------------------------------------------------
 
 
-def poison(t: Tensor) -> Tensor:
-    """Bytes a correct write never leaves (0x7F: NaN in fp8, ~3e38 in bf16)."""
-    t.view(torch.uint8).fill_(0x7F)
-    return t
-
-
-def fits(case: CaseResult, names: tuple, need: int, settings: Settings) -> bool:
-    if need <= settings.memory_budget:
-        return True
-    skip(case, names, f"needs ~{need / GIB:.1f} GiB > the memory budget of {settings.memory_budget / GIB:.1f} GiB")
-    return False
-
-
-def copy_blocks_case(dtype_name: str, layers: int, num_blocks: int, pairs: int, device: torch.device,
-                     settings: Settings, gen: torch.Generator) -> CaseResult:
-    """``pairs`` (src, dst) block copies across every layer of one stacked [L, 2, N, B, H, D] cache."""
-    dtype = DTYPES[dtype_name]
-    block_bytes = BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
-    moved = 2 * pairs * layers * 2 * block_bytes  # read + write, K and V, every layer
-    shape = (layers, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    case = CaseResult(f"copy_blocks {dtype_name} L{layers} x{pairs}", "copy_blocks", dtype_name, None, None,
-                      bytes=moved, bandwidth_ref="copy",
-                      check_reference="every destination block equals its source (exact)",
-                      note=f"stacked cache {list(shape)}, block_dim=2, {pairs} pairs of distinct random blocks, "
-                           "mapping on the device; baseline: cache[:, :, dst] = cache[:, :, src]")
-    cache_bytes = math.prod(shape) * dtype.itemsize
-    if not fits(case, ("kvkernels", "torch-index"), cache_bytes + moved // 2, settings):
-        return case
-    cache = fill_random(torch.empty(shape, dtype=dtype, device=device), gen)
-    rotations = max(1, min(num_layers(moved, settings), num_blocks // (2 * pairs)))
-    perm = torch.randperm(num_blocks, generator=gen)[:rotations * 2 * pairs].view(rotations, 2, pairs).to(device)
-    mappings = [torch.stack([src, dst], dim=1).contiguous() for src, dst in perm]
-    case.note += f"; {rotations} disjoint mapping(s) rotated"
-
-    def reset() -> None:
-        cache.index_fill_(2, perm[:, 1].flatten(), 0)
-
-    def check(_: None) -> float:
-        return max(max_abs_diff(cache[layer, :, dst], cache[layer, :, src])
-                   for src, dst in perm for layer in range(layers))
-
-    def kernel(i: int) -> None:
-        ops.copy_blocks(cache, mappings[i % rotations], block_dim=2)
-
-    def torch_index(i: int) -> None:
-        src, dst = perm[i % rotations]
-        cache[:, :, dst] = cache[:, :, src]
-
-    reset()
-    run_impl(case, "kvkernels", kernel, rotations, settings, baseline=False, verify=check)
-    if settings.baselines:
-        reset()
-        run_impl(case, "torch-index", torch_index, rotations, settings, baseline=True, verify=check)
-    else:
-        skip(case, ("torch-index",), "--no-baselines")
-    return case
-
-
-def reshape_and_cache_case(dtype_name: str, tokens: int, device: torch.device, settings: Settings,
-                           gen: torch.Generator) -> CaseResult:
-    """Write ``tokens`` bfloat16 K/V rows into shuffled slots (fp8 caches: quantizing)."""
-    dtype = DTYPES[dtype_name]
-    row = KV_HEADS * HEAD_DIM
-    moved = 2 * tokens * row * (2 + dtype.itemsize)  # read bf16 key/value, write the cache rows
-    case = CaseResult(f"reshape_and_cache {dtype_name} t{tokens}", "reshape_and_cache", dtype_name, None, None,
-                      bytes=moved, bandwidth_ref="copy", check_reference="the written slots (exact)",
-                      note="input bfloat16; baseline: index_copy_ into the flat cache"
-                           + (" after quantize_fp8" if is_fp8(dtype) else ""))
-    layers = num_layers(moved, settings)
-    num_blocks = math.ceil(tokens / BLOCK)
-    slots = (torch.randperm(num_blocks, generator=gen)[:, None] * BLOCK + torch.arange(BLOCK)).flatten()[:tokens]
-    slots = slots.to(device)
-    scale = torch.tensor([FP8_SCALE], device=device) if is_fp8(dtype) else None
-    key = fill_random(torch.empty(tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device), gen)
-    value = fill_random(torch.empty_like(key), gen)
-    keys = [key] + [key.clone() for _ in range(layers - 1)]
-    values = [value] + [value.clone() for _ in range(layers - 1)]
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    k_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
-    v_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
-    case.note += f"; {layers} copies rotated"
-
-    def stored(x: Tensor) -> Tensor:
-        return quantize_fp8(x, scale, dtype) if scale is not None else x
-
-    def reset() -> None:
-        for t in k_caches + v_caches:
-            poison(t)
-
-    def check(_: None) -> float:
-        return max(max_abs_diff(k_caches[0].view(-1, KV_HEADS, HEAD_DIM)[slots], stored(key)),
-                   max_abs_diff(v_caches[0].view(-1, KV_HEADS, HEAD_DIM)[slots], stored(value)))
-
-    def kernel(i: int) -> None:
-        j = i % layers
-        ops.reshape_and_cache(keys[j], values[j], k_caches[j], v_caches[j], slots, k_scale=scale, v_scale=scale)
-
-    def write_rows(cache: Tensor, rows: Tensor) -> None:
-        flat, rows = cache.view(-1, KV_HEADS, HEAD_DIM), stored(rows)
-        if is_fp8(dtype):  # index_copy_ has no fp8 kernel; it only moves bytes, so copy them as uint8
-            flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
-        flat.index_copy_(0, slots, rows)
-
-    def index_copy(i: int) -> None:
-        j = i % layers
-        write_rows(k_caches[j], keys[j])
-        write_rows(v_caches[j], values[j])
-
-    reset()
-    run_impl(case, "kvkernels", kernel, layers, settings, baseline=False, verify=check)
-    if settings.baselines:
-        reset()
-        run_impl(case, "torch-index", index_copy, layers, settings, baseline=True, verify=check)
-    else:
-        skip(case, ("torch-index",), "--no-baselines")
-    return case
-
-
-def gather_kv_case(batch: int, context: int, device: torch.device, settings: Settings,
-                   gen: torch.Generator) -> CaseResult:
-    """Paged bfloat16 cache -> contiguous [batch * context, H, D] keys and values."""
-    per_seq = math.ceil(context / BLOCK)
-    num_blocks = batch * per_seq
-    layer_bytes = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * 2
-    case = CaseResult(f"gather_kv bfloat16 b{batch} ctx{context}", "gather_kv", "bfloat16", batch, context,
-                      bytes=2 * layer_bytes, bandwidth_ref="copy", check_reference="torch indexing (exact)",
-                      note="bytes: paged K/V read + contiguous K/V written; baseline: cache[block_table]")
-    layers = num_layers(layer_bytes, settings)
-    if not fits(case, ("kvkernels", "torch-index"), (layers + 2) * layer_bytes, settings):
-        return case
-    table = torch.randperm(num_blocks, generator=gen).view(batch, per_seq).to(device)
-    tables32 = table.to(torch.int32)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    k0 = fill_random(torch.empty(shape, dtype=torch.bfloat16, device=device), gen)
-    v0 = fill_random(torch.empty(shape, dtype=torch.bfloat16, device=device), gen)
-    k_caches, v_caches = [k0] + [k0.clone() for _ in range(layers - 1)], [v0] + [v0.clone() for _ in range(layers - 1)]
-    tokens = batch * context
-
-    def torch_index(i: int) -> tuple[Tensor, Tensor]:
-        j = i % layers
-        return tuple(c[table].reshape(batch, -1, KV_HEADS, HEAD_DIM)[:, :context].reshape(tokens, KV_HEADS, HEAD_DIM)
-                     for c in (k_caches[j], v_caches[j]))
-
-    expected = torch_index(0)
-
-    def check(out: tuple[Tensor, Tensor]) -> float:
-        return max(max_abs_diff(out[0], expected[0]), max_abs_diff(out[1], expected[1]))
-
-    def kernel(i: int) -> tuple[Tensor, Tensor]:
-        j = i % layers
-        return ops.gather_kv(k_caches[j], v_caches[j], tables32, seq_lens, num_tokens=tokens)
-
-    run_impl(case, "kvkernels", kernel, layers, settings, baseline=False, verify=check)
-    if settings.baselines:
-        run_impl(case, "torch-index", torch_index, layers, settings, baseline=True, verify=check)
-    else:
-        skip(case, ("torch-index",), "--no-baselines")
-    return case
-
-
-def merge_case(tokens: int, device: torch.device, settings: Settings, gen: torch.Generator) -> CaseResult:
-    """merge_attention_states of two bfloat16 partial results [tokens, 32, 128] with their lse."""
-    out_bytes, lse_bytes = tokens * HEADS * HEAD_DIM * 2, tokens * HEADS * 4
-    case = CaseResult(f"merge bfloat16 t{tokens}", "merge", "bfloat16", None, None,
-                      bytes=3 * (out_bytes + lse_bytes), bandwidth_ref="copy", check_reference="float32 merge formula",
-                      note="bytes: two (out, lse) read + one written; baseline: torch float32 math")
-    layers = num_layers(2 * (out_bytes + lse_bytes), settings)
-
-    def make() -> list[Tensor]:
-        return [fill_random(torch.empty(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device), gen).mul_(0.25),
-                2 * torch.randn(tokens, HEADS, generator=gen).to(device),
-                fill_random(torch.empty(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device), gen).mul_(0.25),
-                2 * torch.randn(tokens, HEADS, generator=gen).to(device)]
-
-    inputs = make()
-    copies = [inputs] + [[t.clone() for t in inputs] for _ in range(layers - 1)]
-
-    def merge_f32(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
-        lse = torch.logaddexp(lse_a, lse_b)
-        return torch.exp(lse_a - lse)[..., None] * out_a.float() + torch.exp(lse_b - lse)[..., None] * out_b.float()
-
-    expected = merge_f32(*inputs)
-    tolerance = TOLERANCE[torch.bfloat16]
-    run_impl(case, "kvkernels", lambda i: ops.merge_attention_states(*copies[i % layers])[0], layers, settings,
-             baseline=False, verify=lambda out: max_abs_diff(out, expected), tolerance=tolerance)
-    if settings.baselines:
-        run_impl(case, "torch-math", lambda i: merge_f32(*copies[i % layers]).to(torch.bfloat16), layers, settings,
-                 baseline=True, verify=lambda out: max_abs_diff(out, expected), tolerance=tolerance)
-    else:
-        skip(case, ("torch-math",), "--no-baselines")
-    return case
-
-
 def swap_blocks_case(direction: str, layers: int, pairs: int, device: torch.device, settings: Settings,
                      gen: torch.Generator) -> CaseResult:
     """``pairs`` blocks of every layer of a stacked bfloat16 cache to pinned host memory (offload,
@@ -459,16 +259,19 @@ def plan(shapes: CudaShapes, groups: list, device: torch.device) -> list[Job]:
     if "copy" in groups:
         layers, blocks, pairs = shapes.copy
         for name in shapes.copy_dtypes:
-            jobs.append((f"copy_blocks {name}", functools.partial(copy_blocks_case, name, layers, blocks, pairs,
-                                                                  device)))
+            jobs.append((f"copy_blocks {name}", functools.partial(
+                cache_ops.copy_blocks_case, name, DTYPES[name], layers, blocks, pairs, device=device)))
     if "extra" in groups:
         for tokens in shapes.reshape_tokens:
             for name in ("bfloat16", "fp8_e4m3"):
                 jobs.append((f"reshape_and_cache {name} t{tokens}",
-                             functools.partial(reshape_and_cache_case, name, tokens, device)))
+                             functools.partial(cache_ops.reshape_and_cache_case, name, DTYPES[name], tokens,
+                                               device=device)))
         for batch, context in shapes.gather:
-            jobs.append((f"gather_kv b{batch}", functools.partial(gather_kv_case, batch, context, device)))
-        jobs.append(("merge_attention_states", functools.partial(merge_case, shapes.merge_tokens, device)))
+            jobs.append((f"gather_kv b{batch}", functools.partial(cache_ops.gather_kv_case, batch, context,
+                                                                  device=device)))
+        jobs.append(("merge_attention_states", functools.partial(cache_ops.merge_case, shapes.merge_tokens,
+                                                                 device=device)))
     if "swap" in groups:
         for direction in ("d2h", "h2d"):
             jobs.append((f"swap_blocks {direction}", functools.partial(swap_blocks_case, direction, *shapes.swap,
