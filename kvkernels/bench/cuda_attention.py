@@ -48,13 +48,12 @@ import torch
 import torch.nn.functional as F
 
 from kvkernels import ops
+from kvkernels.bench.attention import BLOCK, FP8_SCALE, HEAD_DIM, HEADS, KV_HEADS
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 GROUP = HEADS // KV_HEADS
 DECODE_BATCHES = (1, 16, 64, 256)
 DECODE_CONTEXTS = (1024, 4096, 32768)
 PREFILL = (4096, 4096)  # (queries, context)
-FP8_SCALE = 4.0 / 448
 CHECKED_SEQS = 2
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-2, torch.float32: 1e-4}
 
