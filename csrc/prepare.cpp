@@ -481,7 +481,7 @@ PreparedDecompress prepare_mla_decompress(
            "v_head_dim) = num_heads * ", per_head);
   c.cache_dtype(kv_cache, "kv_cache", w_kv_b_in, "w_kv_b");
   Tensor w = w_kv_b_in.is_contiguous() ? w_kv_b_in : torch::stable::contiguous(w_kv_b_in);
-  r.keep_alive.push_back(w);
+  r.w_kv_b = w;
   if (norm_weight.has_value()) {
     c.dim(*norm_weight, "norm_weight", 1);
     c.size(*norm_weight, "norm_weight", 0, kv_lora_rank, "kv_lora_rank");

@@ -87,6 +87,7 @@ PreparedGather prepare_gather_kv(const ArgCheck& check, const Tensor& key_cache,
 struct PreparedDecompress : Prepared {
   MlaDecompressParams params;
   Tensor key, value;
+  Tensor w_kv_b;  // contiguous (the input itself when it already is)
 };
 
 PreparedDecompress prepare_mla_decompress(

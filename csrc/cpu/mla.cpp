@@ -72,7 +72,7 @@ std::tuple<Tensor, Tensor> mla_decompress_cpu(
   p.token_start = starts.data();
   const int64_t T = p.num_tokens, H = p.num_heads, dn = p.qk_nope_head_dim, dv = p.v_head_dim;
   if (T == 0) return {r.key, r.value};
-  Tensor w = torch::stable::contiguous(w_kv_b);
+  Tensor& w = r.w_kv_b;
   Tensor lat = torch::stable::new_empty(w, {T, int64_t(p.kv_lora_rank)});
   dispatch_float_and_cache(p.w_format, p.kv.format, [&](auto wt, auto ct) {
     using W = typename decltype(wt)::type;
