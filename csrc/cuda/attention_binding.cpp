@@ -1,7 +1,7 @@
 // CUDA registration of paged_attention (torch stable ABI): the same validation and output
 // allocation as every backend (prepare_paged_attention), then a launch planned from shapes only
-// (attention.cu) on the current CUDA stream of the query's device. No host synchronization: the
-// split workspace comes from torch's caching allocator (stream-ordered; inside a CUDA-graph
+// (attention.cu) on the current CUDA stream of the query's device (DeviceScope, cuda_binding.h).
+// No host synchronization: the split workspace comes from torch's caching allocator (stream-ordered; inside a CUDA-graph
 // capture it comes from the graph's pool), and no device data is read on the host, except in
 // debug mode (KVKERNELS_DEBUG=1), which copies the index tensors to the CPU and runs the range
 // checks of index_checks.h before launching.
@@ -9,48 +9,33 @@
 // Several STABLE_TORCH_LIBRARY_IMPL(kvkernels, CUDA, m) blocks coexist across translation units
 // (the macro names each block after __COUNTER__ and registers it at static-init time, like the
 // CPU files do), so the cache ops' binding registers its own ops independently.
-#include <torch/csrc/inductor/aoti_torch/c/shim.h>
-#include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <optional>
-#include <stdexcept>
-#include <string>
 #include <tuple>
 
 #include "../index_checks.h"
 #include "../prepare.h"
 #include "attention_api.cuh"
+#include "cuda_binding.h"
 
 namespace kvkernels::attn_cuda {
 namespace {
 
-bool debug_checks() {
-  const char* v = std::getenv("KVKERNELS_DEBUG");
-  return v != nullptr && std::strcmp(v, "1") == 0;
-}
-
-Tensor to_host(const Tensor& t) {
-  return torch::stable::contiguous(
-      torch::stable::to(t, torch::stable::Device(torch::headeronly::DeviceType::CPU)));
-}
+using kvkernels::cuda::DeviceScope;
 
 // Debug mode: the host-side range checks of the CPU backend, on host copies of the index tensors
 // (this synchronizes the device; it is off by default).
-void check_indices_on_host(const ArgCheck& c, const AttentionParams& params,
-                           const Tensor& block_tables, const Tensor& seq_lens,
-                           const std::optional<Tensor>& query_start_loc) {
-  const Tensor bt = to_host(block_tables), sl = to_host(seq_lens);
+void check_indices_on_host(const ArgCheck& c, const AttentionParams& params, cudaStream_t stream) {
+  const kvkernels::cuda::HostPagedKV kv = kvkernels::cuda::host_paged_kv(c, params.kv, stream);
   AttentionParams host = params;
-  host.kv.block_tables = static_cast<const int32_t*>(bt.const_data_ptr());
-  host.kv.seq_lens = static_cast<const int32_t*>(sl.const_data_ptr());
+  host.kv = kv.kv;
   check_paged_kv_indices(c, host.kv);
-  if (query_start_loc.has_value()) {
-    const Tensor qsl = to_host(*query_start_loc);
-    host.query_start_loc = static_cast<const int32_t*>(qsl.const_data_ptr());
+  if (params.query_start_loc != nullptr) {
+    const std::vector<int32_t> qsl =
+        kvkernels::cuda::to_host(c, params.query_start_loc, params.kv.num_seqs + 1, stream);
+    host.query_start_loc = qsl.data();
     check_query_start_loc(c, host);
   }
 }
@@ -62,26 +47,21 @@ std::tuple<Tensor, Tensor> paged_attention_cuda(
     std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
     std::optional<Tensor> v_scale) {
   const ArgCheck c("paged_attention");
-  c.expect(query.is_cuda(), "query", "must be a CUDA tensor for the CUDA kernel");
-  const int32_t device = query.get_device_index();
-  torch::stable::accelerator::DeviceGuard guard(device);
+  const DeviceScope scope(c, query, "query");
   PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables,
                                                 seq_lens, query_start_loc, scale, window_left,
                                                 soft_cap, alibi_slopes, sinks, k_scale, v_scale);
-  if (debug_checks()) check_indices_on_host(c, r.params, block_tables, seq_lens, query_start_loc);
+  if (kvkernels::cuda::debug_mode()) check_indices_on_host(c, r.params, scope.stream());
   if (r.params.num_tokens == 0 || r.params.kv.num_seqs == 0) return {r.out, r.lse};
 
-  const LaunchPlan plan = plan_paged_attention(r.params, device);
+  const LaunchPlan plan = plan_paged_attention(r.params, scope.device());
   Tensor workspace;
   float* ws = nullptr;
   if (plan.workspace_floats > 0) {
     workspace = torch::stable::new_empty(query, {plan.workspace_floats}, ScalarType::Float);
     ws = static_cast<float*>(workspace.mutable_data_ptr());
   }
-  void* stream = nullptr;
-  if (aoti_torch_get_current_cuda_stream(device, &stream) != AOTI_TORCH_SUCCESS)
-    throw std::runtime_error("kvkernels.paged_attention: cannot get the current CUDA stream");
-  launch_paged_attention(r.params, plan, ws, stream);
+  launch_paged_attention(r.params, plan, ws, scope.stream());
   // The workspace tensor goes back to the caching allocator when this function returns; the
   // allocator reuses it only for work ordered after the kernels on this stream.
   return {r.out, r.lse};
