@@ -2,6 +2,9 @@
 // compiled once per ISA: attention_<isa>.cpp defines KVK_ISA (the namespace of its Vec), opens its
 // target region and includes this file, so every symbol here is distinct per ISA.
 //
+// In the AVX-512 builds, calls with 16+ rows per kv head (prefill, MLA decode) go to the tile
+// kernels instead (attention_tiles.h, plan.tiles); everything else runs here.
+//
 // One work item (attention_plan.h) walks its visible keys in chunks of kChunk positions:
 //   0. when an item has several groups of four rows (prefill), the chunk is first converted to
 //      float scratch (stage_chunk), so the conversion is not repeated per row group;
