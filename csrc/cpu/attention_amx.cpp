@@ -1,8 +1,8 @@
 // The attention kernel (attention_kernel.h) built for AVX-512 + VBMI + BF16 with AMX: the same
 // kernel as attention_avx512vbmi.cpp, plus the AMX form of the tile kernels (attention_amx.h,
 // KVK_AMX), which runs when the plan says so (plan.tiles == kAmx: bf16 queries over bf16 / fp8
-// caches). Everything lives in namespace avx512amx; isa.cpp decides at run time whether it is called (the CPU has AMX
-// and the OS granted this process the tile state).
+// caches). Everything lives in namespace avx512amx; isa.cpp decides at run time whether it is
+// called (the CPU has AMX and the OS granted this process the tile state).
 #if defined(__x86_64__)
 #include <immintrin.h>
 
