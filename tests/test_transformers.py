@@ -291,6 +291,28 @@ def test_duplicate_rows_that_differ_later_get_their_own_blocks():
     cache.kv.check_invariants()
 
 
+def test_beam_prefill_attends_each_prompt_once(monkeypatch):
+    """generate() with beams prefills num_beams identical copies of each (left-padded) prompt; the
+    copies are zero-copy forks and the prefill attention runs once per distinct prompt: the kernel
+    gets the real query tokens of 2 rows, not 8. Generation stays token-identical."""
+    stock, paged = model_pair("llama")
+    ids, mask = left_padded_batch()
+    ids, mask = ids[:2], mask[:2]
+    seen = []
+    original = kvkernels.ops.paged_attention
+
+    def spy(query, *args, **kwargs):
+        seen.append(query.shape[0])
+        return original(query, *args, **kwargs)
+    monkeypatch.setattr(kvkernels.ops, "paged_attention", spy)
+    ref, out, cache = generate_both(stock, paged, ids, mask, "beam")
+    assert_same_generation(ref, out, "beam")
+    layers = paged.config.num_hidden_layers
+    assert seen[:layers] == [int(mask.sum())] * layers  # prefill: each prompt's real tokens once
+    assert all(n == 2 * MODES["beam"]["num_beams"] for n in seen[layers:])  # decode: every beam
+    assert cache.split_rows == 0
+
+
 # ---- cache operations ----------------------------------------------------------------------------
 
 

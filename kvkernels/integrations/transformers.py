@@ -38,8 +38,9 @@ it (within its window) — the keys the stock cache + SDPA path lets it see.
 
 Beam search: ``generate()`` expands every prompt to ``num_beams`` identical rows before the prefill.
 A prefill into empty rows finds rows whose padding and first-layer K/V are bitwise equal to an
-earlier row's and makes them zero-copy forks of it (they write nothing); each later layer checks
-they are still equal, and a row that is not gets its own blocks. ``reorder_cache(beam_idx)`` is
+earlier row's and makes them zero-copy forks of it (they write nothing, and the prefill attention runs
+once per distinct row when the queries are equal too); each later layer checks they are still
+equal, and a row that is not gets its own blocks. ``reorder_cache(beam_idx)`` is
 ``PagedKVCache.reorder``: block tables and refcounts are permuted, no KV is copied; a partial block
 shared after the reorder is copied on the next write (copy-on-write). ``batch_repeat_interleave``
 forks (prefill once, then branch).

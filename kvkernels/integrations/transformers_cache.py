@@ -535,16 +535,47 @@ class PagedCache(Cache):
             v = handle.value.transpose(1, 2).reshape(batch * q, self._kv_heads, dim).to(self.dtype)
             ops.reshape_and_cache(k, v, key_cache, value_cache, step.slot_mapping)
             handle.key = handle.value = None
-        qry = query.transpose(1, 2).reshape(batch * q, heads, dim).to(self.dtype)
+        rows = self._unique_rows(query)
+        if rows is not None:  # duplicate prefill rows: attend once per distinct row, then copy
+            unique, source, step = rows
+            query = query.index_select(0, unique)
+        qry = query.transpose(1, 2).reshape(-1, heads, dim).to(self.dtype)
         if step.real_index is not None:
             qry = qry.index_select(0, step.real_index)
         out, _ = ops.paged_attention(qry, key_cache, value_cache, step.block_tables, step.seq_lens,
                                      step.query_start_loc, scale=scale, window_left=window_left,
                                      soft_cap=soft_cap, sinks=None if sinks is None else sinks.float())
         if step.real_index is not None:
-            full = out.new_zeros((batch * q, heads, out.shape[-1]))
+            full = out.new_zeros((query.shape[0] * q, heads, out.shape[-1]))
             out = full.index_copy_(0, step.real_index, out)
-        return out.view(batch, q, heads, out.shape[-1]).to(query.dtype)
+        out = out.view(-1, q, heads, out.shape[-1])
+        if rows is not None:
+            out = out.index_select(0, source)
+        return out.to(query.dtype)
+
+    def _unique_rows(self, query: Tensor) -> Optional[tuple[Tensor, Tensor, Step]]:
+        """For a prefill whose rows include zero-copy duplicates (``self._dups``) with bitwise equal
+        queries: the distinct rows, each row's index among them, and the step restricted to the
+        distinct rows. ``generate()`` with beams prefills ``num_beams`` copies of each prompt; this
+        attends each prompt once. ``None`` when there is nothing to share."""
+        if self._dups is None:
+            return None
+        rep, real, counts, _ = self._dups
+        batch = len(rep)
+        dup = np.flatnonzero(rep != np.arange(batch))
+        dev = query.device
+        if not torch.equal(query[torch.from_numpy(dup).to(dev)], query[torch.from_numpy(rep[dup]).to(dev)]):
+            return None  # equal K/V but different queries: attend every row
+        unique = np.flatnonzero(rep == np.arange(batch))
+        source = np.searchsorted(unique, rep)  # rep[r] is a distinct row: its position in `unique`
+        step = self._step
+        qsl = np.zeros(len(unique) + 1, dtype=np.int32)
+        qsl[1:] = np.cumsum(counts[unique])
+        real_index = None if real is None else torch.from_numpy(np.flatnonzero(real[unique].ravel())).to(dev)
+        idx = torch.from_numpy(unique).to(dev)
+        sub = Step(step.slot_mapping, step.block_tables.index_select(0, idx), step.seq_lens.index_select(0, idx),
+                   torch.from_numpy(qsl).to(dev), real_index)
+        return idx, torch.from_numpy(source).to(dev), sub
 
     # ---- MLA latents -----------------------------------------------------------------------------
 
