@@ -29,25 +29,24 @@ inline __m512i row_words(const C* row) {
   return word_loader<C>().load(row, Words::mask(Words::N)).v;
 }
 
-// Packs keys [j0, j1) of a chunk (rows[j]) as B tiles of S = Q K^T: tile (t, kb) holds dims
-// [32t, 32t + 32) of keys [16kb, 16kb + 16) as 16 rows of dim pairs x 16 keys x 2. A 32-bit word
-// of a key row is one dim pair, so this is a 16 x 16 transpose of 32-bit words per tile. Keys
+// Packs dims [32t, 32t + 32) of keys [j0, j1) of a chunk as the 4 B tiles of S = Q K^T for that
+// dim tile: tile kb holds keys [16kb, 16kb + 16) as 16 rows of dim pairs x 16 keys x 2. A 32-bit
+// word of a key row is one dim pair, so this is a 16 x 16 transpose of 32-bit words per tile. Keys
 // outside [j0, j1) are zero (their logits are masked; zeros keep them finite).
 template <typename C>
-inline void amx_pack_keys(const C* const* rows, int j0, int j1, int D, bf16_bits* kp) {
+inline void amx_pack_key_dims(const C* const* rows, int j0, int j1, int t, bf16_bits* out) {
   for (int kb = 0; kb < kTileChunk / 16; ++kb) {
-    for (int t = 0; t < D / 32; ++t) {
-      __m512i r[16];
-      for (int n = 0; n < 16; ++n) {
-        const int j = kb * 16 + n;
-        r[n] = j >= j0 && j < j1 ? row_words(rows[j] + t * 32) : _mm512_setzero_si512();
-      }
-      transpose16_epi32(r);
-      bf16_bits* tile = kp + size_t(t * (kTileChunk / 16) + kb) * 512;
-      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(tile + i * 32, r[i]);
+    __m512i r[16];
+    for (int n = 0; n < 16; ++n) {
+      const int j = kb * 16 + n;
+      r[n] = j >= j0 && j < j1 ? row_words(rows[j] + t * 32) : _mm512_setzero_si512();
     }
+    transpose16_epi32(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + kb * 512 + i * 32, r[i]);
   }
 }
+
+constexpr int kKeyDimsBf16 = kTileChunk * 32;  // one dim tile of packed keys (4 B tiles)
 
 // Packs values [j0, j1) as B operands of O += P V: row kp of the result holds, for every column c,
 // the pair (v[2kp][c], v[2kp + 1][c]). Values outside [j0, j1) are zero: their probability is 0,
@@ -72,15 +71,31 @@ inline void amx_pack_values(const C* const* rows, int j0, int j1, int D, bf16_bi
   }
 }
 
-// S[16, 64] = Q[16, D] K^T for one row tile, as floats with row stride kTileChunk.
-inline void amx_logits(const bf16_bits* q, int D, const bf16_bits* kp, float* s) {
+// The whole chunk packed once for all the row tiles of an item (prefill: many row tiles share
+// it), with `lines` of the next chunk prefetched along the way.
+template <typename C>
+inline void amx_pack_chunk(const C* const* keys, const C* const* vals, int j0, int j1, int Dk,
+                           int Dv, bf16_bits* kp, bf16_bits* vp, ChunkPrefetch& pf, int lines) {
+  const int per_step = (lines + Dk / 32 - 1) / (Dk / 32);
+  for (int t = 0; t < Dk / 32; ++t) {
+    pf.issue(per_step);
+    amx_pack_key_dims(keys, j0, j1, t, kp + t * kKeyDimsBf16);
+  }
+  amx_pack_values(vals, j0, j1, Dv, vp);
+}
+
+// S[16, 64] = Q[16, D] K^T for one row tile, as floats with row stride kTileChunk; `per_step`
+// lines of the next chunk are prefetched per dim tile.
+inline void amx_logits(const bf16_bits* q, int D, const bf16_bits* kp, float* s, ChunkPrefetch& pf,
+                       int per_step) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int t = 0; t < D / 32; ++t) {
+    pf.issue(per_step);
     _tile_loadd(4, q + t * 32, D * 2);
-    const bf16_bits* b = kp + size_t(t) * 4 * 512;
+    const bf16_bits* b = kp + size_t(t) * kKeyDimsBf16;
     _tile_loadd(5, b, 64);
     _tile_dpbf16ps(0, 4, 5);
     _tile_loadd(6, b + 512, 64);
@@ -139,14 +154,16 @@ inline void amx_rescale(const TileScratch& sc, int r0, int D) {
   }
 }
 
-// O[16, D] += P V for one row tile (rescaled before by amx_rescale): the accumulator tiles are
-// loaded, multiplied into and stored back, 4 at a time.
-inline void amx_values(const TileScratch& sc, int r0, int D) {
+// O[16, D] += P V for one row tile (rescaled before by amx_rescale), 64 columns (4 accumulator
+// tiles) at a time; `per_step` lines of the next chunk are prefetched per 64 columns.
+inline void amx_values(const TileScratch& sc, int r0, int D, ChunkPrefetch& pf, int per_step) {
   const bf16_bits* P = sc.p + size_t(r0) * kTileChunk;
   float* acc = sc.acc + size_t(r0) * D;
-  int cb = 0;  // column tile of 16
-  for (; cb + 4 <= D / 16; cb += 4) amx_pv<4>(acc + cb * 16, D, P, sc.vp_bf16() + cb * 32);
-  if (D / 16 - cb == 2) amx_pv<2>(acc + cb * 16, D, P, sc.vp_bf16() + cb * 32);  // D % 32 == 0
+  for (int c = 0; c < D; c += 64) {  // D % 32 == 0: the last group may be 32 wide
+    pf.issue(per_step);
+    if (D - c >= 64) amx_pv<4>(acc + c, D, P, sc.vp_bf16() + 2 * c);
+    else amx_pv<2>(acc + c, D, P, sc.vp_bf16() + 2 * c);
+  }
 }
 
 }  // namespace kvkernels::cpu::KVK_ISA

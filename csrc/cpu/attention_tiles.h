@@ -340,11 +340,14 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
       chunk_keys(c + 1, &nj0, &nj1, rows_k[nxt], rows_v[nxt]);
       pf.start(rows_k[nxt], rows_v[nxt], nj0, nj1, Dk, v_in_k);
     }
+    // The next chunk's lines are issued through the chunk's work, not in one burst: a burst fills
+    // the line fill buffers and stalls the core until the memory has answered (AMX: a quarter
+    // while packing, a quarter each through the products of S and of P V, the rest between the
+    // softmax steps). Measured on MLA decode: 20% faster than one burst per chunk.
+    const int tiles = rows16 / 16;
+    const int quarter = pf.total() / 4;
 #if defined(KVK_AMX)
-    if constexpr (kAmx) {
-      amx_pack_keys(keys, j0, j1, Dk, sc.kp_bf16());
-      amx_pack_values(vals, j0, j1, Dv, sc.vp_bf16());
-    }
+    if constexpr (kAmx) amx_pack_chunk(keys, vals, j0, j1, Dk, Dv, sc.kp_bf16(), sc.vp_bf16(), pf, quarter);
 #endif
     if constexpr (!kAmx) {
       fma_pack_keys(keys, j0, j1, Dk, sc.kp);
@@ -353,7 +356,6 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
     // Which rows see which keys; tiles that see none are skipped (e.g. causal rows before the
     // chunk), their state unchanged.
     bool live[kTileRows / 16] = {};  // the planner keeps max_rows <= kTileRows
-    const int tiles = rows16 / 16;
     for (int t = 0; t < tiles; ++t) {
       for (int i = 0; i < 16; ++i) {
         const int r = t * 16 + i;
@@ -367,15 +369,20 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
       for (int t = 0; t < tiles; ++t)
         if (live[t]) f(t * 16);
     };
+    int live_tiles = 0;
+    for (int t = 0; t < tiles; ++t) live_tiles += live[t];
+    const int lg_steps = kmax(live_tiles * (Dk / 32), 1), pv_steps = kmax(live_tiles * (Dv / 64), 1);
+    const int lg_step = (quarter + lg_steps - 1) / lg_steps;
+    const int pv_step = (quarter + pv_steps - 1) / pv_steps;
     each_live_tile([&](int r0) {
       float* s = sc.s + size_t(r0) * kTileChunk;
 #if defined(KVK_AMX)
-      if constexpr (kAmx) return amx_logits(sc.q_bf16() + size_t(r0) * Dk, Dk, sc.kp_bf16(), s);
+      if constexpr (kAmx) {
+        return amx_logits(sc.q_bf16() + size_t(r0) * Dk, Dk, sc.kp_bf16(), s, pf, lg_step);
+      }
 #endif
       fma_logits(sc.q + size_t(r0) * Dk, Dk, sc.kp, s);
     });
-    int live_tiles = 0;
-    for (int t = 0; t < tiles; ++t) live_tiles += live[t];
     const int per_tile = (pf.total() + live_tiles - 1) / kmax(live_tiles, 1);
     each_live_tile([&](int r0) {
       pf.issue(per_tile);
@@ -390,7 +397,7 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
     });
     each_live_tile([&](int r0) {
 #if defined(KVK_AMX)
-      if constexpr (kAmx) return amx_values(sc, r0, Dv);
+      if constexpr (kAmx) return amx_values(sc, r0, Dv, pf, pv_step);
 #endif
       fma_values(sc, r0, Dv, fvals, j0, j1, mk.v);
     });
