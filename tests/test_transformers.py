@@ -2,7 +2,7 @@
 attention function is token-identical to the stock cache with SDPA (eager for Gemma2 / GPT-OSS, which
 transformers runs without SDPA) — greedy, seeded sampling and beam search, on left-padded batches —
 for Llama (GQA), Qwen2 and Mistral (sliding windows), Gemma2 (soft cap, alternating windows), GPT-OSS
-(sinks), DeepSeek-V3 (MLA latents) and BART (cross-attention shared by beams). Tiny random-weight
+(sinks), DeepSeek-V2/V3 (MLA: absorbed attention over paged latents) and BART (cross-attention shared by beams). Tiny random-weight
 models (tests/hf_models.py); nothing is downloaded.
 """
 
@@ -20,7 +20,7 @@ from kvkernels.integrations import transformers_cache
 from kvkernels.integrations.transformers import PagedCache, paged_attention_forward, register
 from kvkernels.integrations.transformers_encdec import PagedEncoderDecoderCache
 
-from hf_models import DECODER_MODELS, bart_config, bart_pair, build, config_for, left_padded_batch, model_pair
+from hf_models import DECODER_MODELS, MLA_MODELS, bart_config, bart_pair, build, config_for, left_padded_batch, model_pair
 
 MODES = {
     "greedy": dict(do_sample=False),
@@ -80,7 +80,8 @@ def test_register():
 def test_generate_matches_stock(name, mode, monkeypatch):
     stock, paged = model_pair(name)
     ids, mask = left_padded_batch()
-    ops = OpCounter(monkeypatch, "paged_attention", "reshape_and_cache", "gather_kv")
+    ops = OpCounter(monkeypatch, "paged_attention", "reshape_and_cache", "gather_kv", "mla_paged_attention",
+                    "concat_and_cache_mla", "mla_decompress")
     ref, out, cache = generate_both(stock, paged, ids, mask, mode)
     assert_same_generation(ref, out, mode)
     rows = ids.shape[0] * MODES[mode].get("num_beams", 1)
@@ -88,21 +89,17 @@ def test_generate_matches_stock(name, mode, monkeypatch):
     cache.kv.check_invariants()
     usage = cache.memory_usage()
     assert usage["stored_tokens"] > 0
-    if name == "deepseek_v3":
-        # MLA: one row of kv_lora_rank + rope values per token and layer, nothing per head; the
-        # model expands the latents itself, so they are handed back gathered.
-        text = paged.config
-        assert cache.latent and cache.kv.bytes_per_token == text.num_hidden_layers * (
-            text.kv_lora_rank + text.qk_rope_head_dim) * 4
-        assert ops.calls["gather_kv"] > 0 and ops.calls["paged_attention"] == 0
-        if mode != "beam":  # this path stores padding columns too (they are masked)
-            assert usage["stored_tokens"] == rows * (ids.shape[1] + 10 - 1)
+    # Attention runs on the paged storage: no gather into dense K/V, no decompression.
+    assert ops.calls["gather_kv"] == 0 and ops.calls["mla_decompress"] == 0
+    if name in MLA_MODELS:  # absorbed MLA over the latent rows
+        assert isinstance(cache.kv, kvkernels.MLAPagedCache)
+        assert ops.calls["mla_paged_attention"] > 0 and ops.calls["paged_attention"] == 0
+        assert ops.calls["mla_paged_attention"] == ops.calls["concat_and_cache_mla"]
     else:
-        # Attention runs on the paged storage: no gather into dense K/V.
-        assert ops.calls["paged_attention"] > 0 and ops.calls["gather_kv"] == 0
+        assert ops.calls["paged_attention"] > 0 and ops.calls["mla_paged_attention"] == 0
         assert ops.calls["paged_attention"] == ops.calls["reshape_and_cache"]
-        if mode != "beam":  # padding never enters the cache: one token per real column
-            assert usage["stored_tokens"] == int(mask.sum()) + rows * 10 - rows
+    if mode != "beam":  # padding never enters the cache: one token per real column
+        assert usage["stored_tokens"] == int(mask.sum()) + rows * 10 - rows
     if mode == "beam":  # each prompt stored once for its beams, beams share their common history
         assert usage["stored_tokens"] < usage["unshared_tokens"] and cache.split_rows == 0
 
@@ -265,9 +262,8 @@ def test_prefill_stores_each_prompt_once(name):
         want = stock(ids4, attention_mask=mask4).logits
     real = mask4.bool()
     torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-5)
-    per_prompt = mask.sum(1) if name != "deepseek_v3" else torch.full((3,), ids.shape[1])  # MLA keeps padding
-    assert cache.memory_usage()["stored_tokens"] == int(per_prompt.sum())
-    assert cache.memory_usage()["unshared_tokens"] == 4 * int(per_prompt.sum())
+    assert cache.memory_usage()["stored_tokens"] == int(mask.sum())
+    assert cache.memory_usage()["unshared_tokens"] == 4 * int(mask.sum())
     cache.kv.check_invariants()
 
 

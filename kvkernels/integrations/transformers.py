@@ -68,14 +68,17 @@ from kvkernels.integrations.transformers_attention import PagedKV, dense_attenti
 from kvkernels.integrations.transformers_cache import ATTENTION_NAME, PagedCache, Step
 from kvkernels.integrations.transformers_decode import PagedDecoder
 from kvkernels.integrations.transformers_encdec import PagedEncoderDecoderCache
+from kvkernels.integrations.transformers_mla import latent_attention, register_mla, wrap_expand_kv
 
 __all__ = ["ATTENTION_NAME", "PagedCache", "PagedDecoder", "PagedEncoderDecoderCache", "PagedKV", "Step",
-           "dense_attention", "paged_attention_forward", "register"]
+           "dense_attention", "latent_attention", "paged_attention_forward", "register", "wrap_expand_kv"]
 
 
 def register() -> str:
     """Register the attention function and its mask function (``sdpa_mask``) under ``"kvkernels"``
-    in transformers' global interfaces; returns the name. Idempotent."""
+    in transformers' global interfaces, and let ``PagedKV`` handles through ``expand_kv`` of the MLA
+    attention classes (``transformers_mla.MLA_ATTENTION_CLASSES``); returns the name. Idempotent."""
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    register_mla()
     return ATTENTION_NAME
