@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import transformers as tf
 from transformers import AttentionInterface, DynamicCache, LogitsProcessor, LogitsProcessorList
 from transformers.masking_utils import AttentionMaskInterface
 
