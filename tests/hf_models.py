@@ -16,6 +16,7 @@ import functools
 import torch
 import transformers as tf
 
+import kvkernels
 from kvkernels.integrations.transformers import register
 
 VOCAB, PAD = 128, 0
@@ -101,3 +102,17 @@ def left_padded_batch(rows: int = 3, length: int = 9, seed: int = 1, pad: int = 
         mask[r, :n] = 0
         ids[r, :n] = pad
     return ids, mask
+
+
+class OpCounter:
+    """Counts calls of kvkernels.ops functions (the integration looks them up on the module)."""
+
+    def __init__(self, monkeypatch, *names):
+        self.calls = {name: 0 for name in names}
+        for name in names:
+            original = getattr(kvkernels.ops, name)
+
+            def counted(*args, _name=name, _original=original, **kwargs):
+                self.calls[_name] += 1
+                return _original(*args, **kwargs)
+            monkeypatch.setattr(kvkernels.ops, name, counted)

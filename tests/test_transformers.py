@@ -19,27 +19,13 @@ from kvkernels.integrations import transformers_cache
 from kvkernels.integrations.transformers import PagedCache, paged_attention_forward, register
 from kvkernels.integrations.transformers_encdec import PagedEncoderDecoderCache
 
-from hf_models import DECODER_MODELS, MLA_MODELS, bart_config, bart_pair, build, config_for, left_padded_batch, model_pair
+from hf_models import DECODER_MODELS, MLA_MODELS, OpCounter, bart_config, bart_pair, build, config_for, left_padded_batch, model_pair
 
 MODES = {
     "greedy": dict(do_sample=False),
     "sample": dict(do_sample=True, top_k=20),
     "beam": dict(do_sample=False, num_beams=4, num_return_sequences=2),
 }
-
-
-class OpCounter:
-    """Counts calls of kvkernels.ops functions (the integration looks them up on the module)."""
-
-    def __init__(self, monkeypatch, *names):
-        self.calls = {name: 0 for name in names}
-        for name in names:
-            original = getattr(kvkernels.ops, name)
-
-            def counted(*args, _name=name, _original=original, **kwargs):
-                self.calls[_name] += 1
-                return _original(*args, **kwargs)
-            monkeypatch.setattr(kvkernels.ops, name, counted)
 
 
 def generate_both(stock, paged, ids, mask, mode, cache_kwargs=None, **extra):
@@ -191,8 +177,8 @@ def test_bart_cross_rows_that_differ_later_get_their_own_copy():
 # ---- beam search: no KV copies, memory -----------------------------------------------------------
 
 
-def prefilled_cache(rows=4, block_size=4):
-    _, paged = model_pair("llama")
+def prefilled_cache(rows=4, block_size=4, name="llama"):
+    _, paged = model_pair(name)
     ids, mask = left_padded_batch(rows=rows)
     cache = PagedCache(paged.config, block_size=block_size)
     with torch.no_grad():
@@ -200,12 +186,13 @@ def prefilled_cache(rows=4, block_size=4):
     return paged, cache
 
 
-def test_reorder_permutes_block_tables_without_copying(monkeypatch):
-    _, cache = prefilled_cache()
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_reorder_permutes_block_tables_without_copying(name, monkeypatch):
+    _, cache = prefilled_cache(name=name)
     tables = cache.kv.block_tables(cache.sequences)
     lens = cache.kv.seq_lens(cache.sequences)
     storage = cache.kv.kv.clone()
-    ops = OpCounter(monkeypatch, "copy_blocks", "swap_blocks", "reshape_and_cache")
+    ops = OpCounter(monkeypatch, "copy_blocks", "swap_blocks", "reshape_and_cache", "concat_and_cache_mla")
     beam_idx = torch.tensor([2, 2, 0, 1])
     cache.reorder_cache(beam_idx)
     assert sum(ops.calls.values()) == 0
@@ -266,10 +253,11 @@ def test_prefill_stores_each_prompt_once(name):
     cache.kv.check_invariants()
 
 
-def test_duplicate_rows_that_differ_later_get_their_own_blocks():
+@pytest.mark.parametrize("name,proj", [("llama", "k_proj"), ("deepseek_v3", "kv_a_proj_with_mqa")])
+def test_duplicate_rows_that_differ_later_get_their_own_blocks(name, proj):
     """Prefill rows equal in the first layer but not the second (a hook perturbs one row's keys
-    there): the row forked from its duplicate gets its own blocks, layer 0 copied over."""
-    config, attn, _ = config_for("llama")
+    (MLA: latents) there): the row forked from its duplicate gets its own blocks, layer 0 copied over."""
+    config, attn, _ = config_for(name)
     stock, paged = build(config, attn), build(config, "kvkernels")
 
     def perturb(module, args, output):
@@ -277,7 +265,7 @@ def test_duplicate_rows_that_differ_later_get_their_own_blocks():
         output[1] += 1e-2
         return output
     for model in (stock, paged):
-        model.model.layers[1].self_attn.k_proj.register_forward_hook(perturb)
+        getattr(model.model.layers[1].self_attn, proj).register_forward_hook(perturb)
     ids, mask = left_padded_batch()
     ids[1], mask[1] = ids[0], mask[0]
     ref, out, cache = generate_both(stock, paged, ids, mask, "greedy")
@@ -289,9 +277,10 @@ def test_duplicate_rows_that_differ_later_get_their_own_blocks():
 # ---- cache operations ----------------------------------------------------------------------------
 
 
-def test_storage_grows_and_keeps_sharing():
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_storage_grows_and_keeps_sharing(name):
     """num_blocks=None: sized on first use, grown as needed (rebuilt; shared blocks stay shared)."""
-    stock, paged = model_pair("llama")
+    stock, paged = model_pair(name)
     ids, mask = left_padded_batch()
     for mode in ("greedy", "beam"):
         ref, out, cache = generate_both(stock, paged, ids, mask, mode, cache_kwargs=dict(block_size=2),
@@ -319,9 +308,10 @@ def test_fixed_num_blocks_runs_out():
                        max_new_tokens=10)
 
 
-def test_prefill_once_then_branch():
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_prefill_once_then_branch(name):
     """The zero-copy "prefill once, then branch" pattern: batch_repeat_interleave forks."""
-    stock, paged = model_pair("llama")
+    stock, paged = model_pair(name)
     prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(4))
     cache = PagedCache(paged.config, block_size=4)
     with torch.no_grad():
@@ -334,8 +324,9 @@ def test_prefill_once_then_branch():
     assert torch.equal(out, ref)
 
 
-def test_crop_select_and_reset():
-    paged, cache = prefilled_cache(rows=3)
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_crop_select_and_reset(name):
+    paged, cache = prefilled_cache(rows=3, name=name)
     n = cache.get_seq_length()
     lens = cache.kv.seq_lens(cache.sequences).tolist()
     cache.crop(-2)  # the last two columns are real in every row
