@@ -148,3 +148,13 @@ def test_bad_mla_input_is_refused():
         transformers_mla.latent_attention(cache.kv, attn, query[..., 1:], handle, step, attn.scaling)
     with pytest.raises(NotImplementedError, match="sliding window"):
         cache.attend(attn, query, handle, None, scale=attn.scaling, window_left=3, soft_cap=0.0, sinks=None)
+
+
+def test_unwrapped_expand_kv_gets_a_clear_error(monkeypatch):
+    """An MLA attention class whose expand_kv is not wrapped receives the handle as if it were a
+    tensor: the error says what happened and what to call."""
+    _, paged = model_pair("deepseek_v3")
+    monkeypatch.setattr(DeepseekV3Attention, "expand_kv", DeepseekV3Attention.expand_kv.__kvkernels_original__)
+    ids, mask = left_padded_batch()
+    with pytest.raises(AttributeError, match="wrap_expand_kv"), torch.no_grad():
+        paged(ids, attention_mask=mask, past_key_values=PagedCache(paged.config))
