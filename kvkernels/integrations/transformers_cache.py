@@ -117,11 +117,12 @@ class _PagedLayer(CacheLayerMixin):
 
 
 class PagedCache(Cache):
-    """A ``transformers`` ``Cache`` backed by ``kvkernels.PagedKVCache``.
+    """A ``transformers`` ``Cache`` backed by ``kvkernels.PagedKVCache`` (``kvkernels.MLAPagedCache``
+    for MLA models: DeepSeek-V2/V3, ``kv_lora_rank`` set in the config).
 
     Args:
-        config: the model's config (``model.config``); the number of layers and, for MLA models
-            (DeepSeek-V2/V3: ``kv_lora_rank`` set), the latent layout come from it.
+        config: the model's config (``model.config``); the number of layers and whether the model
+            is MLA come from it (head dims / latent widths from the first states ``update`` gets).
         block_size: tokens per block.
         num_blocks: blocks of the storage (block 0 is the null block). ``None``: sized on first use
             and grown (doubled) whenever an append would run out.
