@@ -16,6 +16,7 @@ import functools
 import torch
 import transformers as tf
 
+import kvkernels
 from kvkernels.integrations.transformers import register
 
 VOCAB, PAD = 128, 0
@@ -44,6 +45,11 @@ _MODELS = {
                                               q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                                               n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
                                               n_group=1, topk_group=1), "sdpa", None),
+    # V2 without a query LoRA (q_proj), V3 with one (q_a_proj / q_b_proj): both MLA query paths.
+    "deepseek_v2": (tf.DeepseekV2Config, dict(num_key_value_heads=4, moe_intermediate_size=32, kv_lora_rank=16,
+                                              q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                              v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                                              first_k_dense_replace=1, n_shared_experts=1), "sdpa", None),
 }
 
 
@@ -54,6 +60,7 @@ def config_for(name: str, **overrides):
 
 
 DECODER_MODELS = list(_MODELS)
+MLA_MODELS = ("deepseek_v3", "deepseek_v2")  # configs with kv_lora_rank: latent cache, absorbed attention
 
 
 def build(config, attn: str, fix=None, seed: int = 0, seq2seq: bool = False):
@@ -95,3 +102,17 @@ def left_padded_batch(rows: int = 3, length: int = 9, seed: int = 1, pad: int = 
         mask[r, :n] = 0
         ids[r, :n] = pad
     return ids, mask
+
+
+class OpCounter:
+    """Counts calls of kvkernels.ops functions (the integration looks them up on the module)."""
+
+    def __init__(self, monkeypatch, *names):
+        self.calls = {name: 0 for name in names}
+        for name in names:
+            original = getattr(kvkernels.ops, name)
+
+            def counted(*args, _name=name, _original=original, **kwargs):
+                self.calls[_name] += 1
+                return _original(*args, **kwargs)
+            monkeypatch.setattr(kvkernels.ops, name, counted)

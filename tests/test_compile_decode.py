@@ -1,8 +1,9 @@
 """Compiled decoding of a transformers model on ``PagedCache``: ``PagedDecoder`` runs the model's
 decode step under ``torch.compile(fullgraph=True)`` — zero graph breaks, one compile for 64 steps while
 the sequences grow across many blocks (``fail_on_recompile`` after the first step), logits equal to the
-eager path (the cache doing its own bookkeeping from the attention mask). On CUDA, ``mode=
-"reduce-overhead"`` must capture the step in a CUDA graph.
+eager path (the cache doing its own bookkeeping from the attention mask). DeepSeek-V3 runs the absorbed
+MLA path over its paged latent rows. On CUDA, ``mode="reduce-overhead"`` must capture the step in a
+CUDA graph.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch._dynamo.utils import counters
 
 from kvkernels.integrations.transformers import PagedCache, PagedDecoder
 
-from hf_models import build, config_for, left_padded_batch, model_pair
+from hf_models import build, left_padded_batch, model_pair
 
 STEPS = 64
 
@@ -40,7 +41,8 @@ def eager_decode(model, ids, mask, steps):
     return torch.stack(out, 1)
 
 
-@pytest.mark.parametrize("name,backend", [("llama", "inductor"), ("gemma2", "aot_eager"), ("gpt_oss", "aot_eager")])
+@pytest.mark.parametrize("name,backend", [("llama", "inductor"), ("gemma2", "aot_eager"), ("gpt_oss", "aot_eager"),
+                                          ("deepseek_v3", "aot_eager")])
 def test_compiled_decode_no_graph_breaks_no_recompiles(name, backend):
     _, model = model_pair(name)
     ids, mask = left_padded_batch()
@@ -91,11 +93,6 @@ def test_decoder_eager_mode_and_limits():
                 decoder(logits.argmax(-1))
     with pytest.raises(ValueError, match="prefilled"):
         PagedDecoder(model, PagedCache(model.config))
-    config, _, _ = config_for("deepseek_v3")
-    mla = build(config, "kvkernels")
-    cache, _, _ = prefill(mla, ids, mask)
-    with pytest.raises(NotImplementedError, match="MLA"):
-        PagedDecoder(mla, cache)
 
 
 def _cuda_kernels() -> bool:

@@ -297,8 +297,9 @@ def test_parallel_sample_n1_is_plain_sampling(models):
 # ---- generate() after one prefill ------------------------------------------------------------------
 
 
-def test_beam_search_prefills_once_and_matches_stock():
-    stock, paged = model_pair("llama")
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_beam_search_prefills_once_and_matches_stock(name):
+    stock, paged = model_pair(name)
     ids, mask = left_padded_batch()
     with torch.no_grad():
         ref = stock.generate(ids, attention_mask=mask, num_beams=4, max_new_tokens=8, do_sample=False,

@@ -2,7 +2,7 @@
 attention function is token-identical to the stock cache with SDPA (eager for Gemma2 / GPT-OSS, which
 transformers runs without SDPA) — greedy, seeded sampling and beam search, on left-padded batches —
 for Llama (GQA), Qwen2 and Mistral (sliding windows), Gemma2 (soft cap, alternating windows), GPT-OSS
-(sinks), DeepSeek-V3 (MLA latents) and BART (cross-attention shared by beams). Tiny random-weight
+(sinks), DeepSeek-V2/V3 (MLA: absorbed attention over paged latents) and BART (cross-attention shared by beams). Tiny random-weight
 models (tests/hf_models.py); nothing is downloaded.
 """
 
@@ -19,27 +19,13 @@ from kvkernels.integrations import transformers_cache
 from kvkernels.integrations.transformers import PagedCache, paged_attention_forward, register
 from kvkernels.integrations.transformers_encdec import PagedEncoderDecoderCache
 
-from hf_models import DECODER_MODELS, bart_config, bart_pair, build, config_for, left_padded_batch, model_pair
+from hf_models import DECODER_MODELS, MLA_MODELS, OpCounter, bart_config, bart_pair, build, config_for, left_padded_batch, model_pair
 
 MODES = {
     "greedy": dict(do_sample=False),
     "sample": dict(do_sample=True, top_k=20),
     "beam": dict(do_sample=False, num_beams=4, num_return_sequences=2),
 }
-
-
-class OpCounter:
-    """Counts calls of kvkernels.ops functions (the integration looks them up on the module)."""
-
-    def __init__(self, monkeypatch, *names):
-        self.calls = {name: 0 for name in names}
-        for name in names:
-            original = getattr(kvkernels.ops, name)
-
-            def counted(*args, _name=name, _original=original, **kwargs):
-                self.calls[_name] += 1
-                return _original(*args, **kwargs)
-            monkeypatch.setattr(kvkernels.ops, name, counted)
 
 
 def generate_both(stock, paged, ids, mask, mode, cache_kwargs=None, **extra):
@@ -79,7 +65,8 @@ def test_register():
 def test_generate_matches_stock(name, mode, monkeypatch):
     stock, paged = model_pair(name)
     ids, mask = left_padded_batch()
-    ops = OpCounter(monkeypatch, "paged_attention", "reshape_and_cache", "gather_kv")
+    ops = OpCounter(monkeypatch, "paged_attention", "reshape_and_cache", "gather_kv", "mla_paged_attention",
+                    "concat_and_cache_mla", "mla_decompress")
     ref, out, cache = generate_both(stock, paged, ids, mask, mode)
     assert_same_generation(ref, out, mode)
     rows = ids.shape[0] * MODES[mode].get("num_beams", 1)
@@ -87,21 +74,17 @@ def test_generate_matches_stock(name, mode, monkeypatch):
     cache.kv.check_invariants()
     usage = cache.memory_usage()
     assert usage["stored_tokens"] > 0
-    if name == "deepseek_v3":
-        # MLA: one row of kv_lora_rank + rope values per token and layer, nothing per head; the
-        # model expands the latents itself, so they are handed back gathered.
-        text = paged.config
-        assert cache.latent and cache.kv.bytes_per_token == text.num_hidden_layers * (
-            text.kv_lora_rank + text.qk_rope_head_dim) * 4
-        assert ops.calls["gather_kv"] > 0 and ops.calls["paged_attention"] == 0
-        if mode != "beam":  # this path stores padding columns too (they are masked)
-            assert usage["stored_tokens"] == rows * (ids.shape[1] + 10 - 1)
+    # Attention runs on the paged storage: no gather into dense K/V, no decompression.
+    assert ops.calls["gather_kv"] == 0 and ops.calls["mla_decompress"] == 0
+    if name in MLA_MODELS:  # absorbed MLA over the latent rows
+        assert isinstance(cache.kv, kvkernels.MLAPagedCache)
+        assert ops.calls["mla_paged_attention"] > 0 and ops.calls["paged_attention"] == 0
+        assert ops.calls["mla_paged_attention"] == ops.calls["concat_and_cache_mla"]
     else:
-        # Attention runs on the paged storage: no gather into dense K/V.
-        assert ops.calls["paged_attention"] > 0 and ops.calls["gather_kv"] == 0
+        assert ops.calls["paged_attention"] > 0 and ops.calls["mla_paged_attention"] == 0
         assert ops.calls["paged_attention"] == ops.calls["reshape_and_cache"]
-        if mode != "beam":  # padding never enters the cache: one token per real column
-            assert usage["stored_tokens"] == int(mask.sum()) + rows * 10 - rows
+    if mode != "beam":  # padding never enters the cache: one token per real column
+        assert usage["stored_tokens"] == int(mask.sum()) + rows * 10 - rows
     if mode == "beam":  # each prompt stored once for its beams, beams share their common history
         assert usage["stored_tokens"] < usage["unshared_tokens"] and cache.split_rows == 0
 
@@ -194,8 +177,8 @@ def test_bart_cross_rows_that_differ_later_get_their_own_copy():
 # ---- beam search: no KV copies, memory -----------------------------------------------------------
 
 
-def prefilled_cache(rows=4, block_size=4):
-    _, paged = model_pair("llama")
+def prefilled_cache(rows=4, block_size=4, name="llama"):
+    _, paged = model_pair(name)
     ids, mask = left_padded_batch(rows=rows)
     cache = PagedCache(paged.config, block_size=block_size)
     with torch.no_grad():
@@ -203,12 +186,13 @@ def prefilled_cache(rows=4, block_size=4):
     return paged, cache
 
 
-def test_reorder_permutes_block_tables_without_copying(monkeypatch):
-    _, cache = prefilled_cache()
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_reorder_permutes_block_tables_without_copying(name, monkeypatch):
+    _, cache = prefilled_cache(name=name)
     tables = cache.kv.block_tables(cache.sequences)
     lens = cache.kv.seq_lens(cache.sequences)
     storage = cache.kv.kv.clone()
-    ops = OpCounter(monkeypatch, "copy_blocks", "swap_blocks", "reshape_and_cache")
+    ops = OpCounter(monkeypatch, "copy_blocks", "swap_blocks", "reshape_and_cache", "concat_and_cache_mla")
     beam_idx = torch.tensor([2, 2, 0, 1])
     cache.reorder_cache(beam_idx)
     assert sum(ops.calls.values()) == 0
@@ -264,16 +248,16 @@ def test_prefill_stores_each_prompt_once(name):
         want = stock(ids4, attention_mask=mask4).logits
     real = mask4.bool()
     torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-5)
-    per_prompt = mask.sum(1) if name != "deepseek_v3" else torch.full((3,), ids.shape[1])  # MLA keeps padding
-    assert cache.memory_usage()["stored_tokens"] == int(per_prompt.sum())
-    assert cache.memory_usage()["unshared_tokens"] == 4 * int(per_prompt.sum())
+    assert cache.memory_usage()["stored_tokens"] == int(mask.sum())
+    assert cache.memory_usage()["unshared_tokens"] == 4 * int(mask.sum())
     cache.kv.check_invariants()
 
 
-def test_duplicate_rows_that_differ_later_get_their_own_blocks():
+@pytest.mark.parametrize("name,proj", [("llama", "k_proj"), ("deepseek_v3", "kv_a_proj_with_mqa")])
+def test_duplicate_rows_that_differ_later_get_their_own_blocks(name, proj):
     """Prefill rows equal in the first layer but not the second (a hook perturbs one row's keys
-    there): the row forked from its duplicate gets its own blocks, layer 0 copied over."""
-    config, attn, _ = config_for("llama")
+    (MLA: latents) there): the row forked from its duplicate gets its own blocks, layer 0 copied over."""
+    config, attn, _ = config_for(name)
     stock, paged = build(config, attn), build(config, "kvkernels")
 
     def perturb(module, args, output):
@@ -281,7 +265,7 @@ def test_duplicate_rows_that_differ_later_get_their_own_blocks():
         output[1] += 1e-2
         return output
     for model in (stock, paged):
-        model.model.layers[1].self_attn.k_proj.register_forward_hook(perturb)
+        getattr(model.model.layers[1].self_attn, proj).register_forward_hook(perturb)
     ids, mask = left_padded_batch()
     ids[1], mask[1] = ids[0], mask[0]
     ref, out, cache = generate_both(stock, paged, ids, mask, "greedy")
@@ -315,9 +299,10 @@ def test_beam_prefill_attends_each_prompt_once(monkeypatch):
 # ---- cache operations ----------------------------------------------------------------------------
 
 
-def test_storage_grows_and_keeps_sharing():
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_storage_grows_and_keeps_sharing(name):
     """num_blocks=None: sized on first use, grown as needed (rebuilt; shared blocks stay shared)."""
-    stock, paged = model_pair("llama")
+    stock, paged = model_pair(name)
     ids, mask = left_padded_batch()
     for mode in ("greedy", "beam"):
         ref, out, cache = generate_both(stock, paged, ids, mask, mode, cache_kwargs=dict(block_size=2),
@@ -345,9 +330,10 @@ def test_fixed_num_blocks_runs_out():
                        max_new_tokens=10)
 
 
-def test_prefill_once_then_branch():
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_prefill_once_then_branch(name):
     """The zero-copy "prefill once, then branch" pattern: batch_repeat_interleave forks."""
-    stock, paged = model_pair("llama")
+    stock, paged = model_pair(name)
     prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(4))
     cache = PagedCache(paged.config, block_size=4)
     with torch.no_grad():
@@ -360,8 +346,9 @@ def test_prefill_once_then_branch():
     assert torch.equal(out, ref)
 
 
-def test_crop_select_and_reset():
-    paged, cache = prefilled_cache(rows=3)
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_crop_select_and_reset(name):
+    paged, cache = prefilled_cache(rows=3, name=name)
     n = cache.get_seq_length()
     lens = cache.kv.seq_lens(cache.sequences).tolist()
     cache.crop(-2)  # the last two columns are real in every row

@@ -1,7 +1,8 @@
 """``MLAPagedCache``: the paged cache of multi-head latent attention (DeepSeek-V2/V3 style).
 
-Per token and layer only the compressed latent (``kv_lora_rank`` values, before the latent's
-RMSNorm) and the rotary key (``rope_dim`` values) are stored, as one row of
+Per token and layer only the compressed latent (``kv_lora_rank`` values; before the latent's
+RMSNorm in seed 003's layout, which ``mla_decompress`` can apply, after it as transformers' DeepSeek
+models hand it to ``PagedCache``) and the rotary key (``rope_dim`` values) are stored, as one row of
 ``kv_lora_rank + rope_dim`` values: 576 for DeepSeek-V2/V3, against ``2 * heads * head_dim`` for a
 standard K/V cache. The rows are the layout of ``ops.concat_and_cache_mla`` (writes),
 ``ops.mla_paged_attention`` (the absorbed decode, straight over the latent rows) and

@@ -45,19 +45,29 @@ equal, and a row that is not gets its own blocks. ``reorder_cache(beam_idx)`` is
 shared after the reorder is copied on the next write (copy-on-write). ``batch_repeat_interleave``
 forks (prefill once, then branch).
 
-MLA models (DeepSeek-V2/V3, config with ``kv_lora_rank``): the cache stores one row of latent +
-rotary key per token (``kv_lora_rank + qk_rope_head_dim`` values, split over the K and V halves of
-a slot) instead of per-head K/V. transformers' DeepSeek code expands the latents with ``kv_b_proj``
-itself, after ``update`` and before attention, so for these models ``update`` writes the latents
-and returns them *gathered* (``ops.gather_kv``) ``[B, 1, S, rank]`` / ``[B, 1, S, rope]``, and the
-attention function then runs dense (SDPA) on the expanded K/V with the model's mask. This path
-stores padding columns too (they are masked, as in the stock cache), since the latents must line
-up with the mask column by column.
+MLA models (DeepSeek-V2/V3, config with ``kv_lora_rank``): the storage is a ``kvkernels.MLAPagedCache``,
+one row of latent + rotary key per token and layer (``kv_lora_rank + qk_rope_head_dim`` values,
+nothing per head), with the same bookkeeping as above (padding never stored, duplicate prefill rows
+forked, beams reordered by block table, copy-on-write, growth). transformers' MLA attention calls
+``update(latent, k_rot)`` and then ``self.expand_kv(...)``, which would multiply every cached latent by
+``kv_b_proj`` into per-head K/V, every step. ``update`` returns a ``PagedKV`` handle here too, and
+``register()`` wraps ``expand_kv`` of the MLA attention classes (``transformers_mla.
+MLA_ATTENTION_CLASSES``: ``DeepseekV2Attention``, ``DeepseekV3Attention``) so that a handle passes
+through unchanged while tensors still go to the original method (no cache, a stock cache: the model
+runs exactly as before). The attention function then writes the rows (``ops.concat_and_cache_mla``)
+and runs the absorbed attention (``transformers_mla.latent_attention``): ``q_nope`` is multiplied by
+``W_UK`` per head, ``ops.mla_paged_attention`` attends the latent rows in place, and the latent
+output is multiplied by ``W_UV``; ``kv_b_proj``'s weight touches only the new queries. Why a wrapper
+of ``expand_kv``: it is the one call between ``update`` and the attention function, the model code
+offers no hook there, and replacing the whole attention module's ``forward`` would copy model code
+(query LoRA, RoPE variants) that differs between models; the wrapper is a type check in front of the
+original. Another MLA class of the same shape is enabled with ``wrap_expand_kv(cls)``; an unwrapped
+one gets an ``AttributeError`` that says so when it first treats the handle as a tensor.
 
 Encoder-decoder models: ``PagedCache(config)`` of an encoder-decoder config builds a
 ``PagedEncoderDecoderCache`` (see ``transformers_encdec``).
 
-Compiled decoding: ``PagedDecoder`` (see ``transformers_decode``).
+Compiled decoding: ``PagedDecoder`` (see ``transformers_decode``), MLA models included.
 """
 
 from __future__ import annotations
@@ -69,14 +79,17 @@ from kvkernels.integrations.transformers_attention import PagedKV, dense_attenti
 from kvkernels.integrations.transformers_cache import ATTENTION_NAME, PagedCache, Step
 from kvkernels.integrations.transformers_decode import PagedDecoder
 from kvkernels.integrations.transformers_encdec import PagedEncoderDecoderCache
+from kvkernels.integrations.transformers_mla import latent_attention, register_mla, wrap_expand_kv
 
 __all__ = ["ATTENTION_NAME", "PagedCache", "PagedDecoder", "PagedEncoderDecoderCache", "PagedKV", "Step",
-           "dense_attention", "paged_attention_forward", "register"]
+           "dense_attention", "latent_attention", "paged_attention_forward", "register", "wrap_expand_kv"]
 
 
 def register() -> str:
     """Register the attention function and its mask function (``sdpa_mask``) under ``"kvkernels"``
-    in transformers' global interfaces; returns the name. Idempotent."""
+    in transformers' global interfaces, and let ``PagedKV`` handles through ``expand_kv`` of the MLA
+    attention classes (``transformers_mla.MLA_ATTENTION_CLASSES``); returns the name. Idempotent."""
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    register_mla()
     return ATTENTION_NAME

@@ -4,9 +4,10 @@ A model's attention module calls ``k, v = past_key_values.update(k, v, layer_idx
 ``v`` unchanged to the registered attention function. A ``PagedCache`` returns a ``PagedKV`` handle
 in place of both tensors: it carries the cache, the layer and the new tokens' K/V, which the
 attention function writes into the paged storage (``ops.reshape_and_cache``) before it attends with
-``ops.paged_attention``. Anything else (no cache, a stock cache, an encoder, the gathered MLA path)
-runs dense attention: ``transformers``' SDPA function, or a plain-PyTorch twin when the module needs
-a soft cap or attention sinks (which SDPA has no argument for).
+``ops.paged_attention`` (MLA models: ``ops.concat_and_cache_mla`` and ``ops.mla_paged_attention``,
+see ``transformers_mla``). Anything else (no cache, a stock cache, an encoder) runs dense
+attention: ``transformers``' SDPA function, or a plain-PyTorch twin when the module needs a soft cap
+or attention sinks (which SDPA has no argument for).
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ class PagedKV:
 
     def __repr__(self) -> str:
         return f"PagedKV(layer={self.layer_idx}, cache={type(self.cache).__name__})"
+
+    def __getattr__(self, name: str):
+        # Only reached for attributes a handle lacks: model code treated it as a tensor (.shape ...),
+        # typically an MLA attention class whose expand_kv was not wrapped. Say so instead of a bare
+        # AttributeError deep in the model.
+        raise AttributeError(f"kvkernels: a PagedKV handle (what PagedCache.update returns) has no attribute "
+                             f"{name!r}: the model used it as a tensor. MLA attention classes must let it through "
+                             f"expand_kv: register() wraps those of transformers_mla.MLA_ATTENTION_CLASSES; call "
+                             f"kvkernels.integrations.transformers.wrap_expand_kv(cls) for another class of "
+                             f"that shape")
 
 
 def window_left(sliding_window: Optional[int]) -> int:

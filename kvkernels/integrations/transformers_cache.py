@@ -1,4 +1,5 @@
-"""``PagedCache``: a ``transformers`` ``Cache`` whose K/V live in a ``kvkernels.PagedKVCache``.
+"""``PagedCache``: a ``transformers`` ``Cache`` whose K/V live in a ``kvkernels.PagedKVCache`` (an
+``MLAPagedCache`` of latent rows for MLA models).
 
 One row of the model's batch is one sequence of the ``PagedKVCache``; every layer's K/V sit in the
 same blocks (the cache stores all layers in one stacked tensor), so the bookkeeping of a forward —
@@ -18,8 +19,9 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvkernels import ops
-from kvkernels.cache import OutOfBlocksError, PagedKVCache
+from kvkernels.cache import MLAPagedCache, OutOfBlocksError, PagedKVCache
 from kvkernels.integrations.transformers_attention import PagedKV, new_token_mask
+from kvkernels.integrations.transformers_mla import latent_attention
 
 ATTENTION_NAME = "kvkernels"
 
@@ -70,6 +72,13 @@ def duplicate_rows(key: Tensor, value: Tensor, real: Optional[np.ndarray]) -> np
     return rep
 
 
+def token_slots(store: PagedKVCache) -> Tensor:
+    """A view of ``store``'s storage with the token slots (``block * block_size + offset``, what a slot
+    mapping indexes) on dim 1: ``[L, slots, 2, H, D]`` for K/V, ``[L, slots, R + rope]`` for latent rows."""
+    dim = store._block_dim
+    return store.kv.flatten(dim, dim + 1).movedim(dim, 1)
+
+
 class _PagedLayer(CacheLayerMixin):
     """One layer's face of a paged cache. The storage and the bookkeeping belong to the owning cache
     (all layers share block tables), so this only forwards; ``keys``/``values`` stay ``None``."""
@@ -108,11 +117,12 @@ class _PagedLayer(CacheLayerMixin):
 
 
 class PagedCache(Cache):
-    """A ``transformers`` ``Cache`` backed by ``kvkernels.PagedKVCache``.
+    """A ``transformers`` ``Cache`` backed by ``kvkernels.PagedKVCache`` (``kvkernels.MLAPagedCache``
+    for MLA models: DeepSeek-V2/V3, ``kv_lora_rank`` set in the config).
 
     Args:
-        config: the model's config (``model.config``); the number of layers and, for MLA models
-            (DeepSeek-V2/V3: ``kv_lora_rank`` set), the latent layout come from it.
+        config: the model's config (``model.config``); the number of layers and whether the model
+            is MLA come from it (head dims / latent widths from the first states ``update`` gets).
         block_size: tokens per block.
         num_blocks: blocks of the storage (block 0 is the null block). ``None``: sized on first use
             and grown (doubled) whenever an append would run out.
@@ -144,7 +154,7 @@ class PagedCache(Cache):
         self.device = torch.device(device) if device is not None else None
         self._fixed_blocks = num_blocks
         # MLA (DeepSeek-V2/V3): update() receives the latent [B, 1, q, kv_lora_rank] and the rotary key
-        # [B, 1, q, rope_dim]; the model expands them itself, so they are handed back gathered.
+        # [B, 1, q, rope_dim], stored as one row of an MLAPagedCache and attended with absorbed weights.
         self.latent = getattr(text, "kv_lora_rank", None) is not None
         self.kv: Optional[PagedKVCache] = None
         self._seqs: list[int] = []  # batch row -> sequence id
@@ -167,7 +177,8 @@ class PagedCache(Cache):
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         """Called by the model with this forward's new states ``[B, H, q, D]`` (RoPE applied).
         Returns a ``PagedKV`` handle twice (the ``"kvkernels"`` attention function writes and
-        attends); MLA models get their gathered latents back instead (see module docs)."""
+        attends). MLA models pass the latent ``[B, 1, q, R]`` and rotary key ``[B, 1, q, rope]`` and
+        get the handle back the same way (their ``expand_kv`` lets it through, see ``transformers_mla``)."""
         if self._static is not None:  # a PagedDecoder step: bookkeeping done outside the graph
             handle = PagedKV(self, layer_idx, key_states, value_states)
             return handle, handle
@@ -180,8 +191,6 @@ class PagedCache(Cache):
         self._last_layer = layer_idx
         self._cols[layer_idx] += q
         self.layers[layer_idx].is_initialized = True
-        if self.latent:
-            return self._update_latent(key_states, value_states, layer_idx)
         handle = PagedKV(self, layer_idx, key_states, value_states)
         return handle, handle
 
@@ -264,7 +273,7 @@ class PagedCache(Cache):
         for r, seq in enumerate(self._seqs):
             pads = self._pads[r]
             dropped_pads = sum(1 for c in pads if c >= cols - n)
-            keep = lens[r] - (n - dropped_pads) if not self.latent else lens[r] - n
+            keep = lens[r] - (n - dropped_pads)
             new_seqs.append(self.kv.fork(seq, keep))
             self.kv.free(seq)
             self._pads[r] = [c for c in pads if c < cols - n]
@@ -352,17 +361,24 @@ class PagedCache(Cache):
     # ---- storage ---------------------------------------------------------------------------------
 
     def _new_storage(self, num_blocks: int) -> PagedKVCache:
-        return PagedKVCache(self.num_layers, self._kv_heads, self._head_dim, num_blocks, self.block_size,
-                            dtype=self.dtype, device=self.device, enable_prefix_caching=False,
-                            max_sequences=max(64, 2 * len(self._seqs)))
+        common = dict(dtype=self.dtype, device=self.device, enable_prefix_caching=False,
+                      max_sequences=max(64, 2 * len(self._seqs)))
+        if self.latent:
+            return MLAPagedCache(self.num_layers, self._kv_lora_rank, self._rope_dim, num_blocks, self.block_size,
+                                 **common)
+        return PagedKVCache(self.num_layers, self._kv_heads, self._head_dim, num_blocks, self.block_size, **common)
 
     def _begin_forward(self, key_states: Tensor, value_states: Tensor, batch: int, q: int, layer_idx: int) -> None:
         if self.kv is None:
             check_attn_implementation(self.config)
             self.dtype = self.dtype or key_states.dtype
             self.device = self.device or key_states.device
-            if self.latent:  # latent and rotary key split over the K and V halves of one slot
-                self._kv_heads, self._head_dim = 1, -(-(key_states.shape[-1] + value_states.shape[-1]) // 2)
+            if self.latent:  # one latent row [c ; k_pe] per token
+                if key_states.shape[1] != 1 or value_states.shape[1] != 1:
+                    raise ValueError(f"kvkernels PagedCache: MLA update: expected the latent [B, 1, q, R] and the "
+                                     f"rotary key [B, 1, q, rope], got {list(key_states.shape)} and "
+                                     f"{list(value_states.shape)}")
+                self._kv_lora_rank, self._rope_dim = key_states.shape[-1], value_states.shape[-1]
             else:
                 if key_states.shape[-1] != value_states.shape[-1]:
                     raise ValueError("kvkernels PagedCache: key and value head dims differ")
@@ -376,8 +392,6 @@ class PagedCache(Cache):
             raise ValueError(f"kvkernels PagedCache: batch of {batch} rows for a cache holding {len(self._seqs)} "
                              f"(reset() it, or batch_repeat_interleave() to branch)")
         self._q, self._base, self._step = q, self.get_seq_length(layer_idx), None
-        if self.latent:  # the latent path stores every column; its bookkeeping needs no mask
-            self._step = self._append(None, batch, q, PagedKV(self, layer_idx, key_states, value_states))
 
     def _reserve(self, counts: np.ndarray) -> None:
         """Grow the storage unless appending ``counts[r]`` tokens to each row surely fits
@@ -402,7 +416,7 @@ class PagedCache(Cache):
         everything = self._seqs + [self._held[i] for i in held]  # batch rows, then held sequences
         tables = old.block_tables(everything).cpu().numpy()
         lens = old.seq_lens(everything).tolist()
-        flat_old, flat_new = old.kv.flatten(2, 3), new.kv.flatten(2, 3)  # [L, 2, blocks * block_size, H, D]
+        flat_old, flat_new = token_slots(old), token_slots(new)
         rebuilt: list[tuple[np.ndarray, int, int]] = []  # (old blocks, length, new seq) of each row done
         seqs = []
         for r, seq in enumerate(everything):
@@ -417,7 +431,7 @@ class PagedCache(Cache):
             child = new.fork(parent, shared) if parent is not None else new.add_sequence([])[0]
             if lens[r] > shared:  # copied now: a later row may fork this one (and copy-on-write it)
                 dst = new.append(child, np.zeros(lens[r] - shared, dtype=np.int64))
-                flat_new[:, :, dst] = flat_old[:, :, old.slot_mapping(seq, shared, lens[r])]
+                flat_new[:, dst] = flat_old[:, old.slot_mapping(seq, shared, lens[r])]
             rebuilt.append((blocks, lens[r], child))
             seqs.append(child)
         new._counters.update(old._counters)  # forks / copy-on-write counts go on (the rebuild's own are not counted)
@@ -491,7 +505,7 @@ class PagedCache(Cache):
             return
         bad = [int(r) for r in rows
                if not (torch.equal(key[r], key[rep[r]]) and torch.equal(value[r], value[rep[r]]))]
-        flat = self.kv.kv.flatten(2, 3)  # [L, 2, blocks * block_size, H, D]
+        flat = token_slots(self.kv)
         for r in bad:
             self.kv.free(self._seqs[r])
             self._seqs[r] = self.kv.add_sequence([])[0]
@@ -501,7 +515,7 @@ class PagedCache(Cache):
             slots[r][mine] = new
             if layer:  # the layers written so far are the source row's
                 dst, src = torch.from_numpy(new).to(flat.device), torch.from_numpy(old).to(flat.device)
-                flat[:layer, :, dst] = flat[:layer, :, src]
+                flat[:layer, dst] = flat[:layer, src]
             rep[r] = r
         self.split_rows += len(bad)
         self._dups = (rep, real, counts, slots) if (rep != np.arange(len(rep))).any() else None
@@ -519,8 +533,9 @@ class PagedCache(Cache):
 
     def attend(self, module, query: Tensor, handle: PagedKV, attention_mask, *, scale: Optional[float],
                window_left: int, soft_cap: float, sinks: Optional[Tensor]) -> Tensor:
-        """Write the layer's new K/V into the paged storage and run ``ops.paged_attention`` over it.
-        ``query [B, Hq, q, D]`` -> ``[B, q, Hq, D]``. Rows of padding queries come out as zeros."""
+        """Write the layer's new K/V into the paged storage and run ``ops.paged_attention`` over it
+        (MLA models: ``transformers_mla.latent_attention``, absorbed weights over the latent rows).
+        ``query [B, Hq, q, D]`` -> ``[B, q, Hq, Dv]``. Rows of padding queries come out as zeros."""
         if not getattr(module, "is_causal", True):
             raise NotImplementedError("kvkernels PagedCache: bidirectional self-attention is not paged")
         step = self._get_step(attention_mask, handle)
@@ -528,6 +543,11 @@ class PagedCache(Cache):
         if self._dups is not None and handle.key is not None:
             self._check_duplicates(layer, handle.key, handle.value)
             step = self._step
+        if self.latent:
+            if window_left >= 0 or soft_cap or sinks is not None:
+                raise NotImplementedError("kvkernels PagedCache: MLA attention takes no sliding window, soft cap "
+                                          "or sinks")
+            return latent_attention(self.kv, module, query, handle, step, scale)
         key_cache, value_cache = self.kv.key_cache(layer), self.kv.value_cache(layer)
         batch, heads, q, dim = query.shape
         if handle.key is not None:
@@ -576,26 +596,3 @@ class PagedCache(Cache):
         sub = Step(step.slot_mapping, step.block_tables.index_select(0, idx), step.seq_lens.index_select(0, idx),
                    torch.from_numpy(qsl).to(dev), real_index)
         return idx, torch.from_numpy(source).to(dev), sub
-
-    # ---- MLA latents -----------------------------------------------------------------------------
-
-    def _update_latent(self, kv_nope: Tensor, k_rot: Tensor, layer_idx: int) -> tuple[Tensor, Tensor]:
-        """Store the latent ``[B, 1, q, R]`` and rotary key ``[B, 1, q, r]`` (one row of R + r values
-        per token, split over the K and V halves of the slot), then gather every column back:
-        ``[B, 1, S, R]``, ``[B, 1, S, r]``. The model expands them with ``kv_b_proj`` itself."""
-        if self._dups is not None:
-            self._check_duplicates(layer_idx, kv_nope, k_rot)
-        step = self._step
-        batch, _, q, rank = kv_nope.shape
-        half = self._head_dim
-        row = torch.cat([kv_nope, k_rot], dim=-1).reshape(batch * q, -1).to(self.dtype)
-        if row.shape[-1] < 2 * half:
-            row = torch.nn.functional.pad(row, (0, 2 * half - row.shape[-1]))
-        key_cache, value_cache = self.kv.key_cache(layer_idx), self.kv.value_cache(layer_idx)
-        ops.reshape_and_cache(row[:, None, :half].contiguous(), row[:, None, half:].contiguous(), key_cache,
-                              value_cache, step.slot_mapping)
-        seq_len = self._cols[layer_idx]
-        lo, hi = ops.gather_kv(key_cache, value_cache, step.block_tables, step.seq_lens,
-                               num_tokens=batch * seq_len)
-        full = torch.cat([lo, hi], dim=-1).view(batch, 1, seq_len, 2 * half).to(kv_nope.dtype)
-        return full[..., :rank], full[..., rank:rank + k_rot.shape[-1]]

@@ -50,9 +50,6 @@ class PagedDecoder:
                  max_new_tokens: int = 0, compile: bool = True, **compile_kwargs) -> None:
         if not isinstance(cache, PagedCache) or cache.kv is None or not cache.sequences:
             raise ValueError("kvkernels PagedDecoder: needs a PagedCache that holds a prefilled batch")
-        if cache.latent:
-            raise NotImplementedError("kvkernels PagedDecoder: MLA models hand gathered latents of growing "
-                                      "length back to the model code, which cannot be compiled shape-stable")
         self.model, self.cache = model, cache
         kv, bs, batch = cache.kv, cache.block_size, len(cache.sequences)
         if max_length is None:
