@@ -9,12 +9,14 @@
 #   scripts/gpu_validate.sh bench      # the build stays in the tree between steps
 #
 # Environment: PYTHON (default python3), OUT, TEST_TIMEOUT (s, default 540), BENCH_TIMEOUT (default 540),
+# MLA_BENCH_TIMEOUT (default 540), MLA_BENCH_ARGS (e.g. --quick),
 # BENCH_ARGS (extra arguments for `python -m kvkernels bench --device cuda`, e.g. --quick),
 # TESTS (test paths, default tests; e.g. "tests/test_cuda_ops.py tests/test_cache_ops.py" to split the
-# suite over two commands), PYTEST_ARGS (extra pytest arguments, e.g. "-k cuda"), MAX_JOBS (parallel
+# suite over two commands; "tests/test_cuda_mla.py" for the MLA kernels alone), PYTEST_ARGS (extra pytest arguments, e.g. "-k cuda"), MAX_JOBS (parallel
 # compile jobs, default: cores), TORCH_CUDA_ARCH_LIST (default: this GPU's, e.g. 9.0).
 #
-# Outputs in $OUT: env.txt, build.log, check_cuda.log, test.log (+ junit.xml), bench.log,
+# Outputs in $OUT: env.txt, build.log, check_cuda.log, test.log (+ junit.xml), bench.log, bench_attention.log,
+# bench_mla.log,
 # benchmarks/results/cuda-<device>-<date>.{json,txt}, summary.txt (one line per step and its status).
 # The exit status is that of the last step run; summary.txt has all of them.
 set -uo pipefail
@@ -86,7 +88,7 @@ step_build() {
   # ptxas register / spill report of the CUDA kernels as built (from -Xptxas=-v).
   grep -E "Compiling entry|registers|spill" "$OUT/build.log" >"$OUT/ptxas.txt" || true
   "$PYTHON" -m kvkernels info 2>&1 | tee -a "$OUT/build.log"
-  "$PYTHON" -c "import torch, kvkernels; assert torch._C._dispatch_has_kernel_for_dispatch_key('kvkernels::copy_blocks', 'CUDA'), 'no CUDA kernels registered'"
+  "$PYTHON" -c "import torch, kvkernels; assert all(torch._C._dispatch_has_kernel_for_dispatch_key('kvkernels::' + op, 'CUDA') for op in ('copy_blocks', 'paged_attention', 'mla_decompress', 'mla_paged_attention')), 'CUDA kernels missing from the build'"
 }
 
 step_check() {  # the CI compile gate, also here (nvcc of this machine)
@@ -125,9 +127,16 @@ step_bench() {
     --json "$OUT/benchmarks/results/cuda-attention-$(date +%Y%m%d-%H%M%S).json" >"$OUT/bench_attention.log" 2>&1
   local rc_attn=$?
   tail -60 "$OUT/bench_attention.log"
-  echo "benchmark took $((SECONDS - start)) s (exit $rc, attention $rc_attn)"
+  # The MLA cases (kvkernels/bench/cuda_mla.py: absorbed decode vs copy bandwidth, mla_decompress vs a
+  # torch matmul of the same shape), also their own entry point.
+  timeout "${MLA_BENCH_TIMEOUT:-540}" "$PYTHON" -m kvkernels.bench.cuda_mla ${MLA_BENCH_ARGS:-} \
+    --json "$OUT/benchmarks/results/cuda-mla-$(date +%Y%m%d-%H%M%S).json" >"$OUT/bench_mla.log" 2>&1
+  local rc_mla=$?
+  tail -60 "$OUT/bench_mla.log"
+  echo "benchmark took $((SECONDS - start)) s (exit $rc, attention $rc_attn, mla $rc_mla)"
   [ $rc -ne 0 ] && return $rc
-  return $rc_attn
+  [ $rc_attn -ne 0 ] && return $rc_attn
+  return $rc_mla
 }
 
 for step in "${STEPS[@]}"; do

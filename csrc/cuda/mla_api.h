@@ -1,0 +1,50 @@
+// Host interface of the CUDA MLA kernels (mla_attention.cu, mla_decompress.cu), used by
+// mla_binding.cpp. Plain C++ (CUDA runtime types only, no torch), so the torch-stable binding can
+// include it. Every launcher only enqueues work on `stream`: no allocation, no synchronization,
+// no read of device memory (CUDA-graph safe by construction; never run on a GPU yet).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kvkernels/params.h"
+#include "launch.h"
+
+namespace kvkernels::mla_cuda {
+
+// A launch of mla_paged_attention, decided on the host from shapes and the device only (never
+// from seq_lens / block_tables / query_start_loc contents), so one plan serves every step of a
+// decode loop and a captured graph stays valid when those tensors change.
+struct MlaPlan {
+  int path = 0;           // mla_common.cuh MlaPath: 0 SIMT, 1 tensor cores x16 rows, 2 x64 rows
+  int dp = 0;             // shared-memory row width (head_dim rounded up to 64)
+  int stages = 2;         // cp.async pipeline depth
+  int smem = 0;           // dynamic shared memory bytes per CTA
+  int heads_per_cta = 1;  // query heads per CTA (of the single latent group)
+  int head_chunks = 1;    // CTAs along the heads
+  int q_tile = 1;         // queries per CTA (varlen)
+  int num_splits = 1;     // KV splits per work item (> 1: float32 partials + merge kernel)
+  int64_t grid_x = 0;
+  int grid_y = 0;
+  int64_t workspace_floats = 0;  // float32 scratch the launch needs on the device (0: none)
+};
+
+// Fills `plan` for validated params (prepare_mla_attention) on CUDA device `device`; a Status
+// with a message when the device or the shapes cannot run. Environment overrides (tests and
+// benchmarks): KVKERNELS_CUDA_MLA_PATH=simt|mma16|mma64 (simt for any dtype; mma16 / mma64 for
+// fp16 / bf16 q) and KVKERNELS_CUDA_MLA_SPLITS=<n> (that many KV splits, capped to 128).
+cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* plan);
+
+// Enqueues the attention kernel (and with splits the merge kernel) on `stream` of the current
+// device. `workspace`: plan.workspace_floats floats of device memory (nullptr when 0).
+cuda::Status launch_mla_attention(const AttentionParams& p, const MlaPlan& plan, float* workspace,
+                                  cudaStream_t stream);
+
+// mla_decompress. p.token_start is ignored: the launcher first fills `token_start_scratch`
+// (device, num_seqs + 1 int64) from p.kv.seq_lens, on the same stream. Needs compute capability
+// 8.0+ (cp.async, bf16 mma) on `device`.
+cuda::Status mla_decompress(const MlaDecompressParams& p, int device, int64_t* token_start_scratch,
+                            cudaStream_t stream);
+
+}  // namespace kvkernels::mla_cuda

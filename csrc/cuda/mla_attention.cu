@@ -1,0 +1,203 @@
+// Host side of the CUDA mla_paged_attention: plans a launch from shapes and the device (kernel
+// path, rows per CTA, pipeline depth, KV split count) and enqueues the kernels of
+// mla_attention_{f16,bf16,simt}.cu. Torch-free; mla_binding.cpp validates the tensors, allocates
+// outputs and the split workspace through torch and calls in here. Compiled, not run on a GPU.
+//
+// Path choice:
+//   float32 q                                    -> SIMT (float32 math end to end)
+//   fp16 / bf16 q, > 16 heads or varlen prefill  -> tensor cores, 64 rows per CTA, when its
+//                                                   ~158 KiB of shared memory fit the device
+//                                                   (sm_80: 163 KiB, sm_90: 227 KiB; not sm_86/89)
+//   otherwise fp16 / bf16                        -> tensor cores, 16 rows per CTA (<= 94 KiB)
+// Pipeline depth: as many 32-key stages as fit so that two CTAs share an SM, else one CTA; 2 to 4.
+// Split count: from the number of work items (shapes), the longest context a block-table row can
+// describe (block_tables.shape[1] * block_size) and the SM count, never from seq_lens, so the
+// launch is the same for every step of a decode loop.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "mla_api.h"
+#include "mla_common.cuh"
+
+namespace kvkernels::mla_cuda {
+namespace {
+
+constexpr int kMaxSplits = 128;
+constexpr int kMinKeysPerSplit = 256;  // below this a split costs more in merging than it saves
+
+cuda::Status failed(const char* message) { return cuda::Status{cudaSuccess, message}; }
+
+struct DeviceInfo {
+  int sm_count = 0, major = 0, smem_optin = 0;
+  cudaError_t error = cudaSuccess;
+};
+
+// Queried once per device (attribute queries, no sync).
+DeviceInfo device_info(int device) {
+  static std::mutex mu;
+  static DeviceInfo cache[64];
+  auto query = [](int dev) {
+    DeviceInfo info;
+    info.error = cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, dev);
+    if (info.error == cudaSuccess)
+      info.error = cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (info.error == cudaSuccess)
+      info.error = cudaDeviceGetAttribute(&info.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    return info;
+  };
+  if (device < 0 || device >= 64) return query(device);
+  std::lock_guard<std::mutex> lock(mu);
+  if (cache[device].sm_count == 0 || cache[device].error != cudaSuccess) cache[device] = query(device);
+  return cache[device];
+}
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : nullptr;
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+int64_t floats_aligned8(int64_t n) { return (n + 7) / 8 * 8; }
+
+int esize(CacheFormat f) { return ac::cache_esize(f); }
+
+int smem_of(MlaPath path, int dp, int esz, int stages) {
+  return path == MlaPath::kSimt ? simt_smem(dp, esz, stages).total : mma_smem(path, dp, esz, stages).total;
+}
+
+// Stages that let two CTAs share an SM (per-SM shared memory is about the opt-in limit plus
+// 1 KiB per CTA of reserve), else as many as one CTA can have; 0 when even 2 do not fit.
+int pick_stages(MlaPath path, int dp, int esz, int optin) {
+  for (int budget : {optin / 2 - 1024, optin}) {
+    for (int s = 4; s >= 2; --s)
+      if (smem_of(path, dp, esz, s) <= budget) return s;
+  }
+  return 0;
+}
+
+}  // namespace
+
+cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* out) {
+  const int D = p.kv.head_dim, R = p.kv.head_dim_v;
+  if (p.kv.num_kv_heads != 1 || R <= 0 || R % 8 != 0 || R > kMaxValueWidth || D < R || D > 576)
+    return failed("latent rows must be kv_lora_rank (a multiple of 8, <= 512) + rope_dim <= 576 wide");
+  const DeviceInfo dev = device_info(device);
+  if (dev.error != cudaSuccess) return cuda::Status{dev.error, nullptr};
+  if (dev.major < 8) return failed("needs compute capability 8.0 or newer (cp.async, bf16 mma)");
+
+  MlaPlan plan;
+  plan.dp = mla_dp(D);
+  const int esz = esize(p.kv.format);
+  const bool decode = p.query_start_loc == nullptr;
+  const char* forced = env("KVKERNELS_CUDA_MLA_PATH");
+  MlaPath path;
+  if (p.q_format == FloatFormat::kFloat32 || (forced && std::strcmp(forced, "simt") == 0)) {
+    path = MlaPath::kSimt;
+  } else if (forced && std::strcmp(forced, "mma16") == 0) {
+    path = MlaPath::kMma16;
+  } else if (forced && std::strcmp(forced, "mma64") == 0) {
+    path = MlaPath::kMma64;
+  } else {
+    const bool wide = p.num_heads > 16 || !decode;
+    path = wide && pick_stages(MlaPath::kMma64, plan.dp, esz, dev.smem_optin) > 0 ? MlaPath::kMma64
+                                                                                 : MlaPath::kMma16;
+  }
+  plan.stages = pick_stages(path, plan.dp, esz, dev.smem_optin);
+  if (plan.stages == 0) return failed("not enough shared memory per block on this device for the MLA kernel");
+  plan.smem = smem_of(path, plan.dp, esz, plan.stages);
+  plan.path = static_cast<int>(path);
+
+  const int rows = mla_rows(path);
+  plan.heads_per_cta = std::min(p.num_heads, rows);
+  plan.head_chunks = (p.num_heads + plan.heads_per_cta - 1) / plan.heads_per_cta;
+  plan.q_tile = decode ? 1 : rows / plan.heads_per_cta;
+  const int64_t T = plan.q_tile;
+  plan.grid_x = decode ? p.kv.num_seqs : (p.num_tokens + p.kv.num_seqs * (T - 1)) / T;
+  if (plan.grid_x > 0x7fffffff || plan.head_chunks > 65535)
+    return failed("too many sequences / tokens / heads for one launch");
+  plan.grid_y = plan.head_chunks;
+
+  // Split the keys of each work item when the items alone leave SMs idle.
+  const int kt = mla_key_tile(path);
+  const int64_t max_keys = p.kv.max_blocks_per_seq * p.kv.block_size;
+  const int64_t items = plan.grid_x * plan.grid_y;
+  const int ctas_per_sm = 2 * (plan.smem + 1024) <= dev.smem_optin ? 2 : 1;
+  int64_t splits = 1;
+  const char* forced_splits = env("KVKERNELS_CUDA_MLA_SPLITS");
+  if (forced_splits) {
+    splits = std::atoll(forced_splits);
+  } else if (items > 0) {
+    const int64_t target = int64_t(dev.sm_count) * ctas_per_sm;
+    if (items < target) {
+      const int64_t wanted = (target + items - 1) / items;
+      splits = std::min(wanted, std::max<int64_t>(1, max_keys / kMinKeysPerSplit));
+    }
+  }
+  const int64_t max_tiles = std::max<int64_t>(1, (max_keys + kt - 1) / kt);
+  splits = std::max<int64_t>(1, std::min<int64_t>({splits, kMaxSplits, max_tiles}));
+  plan.num_splits = static_cast<int>(splits);
+  if (plan.num_splits > 1) {
+    const int64_t rows_total = int64_t(plan.num_splits) * p.num_tokens * p.num_heads;
+    plan.workspace_floats = floats_aligned8(rows_total * R) + floats_aligned8(rows_total);
+  }
+  *out = plan;
+  return cuda::Status{};
+}
+
+cuda::Status launch_mla_attention(const AttentionParams& p, const MlaPlan& plan, float* workspace,
+                                  cudaStream_t stream) {
+  if (plan.grid_x == 0 || plan.grid_y == 0 || p.num_tokens == 0) return cuda::Status{};
+  MlaArgs m;
+  ac::AttnArgs& a = m.a;
+  a.p = p;
+  a.group = p.num_heads;  // one latent kv head: every query head is in its group
+  a.heads_per_cta = plan.heads_per_cta;
+  a.head_chunks = plan.head_chunks;
+  a.q_tile = plan.q_tile;
+  a.num_splits = plan.num_splits;
+  const int bs = p.kv.block_size;
+  a.bs_shift = -1;
+  if ((bs & (bs - 1)) == 0)
+    for (int s = 0; s < 31; ++s)
+      if ((1 << s) == bs) a.bs_shift = s;
+  const int64_t es = esize(p.kv.format);
+  // The head stride of the unsqueezed latent cache is never used (head 0 only).
+  a.kv_aligned = aligned16(p.kv.k) && (p.kv.k_stride_block * es) % 16 == 0 &&
+                 (p.kv.k_stride_slot * es) % 16 == 0;
+  const int64_t qs = p.q_format == FloatFormat::kFloat32 ? 4 : 2;
+  a.q_aligned = aligned16(p.q) && (p.q_stride_token * qs) % 16 == 0 && (p.q_stride_head * qs) % 16 == 0;
+  if (plan.num_splits > 1) {
+    if (workspace == nullptr) return failed("split launch without workspace");
+    const int64_t rows_total = int64_t(plan.num_splits) * p.num_tokens * p.num_heads;
+    a.part_o = workspace;
+    a.part_lse = workspace + floats_aligned8(rows_total * p.kv.head_dim_v);
+  }
+  m.dp = plan.dp;
+  m.stages = plan.stages;
+
+  const dim3 grid(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(plan.grid_y),
+                  static_cast<unsigned>(plan.num_splits));
+  const MlaPath path = static_cast<MlaPath>(plan.path);
+  cudaError_t err;
+  if (path == MlaPath::kSimt) {
+    err = launch_mla_simt(m, grid, plan.smem, stream);
+  } else if (p.q_format == FloatFormat::kFloat16) {
+    err = launch_mla_mma_f16(m, path, grid, plan.smem, stream);
+  } else if (p.q_format == FloatFormat::kBFloat16) {
+    err = launch_mla_mma_bf16(m, path, grid, plan.smem, stream);
+  } else {
+    return failed("the tensor-core MLA kernel needs float16 / bfloat16 q");
+  }
+  if (err != cudaSuccess) return cuda::Status{err, nullptr};
+  if (plan.num_splits > 1) {
+    err = launch_mla_merge(m, stream);
+    if (err != cudaSuccess) return cuda::Status{err, nullptr};
+  }
+  return cuda::Status{};
+}
+
+}  // namespace kvkernels::mla_cuda

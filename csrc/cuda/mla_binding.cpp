@@ -1,0 +1,107 @@
+// CUDA registration of mla_decompress and mla_paged_attention (torch stable ABI): the same
+// validation and output allocation as the CPU backend (prepare_mla_decompress /
+// prepare_mla_attention of csrc/prepare.h), then launchers planned from shapes only
+// (mla_decompress.cu, mla_attention.cu) on the current CUDA stream of the inputs' device
+// (DeviceScope, cuda_binding.h). Compiled, not run on a GPU.
+//
+// No host synchronization, except: mla_decompress without num_tokens reads sum(seq_lens) from the
+// device (the output length; like gather_kv), and debug mode (KVKERNELS_DEBUG=1) copies the index
+// tensors to the host for the range checks of index_checks.h. Scratch (token starts, split
+// partials) comes from torch's caching allocator, stream-ordered (inside a CUDA-graph capture,
+// from the graph's pool).
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+
+#include <optional>
+#include <tuple>
+
+#include "../index_checks.h"
+#include "../prepare.h"
+#include "cuda_binding.h"
+#include "mla_api.h"
+
+namespace kvkernels::mla_cuda {
+namespace {
+
+using kvkernels::cuda::DeviceScope;
+using kvkernels::cuda::check_launch;
+using kvkernels::cuda::debug_mode;
+using kvkernels::cuda::host_paged_kv;
+
+std::tuple<Tensor, Tensor> mla_decompress_cuda(
+    const Tensor& kv_cache, const Tensor& block_tables, const Tensor& seq_lens,
+    const Tensor& w_kv_b, int64_t kv_lora_rank, int64_t qk_nope_head_dim, int64_t v_head_dim,
+    std::optional<Tensor> norm_weight, double norm_eps, std::optional<Tensor> scale,
+    std::optional<int64_t> num_tokens) {
+  const ArgCheck c("mla_decompress");
+  const DeviceScope scope(c, kv_cache, "kv_cache");
+  // Without num_tokens the output length is sum(seq_lens): read (and check) it on the host.
+  auto count = [&](const paged_kv_t& kv) {
+    return checked_token_count(c, host_paged_kv(c, kv, scope.stream()).kv);
+  };
+  PreparedDecompress r = prepare_mla_decompress(c, kv_cache, block_tables, seq_lens, w_kv_b,
+                                                kv_lora_rank, qk_nope_head_dim, v_head_dim,
+                                                norm_weight, norm_eps, scale, num_tokens, count);
+  MlaDecompressParams& p = r.params;
+  if (num_tokens.has_value() && debug_mode()) {
+    const kvkernels::cuda::HostPagedKV host = host_paged_kv(c, p.kv, scope.stream());
+    checked_token_starts(c, host.kv, p.num_tokens);
+  }
+  if (p.num_tokens == 0) return {r.key, r.value};
+  Tensor starts = torch::stable::new_empty(kv_cache, {p.kv.num_seqs + 1}, ScalarType::Long);
+  check_launch(c,
+               mla_decompress(p, scope.device(), static_cast<int64_t*>(starts.mutable_data_ptr()),
+                              scope.stream()),
+               "mla_decompress kernel");
+  // `starts` returns to the caching allocator here; it is reused only by work ordered after the
+  // kernels on this stream.
+  return {r.key, r.value};
+}
+
+// Debug mode: the host-side range checks of the CPU backend, on host copies of the index tensors.
+void check_indices_on_host(const ArgCheck& c, const AttentionParams& params, cudaStream_t stream) {
+  const kvkernels::cuda::HostPagedKV kv = host_paged_kv(c, params.kv, stream);
+  AttentionParams host = params;
+  host.kv = kv.kv;
+  check_paged_kv_indices(c, host.kv);
+  if (params.query_start_loc != nullptr) {
+    const std::vector<int32_t> qsl =
+        kvkernels::cuda::to_host(c, params.query_start_loc, params.kv.num_seqs + 1, stream);
+    host.query_start_loc = qsl.data();
+    check_query_start_loc(c, host);
+  }
+}
+
+std::tuple<Tensor, Tensor> mla_paged_attention_cuda(const Tensor& q, const Tensor& kv_cache,
+                                                    const Tensor& block_tables,
+                                                    const Tensor& seq_lens, int64_t kv_lora_rank,
+                                                    double scale,
+                                                    std::optional<Tensor> query_start_loc,
+                                                    std::optional<Tensor> kv_scale) {
+  const ArgCheck c("mla_paged_attention");
+  const DeviceScope scope(c, q, "q");
+  PreparedAttention r = prepare_mla_attention(c, q, kv_cache, block_tables, seq_lens, kv_lora_rank,
+                                              scale, query_start_loc, kv_scale);
+  if (debug_mode()) check_indices_on_host(c, r.params, scope.stream());
+  if (r.params.num_tokens == 0 || r.params.kv.num_seqs == 0) return {r.out, r.lse};
+
+  MlaPlan plan;
+  check_launch(c, plan_mla_attention(r.params, scope.device(), &plan), "mla_paged_attention plan");
+  Tensor workspace;
+  float* ws = nullptr;
+  if (plan.workspace_floats > 0) {
+    workspace = torch::stable::new_empty(q, {plan.workspace_floats}, ScalarType::Float);
+    ws = static_cast<float*>(workspace.mutable_data_ptr());
+  }
+  check_launch(c, launch_mla_attention(r.params, plan, ws, scope.stream()),
+               "mla_paged_attention kernel");
+  return {r.out, r.lse};
+}
+
+}  // namespace
+}  // namespace kvkernels::mla_cuda
+
+STABLE_TORCH_LIBRARY_IMPL(kvkernels, CUDA, m) {
+  m.impl("mla_decompress", TORCH_BOX(&kvkernels::mla_cuda::mla_decompress_cuda));
+  m.impl("mla_paged_attention", TORCH_BOX(&kvkernels::mla_cuda::mla_paged_attention_cuda));
+}

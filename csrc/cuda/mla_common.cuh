@@ -1,0 +1,178 @@
+// Device code shared by the CUDA MLA kernels (mla_attention_{mma,simt}.cuh, mla_merge.cuh,
+// mla_decompress.cuh). Torch-free. The PTX wrappers (cp.async, ldmatrix, mma.sync), the work
+// decomposition (make_work / row_id) and the fp8 bit conversions come from attention_common.cuh:
+// mla_paged_attention is paged attention with one kv head whose key row is the whole latent row
+// (kv_lora_rank + rope_dim wide) and whose value is its first kv_lora_rank columns, so a CTA's
+// rows are (query, head) pairs of that single group and every latent byte it loads serves all of
+// them.
+//
+// What differs from the head-dim <= 256 kernels: the row width is a runtime value up to 576, so
+// shared-memory rows are sized at run time (`dp` = row width rounded up to 64 elements, a whole
+// number of 128-byte swizzle groups) and the pipeline depth too (`stages`, chosen by the planner
+// from the device's shared memory).
+#pragma once
+
+#include "attention_common.cuh"
+
+namespace kvkernels::mla_cuda {
+
+namespace ac = kvkernels::attn_cuda;
+
+// Everything an MLA attention kernel needs. `a` is the AttnArgs of attention_common.cuh with
+// group = num_heads (one latent "kv head"), so make_work / row_id apply unchanged.
+struct MlaArgs {
+  ac::AttnArgs a;
+  int dp = 0;      // smem row width in elements: head_dim rounded up to a multiple of 64
+  int stages = 2;  // cp.async pipeline depth (2..4)
+};
+
+// ---- geometry (host and device) --------------------------------------------------------------
+
+enum class MlaPath : int {
+  kSimt = 0,    // CUDA cores, float32 math: every q dtype (the only path for float32 q)
+  kMma16 = 1,   // tensor cores, 16 rows (query x head pairs) per CTA, 4 warps
+  kMma64 = 2,   // tensor cores, 64 rows per CTA, 8 warps
+};
+
+constexpr int kMmaKeyTile = 32;   // keys per pipeline stage, tensor-core kernels
+constexpr int kSimtKeyTile = 8;   // keys per pipeline stage, SIMT kernel
+constexpr int kSimtRows = 16;
+constexpr int kSimtThreads = 128;
+constexpr int kMaxValueWidth = 512;  // kv_lora_rank limit of prepare_mla_attention
+constexpr int kPRowBytes = kMmaKeyTile * 2 + 16;  // P tile row: 64 bytes + 16 of padding
+
+__host__ __device__ constexpr int mla_wm(MlaPath path) { return path == MlaPath::kMma64 ? 4 : 1; }
+__host__ __device__ constexpr int mla_rows(MlaPath path) {
+  return path == MlaPath::kSimt ? kSimtRows : 16 * mla_wm(path);
+}
+__host__ __device__ constexpr int mla_threads(MlaPath path) {
+  return path == MlaPath::kSimt ? kSimtThreads : path == MlaPath::kMma64 ? 256 : 128;
+}
+__host__ __device__ constexpr int mla_key_tile(MlaPath path) {
+  return path == MlaPath::kSimt ? kSimtKeyTile : kMmaKeyTile;
+}
+__host__ __device__ constexpr int mla_dp(int head_dim) { return (head_dim + 63) / 64 * 64; }
+
+// Shared memory of the tensor-core kernel: Q [rows][dp] 16-bit | stages x raw K tile [KT][dp] |
+// fp8 only: converted tile [KT][dp] 16-bit | S [rows][KT] float | P [rows][kPRowBytes] |
+// m, d, alpha [rows] float. Every part starts at a multiple of 16 bytes.
+struct MmaSmem {
+  int q_off, stage_off, stage_bytes, cvt_off, s_off, p_off, stat_off, total;
+};
+__host__ __device__ inline MmaSmem mma_smem(MlaPath path, int dp, int esz, int stages) {
+  const int rows = mla_rows(path), kt = kMmaKeyTile;
+  MmaSmem s;
+  s.q_off = 0;
+  s.stage_off = rows * dp * 2;
+  s.stage_bytes = kt * dp * esz;
+  s.cvt_off = s.stage_off + stages * s.stage_bytes;
+  s.s_off = s.cvt_off + (esz == 1 ? kt * dp * 2 : 0);
+  s.p_off = s.s_off + rows * kt * 4;
+  s.stat_off = s.p_off + rows * kPRowBytes;
+  s.total = s.stat_off + 3 * rows * 4;
+  return s;
+}
+
+// Shared memory of the SIMT kernel: Q [16][dp + 4] float (pre-scaled) | stages x raw K tile
+// [8][dp * esz + 16 bytes] | P [16][8] float | m, d, alpha [16] float. The 16-byte row padding
+// keeps the column reads of 8 different keys on 8 different bank groups.
+struct SimtSmem {
+  int q_off, stage_off, stage_row, stage_bytes, p_off, stat_off, total;
+};
+__host__ __device__ inline SimtSmem simt_smem(int dp, int esz, int stages) {
+  SimtSmem s;
+  s.q_off = 0;
+  s.stage_off = kSimtRows * (dp + 4) * 4;
+  s.stage_row = dp * esz + 16;
+  s.stage_bytes = kSimtKeyTile * s.stage_row;
+  s.p_off = s.stage_off + stages * s.stage_bytes;
+  s.stat_off = s.p_off + kSimtRows * kSimtKeyTile * 4;
+  s.total = s.stat_off + 3 * kSimtRows * 4;
+  return s;
+}
+
+// ---- device helpers --------------------------------------------------------------------------
+
+// Byte offset of 16-byte chunk c of row r in a 16-bit tile with `cpr` chunks per row (a multiple
+// of 8): the low 3 bits of the chunk index are XORed with the row, so the 8 row addresses of one
+// ldmatrix phase fall into 8 different bank groups.
+__device__ __forceinline__ int swz_rt(int r, int c, int cpr) { return (r * cpr + (c ^ (r & 7))) * 16; }
+
+__device__ __forceinline__ void ldmatrix_x2(uint32_t addr, uint32_t* r) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(addr));
+#else
+  (void)addr, r[0] = r[1] = 0;
+#endif
+}
+
+// cp.async.wait_group takes an immediate: the runtime pipeline depth picks one of four.
+__device__ __forceinline__ void cp_async_wait_pending(int pending) {
+  if (pending <= 0) ac::cp_async_wait<0>();
+  else if (pending == 1) ac::cp_async_wait<1>();
+  else if (pending == 2) ac::cp_async_wait<2>();
+  else ac::cp_async_wait<3>();
+}
+
+// 8 query elements (columns c .. c+7) as floats, zero past d. d need not be a multiple of 8 (the
+// rope part may have any width), so the last chunk of a row falls back to element loads.
+template <typename QT>
+__device__ __forceinline__ void load_q8_tail(const QT* src, int c, int d, bool aligned, float* x) {
+  if (c + 8 <= d) {
+    ac::load_q8(src, c, d, aligned, x);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = c + i < d ? ac::to_float(src[c + i]) : 0.0f;
+}
+
+// Issues the copies of key tile `tile` (keys [tile * KT, tile * KT + KT)) of the CTA's sequence
+// into `dst`: raw cache bytes, 16 per chunk, row r / chunk c at off(r, c). Keys outside
+// [w.lo, w.hi], rows whose block id is out of range and bytes past head_dim are zero-filled
+// without being read (so NaN in unused cache slots never reaches the math). With `aligned`
+// (cache base and row strides multiples of 16 bytes) the copies are cp.async; otherwise plain
+// element loads (odd views).
+template <int KT, int NT, int ESZ, typename Off>
+__device__ __forceinline__ void issue_key_tile(const MlaArgs& m, const ac::Work& w, int tile,
+                                               char* dst, Off off) {
+  const ac::AttnArgs& a = m.a;
+  const paged_kv_t& kv = a.p.kv;
+  const int cpr = m.dp * ESZ / 16;
+  const int row_bytes = kv.head_dim * ESZ;
+  const int32_t* bt = kv.block_tables + int64_t(w.seq) * kv.max_blocks_per_seq;
+  const char* base = static_cast<const char*>(kv.k);
+  const int k0 = tile * KT;
+  for (int idx = threadIdx.x; idx < KT * cpr; idx += NT) {
+    const int r = idx / cpr, c = idx - r * cpr;
+    const int key = k0 + r;
+    int bytes = 0;
+    const char* src = base;
+    if (key >= w.lo && key <= w.hi) {
+      const int lb = a.bs_shift >= 0 ? key >> a.bs_shift : key / kv.block_size;
+      const int id = bt[lb];
+      const int b = row_bytes - c * 16;
+      if (id >= 0 && id < kv.num_blocks && b > 0) {
+        bytes = b > 16 ? 16 : b;
+        const int slot = a.bs_shift >= 0 ? key & ((1 << a.bs_shift) - 1) : key % kv.block_size;
+        src = base + (int64_t(id) * kv.k_stride_block + int64_t(slot) * kv.k_stride_slot) * ESZ +
+              c * 16;
+      }
+    }
+    char* d = dst + off(r, c);
+    if (a.kv_aligned) ac::cp_async16(d, src, bytes);
+    else ac::TileLoader<1, 1, 1, ESZ>::copy_chunk(d, src, bytes);  // element loads, zero-filled
+  }
+}
+
+// ---- entry points of the per-q-dtype translation units (mla_attention_*.cu) ---------------------
+
+cudaError_t launch_mla_mma_f16(const MlaArgs& m, MlaPath path, dim3 grid, int smem,
+                               cudaStream_t stream);
+cudaError_t launch_mla_mma_bf16(const MlaArgs& m, MlaPath path, dim3 grid, int smem,
+                                cudaStream_t stream);
+cudaError_t launch_mla_simt(const MlaArgs& m, dim3 grid, int smem, cudaStream_t stream);
+cudaError_t launch_mla_merge(const MlaArgs& m, cudaStream_t stream);
+
+}  // namespace kvkernels::mla_cuda

@@ -1,0 +1,326 @@
+// mla_decompress on CUDA: key = [W_k(h) c ; k_pe], value = W_v(h) c for every cached token, as one
+// tiled GEMM  C[T, N] = latent[T, R] x w_kv_b[N, R]^T  with N = num_heads * (qk_nope + v_head)
+// (DeepSeek's kv_b_proj layout), whose columns are scattered into key / value by the epilogue.
+// Torch-free; launched by mla_decompress.cu after token_starts_kernel (gather.cuh) has turned
+// seq_lens into cumulative token starts on the device (no host read). Compiled, not run on a GPU.
+//
+// One CTA (128 threads) owns an output tile of BM tokens x 64 columns:
+//   1. prologue: the first STAGES - 1 K-tiles of w_kv_b (64 rows x 128 bytes each) are put in
+//      flight with cp.async; meanwhile each warp stages latent rows: it finds the token's
+//      sequence / block / slot (binary search over the starts), reads the row (fp8 dequantized
+//      with the per-tensor scale), computes the row's inverse RMS in registers (warp shuffle) when
+//      norm_weight is given, and writes row * inv_rms * norm_weight rounded to the weight dtype
+//      (the CPU backend's arithmetic and rounding) into a swizzled [BM][R] shared tile that stays
+//      for the whole K loop. The same pass writes the rotary part k_pe of the CTA's share of heads.
+//   2. K loop over R in tiles of BK (64 for 16-bit, 32 for float32 = one 128-byte row segment):
+//      wait for tile k, issue tile k + STAGES - 1 into the freed buffer, multiply tile k:
+//        fp16 / bf16: mma.sync m16n8k16 (ldmatrix from swizzled tiles), 4 warps x 32 x 32, BM = 64;
+//        float32: float32 FMA on CUDA cores (no TF32: the float32 contract is ~1e-5), 4 x 4
+//        outputs per thread, BM = 32.
+//   3. epilogue: the fp32 tile goes through shared memory (reusing the W buffers) so that rows of
+//      key and value are written with consecutive addresses; one rounding to the weight dtype.
+// Tokens with no valid cache row (num_tokens larger than sum(seq_lens), block ids out of range)
+// produce zeros instead of reading out of bounds. TMA (sm_90a) is not used.
+#pragma once
+
+#include "common.cuh"
+#include "mla_common.cuh"
+
+namespace kvkernels::mla_cuda {
+
+namespace kc = kvkernels::cuda;
+
+struct DecompressArgs {
+  MlaDecompressParams p;  // p.token_start: device [num_seqs + 1]
+  int rpad = 0;           // kv_lora_rank rounded up to BK
+  int n_total = 0;        // num_heads * (qk_nope_head_dim + v_head_dim)
+  int row_vec = 0;        // latent rows allow 8-element vector loads
+  int w_async = 0;        // w_kv_b base 16-byte aligned: cp.async (rows always are: R % 8 == 0)
+};
+
+template <typename T>
+struct DecCfg {
+  static constexpr bool MMA = !std::is_same_v<T, float>;
+  static constexpr int NT = 128;
+  static constexpr int NW = NT / 32;
+  static constexpr int BM = MMA ? 64 : 32;
+  static constexpr int BN = 64;
+  static constexpr int BK = 128 / int(sizeof(T));  // one 128-byte swizzle group per W row
+  static constexpr int STAGES = 3;
+  static constexpr int W_STAGE = BN * 128;
+  static constexpr int C_STRIDE = BN + 4;  // epilogue floats per row
+  static_assert(BM * C_STRIDE * 4 <= STAGES * W_STAGE, "epilogue tile fits the W buffers");
+  static int smem(int rpad) { return STAGES * W_STAGE + BM * rpad * int(sizeof(T)); }
+};
+
+// The cache row of output token t, or nullptr (t past the sequences, bad block id).
+template <typename C>
+__device__ __forceinline__ const C* locate_latent(const MlaDecompressParams& p, int64_t t) {
+  const paged_kv_t& kv = p.kv;
+  if (t >= p.num_tokens || kv.num_seqs == 0 || t >= p.token_start[kv.num_seqs]) return nullptr;
+  // Largest s with token_start[s] <= t: skips empty sequences (equal starts).
+  int64_t lo = 0, hi = kv.num_seqs - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) >> 1;
+    if (p.token_start[mid] <= t) lo = mid; else hi = mid - 1;
+  }
+  const int64_t j = t - p.token_start[lo];
+  const int64_t lb = j / kv.block_size;
+  if (lb >= kv.max_blocks_per_seq) return nullptr;
+  const int32_t id = kv.block_id(lo, lb);
+  if (id < 0 || id >= kv.num_blocks) return nullptr;
+  return static_cast<const C*>(kv.k) + kv.k_offset(id, j % kv.block_size, 0);
+}
+
+// One cache element as float32 (fp8 through the exact fp8 -> fp16 bit conversion: the same value
+// as kvkernels/fp8.h's decoder, without its branches).
+template <typename C>
+__device__ __forceinline__ float latent_to_float(C x) {
+  if constexpr (kc::is_fp8_type<C>) {
+    constexpr CacheFormat CF =
+        std::is_same_v<C, kc::fp8_e4m3> ? CacheFormat::kFp8E4M3 : CacheFormat::kFp8E5M2;
+    const uint32_t h = ac::fp8x2_to_half2_bits<CF>(uint32_t(x.bits) << 8);
+    return ac::unpack2_half(h).x * ac::fp8_unit<CF>();  // times 2^8 for e4m3: exact
+  } else {
+    return kc::to_float(x);
+  }
+}
+
+// 8 latent elements as float32, times the fp8 scale (1 otherwise: exact).
+template <typename C>
+__device__ __forceinline__ void load_latent8(const C* src, bool vec, float scale, float* x) {
+  if (vec) {
+    if constexpr (sizeof(C) == 4) {
+      const auto a = kc::Pack<C, 4>::load(src), b = kc::Pack<C, 4>::load(src + 4);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] = a.v[i] * scale, x[4 + i] = b.v[i] * scale;
+    } else if constexpr (sizeof(C) == 2) {
+      const auto a = kc::Pack<C, 8>::load(src);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = kc::to_float(a.v[i]) * scale;
+    } else {
+      // fp8: one 8-byte load and the exact fp8 -> fp16 bit conversion of attention_common.cuh
+      // (e4m3 comes out times 2^-8; multiplying by 2^8 * scale gives float(x) * scale exactly).
+      constexpr CacheFormat CF =
+          std::is_same_v<C, kc::fp8_e4m3> ? CacheFormat::kFp8E4M3 : CacheFormat::kFp8E5M2;
+      const float mul = ac::fp8_unit<CF>() * scale;
+      const uint2 u = *reinterpret_cast<const uint2*>(src);
+      uint32_t h[4];
+      ac::fp8x4_to_half2x2<CF>(u.x, &h[0], &h[1]);
+      ac::fp8x4_to_half2x2<CF>(u.y, &h[2], &h[3]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = ac::unpack2_half(h[i]);
+        x[2 * i] = f.x * mul, x[2 * i + 1] = f.y * mul;
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = latent_to_float(src[i]) * scale;
+}
+
+// Issues K-tile kt of the CTA's 64 weight rows: row n, 16-byte chunk c -> swizzled slot.
+template <typename T>
+__device__ __forceinline__ void issue_w_tile(const DecompressArgs& d, int n0, int kt, char* dst) {
+  using Cfg = DecCfg<T>;
+  constexpr int EPC = 16 / int(sizeof(T));  // elements per chunk
+  const int R = d.p.kv_lora_rank;
+  const T* w = static_cast<const T*>(d.p.w_kv_b);
+  for (int idx = threadIdx.x; idx < Cfg::BN * 8; idx += Cfg::NT) {
+    const int n = idx >> 3, c = idx & 7;
+    const int64_t row = int64_t(n0) + n;
+    const int k = kt * Cfg::BK + c * EPC;
+    const bool valid = row < d.n_total && k < R;  // R % 8 == 0: a chunk is all in or all out
+    const char* src = reinterpret_cast<const char*>(valid ? w + row * R + k : w);
+    char* s = dst + (n * 8 + (c ^ (n & 7))) * 16;
+    if (d.w_async) ac::cp_async16(s, src, valid ? 16 : 0);
+    else ac::TileLoader<1, 1, 1, int(sizeof(T))>::copy_chunk(s, src, valid ? 16 : 0);
+  }
+}
+
+template <typename T, typename C>
+__global__ void __launch_bounds__(128)
+    mla_decompress_kernel(const __grid_constant__ DecompressArgs d) {
+  using Cfg = DecCfg<T>;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, NT = Cfg::NT, NW = Cfg::NW, STAGES = Cfg::STAGES;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const MlaDecompressParams& p = d.p;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int R = p.kv_lora_rank, P = p.rope_dim, dn = p.qk_nope_head_dim, dv = p.v_head_dim;
+  const int H = p.num_heads;
+  const int64_t m0 = int64_t(blockIdx.x) * BM;
+  const int n0 = blockIdx.y * BN;
+  const int ktiles = d.rpad / Cfg::BK;
+  const int cpr_a = d.rpad * int(sizeof(T)) / 16;
+  char* sw = reinterpret_cast<char*>(smem);
+  char* sa = sw + STAGES * Cfg::W_STAGE;
+
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ktiles) issue_w_tile<T>(d, n0, s, sw + s * Cfg::W_STAGE);
+    ac::cp_async_commit();
+  }
+
+  // 1. Latent rows -> shared (normalized, weight dtype); k_pe of this CTA's heads.
+  {
+    const float scale = p.kv.k_scale_of(0);
+    const int hs = (H + gridDim.y - 1) / gridDim.y;
+    const int h0 = blockIdx.y * hs, h1 = min(H, h0 + hs);
+    const T* nw = static_cast<const T*>(p.norm_weight);
+    for (int r = warp; r < BM; r += NW) {
+      const int64_t t = m0 + r;
+      const C* row = locate_latent<C>(p, t);
+      float x[2][8];
+      float ss = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int c8 = lane + 32 * j;
+        if (row != nullptr && c8 * 8 < R) {
+          load_latent8(row + c8 * 8, d.row_vec != 0, scale, x[j]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) x[j][i] = 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ss = fmaf(x[j][i], x[j][i], ss);
+      }
+      if (nw != nullptr) {
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+        const float inv = 1.0f / sqrtf(ss / static_cast<float>(R) + p.norm_eps);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int c8 = lane + 32 * j;
+          if (c8 * 8 >= R) continue;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) x[j][i] = x[j][i] * inv * kc::to_float(nw[c8 * 8 + i]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int c8 = lane + 32 * j;
+        if (c8 * 8 >= d.rpad) continue;
+        if constexpr (sizeof(T) == 2) {
+          *reinterpret_cast<uint4*>(sa + swz_rt(r, c8, cpr_a)) =
+              make_uint4(ac::pack2<T>(x[j][0], x[j][1]), ac::pack2<T>(x[j][2], x[j][3]),
+                         ac::pack2<T>(x[j][4], x[j][5]), ac::pack2<T>(x[j][6], x[j][7]));
+        } else {
+          *reinterpret_cast<float4*>(sa + swz_rt(r, 2 * c8, cpr_a)) =
+              make_float4(x[j][0], x[j][1], x[j][2], x[j][3]);
+          *reinterpret_cast<float4*>(sa + swz_rt(r, 2 * c8 + 1, cpr_a)) =
+              make_float4(x[j][4], x[j][5], x[j][6], x[j][7]);
+        }
+      }
+      if (t < p.num_tokens) {
+        T* key = static_cast<T*>(p.key) + t * H * (dn + P) + dn;
+        for (int i = lane; i < P; i += 32) {
+          const T v = kc::from_float<T>(row != nullptr ? latent_to_float(row[R + i]) * scale : 0.0f);
+          for (int h = h0; h < h1; ++h) key[int64_t(h) * (dn + P) + i] = v;
+        }
+      }
+    }
+  }
+
+  // 2. K loop.
+  const uint32_t sa_u32 = ac::smem_u32(sa);
+  [[maybe_unused]] const int g = lane >> 2, t4 = lane & 3;
+  [[maybe_unused]] const int wm = warp & 1, wn = warp >> 1;      // tensor cores: 2 x 2 warps
+  [[maybe_unused]] const int tr = tid >> 4, tc = tid & 15;       // float32: 8 x 16 threads
+  float acc[4][4][4];  // MMA: [m16 block (2)][n8 tile (4)][4]; SIMT: [row (4)][col (4)][0]
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+
+  for (int kt = 0; kt < ktiles; ++kt) {
+    ac::cp_async_wait<STAGES - 2>();
+    __syncthreads();  // W tile kt landed; the latent tile is complete (first pass)
+    {
+      const int nx = kt + STAGES - 1;
+      if (nx < ktiles) issue_w_tile<T>(d, n0, nx, sw + (nx % STAGES) * Cfg::W_STAGE);
+      ac::cp_async_commit();
+    }
+    const char* ws = sw + (kt % STAGES) * Cfg::W_STAGE;
+    if constexpr (Cfg::MMA) {
+      const uint32_t ws_u32 = ac::smem_u32(ws);
+#pragma unroll
+      for (int kk = 0; kk < Cfg::BK / 16; ++kk) {
+        uint32_t af[2][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+          ac::ldmatrix_x4(sa_u32 + swz_rt(wm * 32 + mi * 16 + (lane & 15), kt * 8 + 2 * kk + (lane >> 4), cpr_a),
+                          af[mi]);
+#pragma unroll
+        for (int nj = 0; nj < 2; ++nj) {
+          uint32_t b[4];
+          const int n = wn * 32 + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
+          ac::ldmatrix_x4(ws_u32 + swz_rt(n, 2 * kk + ((lane >> 3) & 1), 8), b);
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi) {
+            ac::mma_16816<T>(acc[mi][2 * nj], af[mi], b[0], b[1]);
+            ac::mma_16816<T>(acc[mi][2 * nj + 1], af[mi], b[2], b[3]);
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int kc4 = 0; kc4 < Cfg::BK / 4; ++kc4) {
+        float4 av[4], wv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          av[i] = *reinterpret_cast<const float4*>(sa + swz_rt(tr * 4 + i, kt * 8 + kc4, cpr_a));
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          wv[j] = *reinterpret_cast<const float4*>(ws + swz_rt(tc + 16 * j, kc4, 8));
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            float s = acc[i][j][0];
+            s = fmaf(av[i].x, wv[j].x, s);
+            s = fmaf(av[i].y, wv[j].y, s);
+            s = fmaf(av[i].z, wv[j].z, s);
+            s = fmaf(av[i].w, wv[j].w, s);
+            acc[i][j][0] = s;
+          }
+      }
+    }
+  }
+
+  // 3. Epilogue through shared memory, then key / value rows.
+  ac::cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the W buffers
+  float* sc = reinterpret_cast<float*>(sw);
+  constexpr int CS = Cfg::C_STRIDE;
+  if constexpr (Cfg::MMA) {
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        const int r = wm * 32 + mi * 16 + g, c = wn * 32 + ni * 8 + 2 * t4;
+        *reinterpret_cast<float2*>(sc + r * CS + c) = make_float2(acc[mi][ni][0], acc[mi][ni][1]);
+        *reinterpret_cast<float2*>(sc + (r + 8) * CS + c) = make_float2(acc[mi][ni][2], acc[mi][ni][3]);
+      }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sc[(tr * 4 + i) * CS + tc + 16 * j] = acc[i][j][0];
+  }
+  __syncthreads();
+  const int per_head = dn + dv, key_w = dn + P;
+  T* key = static_cast<T*>(p.key);
+  T* value = static_cast<T*>(p.value);
+  for (int idx = tid; idx < BM * BN; idx += NT) {
+    const int r = idx / BN, c = idx - r * BN;
+    const int64_t t = m0 + r;
+    const int n = n0 + c;
+    if (t >= p.num_tokens || n >= d.n_total) continue;
+    const int h = n / per_head, j = n - h * per_head;
+    const T v = kc::from_float<T>(sc[r * CS + c]);
+    if (j < dn) key[(t * H + h) * key_w + j] = v;
+    else value[(t * H + h) * dv + (j - dn)] = v;
+  }
+}
+
+}  // namespace kvkernels::mla_cuda

@@ -1,0 +1,256 @@
+"""CUDA MLA benchmark cases (issue 7): absorbed MLA decode (``mla_paged_attention``) against the device's
+measured copy bandwidth, and ``mla_decompress`` against a torch matmul of the same GEMM shape. Timed with
+CUDA events; the timing helpers, copy-bandwidth probe and row format are those of
+:mod:`kvkernels.bench.cuda_attention`. Written without a GPU: importable on CPU, not yet run.
+
+Entry point (for scripts/gpu_validate.sh)::
+
+    python -m kvkernels.bench.cuda_mla [--quick] [--json out.json]
+    rows = kvkernels.bench.cuda_mla.run(args)   # list of dicts, one per (case, implementation)
+
+Cases:
+  decode   DeepSeek-V3 latent shapes (kv_lora_rank 512 + rope 64, block 64), 16 heads (one TP-8 shard)
+           and 128 heads, batch {1, 16, 64, 128} x context {1k, 4k, 32k}, bfloat16 and fp8 e4m3 caches
+           (bfloat16 q). "gbps" counts the latent bytes the call must read (batch x context x 576 x
+           element size), "fraction_of_copy_bw" divides it by the measured dst.copy_(src) bandwidth.
+           Checked against a float32 torch computation of the first sequences.
+  decompress  tokens {4096, 32768} x heads {16, 128}, qk_nope = v = 128, with RMSNorm, bfloat16 and an fp8
+           e4m3 cache; baseline "torch-matmul": latent[T, 512] @ w_kv_b.T on an already gathered,
+           normalized, contiguous bfloat16 latent (the GEMM alone, a lower bound for any unfused
+           implementation); "speedup_vs" = baseline_ms / kvkernels_ms, "tflops" = 2 T R N / time.
+
+Each implementation rotates through enough copies of its data that the bytes touched between two reuses
+exceed ``--rotate-mib`` (so no case times an L2-resident cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Callable, Optional
+
+import torch
+
+from kvkernels import ops
+from kvkernels.bench.cuda_attention import _ints, _row, copy_bandwidth, time_cuda
+
+RANK, ROPE, BLOCK = 512, 64, 64
+NOPE, VDIM = 128, 128
+DECODE_HEADS = (16, 128)
+DECODE_BATCHES = (1, 16, 64, 128)
+DECODE_CONTEXTS = (1024, 4096, 32768)
+DECOMPRESS_TOKENS = (4096, 32768)
+FP8_SCALE = 0.05
+SCALE = (NOPE + ROPE) ** -0.5
+DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("CUDA MLA")
+    g.add_argument("--mla-batches", type=_ints, default=list(DECODE_BATCHES))
+    g.add_argument("--mla-contexts", type=_ints, default=list(DECODE_CONTEXTS))
+    g.add_argument("--mla-heads", type=_ints, default=list(DECODE_HEADS))
+    g.add_argument("--mla-dtypes", default="bfloat16,fp8_e4m3", help="latent cache dtypes")
+    g.add_argument("--mla-decompress-tokens", type=_ints, default=list(DECOMPRESS_TOKENS))
+    g.add_argument("--mla-reps", type=int, default=10, help="timed batches per implementation")
+    g.add_argument("--mla-min-ms", type=float, default=20.0, help="minimum milliseconds per timed batch")
+    g.add_argument("--mla-rotate-mib", type=int, default=200, help="bytes between reuses of one data copy")
+    g.add_argument("--mla-memory-fraction", type=float, default=0.7, help="of free GPU memory a case may use")
+    g.add_argument("--quick", action="store_true", help="small shapes, few reps (a smoke run)")
+
+
+def _defaults() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([])
+
+
+def _time(row: dict, call: Callable[[int], object], args, check: Optional[Callable] = None) -> None:
+    """Time ``call`` into ``row``; an implementation that raises is recorded as skipped with the error."""
+    try:
+        if check is not None:
+            out = call(0)
+            torch.cuda.synchronize()
+            row["max_abs_diff"], row["tolerance"] = check(out)
+            row["checked"] = row["max_abs_diff"] <= row["tolerance"]
+        row["ms"] = time_cuda(call, args.mla_reps, args.mla_min_ms)
+    except Exception as error:  # noqa: BLE001 - one failing implementation must not end the run
+        row["skipped"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+        torch.cuda.synchronize()
+
+
+def _copies(nbytes: int, args) -> int:
+    return max(1, math.ceil(args.mla_rotate_mib * (1 << 20) / max(nbytes, 1)))
+
+
+def _fits(nbytes: int, args) -> bool:
+    free, _ = torch.cuda.mem_get_info()
+    return nbytes <= args.mla_memory_fraction * free
+
+
+class LatentCache:
+    """``copies`` rotated copies of one latent layer [blocks, 64, 576], one shuffled block table."""
+
+    def __init__(self, batch: int, context: int, dtype: torch.dtype, copies: int, gen: torch.Generator):
+        per_seq = math.ceil(context / BLOCK)
+        num_blocks = batch * per_seq
+        self.block_ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).view(
+            batch, per_seq).cuda()
+        self.block_tables = self.block_ids.to(torch.int32)
+        self.seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        fp8 = dtype == torch.float8_e4m3fn
+        self.scale = torch.tensor([FP8_SCALE], device="cuda") if fp8 else None
+        x = torch.randn(num_blocks, BLOCK, RANK + ROPE, generator=gen, device="cuda")
+        first = (x / FP8_SCALE).clamp(-448, 448).to(dtype) if fp8 else x.to(dtype)
+        self.caches = [first] + [first.clone() for _ in range(copies - 1)]
+        self.batch, self.context = batch, context
+
+    def rows(self, seq: int) -> torch.Tensor:
+        """float32 latent rows [context, 576] of one sequence (dequantized)."""
+        x = self.caches[0][self.block_ids[seq]].reshape(-1, RANK + ROPE)[:self.context].float()
+        return x * self.scale if self.scale is not None else x
+
+
+# ----------------------------------------------------------------------------------------------------
+# decode: mla_paged_attention
+# ----------------------------------------------------------------------------------------------------
+
+
+def decode_case(dtype_name: str, heads: int, batch: int, context: int, copy_gbps: float, args,
+                gen: torch.Generator) -> list[dict]:
+    dtype = DTYPES[dtype_name]
+    esize = torch.empty(0, dtype=dtype).element_size()
+    layer_bytes = batch * math.ceil(context / BLOCK) * BLOCK * (RANK + ROPE) * esize
+    case = f"mla decode {dtype_name} h{heads} b{batch} ctx{context}"
+    row = _row(case, "decode", dtype_name, batch, context, "kvkernels", heads=heads)
+    copies = _copies(layer_bytes, args)
+    if not _fits(layer_bytes * (copies + 1), args):
+        copies = 1
+        if not _fits(layer_bytes * 2, args):
+            row["skipped"] = "does not fit in GPU memory"
+            return [row]
+    data = LatentCache(batch, context, dtype, copies, gen)
+    q = torch.randn(batch, heads, RANK + ROPE, generator=gen, device="cuda").to(torch.bfloat16)
+
+    def call(i):
+        return ops.mla_paged_attention(q, data.caches[i % copies], data.block_tables, data.seq_lens,
+                                       kv_lora_rank=RANK, scale=SCALE, kv_scale=data.scale)
+
+    def check(result):
+        out, _ = result
+        diff = 0.0
+        for s in range(min(2, batch)):
+            rows = data.rows(s)
+            w = (q[s].float() @ rows.T * SCALE).softmax(-1)
+            diff = max(diff, float((w @ rows[:, :RANK] - out[s].float()).abs().max()))
+        return diff, 2e-2
+
+    _time(row, call, args, check)
+    if row["ms"]:
+        row["gbps"] = batch * context * (RANK + ROPE) * esize / (row["ms"] * 1e-3) / 1e9
+        row["fraction_of_copy_bw"] = row["gbps"] / copy_gbps
+    del data
+    return [row]
+
+
+# ----------------------------------------------------------------------------------------------------
+# mla_decompress vs the GEMM alone
+# ----------------------------------------------------------------------------------------------------
+
+
+def decompress_case(dtype_name: str, tokens: int, heads: int, args, gen: torch.Generator) -> list[dict]:
+    dtype = DTYPES[dtype_name]
+    n = heads * (NOPE + VDIM)
+    case = f"mla decompress {dtype_name} T{tokens} h{heads}"
+    rows = [_row(case, "decompress", dtype_name, 1, tokens, impl, heads=heads)
+            for impl in ("kvkernels", "torch-matmul")]
+    out_bytes = tokens * heads * (NOPE + ROPE + VDIM) * 2
+    if not _fits(3 * out_bytes + 4 * tokens * (RANK + ROPE) * 4, args):
+        for r in rows:
+            r["skipped"] = "does not fit in GPU memory"
+        return rows
+    data = LatentCache(1, tokens, dtype, 1, gen)
+    w = (torch.randn(n, RANK, generator=gen, device="cuda") * RANK ** -0.5).to(torch.bfloat16)
+    norm = (1 + 0.1 * torch.randn(RANK, generator=gen, device="cuda")).to(torch.bfloat16)
+
+    def call(i):
+        return ops.mla_decompress(data.caches[0], data.block_tables, data.seq_lens, w, kv_lora_rank=RANK,
+                                  qk_nope_head_dim=NOPE, v_head_dim=VDIM, norm_weight=norm, scale=data.scale,
+                                  num_tokens=tokens)
+
+    def check(result):
+        key, value = result
+        lat = data.rows(0)[:256, :RANK]
+        lat = lat * torch.rsqrt(lat.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.float()
+        kv = (lat.to(torch.bfloat16).float() @ w.float().T).view(-1, heads, NOPE + VDIM)
+        diff = max(float((kv[..., :NOPE] - key[:256, :, :NOPE].float()).abs().max()),
+                   float((kv[..., NOPE:] - value[:256].float()).abs().max()))
+        return diff, 5e-2
+
+    _time(rows[0], call, args, check)
+    latent = torch.randn(tokens, RANK, generator=gen, device="cuda").to(torch.bfloat16)
+    _time(rows[1], lambda i: latent @ w.T, args)
+    flops = 2.0 * tokens * RANK * n
+    for r in rows:
+        if r["ms"]:
+            r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
+    if rows[0]["ms"] and rows[1]["ms"]:
+        rows[0]["speedup_vs"] = {"torch-matmul": rows[1]["ms"] / rows[0]["ms"]}
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# the run
+# ----------------------------------------------------------------------------------------------------
+
+
+def run(args: Optional[argparse.Namespace] = None) -> list[dict]:
+    """Every case; one dict per (case, implementation), plus one "copy" row with the bandwidth."""
+    if args is None:
+        args = _defaults()
+    if not torch.cuda.is_available():
+        return [dict(case="cuda mla", kind="copy", impl="copy", skipped="no CUDA device")]
+    if args.quick:
+        args.mla_batches, args.mla_contexts, args.mla_heads = [1, 16], [1024], [16]
+        args.mla_decompress_tokens, args.mla_reps, args.mla_min_ms, args.mla_rotate_mib = [2048], 3, 2.0, 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    copy_gbps = copy_bandwidth(1 << 30 if not args.quick else 1 << 28, args.mla_reps)
+    rows = [_row("copy bandwidth", "copy", "-", 0, 0, "copy", gbps=copy_gbps,
+                 note="dst.copy_(src), bytes read + written per second")]
+    dtypes = [d for d in args.mla_dtypes.split(",") if d]
+    for dtype_name in dtypes:
+        for heads in args.mla_heads:
+            for batch in args.mla_batches:
+                for context in args.mla_contexts:
+                    rows += decode_case(dtype_name, heads, batch, context, copy_gbps, args, gen)
+    for dtype_name in dtypes:
+        for tokens in args.mla_decompress_tokens:
+            for heads in args.mla_heads:
+                rows += decompress_case(dtype_name, tokens, heads, args, gen)
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="CUDA MLA benchmark (kvkernels issue 7)")
+    add_arguments(parser)
+    parser.add_argument("--json", help="write the rows to this file")
+    args = parser.parse_args(argv)
+    rows = run(args)
+    for r in rows:
+        extra = (f"{r['gbps']:.0f} GB/s ({r['fraction_of_copy_bw']:.2f} of copy)" if r.get("fraction_of_copy_bw")
+                 else f"{r['tflops']:.0f} TFLOP/s" if r.get("tflops")
+                 else f"{r['gbps']:.0f} GB/s" if r.get("gbps") else "")
+        ms = (f"{r['ms']:.4f} ms" if r.get("ms") else "" if r["kind"] == "copy"
+              else f"skipped: {r.get('skipped')}")
+        check = "" if r.get("checked") is None else ("ok" if r["checked"] else f"MISMATCH {r['max_abs_diff']:.3g}")
+        print(f"{r['case']:<44} {r['impl']:<14} {ms:<18} {extra} {r.get('speedup_vs') or ''} {check}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,510 @@
+"""The CUDA MLA kernels (csrc/cuda/mla_*: mla_decompress, mla_paged_attention) against the float64 reference.
+
+mla_paged_attention runs on every kernel the planner can pick, forced through KVKERNELS_CUDA_MLA_PATH
+(``auto``: tensor cores for fp16 / bf16 q, CUDA cores for float32; ``simt``; ``mma16`` / ``mma64``: the
+16- and 64-row tensor-core kernels) and with forced KV splits (KVKERNELS_CUDA_MLA_SPLITS, which exercises
+the float32 partials and the merge kernel on small cases): DeepSeek shapes (R 512 + rope 64, 16 / 128
+heads, block 64), block sizes 1 .. 256, rope widths that are not multiples of 8 (unaligned rows), fp8
+latent caches with a per-tensor scale, decode and causal varlen prefill, empty sequences, an empty batch,
+long contexts that the planner splits, and a CUDA-graph capture replayed with new lengths. mla_decompress
+runs the cases of test_mla.py and more (many heads, block size 1, odd head dims, norm on / off, fp8,
+num_tokens given or not, zero tokens). Then: the absorbed formulation equals decompress-then-attend on
+CUDA, opcheck on CUDA tensors, bad input raises an error naming the argument, debug-mode index checks.
+
+Caches keep their layout on the device (the whole storage is copied, NaN in unused slots included). The
+outputs are allocated by the op: before each call the CUDA caching allocator is handed NaN-filled blocks
+(best effort), and the comparison requires NaN / inf exactly where the reference has them, so a row the
+kernel never wrote shows up as a mismatch.
+
+Every test skips, with the reason, without a CUDA device or without the CUDA kernels in the build. These
+tests have not run on a GPU yet (the development machine has none): the kernels are compiled, not run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import (TOLERANCES, assert_bytes_equal, assert_close, dense_attention, generator, make_paged_mla,
+                     make_query, query_start_loc, randn, upcast)
+from kvkernels import ops, reference
+from test_cuda_attention import like_on, opt_on, poison_allocator
+from test_mla import DECOMPRESS_CASES, random_weight, varlen_q_lens
+
+f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+
+
+def _cuda_kernels_registered() -> bool:
+    try:
+        return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"kvkernels::{op}", "CUDA")
+                   for op in ("mla_decompress", "mla_paged_attention"))
+    except Exception:  # noqa: BLE001 - an older torch without the helper: let the tests find out
+        return True
+
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() "
+                                                             "is False)"),
+    pytest.mark.skipif(torch.cuda.is_available() and not _cuda_kernels_registered(),
+                       reason="kvkernels was built without its CUDA kernels (torch without CUDA or no nvcc)"),
+]
+
+DEV = "cuda"
+# (path, splits) for KVKERNELS_CUDA_MLA_PATH / KVKERNELS_CUDA_MLA_SPLITS.
+PATHS = {"auto": (None, None), "simt": ("simt", None), "mma16": ("mma16", None), "mma64": ("mma64", None),
+         "auto-split5": (None, 5), "simt-split5": ("simt", 5), "mma64-split3": ("mma64", 3)}
+
+
+def _smem_optin() -> int:
+    props = torch.cuda.get_device_properties(0)
+    return int(getattr(props, "shared_memory_per_block_optin", 0))
+
+
+@pytest.fixture(params=list(PATHS), ids=list(PATHS))
+def path(request, monkeypatch):
+    kind, splits = PATHS[request.param]
+    if kind == "mma64" and 0 < _smem_optin() < 160 * 1024:
+        pytest.skip(f"the 64-row tensor-core MLA kernel needs ~158 KiB of shared memory per block; this device "
+                    f"allows {_smem_optin()} bytes")
+    monkeypatch.delenv("KVKERNELS_CUDA_MLA_PATH", raising=False)
+    monkeypatch.delenv("KVKERNELS_CUDA_MLA_SPLITS", raising=False)
+    if kind:
+        monkeypatch.setenv("KVKERNELS_CUDA_MLA_PATH", kind)
+    if splits:
+        monkeypatch.setenv("KVKERNELS_CUDA_MLA_SPLITS", str(splits))
+    return request.param
+
+
+def make_mla_case(mode, seq_lens, dtype, fp8, r, p, h, b, strided=None, seed=4):
+    mla = make_paged_mla(seq_lens, r, p, b, dtype=dtype, fp8=fp8, seed=seed)
+    q_lens = [1] * len(seq_lens) if mode == "decode" else varlen_q_lens(seq_lens)
+    qsl = None if mode == "decode" else query_start_loc(q_lens)
+    q = make_query(sum(q_lens), h, r + p, dtype, generator(seed + 1), strided=strided)
+    return mla, q, qsl
+
+
+def run_attention(mla, q, qsl, scale):
+    """The CUDA kernel vs the float64 reference (on the CPU copies); returns (out, lse) on the CPU."""
+    t, h, _ = q.shape
+    r = mla.kv_lora_rank
+    poison_allocator(8 * t * h * r * 4)
+    out, lse = ops.mla_paged_attention(like_on(q), like_on(mla.kv_cache), mla.block_tables.to(DEV),
+                                       mla.seq_lens.to(DEV), kv_lora_rank=r, scale=scale,
+                                       query_start_loc=opt_on(qsl), kv_scale=opt_on(mla.scale))
+    torch.cuda.synchronize()
+    assert out.device.type == DEV and lse.device.type == DEV
+    assert out.dtype == q.dtype and out.shape == (t, h, r) and out.is_contiguous()
+    assert lse.dtype == f32 and lse.shape == (t, h) and lse.is_contiguous()
+    ref_out, ref_lse = reference.mla_paged_attention(upcast(q), mla.ref_cache(), mla.block_tables, mla.seq_lens,
+                                                     kv_lora_rank=r, scale=scale, query_start_loc=qsl,
+                                                     kv_scale=mla.scale)
+    out, lse = out.cpu(), lse.cpu()
+    assert_close(out, ref_out, q.dtype, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------
+# mla_paged_attention
+# ----------------------------------------------------------------------------------------------------
+
+# id: q dtype, cache fp8, R, P, heads, block size, strided q
+ATTN_CASES = {
+    "bf16-R512-P64-H16-b64": (bf16, None, 512, 64, 16, 64, None),
+    "bf16-R512-P64-H128-b64": (bf16, None, 512, 64, 128, 64, None),
+    "f16-R512-P64-H64-b16-transposed": (f16, None, 512, 64, 64, 16, "transposed"),
+    "f32-R512-P64-H8-b16-fused": (f32, None, 512, 64, 8, 16, "fused"),
+    "e4m3-bf16-R512-P64-H16-b64": (bf16, "e4m3", 512, 64, 16, 64, None),
+    "e5m2-f16-R64-P16-H4-b1": (f16, "e5m2", 64, 16, 4, 1, None),
+    "e4m3-f32-R64-P16-H4-b3": (f32, "e4m3", 64, 16, 4, 3, None),
+    "bf16-R128-P3-H20-b7": (bf16, None, 128, 3, 20, 7, None),
+    "f32-R64-P0-H2-b128": (f32, None, 64, 0, 2, 128, None),
+    "f16-R72-P8-H5-b256": (f16, None, 72, 8, 5, 256, "fused"),
+}
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("case", ATTN_CASES.values(), ids=ATTN_CASES.keys())
+def test_mla_paged_attention(case, mode, path):
+    dtype, fp8, r, p, h, b, strided = case
+    seq_lens = [b + 1, 0, 2 * b + 5, 1, b, 300]
+    mla, q, qsl = make_mla_case(mode, seq_lens, dtype, fp8, r, p, h, b, strided)
+    out, lse = run_attention(mla, q, qsl, (128 + p) ** -0.5)
+    if mode == "decode":  # the empty sequence: out = 0, lse = -inf
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+
+
+@pytest.mark.parametrize("splits", [None, 1, 16, 128], ids=["planned", "1", "16", "128"])
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("dtype,fp8", [(bf16, None), (f32, None), (bf16, "e4m3")], ids=["bf16", "f32", "e4m3"])
+def test_long_context(dtype, fp8, mode, splits, monkeypatch):
+    """Thousands of keys over few sequences: the planner splits them (3 sequences x 1 head chunk leave any
+    GPU idle); forced counts cover no split, many, and more splits than the short sequence has tiles."""
+    monkeypatch.delenv("KVKERNELS_CUDA_MLA_PATH", raising=False)
+    monkeypatch.delenv("KVKERNELS_CUDA_MLA_SPLITS", raising=False)
+    if splits:
+        monkeypatch.setenv("KVKERNELS_CUDA_MLA_SPLITS", str(splits))
+    seq_lens = [5000, 1, 2049]
+    mla = make_paged_mla(seq_lens, 512, 64, 64, dtype=dtype, fp8=fp8, seed=41)
+    q_lens = [1, 1, 1] if mode == "decode" else [min(n, 40) for n in seq_lens]
+    qsl = None if mode == "decode" else query_start_loc(q_lens)
+    q = make_query(sum(q_lens), 16, 576, dtype, generator(42))
+    run_attention(mla, q, qsl, 192 ** -0.5)
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_empty_sequences_and_batch(mode, dtype, path):
+    seq_lens = [0, 5, 0, 33]
+    mla, q, qsl = make_mla_case(mode, seq_lens, dtype, None, 64, 16, 4, 16, seed=5)
+    out, lse = run_attention(mla, q, qsl, 0.1)
+    if mode == "decode":
+        for row in (0, 2):
+            assert torch.equal(out[row], torch.zeros(4, 64, dtype=dtype))
+            assert torch.isneginf(lse[row]).all()
+    # An empty batch, and a varlen batch whose sequences have no queries: nothing to launch.
+    table = torch.zeros(0, 3, dtype=torch.int32, device=DEV)
+    lens = torch.zeros(0, dtype=torch.int32, device=DEV)
+    q0 = torch.randn(0, 4, 80, device=DEV).to(dtype)
+    qsl0 = None if mode == "decode" else torch.zeros(1, dtype=torch.int32, device=DEV)
+    out, lse = ops.mla_paged_attention(q0, like_on(mla.kv_cache), table, lens, kv_lora_rank=64, scale=0.1,
+                                       query_start_loc=qsl0)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("dtype,fp8", [(bf16, None), (f16, None), (bf16, "e4m3"), (f16, "e5m2")])
+def test_tensor_core_and_simt_agree(dtype, fp8, mode, monkeypatch):
+    """The tensor-core (16- and 64-row) and CUDA-core kernels on the same inputs agree to the q dtype's
+    tolerance."""
+    mla, q, qsl = make_mla_case(mode, [300, 64, 1, 129], dtype, fp8, 512, 64, 32, 64, seed=37)
+    args = (like_on(q), like_on(mla.kv_cache), mla.block_tables.to(DEV), mla.seq_lens.to(DEV))
+    kw = dict(kv_lora_rank=512, scale=0.07, query_start_loc=opt_on(qsl), kv_scale=opt_on(mla.scale))
+    monkeypatch.setenv("KVKERNELS_CUDA_MLA_PATH", "simt")
+    out_s, lse_s = ops.mla_paged_attention(*args, **kw)
+    rtol, atol = TOLERANCES[dtype]
+    kinds = ["mma16"] + (["mma64"] if _smem_optin() >= 160 * 1024 else [])
+    for kind in kinds:
+        monkeypatch.setenv("KVKERNELS_CUDA_MLA_PATH", kind)
+        out_tc, lse_tc = ops.mla_paged_attention(*args, **kw)
+        assert_close(out_tc.cpu(), out_s.cpu().double(), dtype, rtol=2 * rtol, atol=2 * atol, msg=f"{kind} out")
+        assert_close(lse_tc.cpu(), lse_s.cpu().double(), f32, rtol=1e-4, atol=1e-4, msg=f"{kind} lse")
+
+
+def test_splits_are_exact(monkeypatch):
+    """float32 (CUDA cores, float32 math): 1 split vs many splits differ only by float32 rounding."""
+    mla = make_paged_mla([5000, 3000, 17], 512, 64, 64, dtype=f32, seed=43)
+    q = make_query(3, 8, 576, f32, generator(44))
+    args = (like_on(q), like_on(mla.kv_cache), mla.block_tables.to(DEV), mla.seq_lens.to(DEV))
+    results = []
+    for splits in (1, 3, 64):
+        monkeypatch.setenv("KVKERNELS_CUDA_MLA_SPLITS", str(splits))
+        results.append([x.cpu() for x in ops.mla_paged_attention(*args, kv_lora_rank=512, scale=0.05)])
+    for out, lse in results[1:]:
+        torch.testing.assert_close(out, results[0][0], rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(lse, results[0][1], rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype,fp8", [(bf16, None), (f32, "e4m3")], ids=["bf16", "e4m3-f32"])
+def test_unaligned_cache_rows(dtype, fp8, path):
+    """A latent cache whose rows are not 16-byte aligned (a [..., 2:2+W] slice of wider rows) takes the
+    plain-load fallback instead of cp.async."""
+    r, p = 64, 16
+    mla, q, qsl = make_mla_case("decode", [40, 9, 0, 16], dtype, fp8, r, p, 8, 16, seed=29)
+    t = mla.kv_cache
+    wide = torch.empty(*t.shape[:-1], r + p + 6, dtype=t.dtype)
+    view = wide[..., 2:2 + r + p]
+    if fp8:
+        wide.view(torch.uint8).fill_(0x7F)  # NaN
+        view.view(torch.uint8).copy_(t.view(torch.uint8))
+    else:
+        wide.fill_(float("nan"))
+        view.copy_(t)
+    mla.kv_cache = view
+    run_attention(mla, q, qsl, 0.1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# mla_decompress
+# ----------------------------------------------------------------------------------------------------
+
+# id: w dtype, cache fp8, R, P, heads, dn, dv, RMSNorm, block size, pass num_tokens (test_mla.py's + more)
+DECOMPRESS_CUDA_CASES = dict(DECOMPRESS_CASES, **{
+    "bf16-R512-P64-H16-d128-norm-b64": (bf16, None, 512, 64, 16, 128, 128, True, 64, False),
+    "f16-R64-P3-H3-dn5-dv7-b1": (f16, None, 64, 3, 3, 5, 7, False, 1, True),
+    "e4m3-bf16-R512-P64-H8-norm-b64-num_tokens": (bf16, "e4m3", 512, 64, 8, 128, 128, True, 64, True),
+    "f32-R72-P8-H2-b5": (f32, None, 72, 8, 2, 16, 16, False, 5, False),
+    "f32-R512-P64-H40-norm-b128": (f32, None, 512, 64, 40, 24, 40, True, 128, True),
+})
+
+
+def run_decompress(case, seq_lens, seed=2):
+    dtype, fp8, r, p, h, dn, dv, norm, b, with_num_tokens = case
+    gen = generator(seed)
+    mla = make_paged_mla(seq_lens, r, p, b, dtype=dtype, fp8=fp8, seed=seed + 1, strided=(b == 3))
+    w = random_weight(h * (dn + dv), r, dtype, gen)
+    norm_weight = (1 + 0.5 * randn(r, gen=gen)).to(dtype) if norm else None
+    kwargs = dict(kv_lora_rank=r, qk_nope_head_dim=dn, v_head_dim=dv, norm_eps=1e-5)
+    t = sum(seq_lens)
+    poison_allocator(4 * t * h * (dn + p + dv) * 4)
+    key, value = ops.mla_decompress(like_on(mla.kv_cache), mla.block_tables.to(DEV), mla.seq_lens.to(DEV),
+                                    w.to(DEV), norm_weight=opt_on(norm_weight), scale=opt_on(mla.scale),
+                                    num_tokens=t if with_num_tokens else None, **kwargs)
+    torch.cuda.synchronize()
+    assert key.device.type == DEV and value.device.type == DEV
+    assert key.dtype == value.dtype == dtype
+    assert key.shape == (t, h, dn + p) and value.shape == (t, h, dv)
+    assert key.is_contiguous() and value.is_contiguous()
+    key, value = key.cpu(), value.cpu()
+    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, upcast(w),
+                                                  norm_weight=upcast(norm_weight), scale=mla.scale, **kwargs)
+    assert_close(key, ref_key, dtype, msg="key")
+    assert_close(value, ref_value, dtype, msg="value")
+    if t:
+        # k_pe is copied into every head unchanged (dequantized and rounded once for fp8 caches).
+        k_pe = torch.cat(mla.rows)[:, None, r:].expand(-1, h, -1).to(dtype)
+        assert_bytes_equal(key[..., dn:], k_pe, msg="k_pe part of key")
+    return key, value
+
+
+@pytest.mark.parametrize("case", DECOMPRESS_CUDA_CASES.values(), ids=DECOMPRESS_CUDA_CASES.keys())
+def test_mla_decompress(case):
+    run_decompress(case, [5, 0, 70, 1, case[8], 200])
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_mla_decompress_many_tokens(dtype):
+    """More token tiles than one wave, sequences spanning many blocks, a partial last tile."""
+    run_decompress((dtype, None, 512, 64, 4, 64, 64, True, 64, True), [3001, 17, 1000, 0, 64], seed=9)
+
+
+@pytest.mark.parametrize("with_num_tokens", [False, True])
+def test_mla_decompress_no_tokens(with_num_tokens):
+    run_decompress((bf16, None, 64, 16, 2, 16, 16, True, 16, with_num_tokens), [0, 0, 0])
+    # An empty batch.
+    mla = make_paged_mla([5], 64, 16, 16, dtype=bf16, seed=3)
+    key, value = ops.mla_decompress(like_on(mla.kv_cache), torch.zeros(0, 2, dtype=torch.int32, device=DEV),
+                                    torch.zeros(0, dtype=torch.int32, device=DEV),
+                                    torch.randn(2 * 32, 64, device=DEV).to(bf16), kv_lora_rank=64,
+                                    qk_nope_head_dim=16, v_head_dim=16, num_tokens=0 if with_num_tokens else None)
+    assert key.shape == (0, 2, 32) and value.shape == (0, 2, 16)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the two formulations, on CUDA
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fp8", [None, "e4m3"])
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+def test_absorbed_equals_decompress_then_attend(mode, fp8):
+    """W_UV(absorbed attention over the latent cache) == attention over the keys / values that
+    mla_decompress produces, both computed by the CUDA kernels (float32: CUDA-core paths)."""
+    gen = generator(6)
+    r, p, h, dn, dv, b = 64, 16, 4, 32, 24, 16
+    seq_lens = [37, 1, 16, 0, 50]
+    mla = make_paged_mla(seq_lens, r, p, b, dtype=f32, fp8=fp8, seed=7)
+    w = random_weight(h * (dn + dv), r, f32, gen)
+    w_k, w_v = w.double().reshape(h, dn + dv, r).split([dn, dv], dim=1)
+    q_lens = [1] * len(seq_lens) if mode == "decode" else varlen_q_lens(seq_lens)
+    qsl = None if mode == "decode" else query_start_loc(q_lens)
+    q_nope = randn(sum(q_lens), h, dn, gen=gen)
+    q_pe = randn(sum(q_lens), h, p, gen=gen)
+    scale = (dn + p) ** -0.5
+    cache, table, lens = like_on(mla.kv_cache), mla.block_tables.to(DEV), mla.seq_lens.to(DEV)
+
+    q_absorbed = torch.cat([torch.einsum("thd,hdr->thr", q_nope.double(), w_k).float(), q_pe], dim=-1)
+    out_latent, lse = ops.mla_paged_attention(q_absorbed.to(DEV), cache, table, lens, kv_lora_rank=r, scale=scale,
+                                              query_start_loc=opt_on(qsl), kv_scale=opt_on(mla.scale))
+    out = torch.einsum("thr,hvr->thv", out_latent.cpu().double(), w_v)
+
+    key, value = ops.mla_decompress(cache, table, lens, w.to(DEV), kv_lora_rank=r, qk_nope_head_dim=dn,
+                                    v_head_dim=dv, scale=opt_on(mla.scale))
+    key, value = key.cpu(), value.cpu()
+    q_full = torch.cat([q_nope, q_pe], dim=-1)
+    expected_out = torch.full((sum(q_lens), h, dv), float("nan"), dtype=torch.float64)
+    expected_lse = torch.full((sum(q_lens), h), float("nan"), dtype=torch.float64)
+    q_start = k_start = 0
+    for q_len, seq_len in zip(q_lens, seq_lens):
+        qs, ks = slice(q_start, q_start + q_len), slice(k_start, k_start + seq_len)
+        expected_out[qs], expected_lse[qs] = dense_attention(q_full[qs], key[ks], value[ks], scale)
+        q_start, k_start = q_start + q_len, k_start + seq_len
+    assert_close(out, expected_out, f32, rtol=2e-5, atol=2e-5, msg="W_UV(absorbed out) vs attention over decompressed")
+    assert_close(lse.cpu(), expected_lse, f32, rtol=2e-5, atol=2e-5, msg="lse")
+
+
+# ----------------------------------------------------------------------------------------------------
+# opcheck, bad input, debug checks, streams, CUDA graphs
+# ----------------------------------------------------------------------------------------------------
+
+
+def _on_cuda(x):
+    return like_on(x) if isinstance(x, torch.Tensor) else x
+
+
+def _opcheck_cases():
+    from test_opcheck import SAMPLES
+    return [pytest.param(op, build, id=f"{op}-{name}") for op in ("mla_decompress", "mla_paged_attention")
+            for name, build in SAMPLES[op].items()]
+
+
+@pytest.mark.parametrize("op,build", _opcheck_cases())
+def test_opcheck(op, build):
+    """test_opcheck.py's MLA samples (non-contiguous included), moved to CUDA with their strides."""
+    args, kwargs = build()
+    args = tuple(_on_cuda(a) for a in args)
+    kwargs = {k: _on_cuda(v) for k, v in kwargs.items()}
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    if any(isinstance(t, torch.Tensor) and t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+           for t in (*args, *kwargs.values())):
+        utils = utils[1:]  # SchemaCheckMode compares fp8 tensors with allclose, which has no fp8 kernel
+    torch.library.opcheck(getattr(torch.ops.kvkernels, op).default, args, kwargs, test_utils=utils)
+
+
+def _attn_base(fp8=None):
+    mla, q, qsl = make_mla_case("decode", [5, 9, 12], bf16, fp8, 64, 16, 4, 4, seed=53)
+    return dict(q=like_on(q), kv_cache=like_on(mla.kv_cache), block_tables=mla.block_tables.to(DEV),
+                seq_lens=mla.seq_lens.to(DEV), kv_lora_rank=64, scale=0.1, kv_scale=opt_on(mla.scale))
+
+
+ATTN_BAD = [
+    ("q-float64", "q", lambda a: a.update(q=a["q"].double())),
+    ("cache-dtype", "q|kv_cache", lambda a: a.update(q=a["q"].float())),
+    ("block_tables-on-cpu", "block_tables", lambda a: a.update(block_tables=a["block_tables"].cpu())),
+    ("seq_lens-on-cpu", "seq_lens", lambda a: a.update(seq_lens=a["seq_lens"].cpu())),
+    ("kv_cache-on-cpu", "block_tables", lambda a: a.update(kv_cache=a["kv_cache"].cpu())),
+    ("block_tables-int64", "block_tables", lambda a: a.update(block_tables=a["block_tables"].long())),
+    ("q-width", "q", lambda a: a.update(q=a["q"][..., :72])),
+    ("rank-not-multiple-of-8", "kv_lora_rank", lambda a: a.update(kv_lora_rank=60)),
+    ("rank-wider-than-row", "kv_cache", lambda a: a.update(kv_lora_rank=96)),
+    ("decode-tokens-ne-seqs", "q", lambda a: a.update(q=a["q"][:2])),
+]
+
+
+@pytest.mark.parametrize("name,arg,mutate", ATTN_BAD, ids=[b[0] for b in ATTN_BAD])
+def test_attention_bad_input(name, arg, mutate):
+    a = _attn_base()
+    mutate(a)
+    with pytest.raises(RuntimeError, match=rf"kvkernels\.mla_paged_attention: ({arg}):"):
+        ops.mla_paged_attention(**a)
+    torch.cuda.synchronize()  # and the device is still fine
+
+
+def _dec_base(fp8=None):
+    mla = make_paged_mla([5, 9, 12], 64, 16, 4, dtype=bf16, fp8=fp8, seed=54)
+    w = random_weight(2 * 40, 64, bf16, generator(55))
+    return dict(kv_cache=like_on(mla.kv_cache), block_tables=mla.block_tables.to(DEV),
+                seq_lens=mla.seq_lens.to(DEV), w_kv_b=w.to(DEV), kv_lora_rank=64, qk_nope_head_dim=16,
+                v_head_dim=24, norm_weight=torch.ones(64, dtype=bf16, device=DEV), scale=opt_on(mla.scale))
+
+
+DEC_BAD = [
+    ("w-dtype", "kv_cache|w_kv_b", lambda a: a.update(w_kv_b=a["w_kv_b"].float())),
+    ("w-on-cpu", "w_kv_b", lambda a: a.update(w_kv_b=a["w_kv_b"].cpu())),
+    ("w-rows", "w_kv_b", lambda a: a.update(w_kv_b=a["w_kv_b"][:70])),
+    ("w-cols", "w_kv_b", lambda a: a.update(w_kv_b=a["w_kv_b"][:, :56])),
+    ("norm-size", "norm_weight", lambda a: a.update(norm_weight=a["norm_weight"][:32])),
+    ("norm-dtype", "norm_weight", lambda a: a.update(norm_weight=a["norm_weight"].float())),
+    ("block_tables-int64", "block_tables", lambda a: a.update(block_tables=a["block_tables"].long())),
+    ("negative-eps", "norm_eps", lambda a: a.update(norm_eps=-1.0)),
+    ("negative-num_tokens", "num_tokens", lambda a: a.update(num_tokens=-3)),
+]
+
+
+@pytest.mark.parametrize("name,arg,mutate", DEC_BAD, ids=[b[0] for b in DEC_BAD])
+def test_decompress_bad_input(name, arg, mutate):
+    a = _dec_base()
+    mutate(a)
+    with pytest.raises(RuntimeError, match=rf"kvkernels\.mla_decompress: ({arg}):"):
+        ops.mla_decompress(**a)
+    torch.cuda.synchronize()
+
+
+def test_fp8_without_scale():
+    a = _attn_base(fp8="e4m3")
+    a["kv_scale"] = None
+    with pytest.raises(RuntimeError, match=r"kvkernels\.mla_paged_attention: kv_scale:"):
+        ops.mla_paged_attention(**a)
+    d = _dec_base(fp8="e4m3")
+    d["scale"] = None
+    with pytest.raises(RuntimeError, match=r"kvkernels\.mla_decompress: scale:"):
+        ops.mla_decompress(**d)
+
+
+@pytest.mark.parametrize("op", ["mla_paged_attention", "mla_decompress"])
+def test_debug_index_checks(op, monkeypatch):
+    """KVKERNELS_DEBUG=1 runs the host range checks on copies of the index tensors; without it a bad block
+    id gives wrong numbers at worst, never a device fault (the kernels zero-fill)."""
+    a = _attn_base() if op == "mla_paged_attention" else _dec_base()
+    a["block_tables"][1, 1] = 10 ** 6
+    call = getattr(ops, op)
+    monkeypatch.setenv("KVKERNELS_DEBUG", "1")
+    if op == "mla_decompress":
+        a["num_tokens"] = 26  # given: the debug path checks the indices itself
+    with pytest.raises(RuntimeError, match=rf"kvkernels\.{op}: block_tables:"):
+        call(**a)
+    monkeypatch.delenv("KVKERNELS_DEBUG")
+    call(**a)
+    torch.cuda.synchronize()  # no illegal address: the context is still usable
+    torch.ones(1, device=DEV).add_(1)
+    torch.cuda.synchronize()
+
+
+def test_current_stream():
+    """The kernels run on the current stream: work queued on a side stream, read after a sync of it."""
+    mla, q, _ = make_mla_case("decode", [700, 5], bf16, None, 512, 64, 16, 64, seed=47)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        out, lse = ops.mla_paged_attention(like_on(q), like_on(mla.kv_cache), mla.block_tables.to(DEV),
+                                           mla.seq_lens.to(DEV), kv_lora_rank=512, scale=0.07)
+    side.synchronize()
+    ref_out, ref_lse = reference.mla_paged_attention(upcast(q), mla.ref_cache(), mla.block_tables, mla.seq_lens,
+                                                     kv_lora_rank=512, scale=0.07)
+    assert_close(out.cpu(), ref_out, bf16, msg="out")
+    assert_close(lse.cpu(), ref_lse, f32, msg="lse")
+
+
+@pytest.mark.parametrize("dtype,fp8", [(bf16, None), (f32, None), (bf16, "e4m3")], ids=["bf16", "f32", "e4m3"])
+def test_cuda_graph_decode_step(dtype, fp8):
+    """Capture one MLA decode step (contexts long enough that the plan splits: workspace allocated inside
+    the capture), then change seq_lens and the block tables' contents in place and replay: the replays
+    match the reference for the new contents."""
+    b, h = 64, 16
+    lens_a, lens_b = [1500, 33, 900], [1700, 1, 2047]
+    mla = make_paged_mla([2048, 2048, 2048], 512, 64, b, dtype=dtype, fp8=fp8, seed=59)
+    cache, kv_scale = like_on(mla.kv_cache), opt_on(mla.scale)
+    block_tables = mla.block_tables.to(DEV)
+    seq_lens = torch.tensor(lens_a, dtype=torch.int32, device=DEV)
+    q = make_query(3, h, 576, dtype, generator(60)).to(DEV)
+
+    def step():
+        return ops.mla_paged_attention(q, cache, block_tables, seq_lens, kv_lora_rank=512, scale=0.07,
+                                       kv_scale=kv_scale)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up outside the capture (first-use kernel attributes, allocator pools)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+
+    def check(lens, table):
+        ref_out, ref_lse = reference.mla_paged_attention(upcast(q.cpu()), mla.ref_cache(), table,
+                                                         torch.tensor(lens, dtype=torch.int32), kv_lora_rank=512,
+                                                         scale=0.07, kv_scale=mla.scale)
+        assert_close(out.cpu(), ref_out, dtype, msg="graph out")
+        assert_close(lse.cpu(), ref_lse, f32, msg="graph lse")
+
+    graph.replay()
+    torch.cuda.synchronize()
+    check(lens_a, mla.block_tables)
+    table_b = mla.block_tables.clone()
+    table_b[[0, 2]] = mla.block_tables[[2, 0]]
+    block_tables.copy_(table_b)
+    seq_lens.copy_(torch.tensor(lens_b, dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(lens_b, table_b)
