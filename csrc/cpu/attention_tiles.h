@@ -167,9 +167,11 @@ inline void softmax_tile(const AttentionParams& p, float* s, float mul, float* m
   _mm512_storeu_ps(m, m_new);
 }
 
-// The lines of the next chunk's key and value rows, prefetched into L2 a slice at a time between
-// the softmax steps of the row tiles: paged blocks are scattered, so no hardware prefetcher finds
-// them, and a burst of all the chunk's lines at once would stall the core on the fill buffers.
+// The lines of the next chunk's key and value rows, prefetched into L2 a slice at a time through
+// the chunk's work (between the softmax steps of the row tiles; on AMX also through the packing
+// and the products): paged blocks are scattered, so no hardware prefetcher finds them, and a burst
+// of all the chunk's lines at once stalls the core on the fill buffers (perf: a third of the MLA
+// decode's cycles sat on the prefetch instructions of such a burst).
 struct ChunkPrefetch {
   const char* rows[2 * kTileChunk];
   int n = 0, row_bytes = 0;  // rows, bytes per row

@@ -13,7 +13,8 @@ Implementations: ``stock`` (``DynamicCache`` + ``attn_implementation="sdpa"``), 
 forked, where ``generate()`` itself computes the prompt once per beam) and its stock twin ``stock
 prefill-once`` (the same pattern on ``DynamicCache``: prefill, ``batch_repeat_interleave`` — which
 copies the prompt's KV per beam — then ``generate()``). Each kvkernels way is compared with the
-stock run of the same pattern ("vs twin", the target) and with plain stock. Each is timed ``--reps``
+stock run of the same pattern ("vs twin") and with plain stock; the targets are the plain
+``generate()`` calls (``kvkernels`` against ``stock``). Each is timed ``--reps``
 times, interleaved, after a warm-up; the median is reported. Tokens must be identical to stock.
 
 Per implementation also: the decode phase alone (time from the first to the last forward, from a
@@ -68,6 +69,7 @@ FULL = Shapes(8, 512, 128, 8, 512, 128, 3, MODEL)
 QUICK = Shapes(2, 32, 8, 2, 32, 8, 1, QUICK_MODEL)
 TARGETS = {"greedy": 1.0, "beam": 1.5}  # kvkernels tokens/s over stock
 # Each kvkernels implementation against the stock run of the same generate() pattern.
+# Reported ("vs twin"), not a target: the targets are the plain generate() calls (TARGETS).
 COUNTERPART = {"kvkernels": "stock", "kvkernels prefill-once": "stock prefill-once"}
 
 
@@ -457,10 +459,8 @@ def run(args: argparse.Namespace, argv: list) -> int:
     cfg = model.config
     kv_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
     targets = {}
-    for case in cases:
-        for impl, e in case["impls"].items():
-            if e["speedup_vs_counterpart"] is not None:
-                targets[f"{case['name']}: {impl} vs {COUNTERPART[impl]}"] = e["speedup_vs_counterpart"] >= case["target"]
+    for case in cases:  # the targets: plain generate() on PagedCache against plain stock
+        targets[f"{case['name']}: kvkernels vs stock"] = case["impls"]["kvkernels"]["speedup_vs_stock"] >= case["target"]
     record = {"suite": "generate", "machine": machine.machine_info(machine.llc_bytes()),
               "torch_version": torch.__version__, "transformers_version": transformers.__version__,
               "kvkernels_version": kvkernels.__version__, "python_version": platform.python_version(),
