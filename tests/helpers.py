@@ -54,6 +54,20 @@ def has_kernel(op: str, device: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"kvkernels::{op}", key)
 
 
+def cuda_only(*ops: str) -> list:
+    """``pytestmark`` of a CUDA-only test module: skip without a CUDA device, or when this build has
+    no CUDA kernel for one of ``ops`` (torch without CUDA, or built without nvcc)."""
+    def registered() -> bool:
+        try:
+            return all(has_kernel(op, "cuda") for op in ops)
+        except Exception:  # noqa: BLE001 - an older torch without the helper: let the tests find out
+            return True
+    cuda = torch.cuda.is_available()
+    return [pytest.mark.skipif(not cuda, reason="needs a CUDA device (torch.cuda.is_available() is False)"),
+            pytest.mark.skipif(cuda and not registered(),
+                               reason="kvkernels was built without its CUDA kernels (torch without CUDA or no nvcc)")]
+
+
 def require_kernel(op: str, device: str) -> None:
     """Skip (with the reason) when ``op`` has no kernel for ``device`` in this build."""
     if not has_kernel(op, device):

@@ -26,7 +26,7 @@ import math
 import pytest
 import torch
 
-from helpers import (TOLERANCES, assert_close, generator, make_paged_kv, make_query, query_start_loc, randn,
+from helpers import (TOLERANCES, cuda_only, assert_close, generator, make_paged_kv, make_query, query_start_loc, randn,
                      upcast)
 from kvkernels import ops, reference
 from test_attention import CONFIGS, FEATURE_CONFIGS, FEATURE_NAMES, LONG_CONFIGS, features, make_case
@@ -35,19 +35,7 @@ f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def _cuda_kernel_registered() -> bool:
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key("kvkernels::paged_attention", "CUDA")
-    except Exception:  # noqa: BLE001 - an older torch without the helper: let the tests find out
-        return True
-
-
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() "
-                                                             "is False)"),
-    pytest.mark.skipif(torch.cuda.is_available() and not _cuda_kernel_registered(),
-                       reason="kvkernels was built without its CUDA kernels (torch without CUDA or no nvcc)"),
-]
+pytestmark = cuda_only("paged_attention")
 
 DEV = "cuda"
 # (path, splits): the planner's choice, the CUDA-core kernel, and both with 5 forced KV splits.

@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (TOLERANCES, assert_bytes_equal, assert_close, dense_attention, generator, make_paged_mla,
+from helpers import (TOLERANCES, cuda_only, assert_bytes_equal, assert_close, dense_attention, generator, make_paged_mla,
                      make_query, query_start_loc, randn, upcast)
 from kvkernels import ops, reference
 from test_cuda_attention import like_on, opt_on, poison_allocator
@@ -34,20 +34,7 @@ from test_mla import DECOMPRESS_CASES, random_weight, varlen_q_lens
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 
 
-def _cuda_kernels_registered() -> bool:
-    try:
-        return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"kvkernels::{op}", "CUDA")
-                   for op in ("mla_decompress", "mla_paged_attention"))
-    except Exception:  # noqa: BLE001 - an older torch without the helper: let the tests find out
-        return True
-
-
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() "
-                                                             "is False)"),
-    pytest.mark.skipif(torch.cuda.is_available() and not _cuda_kernels_registered(),
-                       reason="kvkernels was built without its CUDA kernels (torch without CUDA or no nvcc)"),
-]
+pytestmark = cuda_only("mla_decompress", "mla_paged_attention")
 
 DEV = "cuda"
 # (path, splits) for KVKERNELS_CUDA_MLA_PATH / KVKERNELS_CUDA_MLA_SPLITS.
