@@ -160,11 +160,7 @@ void launch_paged_attention(const AttentionParams& p, const LaunchPlan& plan, fl
   a.head_chunks = plan.head_chunks;
   a.q_tile = plan.q_tile;
   a.num_splits = plan.num_splits;
-  const int bs = p.kv.block_size;
-  a.bs_shift = -1;
-  if ((bs & (bs - 1)) == 0)
-    for (int s = 0; s < 31; ++s)
-      if ((1 << s) == bs) a.bs_shift = s;
+  a.bs_shift = block_shift(p.kv.block_size);
   const int64_t es = cache_esize(p.kv.format);
   a.kv_aligned = aligned16(p.kv.k) && aligned16(p.kv.v) && (p.kv.k_stride_block * es) % 16 == 0 &&
                  (p.kv.k_stride_slot * es) % 16 == 0 && (p.kv.k_stride_head * es) % 16 == 0 &&

@@ -60,6 +60,15 @@ struct AttnArgs {
 
 // Padded head dim the kernels are instantiated for: every head dim that is a multiple of 8 runs on
 // the smallest of 64 / 128 / 256 that holds it (columns past head_dim are zero-filled).
+// log2(block_size) when it is a power of two, else -1 (AttnArgs::bs_shift: shifts instead of
+// divisions when locating a key's block and slot).
+__host__ __device__ constexpr int block_shift(int bs) {
+  if (bs <= 0 || (bs & (bs - 1)) != 0) return -1;
+  int s = 0;
+  while ((1 << s) != bs) ++s;
+  return s;
+}
+
 __host__ __device__ constexpr int dpad_of(int head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
 
 __host__ __device__ constexpr int cache_esize(CacheFormat f) {

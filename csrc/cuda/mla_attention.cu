@@ -159,11 +159,7 @@ cuda::Status launch_mla_attention(const AttentionParams& p, const MlaPlan& plan,
   a.head_chunks = plan.head_chunks;
   a.q_tile = plan.q_tile;
   a.num_splits = plan.num_splits;
-  const int bs = p.kv.block_size;
-  a.bs_shift = -1;
-  if ((bs & (bs - 1)) == 0)
-    for (int s = 0; s < 31; ++s)
-      if ((1 << s) == bs) a.bs_shift = s;
+  a.bs_shift = ac::block_shift(p.kv.block_size);
   const int64_t es = esize(p.kv.format);
   // The head stride of the unsqueezed latent cache is never used (head 0 only).
   a.kv_aligned = aligned16(p.kv.k) && (p.kv.k_stride_block * es) % 16 == 0 &&
