@@ -166,6 +166,7 @@ class PagedCache(Cache):
         self._step: Optional[Step] = None
         self._static: Optional[Step] = None  # set by PagedDecoder around a compiled step
         self._dups = None  # prefill rows forked from a duplicate row: (rep, real, counts, slots)
+        self._unique = None  # (step, _unique_rows result): the distinct rows of that step, for every layer
         self._held: list[Optional[int]] = []  # sequences kept outside the batch rows (hold_row), None: released
         self.peak_used_blocks = 0  # most blocks held at once (see memory_usage)
         self.grow_count = 0  # storage growths
@@ -586,6 +587,8 @@ class PagedCache(Cache):
         dev = query.device
         if not torch.equal(query[torch.from_numpy(dup).to(dev)], query[torch.from_numpy(rep[dup]).to(dev)]):
             return None  # equal K/V but different queries: attend every row
+        if self._unique is not None and self._unique[0] is self._step:  # built by an earlier layer
+            return self._unique[1]
         unique = np.flatnonzero(rep == np.arange(batch))
         source = np.searchsorted(unique, rep)  # rep[r] is a distinct row: its position in `unique`
         step = self._step
@@ -595,4 +598,5 @@ class PagedCache(Cache):
         idx = torch.from_numpy(unique).to(dev)
         sub = Step(step.slot_mapping, step.block_tables.index_select(0, idx), step.seq_lens.index_select(0, idx),
                    torch.from_numpy(qsl).to(dev), real_index)
-        return idx, torch.from_numpy(source).to(dev), sub
+        self._unique = (step, (idx, torch.from_numpy(source).to(dev), sub))
+        return self._unique[1]
