@@ -1,17 +1,20 @@
-// The tile kernels of prefill (AVX-512 builds): an item is up to kTileRows rows (queries x group
-// heads) of one kv head, processed as tiles of 16 rows against chunks of kTileChunk = 64 keys.
-// Included by attention_kernel.h after everything it reuses (the logit transform, the visibility
-// rule, the chunk ranges of splits, pv4 and the output stage of the vector kernel).
+// The tile kernels of prefill and MLA decode (AVX-512 builds): an item is up to kTileRows rows
+// (queries x group heads) of one kv head, processed as tiles of 16 rows against chunks of
+// kTileChunk = 64 keys. Included by attention_kernel.h after everything it reuses (the logit
+// transform, the visibility rule, the chunk ranges of splits, pv4 and the output stage of the
+// vector kernel).
 //
 // Per chunk of 64 keys:
-//   1. the chunk is packed once for all the item's rows: keys transposed so that a key index runs
-//      along a vector (FMA: [D, 64] floats; AMX: bf16 dim pairs x keys), values converted to float
-//      rows (FMA; float caches are used in place) or interleaved in pairs (AMX);
+//   1. the chunk is prepared once for all the item's rows. FMA: keys transposed so that a key
+//      index runs along a vector ([D, 64] floats), values converted to float rows (float caches
+//      are used in place). AMX: keys are read as they lie (S^T = K Q^T takes 16 key rows as a
+//      tile; only fp8 rows and groups a block edge cuts are staged), values interleaved in pairs;
 //   2. for each tile of 16 rows that sees any key of the chunk, in three passes over the tiles:
-//      S (16 x 64) = Q K^T; the online softmax step across the 16 rows at once (softmax_tile);
-//      O = alpha O + P V. Separate passes put a whole pass between writing S, P or a rescaled row
-//      of O with one unit and reading it with the other: a tile load right after vector stores to
-//      the same lines waited for them (the first tdpbf16ps of P V took a quarter of the time).
+//      the logits (FMA: S = Q K^T, 16 x 64; AMX: S^T, 64 x 16); the online softmax step across the
+//      16 rows at once; O = alpha O + P V. Separate passes put a whole pass between writing S, P or
+//      a rescaled row of O with one unit and reading it with the other: a tile load right after
+//      vector stores to the same lines waited for them (the first tdpbf16ps of P V took a quarter
+//      of the time).
 // Against the vector kernel (horizontal sums per logit, a softmax step per 16 keys and per row)
 // this does the logits as an outer product with no reductions and pays the softmax's reductions
 // and rescale exps once per 64 keys for 16 rows together.
@@ -26,7 +29,7 @@ using bf16_bits = uint16_t;
 // The per-thread scratch of a tile item, carved from attention_scratch_floats(plan) floats with
 // every region on a 64-byte boundary.
 struct TileScratch {
-  float* q;              // [max_rows, D] queries: floats (FMA) or bf16 (AMX)
+  float* q;              // [max_rows, D] queries: floats (FMA), or bf16 then Q^T (AMX)
   float* acc;            // [max_rows, D] unnormalized output
   float *m, *d, *alpha;  // [max_rows] softmax state
   float* s;              // [max_rows, kTileChunk] logits, then (FMA) probabilities
@@ -52,6 +55,8 @@ struct TileScratch {
     vp = take(Dv * kTileChunk);
   }
   bf16_bits* q_bf16() const { return reinterpret_cast<bf16_bits*>(q); }
+  // AMX: the queries as B operands (amx_pack_queries), in the second half of the query region.
+  bf16_bits* qt_bf16(const AttentionPlan& plan) const { return q_bf16() + size_t(plan.max_rows) * plan.dk; }
   bf16_bits* kp_bf16() const { return reinterpret_cast<bf16_bits*>(kp); }
   bf16_bits* vp_bf16() const { return reinterpret_cast<bf16_bits*>(vp); }
   static float* align64(float* x) {
@@ -106,14 +111,13 @@ inline __m512 reduce16(const __m512 x[16], Op op) {
   return _mm512_permutexvar_ps(where, r);
 }
 
-// The online-softmax step of softmax_row for the 16 rows of a tile at once: row i (item row r0 + i)
-// sees keys [a[i], b[i]) of its logits s[i * kTileChunk ...]. The per-row max and sum reductions
-// and the rescale exp run across the rows in vectors. The probabilities overwrite s (kBf16P false)
-// or go to P as bf16. A row that sees nothing keeps its state (alpha = 1) and gets probability 0.
-template <bool kBf16P>
+// The online-softmax step of softmax_row for the 16 rows of a tile at once (FMA form): row i (item
+// row r0 + i) sees keys [a[i], b[i]) of its logits s[i * kTileChunk ...]. The per-row max and sum
+// reductions and the rescale exp run across the rows in vectors. The probabilities overwrite s. A
+// row that sees nothing keeps its state (alpha = 1) and gets probability 0.
 inline void softmax_tile(const AttentionParams& p, float* s, float mul, float* m, float* d,
                          float* alpha, const int* a, const int* b, const RowMap& map, int r0,
-                         int64_t cs, bf16_bits* P) {
+                         int64_t cs) {
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   const bool transform = p.soft_cap > 0.0f || p.alibi_slopes;
   const __m512 mulv = _mm512_set1_ps(transform ? 1.0f : mul);
@@ -148,13 +152,6 @@ inline void softmax_tile(const AttentionParams& p, float* s, float mul, float* m
       Vec e0 = Vec::zero(), e1 = Vec::zero();
       if (is_live) e0 = (Vec::load(row + x) - mv).exp(), e1 = (Vec::load(row + x + 16) - mv).exp();
       sum[i] = _mm512_add_ps(sum[i], _mm512_add_ps(e0.v, e1.v));
-#if defined(KVK_AMX)
-      if constexpr (kBf16P) {
-        const __m512bh pb = _mm512_cvtne2ps_pbh(e1.v, e0.v);  // e0 in the low half
-        _mm512_storeu_si512(P + i * kTileChunk + x, reinterpret_cast<const __m512i&>(pb));
-        continue;
-      }
-#endif
       e0.store(row + x), e1.store(row + x + 16);
     }
   }
@@ -309,6 +306,9 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
     sc.m[r] = -INFINITY, sc.d[r] = 0.0f, sc.alpha[r] = 1.0f;
   }
   std::memset(sc.acc, 0, size_t(rows16) * Dv * sizeof(float));
+#if defined(KVK_AMX)
+  if constexpr (kAmx) amx_pack_queries(sc.q_bf16(), rows16, Dk, sc.qt_bf16(plan));
+#endif
 
   const float mul = p.scale * kv.k_scale_of(it.kv_head);
   const ChunkRange cr(p, plan, it, map, rows, kTileChunk);
@@ -349,7 +349,11 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
     const int tiles = rows16 / 16;
     const int quarter = pf.total() / 4;
 #if defined(KVK_AMX)
-    if constexpr (kAmx) amx_pack_chunk(keys, vals, j0, j1, Dk, Dv, sc.kp_bf16(), sc.vp_bf16(), pf, quarter);
+    KeyTiles kt;
+    if constexpr (kAmx) {
+      kt = amx_key_tiles(keys, j0, j1, Dk, sc.kp_bf16());
+      amx_pack_values(vals, j0, j1, Dv, sc.vp_bf16(), pf, (quarter + kTileChunk / 2 - 1) / (kTileChunk / 2));
+    }
 #endif
     if constexpr (!kAmx) {
       fma_pack_keys(keys, j0, j1, Dk, sc.kp);
@@ -374,13 +378,13 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
     int live_tiles = 0;
     for (int t = 0; t < tiles; ++t) live_tiles += live[t];
     const int lg_steps = kmax(live_tiles * (Dk / 32), 1), pv_steps = kmax(live_tiles * (Dv / 64), 1);
-    const int lg_step = (quarter + lg_steps - 1) / lg_steps;
-    const int pv_step = (quarter + pv_steps - 1) / pv_steps;
+    [[maybe_unused]] const int lg_step = (quarter + lg_steps - 1) / lg_steps;  // AMX only
+    [[maybe_unused]] const int pv_step = (quarter + pv_steps - 1) / pv_steps;
     each_live_tile([&](int r0) {
       float* s = sc.s + size_t(r0) * kTileChunk;
 #if defined(KVK_AMX)
       if constexpr (kAmx) {
-        return amx_logits(sc.q_bf16() + size_t(r0) * Dk, Dk, sc.kp_bf16(), s, pf, lg_step);
+        return amx_logits(kt, sc.qt_bf16(plan) + size_t(r0 / 16) * (Dk / 32) * 512, Dk, s, pf, lg_step);
       }
 #endif
       fma_logits(sc.q + size_t(r0) * Dk, Dk, sc.kp, s);
@@ -392,10 +396,13 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
       int a[16], b[16];
       for (int i = 0; i < 16; ++i) a[i] = sc.vis[2 * (r0 + i)], b[i] = sc.vis[2 * (r0 + i) + 1];
       float *m = sc.m + r0, *d = sc.d + r0, *alpha = sc.alpha + r0;
-      softmax_tile<kAmx>(p, s, mul, m, d, alpha, a, b, map, r0, cs, sc.p + size_t(r0) * kTileChunk);
 #if defined(KVK_AMX)
-      if constexpr (kAmx) amx_rescale(sc, r0, Dv);
+      if constexpr (kAmx) {
+        softmax_tile_t(p, s, mul, m, d, alpha, a, b, map, r0, cs, sc.p + size_t(r0) * kTileChunk);
+        return amx_rescale(sc, r0, Dv);
+      }
 #endif
+      softmax_tile(p, s, mul, m, d, alpha, a, b, map, r0, cs);
     });
     each_live_tile([&](int r0) {
 #if defined(KVK_AMX)
