@@ -29,31 +29,6 @@ inline __m512i row_words(const C* row) {
   return word_loader<C>().load(row, Words::mask(Words::N)).v;
 }
 
-// Packs values [j0, j1) as B operands of O += P V: row kp of the result holds, for every column c,
-// the pair (v[2kp][c], v[2kp + 1][c]). Values outside [j0, j1) are zero: their probability is 0,
-// and 0 times a stale non-finite value would be NaN.
-template <typename C>
-inline void amx_pack_values(const C* const* rows, int j0, int j1, int D, bf16_bits* vp,
-                            ChunkPrefetch& pf, int per_pair) {
-  alignas(64) static const uint16_t lo_idx[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
-                                                  37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
-                                                  11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i lo = _mm512_load_si512(lo_idx);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  for (int kp = 0; kp < kTileChunk / 2; ++kp) {
-    const int j = 2 * kp;
-    const bool va = j >= j0 && j < j1, vb = j + 1 >= j0 && j + 1 < j1;
-    pf.issue(per_pair);
-    bf16_bits* out = vp + size_t(kp) * 2 * D;
-    for (int c = 0; c < D; c += 32) {
-      const __m512i a = va ? row_words(rows[j] + c) : _mm512_setzero_si512();
-      const __m512i b = vb ? row_words(rows[j + 1] + c) : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + 2 * c, _mm512_permutex2var_epi16(a, lo, b));
-      _mm512_storeu_si512(out + 2 * c + 32, _mm512_permutex2var_epi16(a, hi, b));
-    }
-  }
-}
-
 // ---- S^T = K Q^T ----
 // The keys are the A operand: 16 key rows x 32 dims, which is how a cache stores them, so a group of
 // 16 keys in consecutive slots of a bf16 block is loaded straight from the block (the tile load
@@ -115,17 +90,14 @@ inline KeyTiles amx_key_tiles(const C* const* rows, int j0, int j1, int D, bf16_
   return kt;
 }
 
-// S^T[64, 16] = K Q^T for one row tile (qt: its Q^T tiles), as floats st[key * 16 + row];
-// `per_step` lines of the next chunk are prefetched per dim tile.
-inline void amx_logits(const KeyTiles& kt, const bf16_bits* qt, int D, float* st, ChunkPrefetch& pf,
-                       int per_step) {
+// S^T[64, 16] = K Q^T for one row tile (qt: its Q^T tiles), as floats st[key * 16 + row].
+inline void amx_logits(const KeyTiles& kt, const bf16_bits* qt, int D, float* st) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   const bool g0 = kt.base[0], g1 = kt.base[1], g2 = kt.base[2], g3 = kt.base[3];
   for (int t = 0; t < D / 32; ++t) {
-    pf.issue(per_step);
     _tile_loadd(4, qt + t * 512, 64);
     if (g0) {
       _tile_loadd(5, kt.base[0] + t * 32, kt.stride[0]);
@@ -211,30 +183,54 @@ inline void softmax_tile_t(const AttentionParams& p, float* st, float mul, float
   _mm512_storeu_ps(m, m_new);
 }
 
+// Packs columns [c0, c0 + w) of values [j0, j1) of a chunk as the B operands of O += P V: row kp
+// holds, for each of the w columns, the pair (v[2kp][c], v[2kp + 1][c]). Values outside [j0, j1)
+// are zero: their probability is 0, and 0 times a stale non-finite value would be NaN.
+template <typename C>
+inline void amx_pack_values(const C* const* rows, int j0, int j1, int c0, int w, bf16_bits* vp) {
+  alignas(64) static const uint16_t lo_idx[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                  37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                  11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(lo_idx);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int kp = 0; kp < kTileChunk / 2; ++kp) {
+    const int j = 2 * kp;
+    const bool va = j >= j0 && j < j1, vb = j + 1 >= j0 && j + 1 < j1;
+    bf16_bits* out = vp + size_t(kp) * 2 * w;
+    for (int c = 0; c < w; c += 32) {
+      const __m512i a = va ? row_words(rows[j] + c0 + c) : _mm512_setzero_si512();
+      const __m512i b = vb ? row_words(rows[j + 1] + c0 + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + 2 * c, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(out + 2 * c + 32, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
 // O[16, 16N] += P[16, 64] V[64, 16N] for N column tiles: acc points at the first column of the
-// row tile (row stride D), vp at the first column of the packed values.
+// row tile (row stride D), vp at the values of those columns packed by amx_pack_values (w = 16N).
 template <int N>
 inline void amx_pv(float* acc, int D, const bf16_bits* P, const bf16_bits* vp) {
   static_assert(N >= 1 && N <= 4, "four accumulator tiles");
+  constexpr int row = 32 * N;  // bf16 per packed row
   _tile_loadd(0, acc, D * 4);
   if constexpr (N > 1) _tile_loadd(1, acc + 16, D * 4);
   if constexpr (N > 2) _tile_loadd(2, acc + 32, D * 4);
   if constexpr (N > 3) _tile_loadd(3, acc + 48, D * 4);
   for (int ks = 0; ks < kTileChunk / 32; ++ks) {
     _tile_loadd(4, P + ks * 32, kTileChunk * 2);
-    const bf16_bits* b = vp + size_t(ks) * 16 * 2 * D;
-    _tile_loadd(5, b, D * 4);
+    const bf16_bits* b = vp + size_t(ks) * 16 * row;
+    _tile_loadd(5, b, row * 2);
     _tile_dpbf16ps(0, 4, 5);
     if constexpr (N > 1) {
-      _tile_loadd(6, b + 32, D * 4);
+      _tile_loadd(6, b + 32, row * 2);
       _tile_dpbf16ps(1, 4, 6);
     }
     if constexpr (N > 2) {
-      _tile_loadd(5, b + 64, D * 4);
+      _tile_loadd(5, b + 64, row * 2);
       _tile_dpbf16ps(2, 4, 5);
     }
     if constexpr (N > 3) {
-      _tile_loadd(6, b + 96, D * 4);
+      _tile_loadd(6, b + 96, row * 2);
       _tile_dpbf16ps(3, 4, 6);
     }
   }
@@ -254,15 +250,27 @@ inline void amx_rescale(const TileScratch& sc, int r0, int D) {
   }
 }
 
-// O[16, D] += P V for one row tile (rescaled before by amx_rescale), 64 columns (4 accumulator
-// tiles) at a time; `per_step` lines of the next chunk are prefetched per 64 columns.
-inline void amx_values(const TileScratch& sc, int r0, int D, ChunkPrefetch& pf, int per_step) {
-  const bf16_bits* P = sc.p + size_t(r0) * kTileChunk;
-  float* acc = sc.acc + size_t(r0) * D;
-  for (int c = 0; c < D; c += 64) {  // D % 32 == 0: the last group may be 32 wide
-    pf.issue(per_step);
-    if (D - c >= 64) amx_pv<4>(acc + c, D, P, sc.vp_bf16() + 2 * c);
-    else amx_pv<2>(acc + c, D, P, sc.vp_bf16() + 2 * c);
+// O += P V for the live row tiles (rescaled before by amx_rescale), 64 value columns at a time:
+// each group of columns is packed and then multiplied while it is still in L1 (packing all 64 x
+// 512 values of an MLA chunk at once, 64 KB, went through L2). Groups alternate between two
+// buffers, so the tile loads of a group never follow right after the vector stores of its own
+// lines.
+template <typename C>
+inline void amx_values(const TileScratch& sc, const C* const* vals, int j0, int j1, int D,
+                       const bool* live, int tiles) {
+  bf16_bits* const buf[2] = {sc.vp_bf16(), sc.vp_bf16() + kTileChunk * 128};
+  const int groups = (D + 63) / 64;  // D % 32 == 0: the last group may be 32 wide
+  amx_pack_values(vals, j0, j1, 0, kmin(64, D), buf[0]);
+  for (int g = 0; g < groups; ++g) {
+    const int c = 64 * g;
+    if (g + 1 < groups) amx_pack_values(vals, j0, j1, c + 64, kmin(64, D - c - 64), buf[(g + 1) & 1]);
+    for (int t = 0; t < tiles; ++t) {
+      if (!live[t]) continue;
+      float* acc = sc.acc + size_t(16 * t) * D + c;
+      const bf16_bits* P = sc.p + size_t(16 * t) * kTileChunk;
+      if (D - c >= 64) amx_pv<4>(acc, D, P, buf[g & 1]);
+      else amx_pv<2>(acc, D, P, buf[g & 1]);
+    }
   }
 }
 
