@@ -274,20 +274,22 @@ def test_duplicate_rows_that_differ_later_get_their_own_blocks(name, proj):
     cache.kv.check_invariants()
 
 
-def test_beam_prefill_attends_each_prompt_once(monkeypatch):
+@pytest.mark.parametrize("name, op", [("llama", "paged_attention"), ("deepseek_v3", "mla_paged_attention")])
+def test_beam_prefill_attends_each_prompt_once(monkeypatch, name, op):
     """generate() with beams prefills num_beams identical copies of each (left-padded) prompt; the
     copies are zero-copy forks and the prefill attention runs once per distinct prompt: the kernel
-    gets the real query tokens of 2 rows, not 8. Generation stays token-identical."""
-    stock, paged = model_pair("llama")
+    gets the real query tokens of 2 rows, not 8. Generation stays token-identical. MLA models share
+    the absorbed attention over the latent rows the same way."""
+    stock, paged = model_pair(name)
     ids, mask = left_padded_batch()
     ids, mask = ids[:2], mask[:2]
     seen = []
-    original = kvkernels.ops.paged_attention
+    original = getattr(kvkernels.ops, op)
 
     def spy(query, *args, **kwargs):
         seen.append(query.shape[0])
         return original(query, *args, **kwargs)
-    monkeypatch.setattr(kvkernels.ops, "paged_attention", spy)
+    monkeypatch.setattr(kvkernels.ops, op, spy)
     ref, out, cache = generate_both(stock, paged, ids, mask, "beam")
     assert_same_generation(ref, out, "beam")
     layers = paged.config.num_hidden_layers

@@ -544,22 +544,32 @@ class PagedCache(Cache):
         if self._dups is not None and handle.key is not None:
             self._check_duplicates(layer, handle.key, handle.value)
             step = self._step
-        if self.latent:
-            if window_left >= 0 or soft_cap or sinks is not None:
-                raise NotImplementedError("kvkernels PagedCache: MLA attention takes no sliding window, soft cap "
-                                          "or sinks")
-            return latent_attention(self.kv, module, query, handle, step, scale)
-        key_cache, value_cache = self.kv.key_cache(layer), self.kv.value_cache(layer)
-        batch, heads, q, dim = query.shape
-        if handle.key is not None:
-            k = handle.key.transpose(1, 2).reshape(batch * q, self._kv_heads, dim).to(self.dtype)
-            v = handle.value.transpose(1, 2).reshape(batch * q, self._kv_heads, dim).to(self.dtype)
-            ops.reshape_and_cache(k, v, key_cache, value_cache, step.slot_mapping)
-            handle.key = handle.value = None
+        if self.latent and (window_left >= 0 or soft_cap or sinks is not None):
+            raise NotImplementedError("kvkernels PagedCache: MLA attention takes no sliding window, soft cap "
+                                      "or sinks")
         rows = self._unique_rows(query)
         if rows is not None:  # duplicate prefill rows: attend once per distinct row, then copy
-            unique, source, step = rows
-            query = query.index_select(0, unique)
+            unique, source, sub = rows
+            out = self._attend_rows(module, query.index_select(0, unique), handle, sub, scale=scale,
+                                    window_left=window_left, soft_cap=soft_cap, sinks=sinks)
+            return out.index_select(0, source)
+        return self._attend_rows(module, query, handle, step, scale=scale, window_left=window_left,
+                                 soft_cap=soft_cap, sinks=sinks)
+
+    def _attend_rows(self, module, query: Tensor, handle: PagedKV, step: Step, *, scale: Optional[float],
+                     window_left: int, soft_cap: float, sinks: Optional[Tensor]) -> Tensor:
+        """``attend`` for the rows of ``step`` (all rows, or the distinct ones of a duplicated
+        prefill); the handle's new K/V are written for every row of the forward."""
+        if self.latent:
+            return latent_attention(self.kv, module, query, handle, step, scale)
+        layer = handle.layer_idx
+        key_cache, value_cache = self.kv.key_cache(layer), self.kv.value_cache(layer)
+        heads, q, dim = query.shape[1:]
+        if handle.key is not None:
+            k = handle.key.transpose(1, 2).reshape(-1, self._kv_heads, dim).to(self.dtype)
+            v = handle.value.transpose(1, 2).reshape(-1, self._kv_heads, dim).to(self.dtype)
+            ops.reshape_and_cache(k, v, key_cache, value_cache, step.slot_mapping)
+            handle.key = handle.value = None
         qry = query.transpose(1, 2).reshape(-1, heads, dim).to(self.dtype)
         if step.real_index is not None:
             qry = qry.index_select(0, step.real_index)
@@ -569,10 +579,7 @@ class PagedCache(Cache):
         if step.real_index is not None:
             full = out.new_zeros((query.shape[0] * q, heads, out.shape[-1]))
             out = full.index_copy_(0, step.real_index, out)
-        out = out.view(-1, q, heads, out.shape[-1])
-        if rows is not None:
-            out = out.index_select(0, source)
-        return out.to(query.dtype)
+        return out.view(-1, q, heads, out.shape[-1]).to(query.dtype)
 
     def _unique_rows(self, query: Tensor) -> Optional[tuple[Tensor, Tensor, Step]]:
         """For a prefill whose rows include zero-copy duplicates (``self._dups``) with bitwise equal

@@ -105,9 +105,9 @@ def latent_attention(store, module, query: Tensor, handle: PagedKV, step, scale:
         scale = getattr(module, "scaling", None)
     if scale is None:
         raise ValueError("kvkernels PagedCache: MLA attention needs scaling (the model passes module.scaling)")
-    if handle.key is not None:
-        latent = handle.key.reshape(batch * q, rank).to(store.dtype)  # [B, 1, q, R]: one "head"
-        k_pe = handle.value.reshape(batch * q, rope).to(store.dtype)
+    if handle.key is not None:  # every row of the forward (``query`` may hold only the distinct ones)
+        latent = handle.key.reshape(-1, rank).to(store.dtype)  # [B, 1, q, R]: one "head"
+        k_pe = handle.value.reshape(-1, rope).to(store.dtype)
         ops.concat_and_cache_mla(latent, k_pe, cache, step.slot_mapping)
         handle.key = handle.value = None
     qry = query.transpose(1, 2).reshape(batch * q, heads, qdim)
