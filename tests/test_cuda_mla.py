@@ -8,8 +8,11 @@ heads, block 64), block sizes 1 .. 256, rope widths that are not multiples of 8 
 latent caches with a per-tensor scale, decode and causal varlen prefill, empty sequences, an empty batch,
 long contexts that the planner splits, and a CUDA-graph capture replayed with new lengths. mla_decompress
 runs the cases of test_mla.py and more (many heads, block size 1, odd head dims, norm on / off, fp8,
-num_tokens given or not, zero tokens). Then: the absorbed formulation equals decompress-then-attend on
-CUDA, opcheck on CUDA tensors, bad input raises an error naming the argument, debug-mode index checks.
+num_tokens given or not, zero tokens) and, on sm_90 devices, its TMA weight pipeline against the cp.async
+one (KVKERNELS_CUDA_TMA=require / KVKERNELS_CUDA_NO_TMA=1: partial token, row and column tiles, R 512 and
+200, fp8, norm on / off; both against the reference and bit-identical to each other). Then: the absorbed
+formulation equals decompress-then-attend on CUDA, opcheck on CUDA tensors, bad input raises an error
+naming the argument, debug-mode index checks.
 
 Caches keep their layout on the device (the whole storage is copied, NaN in unused slots included). The
 outputs are allocated by the op: before each call the CUDA caching allocator is handed NaN-filled blocks
@@ -275,6 +278,94 @@ def test_mla_decompress_no_tokens(with_num_tokens):
                                     torch.randn(2 * 32, 64, device=DEV).to(bf16), kv_lora_rank=64,
                                     qk_nope_head_dim=16, v_head_dim=16, num_tokens=0 if with_num_tokens else None)
     assert key.shape == (0, 2, 32) and value.shape == (0, 2, 16)
+
+
+# ----------------------------------------------------------------------------------------------------
+# mla_decompress: the TMA weight pipeline (sm_90) against the cp.async one
+# ----------------------------------------------------------------------------------------------------
+
+# id: w dtype, cache fp8, R, P, heads, dn, dv, RMSNorm, block size, pass num_tokens. Every case has a
+# partial last token tile (243 tokens) and, but for the first, N = heads * (dn + dv) not a multiple of 64
+# (partial TMA boxes along the rows); R = 200 leaves the last 64-column box partial.
+TMA_CASES = {
+    "bf16-R512-P64-H16-d128-norm": (bf16, None, 512, 64, 16, 128, 128, True, 64, False),
+    "f16-R512-P64-H3-dn48-dv40": (f16, None, 512, 64, 3, 48, 40, False, 16, True),
+    "bf16-R200-P8-H5-dn24-dv16-norm": (bf16, None, 200, 8, 5, 24, 16, True, 16, False),
+    "f16-R200-P16-H2-dn40-dv28": (f16, None, 200, 16, 2, 40, 28, False, 64, True),
+    "e4m3-bf16-R512-P64-H3-dn48-dv40-norm": (bf16, "e4m3", 512, 64, 3, 48, 40, True, 64, True),
+    "e5m2-f16-R200-P8-H5-dn24-dv16": (f16, "e5m2", 200, 8, 5, 24, 16, False, 16, False),
+    "e4m3-f16-R200-P16-H2-dn40-dv28-norm": (f16, "e4m3", 200, 16, 2, 40, 28, True, 64, False),
+}
+TMA_SEQ_LENS = [5, 0, 70, 1, 130, 37]  # 243 tokens: 3 full tiles of 64 + 51
+
+
+def _require_sm90():
+    major, minor = torch.cuda.get_device_capability(0)
+    if major != 9:
+        pytest.skip(f"the TMA path of mla_decompress is for compute capability 9.x (sm_90); this device is "
+                    f"{major}.{minor}, where only the cp.async path exists")
+
+
+def _tma_env(monkeypatch, tma: bool):
+    """KVKERNELS_CUDA_TMA=require (the launch fails, with the reason, unless it takes TMA) or
+    KVKERNELS_CUDA_NO_TMA=1 (the cp.async path)."""
+    monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
+    monkeypatch.delenv("KVKERNELS_CUDA_NO_TMA", raising=False)
+    if tma:
+        monkeypatch.setenv("KVKERNELS_CUDA_TMA", "require")
+    else:
+        monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "1")
+
+
+def _skip_without_sm90_code(error: RuntimeError):
+    if "without sm_90 device code" in str(error):
+        pytest.skip(f"this build of kvkernels has no sm_90 device code, so no TMA path: {error}")
+
+
+@pytest.mark.parametrize("case", TMA_CASES.values(), ids=TMA_CASES.keys())
+def test_mla_decompress_tma_and_cp_async(case, monkeypatch):
+    """On an sm_90 device, the TMA path (forced: KVKERNELS_CUDA_TMA=require) and the cp.async path
+    (KVKERNELS_CUDA_NO_TMA=1) both match the float64 reference (run_decompress checks it), and they agree
+    bit for bit: the same shared tiles (TMA's 128B swizzle = the kernel's XOR swizzle) feed the same
+    mma.sync sequence."""
+    _require_sm90()
+    results = {}
+    for tma in (True, False):
+        _tma_env(monkeypatch, tma)
+        try:
+            results[tma] = run_decompress(case, TMA_SEQ_LENS, seed=61)
+        except RuntimeError as e:
+            if tma:
+                _skip_without_sm90_code(e)
+            raise
+    for i, name in enumerate(("key", "value")):
+        assert_bytes_equal(results[True][i], results[False][i], msg=f"{name}: TMA vs cp.async")
+
+
+@pytest.mark.parametrize("dtype", [f16, bf16])
+def test_mla_decompress_tma_unaligned_weight(dtype, monkeypatch):
+    """A w_kv_b whose base is not 16-byte aligned (a contiguous view at a 1-element offset) is not eligible
+    for TMA: KVKERNELS_CUDA_TMA=require reports why; without it the launch takes the element-load path and
+    still matches the reference."""
+    _require_sm90()
+    r, p, h, dn, dv = 64, 16, 2, 16, 24
+    mla = make_paged_mla([9, 40, 3], r, p, 16, dtype=dtype, seed=63)
+    w = random_weight(h * (dn + dv), r, dtype, generator(64)).to(DEV)
+    storage = torch.empty(w.numel() + 8, dtype=dtype, device=DEV)
+    w_odd = storage[1:1 + w.numel()].view_as(w)
+    w_odd.copy_(w)
+    assert w_odd.is_contiguous() and w_odd.data_ptr() % 16 != 0
+    args = (like_on(mla.kv_cache), mla.block_tables.to(DEV), mla.seq_lens.to(DEV), w_odd)
+    kwargs = dict(kv_lora_rank=r, qk_nope_head_dim=dn, v_head_dim=dv)
+    _tma_env(monkeypatch, True)
+    with pytest.raises(RuntimeError, match=r"kvkernels\.mla_decompress: .*(not 16-byte aligned|without sm_90)"):
+        ops.mla_decompress(*args, **kwargs)
+    monkeypatch.delenv("KVKERNELS_CUDA_TMA")
+    key, value = ops.mla_decompress(*args, **kwargs)
+    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, upcast(w.cpu()),
+                                                  **kwargs)
+    assert_close(key.cpu(), ref_key, dtype, msg="key")
+    assert_close(value.cpu(), ref_value, dtype, msg="value")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,8 +1,17 @@
 // Launcher of the CUDA mla_decompress (mla_decompress.cuh): token starts on the device
 // (token_starts_kernel of gather.cuh), then one GEMM launch over (token tiles, column tiles).
-// Instances: every weight dtype over its own cache dtype and both fp8 formats.
+// Instances: every weight dtype over its own cache dtype and both fp8 formats; fp16 / bf16 weights
+// also have the TMA variant (w_kv_b tiles by the Hopper copy engine), chosen at run time by
+// use_tma() below. The tensor map is encoded on the host for each call (no device work, no
+// allocation: capturable) through cuTensorMapEncodeTiled, looked up once with
+// cudaGetDriverEntryPoint[ByVersion] (libcuda is not linked). Compiled, not run on a GPU.
+#include <cuda.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
 
 #include "gather.cuh"
 #include "mla_api.h"
@@ -15,8 +24,105 @@ cuda::Status failed(const char* message) { return cuda::Status{cudaSuccess, mess
 
 bool aligned(const void* ptr, int64_t a) { return reinterpret_cast<uintptr_t>(ptr) % a == 0; }
 
+bool env_is(const char* name, const char* value) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, value) == 0;
+}
+
+// ---- TMA -----------------------------------------------------------------------------------------
+
+// cuTensorMapEncodeTiled's signature (CUDA 12.0+ driver API), called through a pointer.
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's cuTensorMapEncodeTiled, looked up once (thread-safe static); nullptr when the
+// driver does not have it (then TMA is reported as unavailable, never silently skipped).
+EncodeTiledFn encode_tiled_fn() {
+  static const EncodeTiledFn fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                                       cudaEnableDefault, &found);
+#else
+    cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault,
+                                              &found);
+#endif
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();  // not a launch error of this op
+      ptr = nullptr;
+    }
+    return reinterpret_cast<EncodeTiledFn>(ptr);
+  }();
+  return fn;
+}
+
+// PTX (virtual) architecture of the device code the runtime picked for `kernel` on the current
+// device, cached per device: 90+ means the TMA variant was compiled with TMA (an sm_80-only
+// binary JIT-compiled on an H100 reports 80 and holds only the variant's trap).
+int kernel_ptx_version(const void* kernel, int dev, std::atomic<int>* cache /* [64] */) {
+  std::atomic<int>* slot = dev >= 0 && dev < 64 ? &cache[dev] : nullptr;
+  const int known = slot != nullptr ? slot->load(std::memory_order_relaxed) : 0;
+  if (known != 0) return known;
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;  // not cached: asked again next time
+  }
+  if (slot != nullptr) slot->store(attr.ptxVersion, std::memory_order_relaxed);
+  return attr.ptxVersion;
+}
+
+// Whether this launch takes the TMA variant, and why not (*why: static text, nullptr when it is
+// simply not applicable: float32 weights, not a 9.x device, KVKERNELS_CUDA_NO_TMA=1).
+// Eligibility: fp16 / bf16 weights; compute capability 9.x; the TMA instance compiled for sm_90+
+// (PTX version >= 90); w_kv_b's base 16-byte aligned; its row stride (kv_lora_rank elements,
+// contiguous) a multiple of 16 bytes (always: kv_lora_rank % 8 == 0); cuTensorMapEncodeTiled
+// available from the driver.
 template <typename T, typename C>
-cuda::Status launch(DecompressArgs d, cudaStream_t stream) {
+bool use_tma(const DecompressArgs& d, int cc_major, int dev, const char** why) {
+  *why = nullptr;
+  if constexpr (sizeof(T) != 2) {
+    return false;
+  } else {
+    if (cc_major != 9 || env_is("KVKERNELS_CUDA_NO_TMA", "1")) return false;
+    static std::atomic<int> ptx[64] = {};
+    if (kernel_ptx_version(reinterpret_cast<const void*>(mla_decompress_kernel<T, C, true>), dev,
+                           ptx) < 90) {
+      *why = "the kernels were compiled without sm_90 device code (TORCH_CUDA_ARCH_LIST)";
+      return false;
+    }
+    if (!aligned(d.p.w_kv_b, 16) || (int64_t(d.p.kv_lora_rank) * int64_t(sizeof(T))) % 16 != 0) {
+      *why = "w_kv_b is not 16-byte aligned";
+      return false;
+    }
+    return true;
+  }
+}
+
+// The tensor map of w_kv_b [N rows, R columns] (row-major, contiguous) with the kernel's W box:
+// BK columns (128 bytes) x BN rows, 128-byte swizzle, out-of-bounds elements read as zeros.
+template <typename T>
+bool encode_w_map(const DecompressArgs& d, CUtensorMap* map) {
+  using Cfg = DecCfg<T>;
+  static_assert(Cfg::BK * sizeof(T) == 128, "the 128B swizzle needs 128-byte box rows");
+  const cuuint64_t dims[2] = {cuuint64_t(d.p.kv_lora_rank), cuuint64_t(d.n_total)};
+  const cuuint64_t strides[1] = {cuuint64_t(d.p.kv_lora_rank) * sizeof(T)};  // bytes, dim 1
+  const cuuint32_t box[2] = {cuuint32_t(Cfg::BK), cuuint32_t(Cfg::BN)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUtensorMapDataType type = std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                             : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUresult r = encode_tiled_fn()(
+      map, type, 2, const_cast<void*>(d.p.w_kv_b), dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
+template <typename T, typename C, bool TMA>
+cuda::Status launch(DecompressArgs d, const CUtensorMap& wmap, cudaStream_t stream) {
   using Cfg = DecCfg<T>;
   const MlaDecompressParams& p = d.p;
   d.rpad = (p.kv_lora_rank + Cfg::BK - 1) / Cfg::BK * Cfg::BK;
@@ -27,7 +133,7 @@ cuda::Status launch(DecompressArgs d, cudaStream_t stream) {
   const int64_t grid_x = (p.num_tokens + Cfg::BM - 1) / Cfg::BM;
   const int64_t grid_y = (int64_t(d.n_total) + Cfg::BN - 1) / Cfg::BN;
   if (grid_x > 0x7fffffff || grid_y > 65535) return failed("too many tokens / heads for one launch");
-  const int smem = Cfg::smem(d.rpad);
+  const int smem = Cfg::smem(d.rpad) + (TMA ? Cfg::TMA_EXTRA : 0);
   // Raise the opt-in limit once per device and size (a function attribute: legal during capture).
   static std::atomic<int> configured[64] = {};
   int dev = 0;
@@ -36,13 +142,43 @@ cuda::Status launch(DecompressArgs d, cudaStream_t stream) {
   std::atomic<int>& done = configured[dev < 64 ? dev : 63];
   int have = done.load(std::memory_order_acquire);
   if (dev >= 64 || smem > have) {
-    err = cudaFuncSetAttribute(mla_decompress_kernel<T, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    err = cudaFuncSetAttribute(mla_decompress_kernel<T, C, TMA>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return cuda::Status{err, nullptr};
     while (have < smem && !done.compare_exchange_weak(have, smem, std::memory_order_acq_rel)) {
     }
   }
-  mla_decompress_kernel<T, C><<<dim3(unsigned(grid_x), unsigned(grid_y)), Cfg::NT, smem, stream>>>(d);
+  mla_decompress_kernel<T, C, TMA>
+      <<<dim3(unsigned(grid_x), unsigned(grid_y)), Cfg::NT, smem, stream>>>(d, wmap);
   return cuda::Status{cudaGetLastError(), nullptr};
+}
+
+// Picks the variant. KVKERNELS_CUDA_NO_TMA=1 forces cp.async; KVKERNELS_CUDA_TMA=require makes a
+// launch that would not take TMA on a 9.x device fail with the reason (tests use it to be sure
+// they exercised the TMA path).
+template <typename T, typename C>
+cuda::Status launch_variant(const DecompressArgs& d, int cc_major, int dev, cudaStream_t stream) {
+  CUtensorMap wmap;
+  std::memset(&wmap, 0, sizeof(wmap));
+  const char* why = nullptr;
+  if constexpr (sizeof(T) == 2) {
+    if (use_tma<T, C>(d, cc_major, dev, &why)) {
+      if (encode_tiled_fn() == nullptr)
+        return failed("TMA path: cudaGetDriverEntryPoint found no cuTensorMapEncodeTiled in the CUDA "
+                      "driver (KVKERNELS_CUDA_NO_TMA=1 selects the cp.async path)");
+      if (!encode_w_map<T>(d, &wmap))
+        return failed("cuTensorMapEncodeTiled rejected the w_kv_b tensor map (KVKERNELS_CUDA_NO_TMA=1 "
+                      "selects the cp.async path)");
+      return launch<T, C, true>(d, wmap, stream);
+    }
+  }
+  if (env_is("KVKERNELS_CUDA_TMA", "require")) {
+    if (why != nullptr) return failed(why);
+    if (sizeof(T) != 2) return failed("KVKERNELS_CUDA_TMA=require: float32 weights have no TMA path");
+    return failed("KVKERNELS_CUDA_TMA=require: TMA needs a compute capability 9.x device and "
+                  "KVKERNELS_CUDA_NO_TMA unset");
+  }
+  return launch<T, C, false>(d, wmap, stream);
 }
 
 }  // namespace
@@ -68,7 +204,8 @@ cuda::Status mla_decompress(const MlaDecompressParams& p, int device, int64_t* t
   err = cudaGetLastError();
   if (err != cudaSuccess) return cuda::Status{err, nullptr};
   return kc::dispatch_float_and_cache(p.w_format, p.kv.format, [&](auto wt, auto ct) {
-    return launch<typename decltype(wt)::type, typename decltype(ct)::type>(d, stream);
+    return launch_variant<typename decltype(wt)::type, typename decltype(ct)::type>(d, major, device,
+                                                                                    stream);
   });
 }
 

@@ -6,12 +6,13 @@
 //
 // One CTA (128 threads) owns an output tile of BM tokens x 64 columns:
 //   1. prologue: the first STAGES - 1 K-tiles of w_kv_b (64 rows x 128 bytes each) are put in
-//      flight with cp.async; meanwhile each warp stages latent rows: it finds the token's
-//      sequence / block / slot (binary search over the starts), reads the row (fp8 dequantized
-//      with the per-tensor scale), computes the row's inverse RMS in registers (warp shuffle) when
-//      norm_weight is given, and writes row * inv_rms * norm_weight rounded to the weight dtype
-//      (the CPU backend's arithmetic and rounding) into a swizzled [BM][R] shared tile that stays
-//      for the whole K loop. The same pass writes the rotary part k_pe of the CTA's share of heads.
+//      flight (cp.async, or TMA on sm_90: see below); meanwhile each warp stages latent rows: it
+//      finds the token's sequence / block / slot (binary search over the starts), reads the row
+//      (fp8 dequantized with the per-tensor scale), computes the row's inverse RMS in registers
+//      (warp shuffle) when norm_weight is given, and writes row * inv_rms * norm_weight rounded to
+//      the weight dtype (the CPU backend's arithmetic and rounding) into a swizzled [BM][R] shared
+//      tile that stays for the whole K loop. The same pass writes the rotary part k_pe of the
+//      CTA's share of heads.
 //   2. K loop over R in tiles of BK (64 for 16-bit, 32 for float32 = one 128-byte row segment):
 //      wait for tile k, issue tile k + STAGES - 1 into the freed buffer, multiply tile k:
 //        fp16 / bf16: mma.sync m16n8k16 (ldmatrix from swizzled tiles), 4 warps x 32 x 32, BM = 64;
@@ -20,8 +21,25 @@
 //   3. epilogue: the fp32 tile goes through shared memory (reusing the W buffers) so that rows of
 //      key and value are written with consecutive addresses; one rounding to the weight dtype.
 // Tokens with no valid cache row (num_tokens larger than sum(seq_lens), block ids out of range)
-// produce zeros instead of reading out of bounds. TMA (sm_90a) is not used.
+// produce zeros instead of reading out of bounds.
+//
+// Weight tiles, two ways (template flag TMA; the launcher picks, mla_decompress.cu):
+//   - cp.async (default; every arch, every dtype): all 128 threads copy 16-byte chunks into the
+//     swizzled slot swz_rt(n, c, 8); chunks past N or R are zero-filled; a 3-stage cp.async ring.
+//   - TMA (fp16 / bf16 on compute capability 9.x, device code compiled for sm_90+): one thread
+//     issues cp.async.bulk.tensor.2d for the 64 x 64 box of a CUtensorMap over w_kv_b [N, R]
+//     (SWIZZLE_128B, out-of-bounds rows / columns zero-filled by the copy engine) completing on
+//     one mbarrier per stage (expect_tx of the full box, 8192 bytes, also for partial boxes).
+//     The stage buffers are 1024-byte aligned, so the engine's 128B swizzle (16-byte chunk
+//     address bits [4:6] XOR row bits [7:9] of the shared address) is the same permutation as
+//     swz_rt(n, c, 8) = (n * 8 + (c ^ (n & 7))) * 16 within a 128-byte-row tile: the MMA loop
+//     reads both layouts with the same ldmatrix addresses. Tile k lives in stage k % STAGES and
+//     is that barrier's (k / STAGES)-th completion, so its wait parity is (k / STAGES) & 1; a
+//     __syncthreads at the top of each K step (every warp done with tile k - 1) comes before the
+//     copy that overwrites tile k - 1's stage.
 #pragma once
+
+#include <cuda.h>  // CUtensorMap (a type only: nothing links libcuda)
 
 #include "common.cuh"
 #include "mla_common.cuh"
@@ -51,6 +69,8 @@ struct DecCfg {
   static constexpr int C_STRIDE = BN + 4;  // epilogue floats per row
   static_assert(BM * C_STRIDE * 4 <= STAGES * W_STAGE, "epilogue tile fits the W buffers");
   static int smem(int rpad) { return STAGES * W_STAGE + BM * rpad * int(sizeof(T)); }
+  // TMA variant: up to 1023 bytes to align the W stages to 1024 (128B swizzle), + the mbarriers.
+  static constexpr int TMA_EXTRA = 1024 + STAGES * 8;
 };
 
 // The cache row of output token t, or nullptr (t past the sequences, bad block id).
@@ -139,10 +159,104 @@ __device__ __forceinline__ void issue_w_tile(const DecompressArgs& d, int n0, in
   }
 }
 
-template <typename T, typename C>
-__global__ void __launch_bounds__(128)
-    mla_decompress_kernel(const __grid_constant__ DecompressArgs d) {
+// ---- TMA (sm_90+) ---------------------------------------------------------------------------
+// Every PTX instruction below exists from sm_90 on; the sm_80 build compiles these to nothing
+// (the TMA kernel variant traps there and the launcher never selects it).
+namespace tma {
+
+__device__ __forceinline__ void bar_init(uint32_t bar, uint32_t count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#else
+  (void)bar, (void)count;
+#endif
+}
+
+// After mbarrier.init, before the copy engine may complete a transaction on the barrier.
+__device__ __forceinline__ void fence_bar_init() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// One arrival (the barriers are initialized with count 1) that also expects `bytes` of
+// transactions in the current phase.
+__device__ __forceinline__ void arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+#else
+  (void)bar, (void)bytes;
+#endif
+}
+
+// Blocks until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (done == 0);
+#else
+  (void)bar, (void)parity;
+#endif
+}
+
+// The box of `map` at (column c0, row c1) into shared `dst`; completes `bytes` on `bar`.
+__device__ __forceinline__ void load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                        uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+#else
+  (void)dst, (void)map, (void)c0, (void)c1, (void)bar;
+#endif
+}
+
+__device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+#else
+  (void)map;
+#endif
+}
+
+}  // namespace tma
+
+// K-tile kt of the CTA's 64 weight rows by TMA into stage `stage` (one thread calls this).
+template <typename T>
+__device__ __forceinline__ void issue_w_tile_tma(const CUtensorMap* map, int n0, int kt,
+                                                 uint32_t sw_u32, uint32_t bar0, int stage) {
   using Cfg = DecCfg<T>;
+  const uint32_t bar = bar0 + 8u * uint32_t(stage);
+  tma::arrive_expect_tx(bar, Cfg::W_STAGE);  // the whole box, zero-filled parts included
+  tma::load_2d(sw_u32 + uint32_t(stage * Cfg::W_STAGE), map, kt * Cfg::BK, n0, bar);
+}
+
+template <typename T, typename C, bool TMA>
+__global__ void __launch_bounds__(128)
+    mla_decompress_kernel(const __grid_constant__ DecompressArgs d,
+                          const __grid_constant__ CUtensorMap wmap) {
+  using Cfg = DecCfg<T>;
+  static_assert(!TMA || sizeof(T) == 2, "the TMA variant is for fp16 / bf16 weights");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  if constexpr (TMA) {
+    __trap();  // no TMA before sm_90; the launcher checks the kernel's PTX version first
+    return;
+  }
+#endif
   constexpr int BM = Cfg::BM, BN = Cfg::BN, NT = Cfg::NT, NW = Cfg::NW, STAGES = Cfg::STAGES;
   extern __shared__ __align__(128) unsigned char smem[];
   const MlaDecompressParams& p = d.p;
@@ -154,11 +268,28 @@ __global__ void __launch_bounds__(128)
   const int ktiles = d.rpad / Cfg::BK;
   const int cpr_a = d.rpad * int(sizeof(T)) / 16;
   char* sw = reinterpret_cast<char*>(smem);
+  // TMA: the stages start at a 1024-byte boundary of the shared window (the 128B swizzle pattern
+  // repeats every 8 rows of 128 bytes and is taken from the address bits).
+  if constexpr (TMA) sw += (1024u - (ac::smem_u32(smem) & 1023u)) & 1023u;
   char* sa = sw + STAGES * Cfg::W_STAGE;
+  // TMA: one mbarrier per stage, after the latent tile (an 8-byte aligned offset).
+  [[maybe_unused]] const uint32_t bar0 = ac::smem_u32(sa + BM * d.rpad * int(sizeof(T)));
+  [[maybe_unused]] const uint32_t sw_u32 = ac::smem_u32(sw);
 
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ktiles) issue_w_tile<T>(d, n0, s, sw + s * Cfg::W_STAGE);
-    ac::cp_async_commit();
+  if constexpr (TMA) {
+    if (tid == 0) {
+      tma::prefetch_map(&wmap);
+      for (int s = 0; s < STAGES; ++s) tma::bar_init(bar0 + 8u * uint32_t(s), 1);
+      tma::fence_bar_init();
+      for (int s = 0; s < STAGES - 1 && s < ktiles; ++s)
+        issue_w_tile_tma<T>(&wmap, n0, s, sw_u32, bar0, s);
+    }
+    // The other threads first touch the barriers after the __syncthreads of the first K step.
+  } else {
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < ktiles) issue_w_tile<T>(d, n0, s, sw + s * Cfg::W_STAGE);
+      ac::cp_async_commit();
+    }
   }
 
   // 1. Latent rows -> shared (normalized, weight dtype); k_pe of this CTA's heads.
@@ -233,9 +364,18 @@ __global__ void __launch_bounds__(128)
     for (int j = 0; j < 4; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
 
   for (int kt = 0; kt < ktiles; ++kt) {
-    ac::cp_async_wait<STAGES - 2>();
-    __syncthreads();  // W tile kt landed; the latent tile is complete (first pass)
-    {
+    if constexpr (TMA) {
+      // First pass: the barriers are initialized and the latent tile is complete. Every pass:
+      // every warp is done reading tile kt - 1, whose stage ((kt - 1) % STAGES = nx % STAGES)
+      // the copy below overwrites.
+      __syncthreads();
+      const int nx = kt + STAGES - 1;
+      if (tid == 0 && nx < ktiles) issue_w_tile_tma<T>(&wmap, n0, nx, sw_u32, bar0, nx % STAGES);
+      // Tile kt is completion number kt / STAGES of its stage's barrier (phases 0, 1, 0, ...).
+      tma::wait(bar0 + 8u * uint32_t(kt % STAGES), uint32_t(kt / STAGES) & 1u);
+    } else {
+      ac::cp_async_wait<STAGES - 2>();
+      __syncthreads();  // W tile kt landed; the latent tile is complete (first pass)
       const int nx = kt + STAGES - 1;
       if (nx < ktiles) issue_w_tile<T>(d, n0, nx, sw + (nx % STAGES) * Cfg::W_STAGE);
       ac::cp_async_commit();
@@ -287,8 +427,9 @@ __global__ void __launch_bounds__(128)
     }
   }
 
-  // 3. Epilogue through shared memory, then key / value rows.
-  ac::cp_async_wait<0>();
+  // 3. Epilogue through shared memory, then key / value rows. TMA: every copy issued was waited
+  // for in the K loop (tile kt at step kt), so nothing is still writing the W buffers.
+  if constexpr (!TMA) ac::cp_async_wait<0>();
   __syncthreads();  // every warp is done with the W buffers
   float* sc = reinterpret_cast<float*>(sw);
   constexpr int CS = Cfg::C_STRIDE;
