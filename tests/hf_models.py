@@ -31,6 +31,16 @@ def _gpt_oss_sinks(model) -> None:
             layer.self_attn.sinks.copy_(torch.linspace(-2.0, 3.0, layer.self_attn.sinks.numel()))
 
 
+# The MLA shape of deepseek_v3 (query LoRA, latent 16, rope 8) and a tiny MoE, for the other MLA models.
+_MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=16)
+_MOE = dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2)
+# Mistral-4 scales its queries by 1 + beta * log(1 + floor(position / original_max_position_embeddings))
+# before attention: a short original length makes that factor change within the tests' sequences (and
+# initializer_range=0.1 makes the change show in the tokens, see test_features_matter).
+MISTRAL4_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=64.0, original_max_position_embeddings=4,
+                     beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.5)
+
 # name -> (config class, its settings beyond COMMON, stock attention implementation, weight fix-up)
 _MODELS = {
     "llama": (tf.LlamaConfig, {}, "sdpa", None),
@@ -50,6 +60,16 @@ _MODELS = {
                                               q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
                                               v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
                                               first_k_dense_replace=1, n_shared_experts=1), "sdpa", None),
+    **{name: (cls, dict(_MLA, **extra), "sdpa", None) for name, cls, extra in (
+        ("axk1", tf.AXK1Config, dict(_MOE, first_k_dense_replace=1, n_group=1, topk_group=1)),
+        ("glm4_moe_lite", tf.Glm4MoeLiteConfig, _MOE),
+        ("youtu", tf.YoutuConfig, {}),
+        ("minicpm3", tf.MiniCPM3Config, {}),
+        ("mistral4", tf.Mistral4Config, dict(_MOE, first_k_dense_replace=1, initializer_range=0.1,
+                                             rope_parameters=MISTRAL4_ROPE)),
+        ("longcat_flash", tf.LongcatFlashConfig, dict(head_dim=8, ffn_hidden_size=128, expert_ffn_hidden_size=32,
+                                                      n_routed_experts=4, zero_expert_num=2, moe_topk=2)),
+    )},
 }
 
 
@@ -60,14 +80,23 @@ def config_for(name: str, **overrides):
 
 
 DECODER_MODELS = list(_MODELS)
-MLA_MODELS = ("deepseek_v3", "deepseek_v2")  # configs with kv_lora_rank: latent cache, absorbed attention
+MLA_MODELS = ("deepseek_v3", "deepseek_v2", "axk1", "glm4_moe_lite", "youtu", "minicpm3", "mistral4",
+              "longcat_flash")  # configs with kv_lora_rank: latent cache, absorbed attention
+
+
+# Causal-LM classes AutoModelForCausalLM does not map in transformers 5.23 (it maps Mistral4Config
+# only for pretraining and image-text-to-text).
+_CAUSAL_LM = {tf.Mistral4Config: tf.Mistral4ForCausalLM}
 
 
 def build(config, attn: str, fix=None, seed: int = 0, seq2seq: bool = False):
     register()  # "kvkernels" must be known when the model is created
     torch.manual_seed(seed)
-    auto = tf.AutoModelForSeq2SeqLM if seq2seq else tf.AutoModelForCausalLM
-    model = auto.from_config(copy.deepcopy(config), attn_implementation=attn).eval()
+    if type(config) in _CAUSAL_LM:
+        model = _CAUSAL_LM[type(config)]._from_config(copy.deepcopy(config), attn_implementation=attn).eval()
+    else:
+        auto = tf.AutoModelForSeq2SeqLM if seq2seq else tf.AutoModelForCausalLM
+        model = auto.from_config(copy.deepcopy(config), attn_implementation=attn).eval()
     if fix is not None:
         fix(model)
     assert model.config._attn_implementation == attn

@@ -2,8 +2,9 @@
 attention function is token-identical to the stock cache with SDPA (eager for Gemma2 / GPT-OSS, which
 transformers runs without SDPA) — greedy, seeded sampling and beam search, on left-padded batches —
 for Llama (GQA), Qwen2 and Mistral (sliding windows), Gemma2 (soft cap, alternating windows), GPT-OSS
-(sinks), DeepSeek-V2/V3 (MLA: absorbed attention over paged latents) and BART (cross-attention shared by beams). Tiny random-weight
-models (tests/hf_models.py); nothing is downloaded.
+(sinks), the MLA models — DeepSeek-V2/V3, AXK1, GLM-4-MoE-Lite, Youtu, MiniCPM3, Mistral-4 (position-scaled
+queries), LongCat-Flash (two attention sublayers per decoder layer) — (absorbed attention over paged latents)
+and BART (cross-attention shared by beams). Tiny random-weight models (tests/hf_models.py); nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from kvkernels.integrations import transformers_cache
 from kvkernels.integrations.transformers import PagedCache, paged_attention_forward, register
 from kvkernels.integrations.transformers_encdec import PagedEncoderDecoderCache
 
-from hf_models import DECODER_MODELS, MLA_MODELS, OpCounter, bart_config, bart_pair, build, config_for, left_padded_batch, model_pair
+from hf_models import DECODER_MODELS, MISTRAL4_ROPE, MLA_MODELS, OpCounter, bart_config, bart_pair, build, config_for, left_padded_batch, model_pair
 
 MODES = {
     "greedy": dict(do_sample=False),
@@ -95,6 +96,7 @@ def test_generate_matches_stock(name, mode, monkeypatch):
     ("gemma2", dict(attn_logit_softcapping=None)),
     ("gemma2", dict(sliding_window=64)),
     ("gpt_oss", "sinks"),
+    ("mistral4", dict(rope_parameters=dict(MISTRAL4_ROPE, llama_4_scaling_beta=0.0))),  # position-scaled queries
 ])
 def test_features_matter(name, feature):
     """The tiny configs are sensitive to the features the kernel implements: generating without the

@@ -45,14 +45,17 @@ equal, and a row that is not gets its own blocks. ``reorder_cache(beam_idx)`` is
 shared after the reorder is copied on the next write (copy-on-write). ``batch_repeat_interleave``
 forks (prefill once, then branch).
 
-MLA models (DeepSeek-V2/V3, config with ``kv_lora_rank``): the storage is a ``kvkernels.MLAPagedCache``,
+MLA models (config with ``kv_lora_rank``; DeepSeek-V2/V3, AXK1, GLM-4-MoE-Lite, Youtu, MiniCPM3,
+Mistral-4, LongCat-Flash): the storage is a ``kvkernels.MLAPagedCache``,
 one row of latent + rotary key per token and layer (``kv_lora_rank + qk_rope_head_dim`` values,
 nothing per head), with the same bookkeeping as above (padding never stored, duplicate prefill rows
 forked, beams reordered by block table, copy-on-write, growth). transformers' MLA attention calls
 ``update(latent, k_rot)`` and then ``self.expand_kv(...)``, which would multiply every cached latent by
 ``kv_b_proj`` into per-head K/V, every step. ``update`` returns a ``PagedKV`` handle here too, and
 ``register()`` wraps ``expand_kv`` of the MLA attention classes (``transformers_mla.
-MLA_ATTENTION_CLASSES``: ``DeepseekV2Attention``, ``DeepseekV3Attention``) so that a handle passes
+MLA_ATTENTION_CLASSES``: ``DeepseekV2Attention``, ``DeepseekV3Attention``, ``AXK1Attention``,
+``Glm4MoeLiteAttention``, ``YoutuAttention``, ``MiniCPM3Attention``, ``Mistral4Attention``,
+``LongcatFlashMLA``) so that a handle passes
 through unchanged while tensors still go to the original method (no cache, a stock cache: the model
 runs exactly as before). The attention function then writes the rows (``ops.concat_and_cache_mla``)
 and runs the absorbed attention (``transformers_mla.latent_attention``): ``q_nope`` is multiplied by

@@ -118,7 +118,8 @@ class _PagedLayer(CacheLayerMixin):
 
 class PagedCache(Cache):
     """A ``transformers`` ``Cache`` backed by ``kvkernels.PagedKVCache`` (``kvkernels.MLAPagedCache``
-    for MLA models: DeepSeek-V2/V3, ``kv_lora_rank`` set in the config).
+    for MLA models: ``kv_lora_rank`` set in the config, attention class in
+    ``transformers_mla.MLA_ATTENTION_CLASSES``).
 
     Args:
         config: the model's config (``model.config``); the number of layers and whether the model
@@ -153,7 +154,7 @@ class PagedCache(Cache):
         self.block_size, self.dtype = block_size, dtype
         self.device = torch.device(device) if device is not None else None
         self._fixed_blocks = num_blocks
-        # MLA (DeepSeek-V2/V3): update() receives the latent [B, 1, q, kv_lora_rank] and the rotary key
+        # MLA (DeepSeek-V2/V3 and the other MLA_ATTENTION_CLASSES): update() receives the latent [B, 1, q, kv_lora_rank] and the rotary key
         # [B, 1, q, rope_dim], stored as one row of an MLAPagedCache and attended with absorbed weights.
         self.latent = getattr(text, "kv_lora_rank", None) is not None
         self.kv: Optional[PagedKVCache] = None

@@ -1,5 +1,6 @@
-"""MLA models (DeepSeek-V2/V3) on a ``PagedCache``: absorbed-weight attention straight over the paged
-latent rows (see ``kvkernels.integrations.transformers`` for how a forward runs).
+"""MLA models (DeepSeek-V2/V3, AXK1, GLM-4-MoE-Lite, Youtu, MiniCPM3, Mistral-4, LongCat-Flash: the
+classes of ``MLA_ATTENTION_CLASSES``) on a ``PagedCache``: absorbed-weight attention straight over the
+paged latent rows (see ``kvkernels.integrations.transformers`` for how a forward runs).
 
 transformers' MLA attention calls ``past_key_values.update(kv_nope, k_rot, layer)`` with the latent
 ``[B, 1, q, kv_lora_rank]`` and the rotary key ``[B, 1, q, rope]``, then ``self.expand_kv(...)``,
@@ -32,12 +33,28 @@ from torch import Tensor
 from kvkernels import ops
 from kvkernels.integrations.transformers_attention import PagedKV
 
-# transformers' MLA attention classes whose forward is update() -> expand_kv() -> attention function
-# with query = cat(q_nope, q_rope) and kv_b_proj laid out per head as [W_UK(h); W_UV(h)] (checked
-# against transformers 5.23). Other classes of that shape can be passed to wrap_expand_kv.
+# transformers' MLA attention classes whose forward is update(latent, k_rot) -> expand_kv() -> attention
+# function with query = cat(q_nope, q_rope), kv_b_proj laid out per head as [W_UK(h); W_UV(h)],
+# scaling=module.scaling and nothing between update and the attention call that changes keys, masks or
+# logits (checked against transformers 5.23; each has a tiny model in tests/hf_models.py MLA_MODELS).
+# Glm4MoeLite and Youtu copy DeepseekV3's forward; what differs in the others happens before update()
+# or after the attention call, on tensors the model computes itself: query LoRA always on (AXK1,
+# LongCat-Flash), plain cos/sin RoPE (MiniCPM3), LoRA rescaling of q and the latent (LongCat-Flash, two
+# attention sublayers per decoder layer with their own layer_idx), Mistral-4's position-dependent query
+# scale (already in the query the attention function receives). Not listed, although they have expand_kv:
+# DSA top-k indexers (DeepseekV32, GlmMoeDsa, Glm5NextText, AXK2, HYV4, MistralLarge4Text, Dots3NoteText),
+# which also add sinks (HYV4), KV sharing / NoPE layers (MistralLarge4Text) or sliding MLA layers
+# (Dots3NoteText); hybrids with linear-attention layers PagedCache does not hold (KimiLinear,
+# BailingHybrid). Other classes of the listed shape can be passed to wrap_expand_kv.
 MLA_ATTENTION_CLASSES = (
     ("transformers.models.deepseek_v2.modeling_deepseek_v2", "DeepseekV2Attention"),
     ("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3Attention"),
+    ("transformers.models.axk1.modeling_axk1", "AXK1Attention"),
+    ("transformers.models.glm4_moe_lite.modeling_glm4_moe_lite", "Glm4MoeLiteAttention"),
+    ("transformers.models.youtu.modeling_youtu", "YoutuAttention"),
+    ("transformers.models.minicpm3.modeling_minicpm3", "MiniCPM3Attention"),
+    ("transformers.models.mistral4.modeling_mistral4", "Mistral4Attention"),
+    ("transformers.models.longcat_flash.modeling_longcat_flash", "LongcatFlashMLA"),
 )
 
 
