@@ -12,7 +12,6 @@ import importlib
 import pytest
 import torch
 from transformers import DynamicCache
-from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Attention
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
 import kvkernels
