@@ -191,8 +191,9 @@ class Paged:
         return (w @ v).reshape(seqs, HEADS, HEAD_DIM)
 
 
-def _copies(layer_bytes: int, args) -> int:
-    return max(1, math.ceil(args.rotate_mib * (1 << 20) / max(layer_bytes, 1)))
+def rotation_copies(nbytes: int, rotate_mib: float) -> int:
+    """Copies of an ``nbytes`` input to rotate through so that they span ``rotate_mib`` (no L2 hits)."""
+    return max(1, math.ceil(rotate_mib * (1 << 20) / max(nbytes, 1)))
 
 
 def _row(case: str, kind: str, dtype: str, batch: int, context: int, impl: str, **extra) -> dict:
@@ -203,7 +204,8 @@ def _row(case: str, kind: str, dtype: str, batch: int, context: int, impl: str, 
     return row
 
 
-def _attempt(row: dict, call: Callable[[int], object], args, check: Optional[Callable] = None) -> None:
+def attempt(row: dict, call: Callable[[int], object], reps: int, min_ms: float,
+            check: Optional[Callable] = None) -> None:
     """Time ``call`` into ``row``; an implementation that raises is recorded as skipped with the error."""
     try:
         if check is not None:
@@ -211,7 +213,7 @@ def _attempt(row: dict, call: Callable[[int], object], args, check: Optional[Cal
             torch.cuda.synchronize()
             row["max_abs_diff"], row["tolerance"] = check(out)
             row["checked"] = row["max_abs_diff"] <= row["tolerance"]
-        row["ms"] = time_cuda(call, args.attn_reps, args.attn_min_ms)
+        row["ms"] = time_cuda(call, reps, min_ms)
     except Exception as error:  # noqa: BLE001 - one failing implementation must not end the run
         row["skipped"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
         torch.cuda.synchronize()
@@ -280,7 +282,7 @@ def decode_case(dtype_name: str, batch: int, context: int, copy_gbps: float, arg
     layer_bytes = 2 * batch * math.ceil(context / BLOCK) * BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
     budget = int(_free_bytes() * args.memory_fraction)
     rows = []
-    copies = min(_copies(layer_bytes, args), budget // layer_bytes)
+    copies = min(rotation_copies(layer_bytes, args.rotate_mib), budget // layer_bytes)
     if copies < 1:
         return [_row(name, "decode", dtype_name, batch, context, "kvkernels",
                      skipped=f"one cache copy ({layer_bytes / 2**30:.1f} GiB) exceeds the memory budget")]
@@ -296,13 +298,13 @@ def decode_case(dtype_name: str, batch: int, context: int, copy_gbps: float, arg
                                    k_scale=data.scale, v_scale=data.scale)[0]
 
     mine = _row(name, "decode", dtype_name, batch, context, "kvkernels", copies=copies)
-    _attempt(mine, kernel, args, check)
+    attempt(mine, kernel, args.attn_reps, args.attn_min_ms, check)
     rows.append(mine)
 
     if not args.no_baselines:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         contig_layer = 2 * batch * context * KV_HEADS * HEAD_DIM * 2  # bfloat16
-        n = min(_copies(contig_layer, args), (budget - copies * layer_bytes) // max(contig_layer, 1))
+        n = min(rotation_copies(contig_layer, args.rotate_mib), (budget - copies * layer_bytes) // max(contig_layer, 1))
         sd = _row(name, "decode", dtype_name, batch, context, "sdpa-flash-contiguous",
                   note="bfloat16 [B, Hkv, ctx, D] K/V (fp8: dequantized outside the timing); GQA folded into "
                        "the query length; GB/s counts the case's cache bytes")
@@ -318,7 +320,7 @@ def decode_case(dtype_name: str, batch: int, context: int, copy_gbps: float, arg
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     return F.scaled_dot_product_attention(q, ks[j], vs[j]).reshape(batch, HEADS, HEAD_DIM)
 
-            _attempt(sd, sdpa, args, check)
+            attempt(sd, sdpa, args.attn_reps, args.attn_min_ms, check)
             del ks, vs
         rows.append(sd)
         if not args.no_flex:
@@ -326,7 +328,7 @@ def decode_case(dtype_name: str, batch: int, context: int, copy_gbps: float, arg
                       note="torch.compile(flex_attention) with PagedAttention.convert_logical_block_mask; "
                            "cache re-laid [1, Hkv, blocks*16, D] bfloat16 outside the timing")
             try:
-                _attempt(fx, flex_paged_decode(data), args, check)
+                attempt(fx, flex_paged_decode(data), args.attn_reps, args.attn_min_ms, check)
             except Exception as error:  # noqa: BLE001
                 fx["skipped"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
             rows.append(fx)
@@ -351,7 +353,7 @@ def prefill_case(q_len: int, context: int, args, gen: torch.Generator) -> list[d
     name = f"prefill bfloat16 q{q_len} ctx{context}"
     dtype = torch.bfloat16
     layer_bytes = 2 * math.ceil(context / BLOCK) * BLOCK * KV_HEADS * HEAD_DIM * 2
-    copies = _copies(layer_bytes, args)
+    copies = rotation_copies(layer_bytes, args.rotate_mib)
     data = Paged(1, context, q_len, dtype, copies, gen)
     qsl = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
     pairs = sum(context - q_len + i + 1 for i in range(q_len))
@@ -368,7 +370,7 @@ def prefill_case(q_len: int, context: int, args, gen: torch.Generator) -> list[d
 
     mine = _row(name, "prefill", "bfloat16", 1, context, "kvkernels", copies=copies,
                 note="flops = 4 * head_dim * heads * (query, key) pairs inside the causal mask")
-    _attempt(mine, kernel, args, check)
+    attempt(mine, kernel, args.attn_reps, args.attn_min_ms, check)
     rows = [mine]
     if not args.no_baselines:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -389,7 +391,7 @@ def prefill_case(q_len: int, context: int, args, gen: torch.Generator) -> list[d
                     out = F.scaled_dot_product_attention(q4, ks[j], vs[j], attn_mask=mask, enable_gqa=True)
             return out[0].transpose(0, 1)
 
-        _attempt(sd, sdpa, args, check)
+        attempt(sd, sdpa, args.attn_reps, args.attn_min_ms, check)
         rows.append(sd)
     for r in rows:
         if r["ms"]:

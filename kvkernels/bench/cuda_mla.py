@@ -29,12 +29,12 @@ import argparse
 import json
 import math
 import sys
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from kvkernels import ops
-from kvkernels.bench.cuda_attention import _ints, _row, copy_bandwidth, time_cuda
+from kvkernels.bench.cuda_attention import _ints, _row, attempt, copy_bandwidth, rotation_copies
 
 RANK, ROPE, BLOCK = 512, 64, 64
 NOPE, VDIM = 128, 128
@@ -65,24 +65,6 @@ def _defaults() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     return parser.parse_args([])
-
-
-def _time(row: dict, call: Callable[[int], object], args, check: Optional[Callable] = None) -> None:
-    """Time ``call`` into ``row``; an implementation that raises is recorded as skipped with the error."""
-    try:
-        if check is not None:
-            out = call(0)
-            torch.cuda.synchronize()
-            row["max_abs_diff"], row["tolerance"] = check(out)
-            row["checked"] = row["max_abs_diff"] <= row["tolerance"]
-        row["ms"] = time_cuda(call, args.mla_reps, args.mla_min_ms)
-    except Exception as error:  # noqa: BLE001 - one failing implementation must not end the run
-        row["skipped"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
-        torch.cuda.synchronize()
-
-
-def _copies(nbytes: int, args) -> int:
-    return max(1, math.ceil(args.mla_rotate_mib * (1 << 20) / max(nbytes, 1)))
 
 
 def _fits(nbytes: int, args) -> bool:
@@ -125,7 +107,7 @@ def decode_case(dtype_name: str, heads: int, batch: int, context: int, copy_gbps
     layer_bytes = batch * math.ceil(context / BLOCK) * BLOCK * (RANK + ROPE) * esize
     case = f"mla decode {dtype_name} h{heads} b{batch} ctx{context}"
     row = _row(case, "decode", dtype_name, batch, context, "kvkernels", heads=heads)
-    copies = _copies(layer_bytes, args)
+    copies = rotation_copies(layer_bytes, args.mla_rotate_mib)
     if not _fits(layer_bytes * (copies + 1), args):
         copies = 1
         if not _fits(layer_bytes * 2, args):
@@ -147,7 +129,7 @@ def decode_case(dtype_name: str, heads: int, batch: int, context: int, copy_gbps
             diff = max(diff, float((w @ rows[:, :RANK] - out[s].float()).abs().max()))
         return diff, 2e-2
 
-    _time(row, call, args, check)
+    attempt(row, call, args.mla_reps, args.mla_min_ms, check)
     if row["ms"]:
         row["gbps"] = batch * context * (RANK + ROPE) * esize / (row["ms"] * 1e-3) / 1e9
         row["fraction_of_copy_bw"] = row["gbps"] / copy_gbps
@@ -189,9 +171,9 @@ def decompress_case(dtype_name: str, tokens: int, heads: int, args, gen: torch.G
                    float((kv[..., NOPE:] - value[:256].float()).abs().max()))
         return diff, 5e-2
 
-    _time(rows[0], call, args, check)
+    attempt(rows[0], call, args.mla_reps, args.mla_min_ms, check)
     latent = torch.randn(tokens, RANK, generator=gen, device="cuda").to(torch.bfloat16)
-    _time(rows[1], lambda i: latent @ w.T, args)
+    attempt(rows[1], lambda i: latent @ w.T, args.mla_reps, args.mla_min_ms)
     flops = 2.0 * tokens * RANK * n
     for r in rows:
         if r["ms"]:
