@@ -258,7 +258,10 @@ inline void amx_rescale(const TileScratch& sc, int r0, int D) {
 template <typename C>
 inline void amx_values(const TileScratch& sc, const C* const* vals, int j0, int j1, int D,
                        const bool* live, int tiles) {
-  bf16_bits* const buf[2] = {sc.vp_bf16(), sc.vp_bf16() + kTileChunk * 128};
+  // One group: kTileChunk / 2 pair rows of 2 x 64 bf16 (8 KB). Both buffers fit the value region
+  // (Dv x kTileChunk floats) whenever there is a second group (Dv > 64).
+  constexpr size_t kGroupBf16 = (kTileChunk / 2) * 2 * 64;
+  bf16_bits* const buf[2] = {sc.vp_bf16(), sc.vp_bf16() + kGroupBf16};
   const int groups = (D + 63) / 64;  // D % 32 == 0: the last group may be 32 wide
   amx_pack_values(vals, j0, j1, 0, kmin(64, D), buf[0]);
   for (int g = 0; g < groups; ++g) {
