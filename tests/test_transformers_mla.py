@@ -1,5 +1,6 @@
-"""MLA models (DeepSeek-V2/V3, AXK1, GLM-4-MoE-Lite, Youtu, MiniCPM3, Mistral-4, LongCat-Flash) on ``PagedCache``: the absorbed path is the one that runs (no expansion of
-cached latents through ``kv_b_proj``, no gather), the cache holds exactly ``kv_lora_rank + rope``
+"""MLA models (DeepSeek-V2/V3, AXK1, GLM-4-MoE-Lite, Youtu, MiniCPM3, Mistral-4, LongCat-Flash) on
+``PagedCache``: the absorbed path is the one that runs (no expansion of cached latents through
+``kv_b_proj``, no gather), the cache holds exactly ``kv_lora_rank + rope``
 values per real token and layer — the latents the stock cache holds, padding left out — and the
 ``expand_kv`` wrapper changes nothing for calls without a ``PagedCache``. Token identity with the
 stock cache is in test_transformers.py (the MLA models are in its matrix).

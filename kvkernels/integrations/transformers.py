@@ -52,11 +52,8 @@ nothing per head), with the same bookkeeping as above (padding never stored, dup
 forked, beams reordered by block table, copy-on-write, growth). transformers' MLA attention calls
 ``update(latent, k_rot)`` and then ``self.expand_kv(...)``, which would multiply every cached latent by
 ``kv_b_proj`` into per-head K/V, every step. ``update`` returns a ``PagedKV`` handle here too, and
-``register()`` wraps ``expand_kv`` of the MLA attention classes (``transformers_mla.
-MLA_ATTENTION_CLASSES``: ``DeepseekV2Attention``, ``DeepseekV3Attention``, ``AXK1Attention``,
-``Glm4MoeLiteAttention``, ``YoutuAttention``, ``MiniCPM3Attention``, ``Mistral4Attention``,
-``LongcatFlashMLA``) so that a handle passes
-through unchanged while tensors still go to the original method (no cache, a stock cache: the model
+``register()`` wraps ``expand_kv`` of the MLA attention classes listed in
+``transformers_mla.MLA_ATTENTION_CLASSES`` so that a handle passes through unchanged while tensors still go to the original method (no cache, a stock cache: the model
 runs exactly as before). The attention function then writes the rows (``ops.concat_and_cache_mla``)
 and runs the absorbed attention (``transformers_mla.latent_attention``): ``q_nope`` is multiplied by
 ``W_UK`` per head, ``ops.mla_paged_attention`` attends the latent rows in place, and the latent

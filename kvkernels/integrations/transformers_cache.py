@@ -154,7 +154,8 @@ class PagedCache(Cache):
         self.block_size, self.dtype = block_size, dtype
         self.device = torch.device(device) if device is not None else None
         self._fixed_blocks = num_blocks
-        # MLA (DeepSeek-V2/V3 and the other MLA_ATTENTION_CLASSES): update() receives the latent [B, 1, q, kv_lora_rank] and the rotary key
+        # MLA (the classes of transformers_mla.MLA_ATTENTION_CLASSES): update() receives the latent
+        # [B, 1, q, kv_lora_rank] and the rotary key
         # [B, 1, q, rope_dim], stored as one row of an MLAPagedCache and attended with absorbed weights.
         self.latent = getattr(text, "kv_lora_rank", None) is not None
         self.kv: Optional[PagedKVCache] = None
