@@ -88,17 +88,6 @@ class Bar:
             self.progress.close()
 
 
-@contextlib.contextmanager
-def attention(model, name: str):
-    """Run ``model`` with attention implementation ``name`` inside the block."""
-    before = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(before)
-
-
 def mib(n: float) -> str:
     return f"{n / MIB:.2f} MiB"
 
@@ -158,6 +147,7 @@ def dynamic_bytes(cache) -> int:
 def stock_generate(model, bar: Bar, input_ids, attention_mask, max_new_tokens: int, **kwargs):
     """``generate()`` on a ``DynamicCache`` with SDPA: (sequences, seconds, peak KV bytes, KV bytes
     at each forward but the last: what the beam reorders that follow them copy)."""
+    from kvkernels.integrations.transformers import attention_implementation
     from transformers import DynamicCache, LogitsProcessorList
     cache = DynamicCache(config=model.config)
     peak, calls, sizes = [0], [0], []
@@ -168,7 +158,7 @@ def stock_generate(model, bar: Bar, input_ids, attention_mask, max_new_tokens: i
         calls[0] += 1
         bar.tick(min(calls[0], max_new_tokens), max_new_tokens)
         return scores
-    with attention(model, "sdpa"), torch.no_grad():
+    with attention_implementation(model, "sdpa"), torch.no_grad():
         start = time.perf_counter()
         out = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache,
                              max_new_tokens=max_new_tokens, logits_processor=LogitsProcessorList([probe]), **kwargs)
@@ -268,11 +258,12 @@ class CopySpy:
 def dense_log_probs(model, prompt, paths, temperature: float) -> list[float]:
     """Each path's cumulative log-probability recomputed without a cache (SDPA over the whole
     sequence, paths right-padded: padding after a token never affects it under causal attention)."""
+    from kvkernels.integrations.transformers import attention_implementation
     width = len(prompt) + max(len(p.tokens) for p in paths)
     ids = torch.zeros(len(paths), width, dtype=torch.long)
     for r, p in enumerate(paths):
         ids[r, :len(prompt) + len(p.tokens)] = torch.tensor(prompt + p.tokens)
-    with attention(model, "sdpa"), torch.no_grad():
+    with attention_implementation(model, "sdpa"), torch.no_grad():
         logits = model(ids.to(model.device)).logits.float().cpu()
     logp = torch.log_softmax(logits / temperature, -1)
     out = []
@@ -385,9 +376,9 @@ def run(args, transformers_version: str) -> Report:
         system, users = make_prompts(model, tokenizer, args)
         warm = torch.tensor([system[:8]], device=model.device)
         with torch.no_grad():  # first-call costs (thread pools, allocator) out of the timings
-            from kvkernels.integrations.transformers import PagedCache
+            from kvkernels.integrations.transformers import PagedCache, attention_implementation
             model.generate(warm, past_key_values=PagedCache(model.config), max_new_tokens=2, do_sample=False)
-            with attention(model, "sdpa"):
+            with attention_implementation(model, "sdpa"):
                 model.generate(warm, max_new_tokens=2, do_sample=False)
     report.add(f"kvkernels demo: {what}")
     report.add(f"  {args.dtype} on {args.device}, {torch.get_num_threads()} thread(s), torch {torch.__version__}, "

@@ -28,7 +28,6 @@ reorders, the rest of the forward, generate()'s own work).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import functools
 import json
@@ -238,16 +237,6 @@ def dynamic_bytes(cache) -> int:
     return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
 
 
-@contextlib.contextmanager
-def attention(model, name: str):
-    before = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(before)
-
-
 def run_once(model, impl: str, ids: torch.Tensor, new: int, beams: int, measure: bool = False,
              timers: Optional[Timers] = None) -> dict:
     """One generation: wall time, decode-phase time, the tokens; with ``measure``, peak KV bytes
@@ -255,7 +244,7 @@ def run_once(model, impl: str, ids: torch.Tensor, new: int, beams: int, measure:
     from transformers import DynamicCache, LogitsProcessorList
 
     from kvkernels.generation import beam_search
-    from kvkernels.integrations.transformers import PagedCache
+    from kvkernels.integrations.transformers import PagedCache, attention_implementation
     gen = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
     if beams > 1:
         gen.update(num_beams=beams, early_stopping=False)
@@ -263,14 +252,14 @@ def run_once(model, impl: str, ids: torch.Tensor, new: int, beams: int, measure:
         if impl == "stock":
             cache = DynamicCache(config=model.config)
             clock = StepClock((lambda: dynamic_bytes(cache)) if measure else None, timers)
-            with attention(model, "sdpa"):
+            with attention_implementation(model, "sdpa"):
                 start = time.perf_counter()
                 out = model.generate(ids, past_key_values=cache, logits_processor=LogitsProcessorList([clock]), **gen)
                 seconds = time.perf_counter() - start
         elif impl == "stock prefill-once":  # the same pattern on DynamicCache: its expansion copies the KV
             cache = DynamicCache(config=model.config)
             clock = StepClock((lambda: dynamic_bytes(cache)) if measure else None, timers)
-            with attention(model, "sdpa"):
+            with attention_implementation(model, "sdpa"):
                 start = time.perf_counter()
                 model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
                 cache.batch_repeat_interleave(beams)

@@ -72,6 +72,8 @@ Compiled decoding: ``PagedDecoder`` (see ``transformers_decode``), MLA models in
 
 from __future__ import annotations
 
+import contextlib
+
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -82,7 +84,7 @@ from kvkernels.integrations.transformers_encdec import PagedEncoderDecoderCache
 from kvkernels.integrations.transformers_mla import latent_attention, register_mla, wrap_expand_kv
 
 __all__ = ["ATTENTION_NAME", "PagedCache", "PagedDecoder", "PagedEncoderDecoderCache", "PagedKV", "Step",
-           "dense_attention", "latent_attention", "paged_attention_forward", "register", "wrap_expand_kv"]
+           "attention_implementation", "dense_attention", "latent_attention", "paged_attention_forward", "register", "wrap_expand_kv"]
 
 
 def register() -> str:
@@ -93,3 +95,15 @@ def register() -> str:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
     register_mla()
     return ATTENTION_NAME
+
+
+@contextlib.contextmanager
+def attention_implementation(model, name: str):
+    """Run ``model`` with attention implementation ``name`` (e.g. ``"sdpa"`` for the stock cache, or
+    ``"kvkernels"``) inside the block; the previous one is restored on exit."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
