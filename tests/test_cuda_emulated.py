@@ -21,7 +21,7 @@ import math
 
 import kvkernels  # noqa: F401
 import test_cache_ops as cache_tests
-from helpers import make_query, query_start_loc
+from helpers import make_paged_kv, make_query, query_start_loc
 from test_attention import make_case
 from helpers import generator, randn, upcast, assert_close, assert_bytes_equal
 from kvkernels import ops, reference
@@ -381,3 +381,17 @@ def test_forced_splits(emu, dtype, splits, monkeypatch):
         kv, query, qsl = make_case(mode, [300, 0, 1, 77, 16], dtype=dtype, num_heads=4, num_kv_heads=2,
                                    head_dim=64, block_size=16, seed=5)
         run_emu_attention(emu, kv, query, qsl, splits=lambda n: n > 1, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))
+
+
+@pytest.mark.parametrize("opts", [{}, dict(window_left=37)], ids=["causal", "window"])
+@pytest.mark.parametrize("dtype,hq,hkv,b", [(f32, 2, 2, 16), (f16, 2, 2, 16), (bf16, 8, 2, 5)],
+                         ids=["f32-mha-b16", "f16-mha-b16", "bf16-gqa4-b5"])
+def test_full_prefill_many_tiles(emu, dtype, hq, hkv, b, opts):
+    """Full prefill of sequences longer than a query tile: several tiles per sequence, key tiles past
+    the causal diagonal (or before the window) skipped, the last tile of a sequence partial."""
+    seq_lens = [150, 3, 70]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=64, block_size=b, dtype=dtype, seed=9)
+    query = make_query(sum(seq_lens), hq, 64, dtype, generator(10))
+    qsl = query_start_loc(seq_lens)
+    _, _, plan = run_emu_attention(emu, kv, query, qsl, **opts)
+    assert plan["grid"][0] > len(seq_lens), plan
