@@ -1,13 +1,17 @@
-// A CPU stand-in for the CUDA execution model, enough to run the torch-free cache-op kernels of
-// csrc/cuda/*.cuh with the host compiler (tests/test_cuda_emulated.py). It checks kernel *logic*
-// (indexing, conversions, guards, vector-width choices) without a GPU; it says nothing about
-// timing, memory ordering between CTAs, or hardware alignment faults.
+// A CPU stand-in for the CUDA execution model, enough to run the torch-free cache-op kernels and the
+// paged-attention kernels (SIMT, tensor-core decode / prefill, split merge) of csrc/cuda with the
+// host compiler (tests/test_cuda_emulated.py). It checks kernel *logic* (indexing, conversions,
+// guards, vector-width choices, fragment layouts, pipeline ordering within a thread) without a GPU;
+// it says nothing about timing, memory ordering between CTAs, the rounding order of real tensor
+// cores, or hardware faults beyond the alignment checks of cp.async / ldmatrix below. Not emulated:
+// the MLA kernels' extra intrinsics, TMA / wgmma / mbarrier, atomics, warp-divergent collectives.
 //
 // Each CTA runs as blockDim.x cooperative fibers (ucontext) on the calling thread; __syncthreads()
 // switches to the next fiber, and a barrier completes when every live fiber of the CTA reached it.
-// __shfl_up_sync goes through an exchange array between two warp-level barriers (every live fiber
-// of the warp; the kernels only shuffle with full warps). CTAs run one after another. Launch syntax is rewritten by the
-// test (kernel<<<g, b, s, st>>>(args) -> emu::launch(kernel, g, b, s, st, args)).
+// Warp collectives (__shfl_up_sync, __shfl_xor_sync, __syncwarp, ldmatrix, mma.sync) go through an
+// exchange array between two warp-level barriers (every live fiber of the warp; the kernels only
+// use them with full warps). CTAs run one after another, blockIdx.x fastest. Launch syntax is
+// rewritten by the test (kernel<<<g, b, s, st>>>(args) -> emu::launch(kernel, g, b, s, st, args)).
 //
 // Shared memory: static `__shared__` arrays become function-local statics (every fiber of a CTA
 // sees the same object; CTAs run one after another, so one object serves them all, uninitialized
