@@ -1,11 +1,14 @@
-"""The CUDA cache-op kernels and launchers (csrc/cuda/cache_ops.cu), compiled for the CPU with the
-emulator of tests/cuda_emu/cuda_emu.h, against the same checks as the CPU and CUDA tests.
+"""The CUDA cache-op kernels and launchers (csrc/cuda/cache_ops.cu) and the paged-attention kernels
+(csrc/cuda/attention*.cu / .cuh: SIMT, tensor-core decode and prefill, split merge), compiled for
+the CPU with the emulator of tests/cuda_emu/cuda_emu.h, against the same checks as the CPU and
+CUDA tests (attention: the float64 reference, outputs poisoned before every launch).
 
 Opt-in (KVKERNELS_CUDA_EMU=1): building takes a minute or two. It needs the CUDA headers (nvcc's
 include directory), not a GPU, and is how the kernels' logic was checked on a machine without one.
 What it cannot show: anything about real hardware (speed, alignment faults, races between CTAs,
-launch limits) and the CUDA binding (cache_ops_binding.cpp), which tests/test_cuda_ops.py and the
-device parameters of the other tests cover on a GPU.
+launch limits, the rounding order of real tensor cores) and the CUDA bindings (cache_ops_binding.cpp,
+attention_binding.cpp), which tests/test_cuda_ops.py, tests/test_cuda_attention.py and the device
+parameters of the other tests cover on a GPU. The MLA kernels are not built here.
 """
 
 import os
@@ -14,8 +17,12 @@ import sys
 import pytest
 import torch
 
+import math
+
 import kvkernels  # noqa: F401
 import test_cache_ops as cache_tests
+from helpers import make_paged_kv, make_query, query_start_loc
+from test_attention import make_case
 from helpers import generator, randn, upcast, assert_close, assert_bytes_equal
 from kvkernels import ops, reference
 
@@ -195,3 +202,196 @@ def test_merge_attention_states(emu, dtype):
     out6, _ = emu.merge_attention_states(out_a[..., :6], lse_a, out_b[..., :6], lse_b)
     assert_close(out6, reference.merge_attention_states(upcast(out_a[..., :6]), lse_a, upcast(out_b[..., :6]),
                                                         lse_b)[0], dtype, msg="head_dim 6")
+
+
+# ---------------------------------------------------------------------------------------------------
+# paged attention
+# ---------------------------------------------------------------------------------------------------
+
+SIMT, MMA_DECODE, MMA_PREFILL = 0, 1, 2
+
+
+def plan_of(emu, kv, query, qsl):
+    path, dpad, splits, hpc, q_tile, gx, gy = emu.attention_plan(query, kv.key_cache, kv.value_cache,
+                                                                  kv.block_tables, kv.seq_lens, qsl,
+                                                                  kv.scales.get("k_scale"), kv.scales.get("v_scale"))
+    return dict(path=path, dpad=dpad, splits=splits, heads_per_cta=hpc, q_tile=q_tile, grid=(gx, gy))
+
+
+def run_emu_attention(emu, kv, query, qsl=None, *, path=None, splits=None, **kwargs):
+    """Emulated CUDA kernels vs the float64 reference (test_attention.run_paged_attention's checks);
+    `path` / `splits`: the plan the case is meant to exercise, asserted so it cannot drift."""
+    plan = plan_of(emu, kv, query, qsl)
+    if path is not None:
+        assert plan["path"] == path, plan
+    if splits is not None:
+        assert splits(plan["splits"]), plan
+    args = dict(scale=None, window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, **kv.scales)
+    args.update(kwargs)
+    out, lse = emu.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl,
+                                   args["scale"], args["window_left"], args["soft_cap"], args["alibi_slopes"],
+                                   args["sinks"], args.get("k_scale"), args.get("v_scale"))
+    kr, vr = kv.ref_caches()
+    ref_out, ref_lse = reference.paged_attention(upcast(query), kr, vr, kv.block_tables, kv.seq_lens, qsl,
+                                                 **kwargs, **kv.scales)
+    t, hq, d = query.shape
+    assert out.dtype == query.dtype and out.shape == (t, hq, d) and out.is_contiguous()
+    assert lse.dtype == torch.float32 and lse.shape == (t, hq)
+    assert_close(out, ref_out, query.dtype, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
+    # assert_close skips the reference's non-finite entries: those must match exactly.
+    bad = ~torch.isfinite(ref_lse)
+    assert torch.equal(lse[bad], ref_lse[bad].float()), "lse where the reference is not finite"
+    assert not out[torch.isfinite(ref_out)].isnan().any()
+    return out, lse, plan
+
+
+# id: dtype, fp8, per-head scale, layout, Hq, Hkv, D, B, strided query, expected (decode, varlen) paths
+ATTN_CONFIGS = {
+    "f32-NHD-mha-d64-b16": (f32, None, False, "NHD", 4, 4, 64, 16, None, (SIMT, SIMT)),
+    "f32-HND-gqa4-d128-b5": (f32, None, False, "HND", 8, 2, 128, 5, "transposed", (SIMT, SIMT)),
+    "f32-NHD-mqa-d40-b1": (f32, None, False, "NHD", 8, 1, 40, 1, None, (SIMT, SIMT)),
+    "f16-NHD-gqa4-d128-b16": (f16, None, False, "NHD", 8, 2, 128, 16, None, (MMA_DECODE, MMA_PREFILL)),
+    "f16-HND-gqa8-d64-b5": (f16, None, False, "HND", 16, 2, 64, 5, "fused", (MMA_DECODE, MMA_PREFILL)),
+    "f16-NHD-mqa-d72-b16": (f16, None, False, "NHD", 8, 1, 72, 16, None, (MMA_DECODE, MMA_PREFILL)),
+    "f16-NHD-gqa32-d64-b16": (f16, None, False, "NHD", 32, 1, 64, 16, None, (MMA_PREFILL, MMA_PREFILL)),
+    "bf16-stacked-mha-d64-b1": (bf16, None, False, "stacked", 4, 4, 64, 1, None, (MMA_DECODE, MMA_PREFILL)),
+    "bf16-NHD-gqa8-d128-b16": (bf16, None, False, "NHD", 16, 2, 128, 16, "transposed", (MMA_DECODE, MMA_PREFILL)),
+    "bf16-NHD-gqa4-d256-b16": (bf16, None, False, "NHD", 8, 2, 256, 16, None, (MMA_DECODE, MMA_PREFILL)),
+    "bf16-HND-mqa-d200-b5": (bf16, None, False, "HND", 4, 1, 200, 5, None, (MMA_DECODE, MMA_PREFILL)),
+    "e4m3-tensor-bf16-NHD-gqa4-d64-b16": (bf16, "e4m3", False, "NHD", 8, 2, 64, 16, None, (MMA_DECODE, MMA_PREFILL)),
+    "e5m2-head-f16-HND-mha-d128-b3": (f16, "e5m2", True, "HND", 4, 4, 128, 3, "fused", (MMA_DECODE, MMA_PREFILL)),
+    "e4m3-head-f16-NHD-gqa8-d256-b16": (f16, "e4m3", True, "NHD", 8, 1, 256, 16, None, (MMA_DECODE, MMA_PREFILL)),
+    "e4m3-head-bf16-NHD-gqa4-d72-b16": (bf16, "e4m3", True, "NHD", 8, 2, 72, 16, None, (MMA_DECODE, MMA_PREFILL)),
+    "e4m3-head-f32-stacked-mqa-d64-b16": (f32, "e4m3", True, "stacked", 8, 1, 64, 16, None, (SIMT, SIMT)),
+    "e5m2-tensor-f32-NHD-gqa4-d128-b1": (f32, "e5m2", False, "NHD", 8, 2, 128, 1, None, (SIMT, SIMT)),
+}
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("config", ATTN_CONFIGS.values(), ids=ATTN_CONFIGS.keys())
+def test_paged_attention(emu, config, mode):
+    dtype, fp8, per_head, layout, hq, hkv, d, b, strided, paths = config
+    # Partial and exactly-full last blocks, a one-token and an empty sequence; shuffled block ids.
+    seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b]
+    kv, query, qsl = make_case(mode, seq_lens, dtype=dtype, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                               block_size=b, layout=layout, fp8=fp8, per_head=per_head, strided=strided)
+    out, lse, _ = run_emu_attention(emu, kv, query, qsl, path=paths[mode == "varlen"])
+    if mode == "decode":  # the empty sequence's query: out = 0, lse = -inf
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        assert torch.isneginf(lse[1]).all()
+
+
+# id: dtype, fp8, per-head, layout, Hkv, D, B (Hq = 8)
+SIMT_CONFIGS = {
+    "f16-NHD-gqa4-d128-b16": (f16, None, False, "NHD", 2, 128, 16),
+    "bf16-HND-mqa-d64-b5": (bf16, None, False, "HND", 1, 64, 5),
+    "e4m3-bf16-NHD-gqa4-d64-b16": (bf16, "e4m3", True, "NHD", 2, 64, 16),
+    "e5m2-f16-NHD-gqa8-d256-b16": (f16, "e5m2", False, "NHD", 1, 256, 16),
+}
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("config", SIMT_CONFIGS.values(), ids=SIMT_CONFIGS.keys())
+def test_paged_attention_simt_16bit(emu, config, mode, monkeypatch):
+    """KVKERNELS_CUDA_ATTN_PATH=simt (read per call by the planner): the SIMT kernel for fp16 / bf16."""
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", "simt")
+    dtype, fp8, per_head, layout, hkv, d, b = config
+    seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b]
+    kv, query, qsl = make_case(mode, seq_lens, dtype=dtype, num_heads=8, num_kv_heads=hkv, head_dim=d,
+                               block_size=b, layout=layout, fp8=fp8, per_head=per_head)
+    run_emu_attention(emu, kv, query, qsl, path=SIMT)
+
+
+def attention_features(b, d):
+    """test_attention.features: window widths at block boundaries, soft cap, ALiBi, sinks, all."""
+    hq = 8
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / hq) for h in range(hq)], dtype=f32)
+    sinks = randn(hq, gen=generator(7), std=2.0)
+    return {
+        "window0": dict(window_left=0),
+        "window=B-1": dict(window_left=b - 1),
+        "window=2B+1": dict(window_left=2 * b + 1),
+        "softcap": dict(soft_cap=1.5, scale=2.0 / math.sqrt(d)),
+        "alibi": dict(alibi_slopes=slopes),
+        "sinks": dict(sinks=sinks),
+        "all": dict(window_left=b, soft_cap=2.0, scale=1.5 / math.sqrt(d), alibi_slopes=slopes, sinks=sinks),
+    }
+
+
+# id: dtype, fp8, per-head, layout, Hkv, D, B (Hq = 8)
+FEATURE_CONFIGS = {
+    "f32-NHD-b16": (f32, None, False, "NHD", 2, 64, 16),
+    "bf16-HND-b3": (bf16, None, False, "HND", 1, 64, 3),
+    "f16-NHD-d128-b16": (f16, None, False, "NHD", 2, 128, 16),
+    "e4m3-f16-stacked-b16": (f16, "e4m3", True, "stacked", 2, 64, 16),
+}
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("feature", list(attention_features(16, 64)))
+@pytest.mark.parametrize("config", FEATURE_CONFIGS.values(), ids=FEATURE_CONFIGS.keys())
+def test_paged_attention_features(emu, config, feature, mode):
+    dtype, fp8, per_head, layout, hkv, d, b = config
+    seq_lens = [2 * b, 2 * b + 1, 3 * b - 1, 1, 0, b, 40, 100]
+    kv, query, qsl = make_case(mode, seq_lens, dtype=dtype, num_heads=8, num_kv_heads=hkv, head_dim=d,
+                               block_size=b, layout=layout, fp8=fp8, per_head=per_head, seed=3)
+    kwargs = attention_features(b, d)[feature]
+    out, lse, _ = run_emu_attention(emu, kv, query, qsl, **kwargs)
+    if mode == "decode":  # sequence 4 is empty: out = 0, lse = -inf, or the sink logit
+        assert torch.equal(out[4], torch.zeros_like(out[4]))
+        sinks = kwargs.get("sinks")
+        expected = sinks if sinks is not None else torch.full((8,), float("-inf"))
+        assert_close(lse[4], expected, f32, msg="lse of the empty sequence")
+
+
+# id: dtype, fp8, layout, B, Hkv, D
+LONG_CONFIGS = {
+    "f32-NHD-b16": (f32, None, "NHD", 16, 1, 64),
+    "f16-NHD-b16-d128": (f16, None, "NHD", 16, 1, 128),
+    "bf16-e4m3-HND-b64": (bf16, "e4m3", "HND", 64, 1, 64),
+    "bf16-HND-b7-gqa4": (bf16, None, "HND", 7, 2, 64),
+}
+
+
+@pytest.mark.parametrize("opts", [{}, dict(window_left=700, sinks=torch.linspace(-1, 1, 8), soft_cap=3.0)],
+                         ids=["plain", "window-sinks-cap"])
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("config", LONG_CONFIGS.values(), ids=LONG_CONFIGS.keys())
+def test_long_context_splits(emu, config, mode, opts):
+    """Few work items and long contexts: the planner (4 emulated SMs) splits the keys and the merge
+    kernel combines the partials."""
+    dtype, fp8, layout, b, hkv, d = config
+    seq_lens = [2100, 1]
+    kv, query, qsl = make_case("decode", seq_lens, dtype=dtype, num_heads=8, num_kv_heads=hkv, head_dim=d,
+                               block_size=b, layout=layout, fp8=fp8, per_head=True, seed=41)
+    if mode == "varlen":  # chunked prefill: a 6-token chunk at the end of the long context (few tiles)
+        q_lens = [6, 1]
+        qsl = query_start_loc(q_lens)
+        query = make_query(sum(q_lens), 8, d, dtype, generator(42))
+    run_emu_attention(emu, kv, query, qsl, splits=lambda n: n > 1, **opts)
+
+
+@pytest.mark.parametrize("splits", [3, 128])
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_forced_splits(emu, dtype, splits, monkeypatch):
+    """KVKERNELS_CUDA_ATTN_SPLITS: more splits than some sequences have key tiles (empty splits)."""
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_SPLITS", str(splits))
+    for mode in ("decode", "varlen"):
+        kv, query, qsl = make_case(mode, [300, 0, 1, 77, 16], dtype=dtype, num_heads=4, num_kv_heads=2,
+                                   head_dim=64, block_size=16, seed=5)
+        run_emu_attention(emu, kv, query, qsl, splits=lambda n: n > 1, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))
+
+
+@pytest.mark.parametrize("opts", [{}, dict(window_left=37)], ids=["causal", "window"])
+@pytest.mark.parametrize("dtype,hq,hkv,b", [(f32, 2, 2, 16), (f16, 2, 2, 16), (bf16, 8, 2, 5)],
+                         ids=["f32-mha-b16", "f16-mha-b16", "bf16-gqa4-b5"])
+def test_full_prefill_many_tiles(emu, dtype, hq, hkv, b, opts):
+    """Full prefill of sequences longer than a query tile: several tiles per sequence, key tiles past
+    the causal diagonal (or before the window) skipped, the last tile of a sequence partial."""
+    seq_lens = [150, 3, 70]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=64, block_size=b, dtype=dtype, seed=9)
+    query = make_query(sum(seq_lens), hq, 64, dtype, generator(10))
+    qsl = query_start_loc(seq_lens)
+    _, _, plan = run_emu_attention(emu, kv, query, qsl, **opts)
+    assert plan["grid"][0] > len(seq_lens), plan

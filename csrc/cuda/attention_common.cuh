@@ -197,7 +197,11 @@ __host__ __device__ constexpr float fp8_unit() {
 // ---- PTX wrappers ------------------------------------------------------------------------------
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
+#if defined(KVKERNELS_CUDA_EMU)
+  return ::emu::smem_u32(p);
+#else
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+#endif
 }
 
 // 16-byte global -> shared copy; bytes past src_bytes (0..16) are zero-filled and not read.
@@ -206,6 +210,8 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)),
                "l"(gmem), "r"(src_bytes)
                : "memory");
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::cp_async16(smem, gmem, src_bytes);
 #else
   (void)smem, (void)gmem, (void)src_bytes;
 #endif
@@ -214,6 +220,8 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::: "memory");
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::cp_async_commit();
 #endif
 }
 
@@ -221,6 +229,8 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::cp_async_wait(N);
 #endif
 }
 
@@ -229,6 +239,8 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t* r) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::ldmatrix_x4(addr, r, false);
 #else
   (void)addr, r[0] = r[1] = r[2] = r[3] = 0;
 #endif
@@ -239,6 +251,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t* r) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::ldmatrix_x4(addr, r, true);
 #else
   (void)addr, r[0] = r[1] = r[2] = r[3] = 0;
 #endif
@@ -261,6 +275,8 @@ __device__ __forceinline__ void mma_16816(float* d, const uint32_t* a, uint32_t 
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::mma_16816(d, a, b0, b1, std::is_same_v<T, __half>);
 #else
   (void)d, (void)a, (void)b0, (void)b1;
 #endif

@@ -1,13 +1,29 @@
-// A CPU stand-in for the CUDA execution model, enough to run the torch-free cache-op kernels of
-// csrc/cuda/*.cuh with the host compiler (tests/test_cuda_emulated.py). It checks kernel *logic*
-// (indexing, conversions, guards, vector-width choices) without a GPU; it says nothing about
-// timing, memory ordering between CTAs, or hardware alignment faults.
+// A CPU stand-in for the CUDA execution model, enough to run the torch-free cache-op kernels and the
+// paged-attention kernels (SIMT, tensor-core decode / prefill, split merge) of csrc/cuda with the
+// host compiler (tests/test_cuda_emulated.py). It checks kernel *logic* (indexing, conversions,
+// guards, vector-width choices, fragment layouts, pipeline ordering within a thread) without a GPU;
+// it says nothing about timing, memory ordering between CTAs, the rounding order of real tensor
+// cores, or hardware faults beyond the alignment checks of cp.async / ldmatrix below. Not emulated:
+// the MLA kernels' extra intrinsics, TMA / wgmma / mbarrier, atomics, warp-divergent collectives.
 //
 // Each CTA runs as blockDim.x cooperative fibers (ucontext) on the calling thread; __syncthreads()
 // switches to the next fiber, and a barrier completes when every live fiber of the CTA reached it.
-// __shfl_up_sync goes through an exchange array between two warp-level barriers (every live fiber
-// of the warp; the kernels only shuffle with full warps). CTAs run one after another. Launch syntax is rewritten by the
-// test (kernel<<<g, b, s, st>>>(args) -> emu::launch(kernel, g, b, s, st, args)).
+// Warp collectives (__shfl_up_sync, __shfl_xor_sync, __syncwarp, ldmatrix, mma.sync) go through an
+// exchange array between two warp-level barriers (every live fiber of the warp; the kernels only
+// use them with full warps). CTAs run one after another, blockIdx.x fastest. Launch syntax is
+// rewritten by the test (kernel<<<g, b, s, st>>>(args) -> emu::launch(kernel, g, b, s, st, args)).
+//
+// Shared memory: static `__shared__` arrays become function-local statics (every fiber of a CTA
+// sees the same object; CTAs run one after another, so one object serves them all, uninitialized
+// as on a GPU). The dynamic `extern __shared__ T name[];` cannot be spelled that way: build_emu.py
+// rewrites it to a pointer to ::emu::dynamic_smem(), a per-CTA buffer of the launch's byte count,
+// refilled with a poison byte (0xff: NaN as float, fp16 and bf16) before every CTA.
+//
+// The attention kernels' PTX wrappers (csrc/cuda/attention_common.cuh, KVKERNELS_CUDA_EMU branch)
+// call the functions below: cp.async as per-thread deferred copies (a group lands only when its
+// thread waits for it, so reading a stage before its wait reads poison), ldmatrix and mma.sync as
+// warp collectives (operands exchanged between two warp barriers, PTX ISA fragment layouts), and
+// shared addresses as byte offsets into the dynamic buffer.
 //
 // Must be included before the CUDA headers: the __global__/__device__/... keywords become empty.
 #pragma once
@@ -18,6 +34,9 @@
 #define __grid_constant__
 #define __launch_bounds__(...)
 #define __shared__ static
+#ifndef KVKERNELS_CUDA_EMU
+#define KVKERNELS_CUDA_EMU 1
+#endif
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -25,8 +44,13 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <climits>
+#include <cmath>
+#include <math.h>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <stdexcept>
 #include <tuple>
 #include <vector>
@@ -48,8 +72,12 @@ struct Scheduler {
   ucontext_t main;
   void (*entry)(int) = nullptr;  // the launched kernel with its arguments bound
   int current = -1;
-  std::vector<int64_t> exchange;  // __shfl_up_sync
+  std::vector<uint64_t> exchange;  // warp collectives: kSlots 64-bit slots per thread
+  std::vector<unsigned char> smem_storage;  // dynamic shared memory of the current CTA
+  unsigned char* smem = nullptr;            // 128-byte aligned start inside smem_storage
+  size_t smem_bytes = 0;
 };
+constexpr int kSlots = 8;
 inline Scheduler sched;
 
 // Suspends the current fiber at a barrier of the given kind (kAtBlockBarrier: __syncthreads;
@@ -105,9 +133,38 @@ inline bool release(int n) {
   return released;
 }
 
+// cp.async: the copies a thread issued, by commit group, performed when the thread waits for them.
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  int src_bytes;
+};
+struct AsyncState {
+  std::vector<AsyncCopy> open;                   // issued since the last commit
+  std::deque<std::vector<AsyncCopy>> committed;  // oldest first
+};
+inline std::vector<AsyncState> async_state;
+
+inline unsigned char* dynamic_smem() { return sched.smem; }
+
+// Prepares the per-CTA state: dynamic shared memory poisoned, no pending copies.
+inline void begin_cta(int n) {
+  std::fill(sched.smem_storage.begin(), sched.smem_storage.end(), static_cast<unsigned char>(0xff));
+  async_state.assign(n, AsyncState{});
+}
+
 template <typename K, typename... Args>
-void launch(K kernel, dim3 grid, dim3 block, size_t /*smem*/, cudaStream_t /*stream*/, Args... args) {
-  if (block.y != 1 || block.z != 1 || grid.z != 1) throw std::logic_error("emu: 1-D blocks, 2-D grids only");
+void launch(K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*stream*/, Args... args) {
+  if (block.y != 1 || block.z != 1) throw std::logic_error("emu: 1-D blocks only");
+  if (block.x == 0 || block.x > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 ||
+      grid.z > 65535)
+    throw std::logic_error("emu: invalid launch configuration");
+  sched.smem_storage.assign(smem + 128, 0);
+  {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(sched.smem_storage.data());
+    sched.smem = sched.smem_storage.data() + ((128 - at % 128) % 128);
+    sched.smem_bytes = smem;
+  }
   const int n = static_cast<int>(block.x);
   gridDim_ = grid;
   blockDim_ = block;
@@ -119,13 +176,15 @@ void launch(K kernel, dim3 grid, dim3 block, size_t /*smem*/, cudaStream_t /*str
   sched.fibers.resize(n);
   sched.stacks.resize(n);
   sched.state.assign(n, kReady);
-  sched.exchange.assign(n, 0);
+  sched.exchange.assign(size_t(n) * kSlots, 0);
+  for (unsigned bz = 0; bz < grid.z; ++bz) {
   for (unsigned by = 0; by < grid.y; ++by) {
     for (unsigned bx = 0; bx < grid.x; ++bx) {
-      blockIdx_ = make_uint3(bx, by, 0);
+      blockIdx_ = make_uint3(bx, by, bz);
+      begin_cta(n);
       for (int t = 0; t < n; ++t) {
         sched.state[t] = kReady;
-        sched.stacks[t].resize(64 * 1024);
+        sched.stacks[t].resize(256 * 1024);
         getcontext(&sched.fibers[t]);
         sched.fibers[t].uc_stack.ss_sp = sched.stacks[t].data();
         sched.fibers[t].uc_stack.ss_size = sched.stacks[t].size();
@@ -152,6 +211,7 @@ void launch(K kernel, dim3 grid, dim3 block, size_t /*smem*/, cudaStream_t /*str
       }
     }
   }
+  }
 }
 
 }  // namespace emu
@@ -163,16 +223,199 @@ void launch(K kernel, dim3 grid, dim3 block, size_t /*smem*/, cudaStream_t /*str
 
 inline void __syncthreads() { emu::wait_at(emu::kAtBlockBarrier); }
 
+namespace emu {
+
+// Slot i of thread t in the exchange array.
+inline uint64_t& slot(int t, int i) { return sched.exchange[size_t(t) * kSlots + i]; }
+
 template <typename T>
-T __shfl_up_sync(unsigned /*mask*/, T x, unsigned d) {
-  const int me = static_cast<int>(threadIdx.x);
-  emu::sched.exchange[me] = static_cast<int64_t>(x);
-  emu::wait_at(emu::kAtWarpBarrier);
-  const int lane = me % 32;
-  const T out = lane >= static_cast<int>(d) ? static_cast<T>(emu::sched.exchange[me - d]) : x;
-  emu::wait_at(emu::kAtWarpBarrier);
+void put(int t, int i, const T& x) {
+  static_assert(sizeof(T) <= sizeof(uint64_t), "emu: exchanged values are at most 64 bits");
+  uint64_t u = 0;
+  std::memcpy(&u, &x, sizeof(T));
+  slot(t, i) = u;
+}
+
+template <typename T>
+T get(int t, int i) {
+  T x;
+  std::memcpy(&x, &slot(t, i), sizeof(T));
+  return x;
+}
+
+// Full-warp shuffle: every thread publishes x, then reads the value of lane src_lane(lane).
+template <typename T, typename F>
+T shuffle(T x, F src_lane) {
+  const int me = static_cast<int>(threadIdx_.x);
+  put(me, 0, x);
+  wait_at(kAtWarpBarrier);
+  const int lane = me % 32, src = src_lane(lane);
+  const int t = me - lane + src;
+  if (src < 0 || src >= 32 || t >= static_cast<int>(blockDim_.x) || sched.state[t] == kDone)
+    throw std::logic_error("emu: shuffle from a lane that is not in the warp");
+  const T out = get<T>(t, 0);
+  wait_at(kAtWarpBarrier);
   return out;
 }
+
+}  // namespace emu
+
+template <typename T>
+T __shfl_up_sync(unsigned /*mask*/, T x, unsigned d) {
+  return emu::shuffle(x, [d](int lane) { return lane >= static_cast<int>(d) ? lane - static_cast<int>(d) : lane; });
+}
+
+// width 32 only (the kernels' use); lanes past the warp's end are an error above.
+template <typename T>
+T __shfl_xor_sync(unsigned /*mask*/, T x, int lane_mask, int width = 32) {
+  if (width != 32) throw std::logic_error("emu: __shfl_xor_sync with width != 32");
+  return emu::shuffle(x, [lane_mask](int lane) { return lane ^ (lane_mask & 31); });
+}
+
+inline void __syncwarp(unsigned /*mask*/ = 0xffffffffu) { emu::wait_at(emu::kAtWarpBarrier); }
+
+// Integer / bit intrinsics of the device math library the kernels use.
+inline float __uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+// PRMT default mode: byte i of the result is byte (s >> 4 i) & 7 of the 8-byte value {y, x}.
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const uint64_t v = (uint64_t(y) << 32) | x;
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= unsigned((v >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+  return r;
+}
+// Per 16-bit half: 0xffff where equal, else 0.
+inline unsigned __vcmpeq2(unsigned a, unsigned b) {
+  unsigned r = 0;
+  if ((a & 0xffffu) == (b & 0xffffu)) r |= 0xffffu;
+  if ((a >> 16) == (b >> 16)) r |= 0xffff0000u;
+  return r;
+}
+
+namespace emu {
+
+// ---- shared addresses -------------------------------------------------------------------------
+// A shared-window address is the byte offset into the CTA's dynamic shared memory.
+inline uint32_t smem_u32(const void* p) {
+  const unsigned char* c = static_cast<const unsigned char*>(p);
+  if (c < sched.smem || c > sched.smem + sched.smem_bytes)
+    throw std::logic_error("emu: shared address of a pointer outside the dynamic shared memory");
+  return static_cast<uint32_t>(c - sched.smem);
+}
+
+inline unsigned char* shared_at(uint32_t addr, size_t bytes) {
+  if (size_t(addr) + bytes > sched.smem_bytes)
+    throw std::logic_error("emu: shared access past the dynamic shared memory");
+  return sched.smem + addr;
+}
+
+// ---- cp.async ---------------------------------------------------------------------------------
+// cp.async.cg.shared.global [smem], [gmem], 16, src_bytes: recorded, performed at the wait.
+inline void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  if (src_bytes < 0 || src_bytes > 16) throw std::logic_error("emu: cp.async src-size outside 0..16");
+  const uint32_t at = smem_u32(smem);
+  shared_at(at, 16);
+  if (at % 16 != 0 || (src_bytes > 0 && reinterpret_cast<uintptr_t>(gmem) % 16 != 0))
+    throw std::logic_error("emu: cp.async of 16 bytes needs 16-byte aligned addresses");
+  async_state[threadIdx_.x].open.push_back(AsyncCopy{smem, gmem, src_bytes});
+}
+
+inline void cp_async_commit() {
+  AsyncState& st = async_state[threadIdx_.x];
+  st.committed.push_back(std::move(st.open));  // an empty group is a group too
+  st.open.clear();
+}
+
+// cp.async.wait_group n: every committed group of this thread except the n most recent lands.
+inline void cp_async_wait(int n) {
+  AsyncState& st = async_state[threadIdx_.x];
+  while (st.committed.size() > static_cast<size_t>(n)) {
+    for (const AsyncCopy& c : st.committed.front()) {
+      unsigned char* dst = static_cast<unsigned char*>(c.dst);
+      if (c.src_bytes > 0) std::memcpy(dst, c.src, c.src_bytes);
+      std::memset(dst + c.src_bytes, 0, 16 - c.src_bytes);
+    }
+    st.committed.pop_front();
+  }
+}
+
+// ---- ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 -----------------------------------------
+// Lane 8 j + i gives the address of row i of matrix j (16 bytes). Register j of lane l: without
+// .trans the elements (l / 4, 2 (l % 4)) and (l / 4, 2 (l % 4) + 1) of matrix j, with .trans the
+// elements (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4); the lower-indexed one in the low half.
+inline void ldmatrix_x4(uint32_t addr, uint32_t* r, bool trans) {
+  const int me = static_cast<int>(threadIdx_.x);
+  put(me, 0, addr);
+  wait_at(kAtWarpBarrier);
+  const int lane = me % 32, w0 = me - lane;
+  auto row = [&](int j, int i) -> const unsigned char* {
+    const uint32_t a = get<uint32_t>(w0 + 8 * j + i, 0);
+    if (a % 16 != 0) throw std::logic_error("emu: ldmatrix row address not 16-byte aligned");
+    return shared_at(a, 16);
+  };
+  uint32_t out[4];
+  for (int j = 0; j < 4; ++j) {
+    if (!trans) {
+      std::memcpy(&out[j], row(j, lane / 4) + 4 * (lane % 4), 4);
+    } else {
+      uint16_t lo, hi;
+      std::memcpy(&lo, row(j, 2 * (lane % 4)) + 2 * (lane / 4), 2);
+      std::memcpy(&hi, row(j, 2 * (lane % 4) + 1) + 2 * (lane / 4), 2);
+      out[j] = uint32_t(lo) | (uint32_t(hi) << 16);
+    }
+  }
+  wait_at(kAtWarpBarrier);
+  for (int j = 0; j < 4; ++j) r[j] = out[j];
+}
+
+// ---- mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 --------------------------
+// g = lane / 4, t = lane % 4. A (16 x 16): a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1],
+// a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9]. B (16 x 8, k x n): b0 = B[2t, 2t+1][g],
+// b1 = B[2t+8, 2t+9][g]. C / D: d0 = C[g][2t], d1 = C[g][2t+1], d2 = C[g+8][2t], d3 = C[g+8][2t+1].
+inline float half_bits_to_float(uint16_t h, bool f16) {
+  if (f16) {
+    __half_raw raw;
+    raw.x = h;
+    return __half2float(__half(raw));
+  }
+  return __uint_as_float(uint32_t(h) << 16);
+}
+
+inline void mma_16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1, bool f16) {
+  const int me = static_cast<int>(threadIdx_.x);
+  for (int i = 0; i < 4; ++i) put(me, i, a[i]);
+  put(me, 4, b0);
+  put(me, 5, b1);
+  wait_at(kAtWarpBarrier);
+  const int lane = me % 32, w0 = me - lane, g = lane >> 2, t = lane & 3;
+  auto element = [&](int owner_lane, int reg, int k) {
+    const uint32_t v = get<uint32_t>(w0 + owner_lane, reg);
+    return half_bits_to_float(static_cast<uint16_t>((k & 1) ? v >> 16 : v & 0xffffu), f16);
+  };
+  // A[m][k]: lane (m % 8) * 4 + (k % 8) / 2, register (m >= 8) + 2 (k >= 8).
+  auto A = [&](int m, int k) { return element((m & 7) * 4 + ((k & 7) >> 1), (m >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0), k); };
+  // B[k][n]: lane n * 4 + (k % 8) / 2, register 4 + (k >= 8).
+  auto B = [&](int k, int n) { return element(n * 4 + ((k & 7) >> 1), k >= 8 ? 5 : 4, k); };
+  float out[4];
+  for (int e = 0; e < 4; ++e) {
+    const int m = g + (e >= 2 ? 8 : 0), n = 2 * t + (e & 1);
+    float acc = 0.0f;
+    for (int k = 0; k < 16; ++k) acc += A(m, k) * B(k, n);  // products exact in float
+    out[e] = d[e] + acc;
+  }
+  wait_at(kAtWarpBarrier);
+  for (int e = 0; e < 4; ++e) d[e] = out[e];
+}
+
+}  // namespace emu
 
 inline float __fmul_rn(float a, float b) { return a * b; }  // built with -ffp-contract=off
 inline float __fadd_rn(float a, float b) { return a + b; }
@@ -195,10 +438,33 @@ inline cudaError_t get_device(int* d) {
   *d = 0;
   return cudaSuccess;
 }
-inline cudaError_t device_get_attribute(int* v, cudaDeviceAttr, int) {
-  *v = 2147483647;  // cudaDevAttrMaxPitch on current GPUs
+// A small sm_90 part: few SMs so that the attention planner splits the keys of few work items
+// (KVKERNELS_EMU_SM_COUNT overrides; attention.cu caches the value per process).
+inline cudaError_t device_get_attribute(int* v, cudaDeviceAttr attr, int) {
+  switch (attr) {
+    case cudaDevAttrMultiProcessorCount: {
+      const char* e = std::getenv("KVKERNELS_EMU_SM_COUNT");
+      *v = e && *e ? std::atoi(e) : 4;
+      break;
+    }
+    case cudaDevAttrComputeCapabilityMajor: *v = 9; break;
+    case cudaDevAttrComputeCapabilityMinor: *v = 0; break;
+    case cudaDevAttrMaxPitch: *v = INT_MAX; break;
+    default: return cudaErrorInvalidValue;
+  }
   return cudaSuccess;
 }
+// Opt-in dynamic shared memory: sm_90 allows 227 KiB per block.
+template <typename K>
+cudaError_t func_set_attribute(K, cudaFuncAttribute attr, int value) {
+  if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize && (value < 0 || value > 227 * 1024))
+    return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+inline const char* get_error_string(cudaError_t e) {
+  return e == cudaSuccess ? "no error" : e == cudaErrorInvalidValue ? "invalid argument" : "emulated CUDA error";
+}
+inline cudaError_t peek_at_last_error() { return cudaSuccess; }
 }  // namespace emu
 
 #define cudaGetLastError ::emu::get_last_error
@@ -206,3 +472,6 @@ inline cudaError_t device_get_attribute(int* v, cudaDeviceAttr, int) {
 #define cudaMemcpy2DAsync ::emu::memcpy_2d_async
 #define cudaGetDevice ::emu::get_device
 #define cudaDeviceGetAttribute ::emu::device_get_attribute
+#define cudaFuncSetAttribute ::emu::func_set_attribute
+#define cudaGetErrorString ::emu::get_error_string
+#define cudaPeekAtLastError ::emu::peek_at_last_error

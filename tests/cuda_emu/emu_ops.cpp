@@ -10,6 +10,7 @@
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 
+#include "attention_api.cuh"  // csrc/cuda/attention.cu (+ attention_{f32,f16,bf16}.cu), built for the emulator
 #include "index_checks.h"
 #include "prepare.h"
 
@@ -85,6 +86,51 @@ std::tuple<Tensor, Tensor> merge_attention_states(const Tensor& out_a, const Ten
   return {r.out, r.lse};
 }
 
+// csrc/cuda/attention_binding.cpp's path with host tensors: the shared validation and output
+// allocation, the launch plan (device 0 of the emulator: 4 SMs, sm_90) and the launches, with the
+// split workspace poisoned (NaN) so that a partial the merge reads before it is written shows.
+// The outputs are poisoned first (the real binding leaves them uninitialized). The binding's
+// debug-mode host index checks are not run (the index tensors play device memory).
+std::tuple<Tensor, Tensor> paged_attention(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                                           const Tensor& block_tables, const Tensor& seq_lens,
+                                           std::optional<Tensor> query_start_loc, std::optional<double> scale,
+                                           int64_t window_left, double soft_cap, std::optional<Tensor> alibi_slopes,
+                                           std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
+                                           std::optional<Tensor> v_scale) {
+  const ArgCheck c("paged_attention");
+  PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables, seq_lens,
+                                                query_start_loc, scale, window_left, soft_cap, alibi_slopes, sinks,
+                                                k_scale, v_scale);
+  if (r.params.num_tokens == 0 || r.params.kv.num_seqs == 0) return {r.out, r.lse};
+  // Outputs poisoned (NaN in every float format) before the launch: a row the kernels leave
+  // unwritten shows as NaN.
+  std::memset(r.out.mutable_data_ptr(), 0xff, size_t(r.out.numel()) * r.out.element_size());
+  std::memset(r.lse.mutable_data_ptr(), 0xff, size_t(r.lse.numel()) * r.lse.element_size());
+  const attn_cuda::LaunchPlan plan = attn_cuda::plan_paged_attention(r.params, 0);
+  Tensor workspace;
+  float* ws = nullptr;
+  if (plan.workspace_floats > 0) {
+    workspace = torch::stable::new_empty(query, {plan.workspace_floats}, ScalarType::Float);
+    ws = static_cast<float*>(workspace.mutable_data_ptr());
+    std::memset(ws, 0xff, size_t(plan.workspace_floats) * sizeof(float));
+  }
+  attn_cuda::launch_paged_attention(r.params, plan, ws, nullptr);
+  return {r.out, r.lse};
+}
+
+// The plan the launch above would use: (path, dpad, num_splits, heads_per_cta, q_tile, grid_x, grid_y).
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> attention_plan(
+    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_tables,
+    const Tensor& seq_lens, std::optional<Tensor> query_start_loc, std::optional<Tensor> k_scale,
+    std::optional<Tensor> v_scale) {
+  const ArgCheck c("paged_attention");
+  PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables, seq_lens,
+                                                query_start_loc, std::nullopt, -1, 0.0, std::nullopt, std::nullopt,
+                                                k_scale, v_scale);
+  const attn_cuda::LaunchPlan p = attn_cuda::plan_paged_attention(r.params, 0);
+  return {p.path, p.dpad, p.num_splits, p.heads_per_cta, p.q_tile, p.grid_x, p.grid_y};
+}
+
 }  // namespace emu_ops
 
 STABLE_TORCH_LIBRARY(kvkernels_emu, m) {
@@ -98,6 +144,12 @@ STABLE_TORCH_LIBRARY(kvkernels_emu, m) {
   m.def("gather_kv(Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor? k_scale, Tensor? v_scale, int num_tokens, ScalarType? out_dtype=None) -> (Tensor, Tensor)");
   m.def("merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)");
+  m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor? query_start_loc=None, float? scale=None, int window_left=-1, "
+        "float soft_cap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> (Tensor out, Tensor lse)");
+  m.def("attention_plan(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor? query_start_loc=None, Tensor? k_scale=None, Tensor? v_scale=None) -> (int, int, int, int, int, int, int)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(kvkernels_emu, CPU, m) {
@@ -107,4 +159,6 @@ STABLE_TORCH_LIBRARY_IMPL(kvkernels_emu, CPU, m) {
   m.impl("swap_blocks", TORCH_BOX(&emu_ops::swap_blocks));
   m.impl("gather_kv", TORCH_BOX(&emu_ops::gather_kv));
   m.impl("merge_attention_states", TORCH_BOX(&emu_ops::merge_attention_states));
+  m.impl("paged_attention", TORCH_BOX(&emu_ops::paged_attention));
+  m.impl("attention_plan", TORCH_BOX(&emu_ops::attention_plan));
 }
