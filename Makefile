@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine (README):
 #   make demo   - create .venv, install torch 2.13.0 if no torch is present, build, run the demo
 #   make test   - the same set-up, then the test suite
-# Other targets: build, info, bench, cuda-check, metal-check, metal-test, clean.
+# Other targets: build, info, bench, cuda-check, cuda-emu-test, metal-check, metal-test, clean.
 
 PYTHON ?= python3
 VENV := .venv
@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: demo test build info bench cuda-check metal-check metal-test clean
+.PHONY: demo test build info bench cuda-check cuda-emu-test metal-check metal-test clean
 
 # The venv sees system packages, so a machine that already has torch (e.g. a GPU box with its own
 # CUDA build) uses it; otherwise the CPU build of torch is installed.
@@ -43,6 +43,11 @@ bench: build
 # Compile every CUDA source for sm_80 and sm_90a; fail on errors or register spills.
 cuda-check:
 	PYTHON=$$( [ -x $(PY) ] && echo $(PY) || command -v python3 ) scripts/check_cuda.sh
+
+# The CUDA kernels (cache ops, paged attention) built for the CPU emulator of tests/cuda_emu and
+# run against the reference: their logic, on a machine without a GPU. Needs the CUDA headers.
+cuda-emu-test: build
+	KVKERNELS_CUDA_EMU=1 $(PY) -m pytest -q tests/test_cuda_emulated.py
 
 # Type-check every Metal kernel variant as C++ through metal/shim (g++; clang++ too when installed).
 # Needs no torch and no build.

@@ -11,19 +11,17 @@ attention_binding.cpp), which tests/test_cuda_ops.py, tests/test_cuda_attention.
 parameters of the other tests cover on a GPU. The MLA kernels are not built here.
 """
 
+import math
 import os
 import sys
 
 import pytest
 import torch
 
-import math
-
 import kvkernels  # noqa: F401
 import test_cache_ops as cache_tests
-from helpers import make_paged_kv, make_query, query_start_loc
+from helpers import assert_bytes_equal, assert_close, generator, make_paged_kv, make_query, query_start_loc, randn, upcast
 from test_attention import make_case
-from helpers import generator, randn, upcast, assert_close, assert_bytes_equal
 from kvkernels import ops, reference
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "cuda_emu"))
