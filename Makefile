@@ -44,7 +44,7 @@ bench: build
 cuda-check:
 	PYTHON=$$( [ -x $(PY) ] && echo $(PY) || command -v python3 ) scripts/check_cuda.sh
 
-# The CUDA kernels (cache ops, paged attention) built for the CPU emulator of tests/cuda_emu and
+# The CUDA kernels (cache ops, paged attention, MLA) built for the CPU emulator of tests/cuda_emu and
 # run against the reference: their logic, on a machine without a GPU. Needs the CUDA headers.
 cuda-emu-test: build
 	KVKERNELS_CUDA_EMU=1 $(PY) -m pytest -q tests/test_cuda_emulated.py

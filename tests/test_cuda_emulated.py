@@ -8,7 +8,13 @@ include directory), not a GPU, and is how the kernels' logic was checked on a ma
 What it cannot show: anything about real hardware (speed, alignment faults, races between CTAs,
 launch limits, the rounding order of real tensor cores) and the CUDA bindings (cache_ops_binding.cpp,
 attention_binding.cpp), which tests/test_cuda_ops.py, tests/test_cuda_attention.py and the device
-parameters of the other tests cover on a GPU. The MLA kernels are not built here.
+parameters of the other tests cover on a GPU (mla_binding.cpp: tests/test_cuda_mla.py).
+
+The MLA kernels (csrc/cuda/mla_*: mla_paged_attention on every path the planner has, SIMT, tensor cores
+16 / 64 rows, with splits and the merge; mla_decompress with its cp.async and TMA weight pipelines) run
+on the emulator too, through kvkernels_emu.mla_* ops that use the real planners and launchers, against
+the float64 reference with tests/test_cuda_mla.py's tolerances; shapes are smaller than the GPU tests'
+where the emulator would be slow (it runs a 64-row CTA of 576-wide rows in about 0.1 s).
 """
 
 import math
@@ -393,3 +399,391 @@ def test_full_prefill_many_tiles(emu, dtype, hq, hkv, b, opts):
     qsl = query_start_loc(seq_lens)
     _, _, plan = run_emu_attention(emu, kv, query, qsl, **opts)
     assert plan["grid"][0] > len(seq_lens), plan
+
+
+# ---------------------------------------------------------------------------------------------------
+# mla_paged_attention (csrc/cuda/mla_attention*.cu / .cuh, mla_merge.cuh)
+# ---------------------------------------------------------------------------------------------------
+
+MLA_SIMT, MLA_MMA16, MLA_MMA64 = 0, 1, 2
+# (KVKERNELS_CUDA_MLA_PATH, KVKERNELS_CUDA_MLA_SPLITS), as tests/test_cuda_mla.py's PATHS.
+MLA_PATHS = {"auto": (None, None), "simt": ("simt", None), "mma16": ("mma16", None), "mma64": ("mma64", None),
+             "auto-split5": (None, 5), "simt-split5": ("simt", 5), "mma64-split3": ("mma64", 3)}
+
+
+@pytest.fixture(params=list(MLA_PATHS), ids=list(MLA_PATHS))
+def mla_path(request, monkeypatch):
+    kind, splits = MLA_PATHS[request.param]
+    monkeypatch.delenv("KVKERNELS_CUDA_MLA_PATH", raising=False)
+    monkeypatch.delenv("KVKERNELS_CUDA_MLA_SPLITS", raising=False)
+    if kind:
+        monkeypatch.setenv("KVKERNELS_CUDA_MLA_PATH", kind)
+    if splits:
+        monkeypatch.setenv("KVKERNELS_CUDA_MLA_SPLITS", str(splits))
+    return kind, splits
+
+
+def mla_plan_of(emu, mla, q, qsl):
+    names = ("path", "dp", "stages", "smem", "heads_per_cta", "q_tile", "splits", "grid_x", "grid_y")
+    return dict(zip(names, emu.mla_attention_plan(q, mla.kv_cache, mla.block_tables, mla.seq_lens, mla.kv_lora_rank,
+                                                  qsl, mla.scale)))
+
+
+def expected_mla_path(dtype, heads, decode, kind):
+    if kind == "simt" or dtype == f32:
+        return MLA_SIMT
+    if kind == "mma16":
+        return MLA_MMA16
+    if kind == "mma64":
+        return MLA_MMA64
+    return MLA_MMA64 if heads > 16 or not decode else MLA_MMA16
+
+
+def expected_forced_splits(mla, plan, splits):
+    """KVKERNELS_CUDA_MLA_SPLITS=splits, capped by the key tiles a block-table row can describe."""
+    key_tile = 8 if plan["path"] == MLA_SIMT else 32
+    max_tiles = max(1, -(-mla.block_tables.shape[1] * mla.kv_cache.shape[1] // key_tile))
+    return min(splits, 128, max_tiles)
+
+
+def run_emu_mla_attention(emu, mla, q, qsl, scale, *, path=None, splits=None):
+    """The emulated CUDA MLA kernels vs the float64 reference (tests/test_cuda_mla.py's run_attention
+    checks); outputs and split partials are poisoned before the launch. `path` / `splits`: the plan the
+    case is meant to exercise, asserted so it cannot drift."""
+    plan = mla_plan_of(emu, mla, q, qsl)
+    if path is not None:
+        assert plan["path"] == path, plan
+    if splits is not None:
+        assert splits(plan["splits"]), plan
+    t, h, _ = q.shape
+    r = mla.kv_lora_rank
+    out, lse = emu.mla_paged_attention(q, mla.kv_cache, mla.block_tables, mla.seq_lens, r, scale, qsl, mla.scale)
+    assert out.dtype == q.dtype and out.shape == (t, h, r) and out.is_contiguous()
+    assert lse.dtype == f32 and lse.shape == (t, h) and lse.is_contiguous()
+    ref_out, ref_lse = reference.mla_paged_attention(upcast(q), mla.ref_cache(), mla.block_tables, mla.seq_lens,
+                                                     kv_lora_rank=r, scale=scale, query_start_loc=qsl,
+                                                     kv_scale=mla.scale)
+    assert_close(out, ref_out, q.dtype, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
+    bad = ~torch.isfinite(ref_lse)
+    assert torch.equal(lse[bad], ref_lse[bad].float()), "lse where the reference is not finite"
+    assert not out[torch.isfinite(ref_out)].isnan().any()
+    return out, lse, plan
+
+
+def make_mla_case(mode, seq_lens, dtype, fp8, r, p, h, b, strided=None, seed=4, q_lens=None):
+    from helpers import make_paged_mla
+    from test_mla import varlen_q_lens
+    mla = make_paged_mla(seq_lens, r, p, b, dtype=dtype, fp8=fp8, seed=seed)
+    if q_lens is None or mode == "decode":
+        q_lens = [1] * len(seq_lens) if mode == "decode" else varlen_q_lens(seq_lens)
+    qsl = None if mode == "decode" else query_start_loc(q_lens)
+    q = make_query(sum(q_lens), h, r + p, dtype, generator(seed + 1), strided=strided)
+    return mla, q, qsl
+
+
+# id: q dtype, cache fp8, R, P, heads, block size, strided q. Run on every kernel (mla_path); small
+# rows so that the emulator stays fast (tests/test_cuda_mla.py's ATTN_CASES, DeepSeek widths below).
+MLA_ATTN_CASES = {
+    "f16-R64-P16-H4-b16-transposed": (f16, None, 64, 16, 4, 16, "transposed"),
+    "e5m2-f16-R64-P16-H4-b1": (f16, "e5m2", 64, 16, 4, 1, None),
+    "e4m3-bf16-R64-P16-H8-b16": (bf16, "e4m3", 64, 16, 8, 16, None),
+    "e4m3-f32-R64-P16-H4-b3": (f32, "e4m3", 64, 16, 4, 3, None),
+    "bf16-R128-P3-H20-b7": (bf16, None, 128, 3, 20, 7, None),
+    "f32-R64-P0-H2-b128": (f32, None, 64, 0, 2, 128, None),
+    "f16-R72-P8-H5-b256-fused": (f16, None, 72, 8, 5, 256, "fused"),
+}
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("case", MLA_ATTN_CASES.values(), ids=MLA_ATTN_CASES.keys())
+def test_mla_paged_attention(emu, case, mode, mla_path):
+    dtype, fp8, r, p, h, b, strided = case
+    kind, splits = mla_path
+    if kind in ("mma16", "mma64") and dtype == f32:
+        pytest.skip("float32 q has only the SIMT kernel (the planner keeps it there)")
+    # Partial and exactly-full last blocks, an empty and a one-token sequence; shuffled block ids.
+    seq_lens = [b + 1, 0, 2 * b + 5, 1, b]
+    # varlen: test_mla.varlen_q_lens (full / chunked prefill, one query, none), at most 40 queries each.
+    from test_mla import varlen_q_lens
+    q_lens = [min(n, 40) for n in varlen_q_lens(seq_lens)]
+    mla, q, qsl = make_mla_case(mode, seq_lens, dtype, fp8, r, p, h, b, strided, q_lens=q_lens)
+    out, lse, plan = run_emu_mla_attention(
+        emu, mla, q, qsl, (128 + p) ** -0.5, path=expected_mla_path(dtype, h, mode == "decode", kind))
+    if splits:
+        assert plan["splits"] == expected_forced_splits(mla, plan, splits), plan
+    if mode == "decode":  # the empty sequence: out = 0, lse = -inf
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+
+
+# DeepSeek widths (R 512 + rope 64), the planner's own choice; varlen: chunked prefill of a few queries
+# at the end of each sequence (the emulator runs a 64-row CTA of 576-wide rows in ~0.1 s).
+MLA_DEEPSEEK_CASES = {
+    "bf16-H16-b64": (bf16, None, 512, 64, 16, 64, None),
+    "bf16-H128-b64": (bf16, None, 512, 64, 128, 64, None),
+    "f16-H64-b16-transposed": (f16, None, 512, 64, 64, 16, "transposed"),
+    "f32-H8-b16-fused": (f32, None, 512, 64, 8, 16, "fused"),
+    "e4m3-bf16-H16-b64": (bf16, "e4m3", 512, 64, 16, 64, None),
+}
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("case", MLA_DEEPSEEK_CASES.values(), ids=MLA_DEEPSEEK_CASES.keys())
+def test_mla_paged_attention_deepseek(emu, case, mode, monkeypatch):
+    monkeypatch.delenv("KVKERNELS_CUDA_MLA_PATH", raising=False)
+    monkeypatch.delenv("KVKERNELS_CUDA_MLA_SPLITS", raising=False)
+    dtype, fp8, r, p, h, b, strided = case
+    if mode == "varlen" and h > 64:
+        pytest.skip("too slow on the emulator (H 128 decode covers two head chunks of 64 rows)")
+    seq_lens = [b + 1, 0, 2 * b + 5, 1, b]
+    mla, q, qsl = make_mla_case(mode, seq_lens, dtype, fp8, r, p, h, b, strided, q_lens=[3, 0, 5, 1, 2])
+    out, lse, _ = run_emu_mla_attention(emu, mla, q, qsl, 192 ** -0.5,
+                                        path=expected_mla_path(dtype, h, mode == "decode", None))
+    if mode == "decode":
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+
+
+@pytest.mark.parametrize("splits", [None, 1, 128], ids=["planned", "1", "128"])
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("dtype,fp8", [(bf16, None), (f32, None), (bf16, "e4m3")], ids=["bf16", "f32", "e4m3"])
+def test_mla_long_context(emu, dtype, fp8, mode, splits, monkeypatch):
+    """Thousands of keys over few sequences: the planner (4 emulated SMs) splits them; forced counts
+    cover no split and more splits than the short sequences have key tiles (empty splits)."""
+    from helpers import make_paged_mla
+    monkeypatch.delenv("KVKERNELS_CUDA_MLA_PATH", raising=False)
+    monkeypatch.delenv("KVKERNELS_CUDA_MLA_SPLITS", raising=False)
+    if splits:
+        monkeypatch.setenv("KVKERNELS_CUDA_MLA_SPLITS", str(splits))
+    seq_lens = [2100, 1, 700]
+    mla = make_paged_mla(seq_lens, 128, 16, 64, dtype=dtype, fp8=fp8, seed=41)
+    q_lens = [1, 1, 1] if mode == "decode" else [min(n, 6) for n in seq_lens]
+    qsl = None if mode == "decode" else query_start_loc(q_lens)
+    q = make_query(sum(q_lens), 16, 144, dtype, generator(42))
+    _, _, plan = run_emu_mla_attention(emu, mla, q, qsl, 144 ** -0.5)
+    if splits:
+        assert plan["splits"] == expected_forced_splits(mla, plan, splits) and (splits == 1) == (plan["splits"] == 1)
+    elif mode == "decode":  # 3 work items on 4 emulated SMs: the planner splits
+        assert plan["splits"] > 1, plan
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_mla_empty_sequences_and_batch(emu, mode, dtype, mla_path):
+    seq_lens = [0, 5, 0, 33]
+    mla, q, qsl = make_mla_case(mode, seq_lens, dtype, None, 64, 16, 4, 16, seed=5)
+    if mla_path[0] in ("mma16", "mma64") and dtype == f32:
+        pytest.skip("float32 q has only the SIMT kernel")
+    out, lse, _ = run_emu_mla_attention(emu, mla, q, qsl, 0.1)
+    if mode == "decode":
+        for row in (0, 2):
+            assert torch.equal(out[row], torch.zeros(4, 64, dtype=dtype))
+            assert torch.isneginf(lse[row]).all()
+    # An empty batch, and a varlen batch whose sequences have no queries: nothing to launch.
+    table = torch.zeros(0, 3, dtype=torch.int32)
+    lens = torch.zeros(0, dtype=torch.int32)
+    q0 = torch.randn(0, 4, 80).to(dtype)
+    qsl0 = None if mode == "decode" else torch.zeros(1, dtype=torch.int32)
+    out, lse = emu.mla_paged_attention(q0, mla.kv_cache, table, lens, 64, 0.1, qsl0, None)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("dtype,fp8", [(bf16, None), (f16, None), (bf16, "e4m3"), (f16, "e5m2")])
+def test_mla_tensor_core_and_simt_agree(emu, dtype, fp8, mode, monkeypatch):
+    """The tensor-core (16- and 64-row) and CUDA-core kernels on the same inputs agree to the q dtype's
+    tolerance (tests/test_cuda_mla.py's check)."""
+    from helpers import TOLERANCES
+    mla, q, qsl = make_mla_case(mode, [150, 64, 1, 129], dtype, fp8, 128, 16, 32, 64, seed=37,
+                                q_lens=[7, 3, 1, 0])
+    args = (q, mla.kv_cache, mla.block_tables, mla.seq_lens, 128, 0.07, qsl, mla.scale)
+    monkeypatch.setenv("KVKERNELS_CUDA_MLA_PATH", "simt")
+    out_s, lse_s = emu.mla_paged_attention(*args)
+    rtol, atol = TOLERANCES[dtype]
+    for kind in ("mma16", "mma64"):
+        monkeypatch.setenv("KVKERNELS_CUDA_MLA_PATH", kind)
+        out_tc, lse_tc = emu.mla_paged_attention(*args)
+        assert_close(out_tc, out_s.double(), dtype, rtol=2 * rtol, atol=2 * atol, msg=f"{kind} out")
+        assert_close(lse_tc, lse_s.double(), f32, rtol=1e-4, atol=1e-4, msg=f"{kind} lse")
+
+
+def test_mla_splits_are_exact(emu, monkeypatch):
+    """float32 (CUDA cores, float32 math): 1 split vs many splits differ only by float32 rounding."""
+    from helpers import make_paged_mla
+    mla = make_paged_mla([2000, 1000, 17], 512, 64, 64, dtype=f32, seed=43)
+    q = make_query(3, 8, 576, f32, generator(44))
+    results = []
+    for splits in (1, 3, 64):
+        monkeypatch.setenv("KVKERNELS_CUDA_MLA_SPLITS", str(splits))
+        assert mla_plan_of(emu, mla, q, None)["splits"] == splits
+        results.append(emu.mla_paged_attention(q, mla.kv_cache, mla.block_tables, mla.seq_lens, 512, 0.05, None, None))
+    for out, lse in results[1:]:
+        torch.testing.assert_close(out, results[0][0], rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(lse, results[0][1], rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype,fp8", [(bf16, None), (f32, "e4m3")], ids=["bf16", "e4m3-f32"])
+def test_mla_unaligned_cache_rows(emu, dtype, fp8, mla_path):
+    """A latent cache whose rows are not 16-byte aligned (a [..., 2:2+W] slice of wider rows, NaN around
+    it) takes the plain-load fallback instead of cp.async."""
+    if mla_path[0] in ("mma16", "mma64") and dtype == f32:
+        pytest.skip("float32 q has only the SIMT kernel")
+    r, p = 64, 16
+    mla, q, qsl = make_mla_case("decode", [40, 9, 0, 16], dtype, fp8, r, p, 8, 16, seed=29)
+    t = mla.kv_cache
+    wide = torch.empty(*t.shape[:-1], r + p + 6, dtype=t.dtype)
+    view = wide[..., 2:2 + r + p]
+    if fp8:
+        wide.view(torch.uint8).fill_(0x7F)  # NaN
+        view.view(torch.uint8).copy_(t.view(torch.uint8))
+    else:
+        wide.fill_(float("nan"))
+        view.copy_(t)
+    mla.kv_cache = view
+    run_emu_mla_attention(emu, mla, q, qsl, 0.1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# mla_decompress (csrc/cuda/mla_decompress.cu / .cuh): the cp.async weight pipeline
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def no_tma(monkeypatch):
+    """KVKERNELS_CUDA_NO_TMA=1: the launcher takes the cp.async weight pipeline."""
+    monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
+    monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "1")
+
+
+def run_emu_decompress(emu, case, seq_lens, seed=2, w_offset=0):
+    """tests/test_cuda_mla.py's run_decompress on the emulator (outputs poisoned before the launch).
+    w_offset: w_kv_b as a contiguous view that many elements into its storage (not 16-byte aligned)."""
+    from helpers import make_paged_mla
+    from test_mla import random_weight
+    dtype, fp8, r, p, h, dn, dv, norm, b, with_num_tokens = case
+    gen = generator(seed)
+    mla = make_paged_mla(seq_lens, r, p, b, dtype=dtype, fp8=fp8, seed=seed + 1, strided=(b == 3))
+    w = random_weight(h * (dn + dv), r, dtype, gen)
+    if w_offset:
+        storage = torch.full((w.numel() + 8,), float("nan"), dtype=dtype)
+        w_view = storage[w_offset:w_offset + w.numel()].view_as(w)
+        w_view.copy_(w)
+        assert w_view.is_contiguous() and w_view.data_ptr() % 16 != 0
+    else:
+        w_view = w
+    norm_weight = (1 + 0.5 * randn(r, gen=gen)).to(dtype) if norm else None
+    t = sum(seq_lens)
+    key, value = emu.mla_decompress(mla.kv_cache, mla.block_tables, mla.seq_lens, w_view, r, dn, dv, norm_weight,
+                                    1e-5, mla.scale, t if with_num_tokens else None)
+    assert key.dtype == value.dtype == dtype
+    assert key.shape == (t, h, dn + p) and value.shape == (t, h, dv)
+    assert key.is_contiguous() and value.is_contiguous()
+    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, upcast(w),
+                                                  kv_lora_rank=r, qk_nope_head_dim=dn, v_head_dim=dv,
+                                                  norm_weight=upcast(norm_weight), norm_eps=1e-5, scale=mla.scale)
+    assert_close(key, ref_key, dtype, msg="key")
+    assert_close(value, ref_value, dtype, msg="value")
+    if t:
+        k_pe = torch.cat(mla.rows)[:, None, r:].expand(-1, h, -1).to(dtype)
+        assert_bytes_equal(key[..., dn:], k_pe, msg="k_pe part of key")
+    return key, value
+
+
+# id: w dtype, cache fp8, R, P, heads, dn, dv, RMSNorm, block size, pass num_tokens
+# (tests/test_mla.py's DECOMPRESS_CASES and tests/test_cuda_mla.py's additions)
+MLA_DECOMPRESS_CASES = {
+    "f32-R64-P16-H2": (f32, None, 64, 16, 2, 16, 24, False, 16, False),
+    "bf16-R64-P16-H3-norm-b3": (bf16, None, 64, 16, 3, 16, 16, True, 3, True),
+    "f32-R512-P64-H4-norm-b64": (f32, None, 512, 64, 4, 32, 48, True, 64, False),
+    "bf16-R512-P64-H2-d128": (bf16, None, 512, 64, 2, 128, 128, False, 16, True),
+    "f16-R512-P16-H2-norm": (f16, None, 512, 16, 2, 64, 32, True, 16, False),
+    "e4m3-f32-R512-P64-H2-norm": (f32, "e4m3", 512, 64, 2, 64, 64, True, 64, False),
+    "e5m2-bf16-R64-P16-H4-num_tokens": (bf16, "e5m2", 64, 16, 4, 16, 16, False, 16, True),
+    "f16-R64-P3-H3-dn5-dv7-b1": (f16, None, 64, 3, 3, 5, 7, False, 1, True),
+    "e4m3-bf16-R512-P64-H3-dn48-dv40-norm-b64-num_tokens": (bf16, "e4m3", 512, 64, 3, 48, 40, True, 64, True),
+    "f32-R72-P8-H2-b5": (f32, None, 72, 8, 2, 16, 16, False, 5, False),
+    "bf16-R200-P8-H5-dn24-dv16-norm": (bf16, None, 200, 8, 5, 24, 16, True, 16, False),
+    "e4m3-f16-R200-P16-H2-dn40-dv28-norm": (f16, "e4m3", 200, 16, 2, 40, 28, True, 64, False),
+}
+
+
+@pytest.mark.parametrize("case", MLA_DECOMPRESS_CASES.values(), ids=MLA_DECOMPRESS_CASES.keys())
+def test_mla_decompress(emu, case, no_tma):
+    # 70 + 1 + b + 200 + 5 tokens: partial last token tiles (BM 64 / 32).
+    run_emu_decompress(emu, case, [5, 0, 70, 1, case[8], 200])
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_mla_decompress_many_tokens(emu, dtype, no_tma):
+    """More token tiles than one wave, sequences spanning many blocks, a partial last tile."""
+    run_emu_decompress(emu, (dtype, None, 512, 64, 2, 32, 32, True, 64, True), [301, 17, 250, 0, 64], seed=9)
+
+
+@pytest.mark.parametrize("with_num_tokens", [False, True])
+def test_mla_decompress_no_tokens(emu, with_num_tokens, no_tma):
+    from helpers import make_paged_mla
+    run_emu_decompress(emu, (bf16, None, 64, 16, 2, 16, 16, True, 16, with_num_tokens), [0, 0, 0])
+    mla = make_paged_mla([5], 64, 16, 16, dtype=bf16, seed=3)
+    key, value = emu.mla_decompress(mla.kv_cache, torch.zeros(0, 2, dtype=torch.int32),
+                                    torch.zeros(0, dtype=torch.int32), torch.randn(2 * 32, 64).to(bf16), 64, 16, 16,
+                                    None, 1e-6, None, 0 if with_num_tokens else None)
+    assert key.shape == (0, 2, 32) and value.shape == (0, 2, 16)
+
+
+@pytest.mark.parametrize("dtype", [f16, bf16, f32])
+def test_mla_decompress_unaligned_weight(emu, dtype, no_tma):
+    """w_kv_b at a 1-element offset into its storage: element loads instead of cp.async."""
+    run_emu_decompress(emu, (dtype, None, 64, 16, 2, 16, 24, True, 16, False), [9, 40, 3], seed=63, w_offset=1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# mla_decompress: the TMA weight pipeline (emulated sm_90: tensor map, mbarriers, bulk tensor copies)
+# ---------------------------------------------------------------------------------------------------
+
+# tests/test_cuda_mla.py's TMA_CASES: a partial last token tile (243 tokens), N = heads * (dn + dv) not a
+# multiple of 64 but in the first (partial TMA boxes along the rows), R = 200: a partial last column box.
+MLA_TMA_CASES = {
+    "bf16-R512-P64-H2-d128-norm": (bf16, None, 512, 64, 2, 128, 128, True, 64, False),
+    "f16-R512-P64-H3-dn48-dv40": (f16, None, 512, 64, 3, 48, 40, False, 16, True),
+    "bf16-R200-P8-H5-dn24-dv16-norm": (bf16, None, 200, 8, 5, 24, 16, True, 16, False),
+    "f16-R200-P16-H2-dn40-dv28": (f16, None, 200, 16, 2, 40, 28, False, 64, True),
+    "e4m3-bf16-R512-P64-H3-dn48-dv40-norm": (bf16, "e4m3", 512, 64, 3, 48, 40, True, 64, True),
+    "e5m2-f16-R200-P8-H5-dn24-dv16": (f16, "e5m2", 200, 8, 5, 24, 16, False, 16, False),
+    "e4m3-f16-R200-P16-H2-dn40-dv28-norm": (f16, "e4m3", 200, 16, 2, 40, 28, True, 64, False),
+}
+MLA_TMA_SEQ_LENS = [5, 0, 70, 1, 130, 37]
+
+
+def _tma_env(monkeypatch, tma: bool):
+    monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
+    monkeypatch.delenv("KVKERNELS_CUDA_NO_TMA", raising=False)
+    monkeypatch.setenv("KVKERNELS_CUDA_TMA" if tma else "KVKERNELS_CUDA_NO_TMA", "require" if tma else "1")
+
+
+@pytest.mark.parametrize("case", MLA_TMA_CASES.values(), ids=MLA_TMA_CASES.keys())
+def test_mla_decompress_tma_and_cp_async(emu, case, monkeypatch):
+    """KVKERNELS_CUDA_TMA=require (the launch fails unless it takes TMA) and KVKERNELS_CUDA_NO_TMA=1 both
+    match the float64 reference and agree bit for bit (the same swizzled tiles feed the same mma.sync)."""
+    results = {}
+    for tma in (True, False):
+        _tma_env(monkeypatch, tma)
+        results[tma] = run_emu_decompress(emu, case, MLA_TMA_SEQ_LENS, seed=61)
+    for i, name in enumerate(("key", "value")):
+        assert_bytes_equal(results[True][i], results[False][i], msg=f"{name}: TMA vs cp.async")
+
+
+@pytest.mark.parametrize("dtype", [f16, bf16])
+def test_mla_decompress_tma_unaligned_weight(emu, dtype, monkeypatch):
+    """A w_kv_b whose base is not 16-byte aligned is not eligible for TMA: KVKERNELS_CUDA_TMA=require
+    reports why; without it the launch takes the element-load path and matches the reference."""
+    case = (dtype, None, 64, 16, 2, 16, 24, False, 16, False)
+    _tma_env(monkeypatch, True)
+    with pytest.raises(RuntimeError, match=r"not 16-byte aligned"):
+        run_emu_decompress(emu, case, [9, 40, 3], seed=63, w_offset=1)
+    monkeypatch.delenv("KVKERNELS_CUDA_TMA")
+    run_emu_decompress(emu, case, [9, 40, 3], seed=63, w_offset=1)
+
+
+def test_mla_decompress_tma_require_float32(emu, monkeypatch):
+    """KVKERNELS_CUDA_TMA=require with float32 weights fails with the reason (no TMA variant)."""
+    _tma_env(monkeypatch, True)
+    with pytest.raises(RuntimeError, match=r"float32 weights have no TMA path"):
+        run_emu_decompress(emu, (f32, None, 64, 16, 2, 16, 24, False, 16, False), [9, 3])

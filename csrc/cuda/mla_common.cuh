@@ -103,6 +103,8 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t addr, uint32_t* r) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
                : "=r"(r[0]), "=r"(r[1])
                : "r"(addr));
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::ldmatrix_x2(addr, r);
 #else
   (void)addr, r[0] = r[1] = 0;
 #endif

@@ -167,6 +167,8 @@ namespace tma {
 __device__ __forceinline__ void bar_init(uint32_t bar, uint32_t count) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::mbarrier_init(bar, count);
 #else
   (void)bar, (void)count;
 #endif
@@ -186,6 +188,8 @@ __device__ __forceinline__ void arrive_expect_tx(uint32_t bar, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
                : "memory");
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::mbarrier_arrive_expect_tx(bar, bytes);
 #else
   (void)bar, (void)bytes;
 #endif
@@ -206,6 +210,8 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
         : "r"(bar), "r"(parity)
         : "memory");
   } while (done == 0);
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::mbarrier_wait_parity(bar, parity);
 #else
   (void)bar, (void)parity;
 #endif
@@ -220,6 +226,8 @@ __device__ __forceinline__ void load_2d(uint32_t dst, const CUtensorMap* map, in
       " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::bulk_tensor_load_2d(dst, map, c0, c1, bar);
 #else
   (void)dst, (void)map, (void)c0, (void)c1, (void)bar;
 #endif

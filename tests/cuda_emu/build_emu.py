@@ -1,8 +1,9 @@
 """Builds tests/cuda_emu/emu_ops.cpp (the CUDA cache-op launchers and kernels on the CPU emulator of
-cuda_emu.h) and the paged-attention sources of csrc/cuda (attention.cu and the per-dtype instance
-files, every launch rewritten to ::emu::launch, every `extern __shared__` array to the emulator's
-per-CTA buffer) as one torch extension and loads it: torch.ops.kvkernels_emu.*. Used by
-tests/test_cuda_emulated.py; also runnable directly: python tests/cuda_emu/build_emu.py."""
+cuda_emu.h), the paged-attention sources of csrc/cuda (attention.cu and the per-dtype instance files)
+and the MLA sources (mla_attention*.cu, mla_decompress.cu and their headers) as one torch extension,
+every launch rewritten to ::emu::launch and every `extern __shared__` array to the emulator's per-CTA
+buffer, and loads it: torch.ops.kvkernels_emu.*. Used by tests/test_cuda_emulated.py; also runnable
+directly: python tests/cuda_emu/build_emu.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,12 @@ EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([A-Z
 ATTN_UNITS = ("attention.cu", "attention_f32.cu", "attention_f16.cu", "attention_bf16.cu")
 ATTN_HEADERS = ("attention_api.cuh", "attention_common.cuh", "attention_launch.cuh", "attention_merge.cuh",
                 "attention_mma.cuh", "attention_simt.cuh")
-LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^;<>]*>)?)<<<(.*?)>>>\((.*?)\);", re.S)
+# The MLA sources (attention: planner, per-q-dtype instances, merge; decompress: launcher and GEMM).
+MLA_UNITS = ("mla_attention.cu", "mla_attention_f16.cu", "mla_attention_bf16.cu", "mla_attention_simt.cu",
+             "mla_decompress.cu")
+MLA_HEADERS = ("mla_api.h", "mla_common.cuh", "mla_attention_launch.cuh", "mla_attention_mma.cuh",
+               "mla_attention_simt.cuh", "mla_merge.cuh", "mla_decompress.cuh")
+LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^;<>]*>)?)\s*<<<(.*?)>>>\((.*?)\);", re.S)
 
 
 def rewrite_launches(source: str) -> str:
@@ -49,7 +55,7 @@ def attention_sources(build_dir: str) -> list[str]:
     attn_dir = os.path.join(build_dir, "attn")
     os.makedirs(attn_dir, exist_ok=True)
     sources = []
-    for name in ATTN_UNITS + ATTN_HEADERS:
+    for name in ATTN_UNITS + ATTN_HEADERS + MLA_UNITS + MLA_HEADERS:
         with open(os.path.join(ROOT, "csrc", "cuda", name)) as f:
             text = f.read()
         if "<<<" in text:
@@ -57,7 +63,7 @@ def attention_sources(build_dir: str) -> list[str]:
         if "extern __shared__" in text:
             text = rewrite_extern_shared(text)
         write_if_changed(os.path.join(attn_dir, name), text)
-        if name in ATTN_UNITS:
+        if name in ATTN_UNITS + MLA_UNITS:
             unit = os.path.join(attn_dir, name.replace(".cu", "_emu.cpp"))
             write_if_changed(unit, f'#include "cuda_emu.h"\n\n#include "{name}"\n')
             sources.append(unit)

@@ -3,8 +3,11 @@
 // host compiler (tests/test_cuda_emulated.py). It checks kernel *logic* (indexing, conversions,
 // guards, vector-width choices, fragment layouts, pipeline ordering within a thread) without a GPU;
 // it says nothing about timing, memory ordering between CTAs, the rounding order of real tensor
-// cores, or hardware faults beyond the alignment checks of cp.async / ldmatrix below. Not emulated:
-// the MLA kernels' extra intrinsics, TMA / wgmma / mbarrier, atomics, warp-divergent collectives.
+// cores, or hardware faults beyond the alignment checks of cp.async / ldmatrix below. Also runs the
+// MLA kernels (mla_attention*, mla_merge, mla_decompress with its cp.async and TMA weight pipelines:
+// ldmatrix .x2, a 2-D tiled tensor map with 128B swizzle, mbarrier init / arrive.expect_tx /
+// try_wait.parity, cp.async.bulk.tensor.2d). Not emulated: wgmma, clusters / multicast, atomics,
+// warp-divergent collectives, other tensor-map modes (rank > 2, interleave, im2col, other swizzles).
 //
 // Each CTA runs as blockDim.x cooperative fibers (ucontext) on the calling thread; __syncthreads()
 // switches to the next fiber, and a barrier completes when every live fiber of the CTA reached it.
@@ -40,6 +43,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda.h>  // CUtensorMap and the cuTensorMapEncodeTiled enums (nothing links libcuda)
 #include <cuda_runtime.h>
 #include <ucontext.h>
 
@@ -51,6 +55,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <stdexcept>
 #include <tuple>
 #include <vector>
@@ -147,10 +152,25 @@ inline std::vector<AsyncState> async_state;
 
 inline unsigned char* dynamic_smem() { return sched.smem; }
 
-// Prepares the per-CTA state: dynamic shared memory poisoned, no pending copies.
+// mbarrier objects of the current CTA by shared address (TMA section below).
+struct BulkCopy {
+  unsigned char* dst;  // shared
+  std::vector<std::pair<uint32_t, const unsigned char*>> chunks;  // (shared offset, 16 global bytes or null)
+  uint32_t bytes;
+};
+struct Barrier {
+  int count = 0, pending = 0;  // expected arrivals per phase, still missing in the current one
+  int64_t tx = 0;              // transaction bytes still expected in the current phase
+  unsigned phase = 0;          // parity of the current (incomplete) phase
+  std::deque<BulkCopy> copies; // issued bulk copies that complete_tx on this barrier, oldest first
+};
+inline std::map<uint32_t, Barrier> barriers;
+
+// Prepares the per-CTA state: dynamic shared memory poisoned, no pending copies, no barriers.
 inline void begin_cta(int n) {
   std::fill(sched.smem_storage.begin(), sched.smem_storage.end(), static_cast<unsigned char>(0xff));
   async_state.assign(n, AsyncState{});
+  barriers.clear();
 }
 
 template <typename K, typename... Args>
@@ -347,11 +367,12 @@ inline void cp_async_wait(int n) {
   }
 }
 
-// ---- ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 -----------------------------------------
-// Lane 8 j + i gives the address of row i of matrix j (16 bytes). Register j of lane l: without
-// .trans the elements (l / 4, 2 (l % 4)) and (l / 4, 2 (l % 4) + 1) of matrix j, with .trans the
-// elements (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4); the lower-indexed one in the low half.
-inline void ldmatrix_x4(uint32_t addr, uint32_t* r, bool trans) {
+// ---- ldmatrix.sync.aligned.m8n8.{x2,x4}[.trans].shared.b16 ------------------------------------
+// Lane 8 j + i gives the address of row i of matrix j (16 bytes); with .x2 only lanes 0-15 do
+// (the other lanes' addresses are not read). Register j of lane l: without .trans the elements
+// (l / 4, 2 (l % 4)) and (l / 4, 2 (l % 4) + 1) of matrix j, with .trans the elements
+// (2 (l % 4), l / 4) and (2 (l % 4) + 1, l / 4); the lower-indexed one in the low half.
+inline void ldmatrix(uint32_t addr, uint32_t* r, int nmat, bool trans) {
   const int me = static_cast<int>(threadIdx_.x);
   put(me, 0, addr);
   wait_at(kAtWarpBarrier);
@@ -362,7 +383,7 @@ inline void ldmatrix_x4(uint32_t addr, uint32_t* r, bool trans) {
     return shared_at(a, 16);
   };
   uint32_t out[4];
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < nmat; ++j) {
     if (!trans) {
       std::memcpy(&out[j], row(j, lane / 4) + 4 * (lane % 4), 4);
     } else {
@@ -373,8 +394,10 @@ inline void ldmatrix_x4(uint32_t addr, uint32_t* r, bool trans) {
     }
   }
   wait_at(kAtWarpBarrier);
-  for (int j = 0; j < 4; ++j) r[j] = out[j];
+  for (int j = 0; j < nmat; ++j) r[j] = out[j];
 }
+inline void ldmatrix_x4(uint32_t addr, uint32_t* r, bool trans) { ldmatrix(addr, r, 4, trans); }
+inline void ldmatrix_x2(uint32_t addr, uint32_t* r) { ldmatrix(addr, r, 2, false); }
 
 // ---- mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 --------------------------
 // g = lane / 4, t = lane % 4. A (16 x 16): a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1],
@@ -415,6 +438,137 @@ inline void mma_16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1, boo
   for (int e = 0; e < 4; ++e) d[e] = out[e];
 }
 
+
+// ---- TMA (sm_90): tensor maps, mbarriers, cp.async.bulk.tensor.2d ------------------------------
+// cuTensorMapEncodeTiled (handed out by cudaGetDriverEntryPointByVersion below) stores the
+// parameters of a 2-D tiled map in the opaque 128-byte CUtensorMap, with the driver's documented
+// checks for what the emulator supports (rank 2, no interleave, element strides 1, no OOB NaN
+// fill, swizzle none or 128B). cp.async.bulk.tensor.2d copies the box at (c0 columns, c1 rows):
+// box rows of box[0] elements stored densely from the destination, elements outside the tensor as
+// zeros; with SWIZZLE_128B each 16-byte chunk at shared address a goes to a ^ (((a >> 7) & 7) << 4)
+// (chunk bits [4:6] XOR 128-byte-row bits [7:9]; on a 1024-byte aligned box: chunk c of row r at
+// c ^ (r % 8)). Like cp.async the copy is deferred: its destination is poisoned when it is issued
+// (a read of the old contents after the issue sees NaN) and it lands, completing its bytes on the
+// mbarrier, when a thread waits on that barrier (a read before the wait sees poison).
+struct TensorMap2D {
+  uint64_t magic;
+  const unsigned char* base;
+  uint64_t dims[2];   // elements: columns (innermost), rows
+  uint64_t stride1;   // bytes between rows
+  uint32_t box[2];    // elements
+  uint32_t esz;       // bytes per element
+  uint32_t swizzle128;
+};
+constexpr uint64_t kTensorMapMagic = 0x70614d726f736e54ull;
+static_assert(sizeof(TensorMap2D) <= sizeof(CUtensorMap), "emu: the map fits the opaque CUtensorMap");
+
+inline CUresult tensor_map_encode_tiled(CUtensorMap* map, CUtensorMapDataType type, cuuint32_t rank, void* addr,
+                                        const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
+                                        const cuuint32_t* elem_strides, CUtensorMapInterleave interleave,
+                                        CUtensorMapSwizzle swizzle, CUtensorMapL2promotion,
+                                        CUtensorMapFloatOOBfill oob) {
+  uint32_t esz = 0;
+  switch (type) {
+    case CU_TENSOR_MAP_DATA_TYPE_UINT8: esz = 1; break;
+    case CU_TENSOR_MAP_DATA_TYPE_FLOAT16:
+    case CU_TENSOR_MAP_DATA_TYPE_BFLOAT16: esz = 2; break;
+    case CU_TENSOR_MAP_DATA_TYPE_FLOAT32: esz = 4; break;
+    default: return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (map == nullptr || rank != 2 || interleave != CU_TENSOR_MAP_INTERLEAVE_NONE ||
+      oob != CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE ||
+      (swizzle != CU_TENSOR_MAP_SWIZZLE_NONE && swizzle != CU_TENSOR_MAP_SWIZZLE_128B))
+    return CUDA_ERROR_INVALID_VALUE;
+  if (reinterpret_cast<uintptr_t>(addr) % 16 != 0 || strides[0] % 16 != 0 || dims[0] == 0 || dims[1] == 0 ||
+      strides[0] < dims[0] * esz)
+    return CUDA_ERROR_INVALID_VALUE;
+  if (box[0] == 0 || box[1] == 0 || box[0] > 256 || box[1] > 256 || (box[0] * esz) % 16 != 0 ||
+      elem_strides[0] != 1 || elem_strides[1] != 1)
+    return CUDA_ERROR_INVALID_VALUE;
+  if (swizzle == CU_TENSOR_MAP_SWIZZLE_128B && box[0] * esz > 128) return CUDA_ERROR_INVALID_VALUE;
+  TensorMap2D m{kTensorMapMagic, static_cast<const unsigned char*>(addr), {dims[0], dims[1]}, strides[0],
+                {box[0], box[1]}, esz, swizzle == CU_TENSOR_MAP_SWIZZLE_128B ? 1u : 0u};
+  std::memset(map, 0, sizeof(CUtensorMap));
+  std::memcpy(map, &m, sizeof(m));
+  return CUDA_SUCCESS;
+}
+
+inline Barrier& barrier_at(uint32_t bar) {
+  auto it = barriers.find(bar);
+  if (it == barriers.end()) throw std::logic_error("emu: mbarrier used before mbarrier.init");
+  return it->second;
+}
+
+inline void mbarrier_init(uint32_t bar, uint32_t count) {
+  if (bar % 8 != 0) throw std::logic_error("emu: mbarrier not 8-byte aligned");
+  shared_at(bar, 8);
+  if (count == 0) throw std::logic_error("emu: mbarrier.init with count 0");
+  Barrier b;
+  b.count = b.pending = static_cast<int>(count);
+  barriers[bar] = b;
+}
+
+inline void complete_phase_if_done(Barrier& b) {
+  if (b.pending == 0 && b.tx == 0) {
+    b.phase ^= 1u;
+    b.pending = b.count;
+  }
+}
+
+inline void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  Barrier& b = barrier_at(bar);
+  b.tx += bytes;
+  if (--b.pending < 0) throw std::logic_error("emu: more mbarrier arrivals than its count");
+  complete_phase_if_done(b);
+}
+
+// cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [map, {c0, c1}], [bar]
+inline void bulk_tensor_load_2d(uint32_t dst, const void* map_ptr, int c0, int c1, uint32_t bar) {
+  TensorMap2D m;
+  std::memcpy(&m, map_ptr, sizeof(m));
+  if (m.magic != kTensorMapMagic) throw std::logic_error("emu: cp.async.bulk.tensor with a map that was not encoded");
+  if (dst % 128 != 0) throw std::logic_error("emu: cp.async.bulk.tensor destination not 128-byte aligned");
+  Barrier& b = barrier_at(bar);
+  const uint32_t row_bytes = m.box[0] * m.esz, bytes = row_bytes * m.box[1];
+  unsigned char* base = shared_at(dst, bytes);
+  BulkCopy copy{base, {}, bytes};
+  for (uint32_t r = 0; r < m.box[1]; ++r) {
+    for (uint32_t c = 0; c < row_bytes; c += 16) {
+      uint32_t a = dst + r * row_bytes + c;
+      if (m.swizzle128) a ^= ((a >> 7) & 7u) << 4;
+      // A 16-byte chunk holds 16 / esz consecutive elements: wholly in or out of the tensor
+      // (dims[0] * esz is a multiple of 16 as the row stride must be, columns c0 a chunk multiple).
+      const int64_t col = int64_t(c0) + c / m.esz, row = int64_t(c1) + r;
+      const bool in = col >= 0 && row >= 0 && uint64_t(col) < m.dims[0] && uint64_t(row) < m.dims[1];
+      if (in && (uint64_t(col) + 16 / m.esz > m.dims[0]))
+        throw std::logic_error("emu: cp.async.bulk.tensor chunk straddles the tensor's edge (not emulated)");
+      copy.chunks.emplace_back(a, in ? m.base + uint64_t(row) * m.stride1 + uint64_t(col) * m.esz : nullptr);
+    }
+  }
+  std::memset(base, 0xff, bytes);  // poisoned until the copy lands
+  b.copies.push_back(std::move(copy));
+}
+
+// mbarrier.try_wait.parity in a loop: returns once the phase of parity `parity` has completed.
+// Pending bulk copies on the barrier land first (oldest first, until the phase completes); a wait
+// that still cannot complete (arrivals that only other threads could make later) is reported.
+inline void mbarrier_wait_parity(uint32_t bar, uint32_t parity) {
+  Barrier& b = barrier_at(bar);
+  while (b.phase == (parity & 1u) && !b.copies.empty()) {
+    BulkCopy c = std::move(b.copies.front());
+    b.copies.pop_front();
+    for (const auto& [a, src] : c.chunks) {
+      unsigned char* d = shared_at(a, 16);
+      if (src) std::memcpy(d, src, 16);
+      else std::memset(d, 0, 16);
+    }
+    b.tx -= c.bytes;
+    complete_phase_if_done(b);
+  }
+  if (b.phase == (parity & 1u))
+    throw std::logic_error("emu: mbarrier wait on a phase that cannot complete (would hang on a GPU)");
+}
+
 }  // namespace emu
 
 inline float __fmul_rn(float a, float b) { return a * b; }  // built with -ffp-contract=off
@@ -450,6 +604,7 @@ inline cudaError_t device_get_attribute(int* v, cudaDeviceAttr attr, int) {
     case cudaDevAttrComputeCapabilityMajor: *v = 9; break;
     case cudaDevAttrComputeCapabilityMinor: *v = 0; break;
     case cudaDevAttrMaxPitch: *v = INT_MAX; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = 227 * 1024; break;
     default: return cudaErrorInvalidValue;
   }
   return cudaSuccess;
@@ -465,6 +620,24 @@ inline const char* get_error_string(cudaError_t e) {
   return e == cudaSuccess ? "no error" : e == cudaErrorInvalidValue ? "invalid argument" : "emulated CUDA error";
 }
 inline cudaError_t peek_at_last_error() { return cudaSuccess; }
+// The PTX version of a kernel's device code (mla_decompress.cu reads it to decide whether the TMA
+// variant was compiled for sm_90): 90, unless KVKERNELS_EMU_PTX_VERSION says otherwise (read at the
+// launcher's first query; it caches the answer per device).
+template <typename K>
+cudaError_t func_get_attributes(cudaFuncAttributes* attr, K) {
+  *attr = cudaFuncAttributes{};
+  const char* e = std::getenv("KVKERNELS_EMU_PTX_VERSION");
+  attr->ptxVersion = attr->binaryVersion = e && *e ? std::atoi(e) : 90;
+  return cudaSuccess;
+}
+// Driver entry points: cuTensorMapEncodeTiled only (the emulator's, above).
+inline cudaError_t get_driver_entry_point_by_version(const char* name, void** ptr, unsigned, unsigned long long,
+                                                     cudaDriverEntryPointQueryResult* status) {
+  const bool found = std::strcmp(name, "cuTensorMapEncodeTiled") == 0;
+  *ptr = found ? reinterpret_cast<void*>(&tensor_map_encode_tiled) : nullptr;
+  if (status) *status = found ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
+  return cudaSuccess;
+}
 }  // namespace emu
 
 #define cudaGetLastError ::emu::get_last_error
@@ -475,3 +648,6 @@ inline cudaError_t peek_at_last_error() { return cudaSuccess; }
 #define cudaFuncSetAttribute ::emu::func_set_attribute
 #define cudaGetErrorString ::emu::get_error_string
 #define cudaPeekAtLastError ::emu::peek_at_last_error
+#define cudaFuncGetAttributes ::emu::func_get_attributes
+#undef cudaGetDriverEntryPointByVersion
+#define cudaGetDriverEntryPointByVersion ::emu::get_driver_entry_point_by_version

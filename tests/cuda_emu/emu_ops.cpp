@@ -12,6 +12,7 @@
 
 #include "attention_api.cuh"  // csrc/cuda/attention.cu (+ attention_{f32,f16,bf16}.cu), built for the emulator
 #include "index_checks.h"
+#include "mla_api.h"  // csrc/cuda/mla_attention*.cu and mla_decompress.cu, built for the emulator
 #include "prepare.h"
 
 namespace emu_ops {
@@ -131,6 +132,66 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> attent
   return {p.path, p.dpad, p.num_splits, p.heads_per_cta, p.q_tile, p.grid_x, p.grid_y};
 }
 
+// csrc/cuda/mla_binding.cpp's mla_paged_attention with host tensors: the shared validation and
+// allocation, the real planner (device 0 of the emulator) and launcher; outputs and the split
+// workspace poisoned (NaN) before the launch. The debug-mode host index checks are not run.
+std::tuple<Tensor, Tensor> mla_paged_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables,
+                                               const Tensor& seq_lens, int64_t kv_lora_rank, double scale,
+                                               std::optional<Tensor> query_start_loc,
+                                               std::optional<Tensor> kv_scale) {
+  const ArgCheck c("mla_paged_attention");
+  PreparedAttention r = prepare_mla_attention(c, q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale,
+                                              query_start_loc, kv_scale);
+  if (r.params.num_tokens == 0 || r.params.kv.num_seqs == 0) return {r.out, r.lse};
+  std::memset(r.out.mutable_data_ptr(), 0xff, size_t(r.out.numel()) * r.out.element_size());
+  std::memset(r.lse.mutable_data_ptr(), 0xff, size_t(r.lse.numel()) * r.lse.element_size());
+  mla_cuda::MlaPlan plan;
+  check(c, mla_cuda::plan_mla_attention(r.params, 0, &plan));
+  Tensor workspace;
+  float* ws = nullptr;
+  if (plan.workspace_floats > 0) {
+    workspace = torch::stable::new_empty(q, {plan.workspace_floats}, ScalarType::Float);
+    ws = static_cast<float*>(workspace.mutable_data_ptr());
+    std::memset(ws, 0xff, size_t(plan.workspace_floats) * sizeof(float));
+  }
+  check(c, mla_cuda::launch_mla_attention(r.params, plan, ws, nullptr));
+  return {r.out, r.lse};
+}
+
+// The plan of the launch above: (path, dp, stages, smem, heads_per_cta, q_tile, num_splits, grid_x, grid_y).
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> mla_attention_plan(
+    const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables, const Tensor& seq_lens, int64_t kv_lora_rank,
+    std::optional<Tensor> query_start_loc, std::optional<Tensor> kv_scale) {
+  const ArgCheck c("mla_paged_attention");
+  PreparedAttention r = prepare_mla_attention(c, q, kv_cache, block_tables, seq_lens, kv_lora_rank, 1.0,
+                                              query_start_loc, kv_scale);
+  mla_cuda::MlaPlan p;
+  check(c, mla_cuda::plan_mla_attention(r.params, 0, &p));
+  return {p.path, p.dp, p.stages, p.smem, p.heads_per_cta, p.q_tile, p.num_splits, p.grid_x, p.grid_y};
+}
+
+// csrc/cuda/mla_binding.cpp's mla_decompress with host tensors: the output length from seq_lens on
+// the host when num_tokens is not given (as the binding does), outputs poisoned before the launch,
+// the real launcher (token starts kernel, then the cp.async or TMA GEMM variant it picks).
+std::tuple<Tensor, Tensor> mla_decompress(const Tensor& kv_cache, const Tensor& block_tables, const Tensor& seq_lens,
+                                          const Tensor& w_kv_b, int64_t kv_lora_rank, int64_t qk_nope_head_dim,
+                                          int64_t v_head_dim, std::optional<Tensor> norm_weight, double norm_eps,
+                                          std::optional<Tensor> scale, std::optional<int64_t> num_tokens) {
+  const ArgCheck c("mla_decompress");
+  auto count = [&](const paged_kv_t& kv) { return checked_token_count(c, kv); };
+  PreparedDecompress r = prepare_mla_decompress(c, kv_cache, block_tables, seq_lens, w_kv_b, kv_lora_rank,
+                                                qk_nope_head_dim, v_head_dim, norm_weight, norm_eps, scale,
+                                                num_tokens, count);
+  MlaDecompressParams& p = r.params;
+  if (p.num_tokens == 0) return {r.key, r.value};
+  std::memset(r.key.mutable_data_ptr(), 0xff, size_t(r.key.numel()) * r.key.element_size());
+  std::memset(r.value.mutable_data_ptr(), 0xff, size_t(r.value.numel()) * r.value.element_size());
+  Tensor starts = torch::stable::new_empty(kv_cache, {p.kv.num_seqs + 1}, ScalarType::Long);
+  std::memset(starts.mutable_data_ptr(), 0xff, size_t(p.kv.num_seqs + 1) * sizeof(int64_t));
+  check(c, mla_cuda::mla_decompress(p, 0, static_cast<int64_t*>(starts.mutable_data_ptr()), nullptr));
+  return {r.key, r.value};
+}
+
 }  // namespace emu_ops
 
 STABLE_TORCH_LIBRARY(kvkernels_emu, m) {
@@ -148,6 +209,13 @@ STABLE_TORCH_LIBRARY(kvkernels_emu, m) {
         "Tensor seq_lens, Tensor? query_start_loc=None, float? scale=None, int window_left=-1, "
         "float soft_cap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? k_scale=None, "
         "Tensor? v_scale=None) -> (Tensor out, Tensor lse)");
+  m.def("mla_paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int kv_lora_rank, "
+        "float scale, Tensor? query_start_loc=None, Tensor? kv_scale=None) -> (Tensor out, Tensor lse)");
+  m.def("mla_attention_plan(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int kv_lora_rank, "
+        "Tensor? query_start_loc=None, Tensor? kv_scale=None) -> (int, int, int, int, int, int, int, int, int)");
+  m.def("mla_decompress(Tensor kv_cache, Tensor block_tables, Tensor seq_lens, Tensor w_kv_b, int kv_lora_rank, "
+        "int qk_nope_head_dim, int v_head_dim, Tensor? norm_weight=None, float norm_eps=1e-6, "
+        "Tensor? scale=None, int? num_tokens=None) -> (Tensor key, Tensor value)");
   m.def("attention_plan(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor? query_start_loc=None, Tensor? k_scale=None, Tensor? v_scale=None) -> (int, int, int, int, int, int, int)");
 }
@@ -160,5 +228,8 @@ STABLE_TORCH_LIBRARY_IMPL(kvkernels_emu, CPU, m) {
   m.impl("gather_kv", TORCH_BOX(&emu_ops::gather_kv));
   m.impl("merge_attention_states", TORCH_BOX(&emu_ops::merge_attention_states));
   m.impl("paged_attention", TORCH_BOX(&emu_ops::paged_attention));
+  m.impl("mla_paged_attention", TORCH_BOX(&emu_ops::mla_paged_attention));
+  m.impl("mla_attention_plan", TORCH_BOX(&emu_ops::mla_attention_plan));
+  m.impl("mla_decompress", TORCH_BOX(&emu_ops::mla_decompress));
   m.impl("attention_plan", TORCH_BOX(&emu_ops::attention_plan));
 }
