@@ -28,6 +28,7 @@ import kvkernels  # noqa: F401
 import test_cache_ops as cache_tests
 from helpers import assert_bytes_equal, assert_close, generator, make_paged_kv, make_query, query_start_loc, randn, upcast
 from test_attention import make_case
+from test_mla import DECOMPRESS_CASES, make_mla_case, varlen_q_lens
 from kvkernels import ops, reference
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "cuda_emu"))
@@ -471,17 +472,6 @@ def run_emu_mla_attention(emu, mla, q, qsl, scale, *, path=None, splits=None):
     return out, lse, plan
 
 
-def make_mla_case(mode, seq_lens, dtype, fp8, r, p, h, b, strided=None, seed=4, q_lens=None):
-    from helpers import make_paged_mla
-    from test_mla import varlen_q_lens
-    mla = make_paged_mla(seq_lens, r, p, b, dtype=dtype, fp8=fp8, seed=seed)
-    if q_lens is None or mode == "decode":
-        q_lens = [1] * len(seq_lens) if mode == "decode" else varlen_q_lens(seq_lens)
-    qsl = None if mode == "decode" else query_start_loc(q_lens)
-    q = make_query(sum(q_lens), h, r + p, dtype, generator(seed + 1), strided=strided)
-    return mla, q, qsl
-
-
 # id: q dtype, cache fp8, R, P, heads, block size, strided q. Run on every kernel (mla_path); small
 # rows so that the emulator stays fast (tests/test_cuda_mla.py's ATTN_CASES, DeepSeek widths below).
 MLA_ATTN_CASES = {
@@ -505,7 +495,6 @@ def test_mla_paged_attention(emu, case, mode, mla_path):
     # Partial and exactly-full last blocks, an empty and a one-token sequence; shuffled block ids.
     seq_lens = [b + 1, 0, 2 * b + 5, 1, b]
     # varlen: test_mla.varlen_q_lens (full / chunked prefill, one query, none), at most 40 queries each.
-    from test_mla import varlen_q_lens
     q_lens = [min(n, 40) for n in varlen_q_lens(seq_lens)]
     mla, q, qsl = make_mla_case(mode, seq_lens, dtype, fp8, r, p, h, b, strided, q_lens=q_lens)
     out, lse, plan = run_emu_mla_attention(
@@ -689,20 +678,13 @@ def run_emu_decompress(emu, case, seq_lens, seed=2, w_offset=0):
 
 # id: w dtype, cache fp8, R, P, heads, dn, dv, RMSNorm, block size, pass num_tokens
 # (tests/test_mla.py's DECOMPRESS_CASES and tests/test_cuda_mla.py's additions)
-MLA_DECOMPRESS_CASES = {
-    "f32-R64-P16-H2": (f32, None, 64, 16, 2, 16, 24, False, 16, False),
-    "bf16-R64-P16-H3-norm-b3": (bf16, None, 64, 16, 3, 16, 16, True, 3, True),
-    "f32-R512-P64-H4-norm-b64": (f32, None, 512, 64, 4, 32, 48, True, 64, False),
-    "bf16-R512-P64-H2-d128": (bf16, None, 512, 64, 2, 128, 128, False, 16, True),
-    "f16-R512-P16-H2-norm": (f16, None, 512, 16, 2, 64, 32, True, 16, False),
-    "e4m3-f32-R512-P64-H2-norm": (f32, "e4m3", 512, 64, 2, 64, 64, True, 64, False),
-    "e5m2-bf16-R64-P16-H4-num_tokens": (bf16, "e5m2", 64, 16, 4, 16, 16, False, 16, True),
+MLA_DECOMPRESS_CASES = dict(DECOMPRESS_CASES, **{
     "f16-R64-P3-H3-dn5-dv7-b1": (f16, None, 64, 3, 3, 5, 7, False, 1, True),
     "e4m3-bf16-R512-P64-H3-dn48-dv40-norm-b64-num_tokens": (bf16, "e4m3", 512, 64, 3, 48, 40, True, 64, True),
     "f32-R72-P8-H2-b5": (f32, None, 72, 8, 2, 16, 16, False, 5, False),
     "bf16-R200-P8-H5-dn24-dv16-norm": (bf16, None, 200, 8, 5, 24, 16, True, 16, False),
     "e4m3-f16-R200-P16-H2-dn40-dv28-norm": (f16, "e4m3", 200, 16, 2, 40, 28, True, 64, False),
-}
+})
 
 
 @pytest.mark.parametrize("case", MLA_DECOMPRESS_CASES.values(), ids=MLA_DECOMPRESS_CASES.keys())

@@ -32,7 +32,7 @@ from helpers import (TOLERANCES, cuda_only, assert_bytes_equal, assert_close, de
                      make_query, query_start_loc, randn, upcast)
 from kvkernels import ops, reference
 from test_cuda_attention import like_on, opt_on, poison_allocator
-from test_mla import DECOMPRESS_CASES, random_weight, varlen_q_lens
+from test_mla import DECOMPRESS_CASES, make_mla_case, random_weight, varlen_q_lens
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -63,14 +63,6 @@ def path(request, monkeypatch):
     if splits:
         monkeypatch.setenv("KVKERNELS_CUDA_MLA_SPLITS", str(splits))
     return request.param
-
-
-def make_mla_case(mode, seq_lens, dtype, fp8, r, p, h, b, strided=None, seed=4):
-    mla = make_paged_mla(seq_lens, r, p, b, dtype=dtype, fp8=fp8, seed=seed)
-    q_lens = [1] * len(seq_lens) if mode == "decode" else varlen_q_lens(seq_lens)
-    qsl = None if mode == "decode" else query_start_loc(q_lens)
-    q = make_query(sum(q_lens), h, r + p, dtype, generator(seed + 1), strided=strided)
-    return mla, q, qsl
 
 
 def run_attention(mla, q, qsl, scale):

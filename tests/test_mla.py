@@ -16,6 +16,18 @@ def varlen_q_lens(seq_lens):
     return [pattern[i % 4](n) for i, n in enumerate(seq_lens)]
 
 
+def make_mla_case(mode, seq_lens, dtype, fp8, r, p, h, b, strided=None, seed=4, q_lens=None):
+    """A paged latent cache of ``seq_lens`` (helpers.make_paged_mla) and queries for ``mode``: one per
+    sequence (decode) or ``q_lens`` (default ``varlen_q_lens``) with their ``query_start_loc``.
+    Shared by the CUDA tests (tests/test_cuda_mla.py) and the emulated ones (tests/test_cuda_emulated.py)."""
+    mla = make_paged_mla(seq_lens, r, p, b, dtype=dtype, fp8=fp8, seed=seed)
+    if q_lens is None or mode == "decode":
+        q_lens = [1] * len(seq_lens) if mode == "decode" else varlen_q_lens(seq_lens)
+    qsl = None if mode == "decode" else query_start_loc(q_lens)
+    q = make_query(sum(q_lens), h, r + p, dtype, generator(seed + 1), strided=strided)
+    return mla, q, qsl
+
+
 def random_weight(rows, cols, dtype, gen):
     return randn(rows, cols, gen=gen, std=cols ** -0.5, dtype=dtype)
 
