@@ -17,6 +17,7 @@ the float64 reference with tests/test_cuda_mla.py's tolerances; shapes are small
 where the emulator would be slow (it runs a 64-row CTA of 576-wide rows in about 0.1 s).
 """
 
+import dataclasses
 import math
 import os
 import sys
@@ -377,6 +378,25 @@ def test_long_context_splits(emu, config, mode, opts):
     run_emu_attention(emu, kv, query, qsl, splits=lambda n: n > 1, **opts)
 
 
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_decode_plan_depends_on_shapes_only(emu, dtype):
+    """A decode launch is a function of shapes and the device, never of seq_lens (a CUDA graph
+    captures it once and replays it as the sequences grow): the same block-table shape with other
+    lengths gives the same plan, splits and grid included, and the kernels are right for them."""
+    kv, query, _ = make_case("decode", [2100, 900], dtype=dtype, num_heads=8, num_kv_heads=1, head_dim=64,
+                             block_size=16, seed=43)
+    plan = plan_of(emu, kv, query, None)
+    assert plan["splits"] > 1, plan
+    for lens in ([1, 1], [2100, 0], [17, 899], [1000, 900]):
+        other = dataclasses.replace(kv, seq_lens=torch.tensor(lens, dtype=torch.int32))
+        assert plan_of(emu, other, query, None) == plan, lens
+        run_emu_attention(emu, other, query)
+    # ... while the shapes do steer it: a table of 20 blocks per row describes too few keys to split.
+    narrow = dataclasses.replace(kv, block_tables=kv.block_tables[:, :20].contiguous(),
+                                 seq_lens=torch.tensor([300, 300], dtype=torch.int32))
+    assert plan_of(emu, narrow, query, None)["splits"] == 1
+
+
 @pytest.mark.parametrize("splits", [3, 128])
 @pytest.mark.parametrize("dtype", [f32, bf16])
 def test_forced_splits(emu, dtype, splits, monkeypatch):
@@ -553,6 +573,23 @@ def test_mla_long_context(emu, dtype, fp8, mode, splits, monkeypatch):
         assert plan["splits"] == expected_forced_splits(mla, plan, splits) and (splits == 1) == (plan["splits"] == 1)
     elif mode == "decode":  # 3 work items on 4 emulated SMs: the planner splits
         assert plan["splits"] > 1, plan
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_mla_decode_plan_depends_on_shapes_only(emu, dtype, monkeypatch):
+    """As test_decode_plan_depends_on_shapes_only, for mla_paged_attention."""
+    monkeypatch.delenv("KVKERNELS_CUDA_MLA_PATH", raising=False)
+    monkeypatch.delenv("KVKERNELS_CUDA_MLA_SPLITS", raising=False)
+    mla, q, _ = make_mla_case("decode", [2100, 700], dtype, None, 128, 16, 16, 64, seed=44)
+    plan = mla_plan_of(emu, mla, q, None)
+    assert plan["splits"] > 1, plan
+    for lens in ([1, 1], [2100, 0], [65, 699]):
+        other = dataclasses.replace(mla, seq_lens=torch.tensor(lens, dtype=torch.int32))
+        assert mla_plan_of(emu, other, q, None) == plan, lens
+        run_emu_mla_attention(emu, other, q, None, 144 ** -0.5)
+    narrow = dataclasses.replace(mla, block_tables=mla.block_tables[:, :4].contiguous(),
+                                 seq_lens=torch.tensor([200, 200], dtype=torch.int32))
+    assert mla_plan_of(emu, narrow, q, None)["splits"] == 1
 
 
 @pytest.mark.parametrize("mode", ["decode", "varlen"])
