@@ -111,12 +111,19 @@ FEATURE_CONFIGS = {
 @pytest.mark.parametrize("feature", FEATURE_NAMES)
 @pytest.mark.parametrize("config", FEATURE_CONFIGS.values(), ids=FEATURE_CONFIGS.keys())
 def test_paged_attention_features(config, feature, mode):
+    check_features(run_paged_attention, config, feature, mode)
+
+
+def check_features(run, config, feature, mode, more_seq_lens=()):
+    """One logit option of ``features`` on a case of ``config``; ``run(kv, query, qsl, **kwargs)``
+    returns ``(out, lse)`` after checking them against the reference (shared with the emulated CUDA
+    kernels of tests/test_cuda_emulated.py)."""
     dtype, fp8, per_head, layout, hkv, d, b = config
-    seq_lens = [2 * b, 2 * b + 1, 3 * b - 1, 1, 0, b, 40]
+    seq_lens = [2 * b, 2 * b + 1, 3 * b - 1, 1, 0, b, 40, *more_seq_lens]
     kv, query, qsl = make_case(mode, seq_lens, dtype=dtype, num_heads=8, num_kv_heads=hkv, head_dim=d,
                                block_size=b, layout=layout, fp8=fp8, per_head=per_head, seed=3)
     kwargs = features(b, d)[feature]
-    out, lse = run_paged_attention(kv, query, qsl, **kwargs)
+    out, lse = run(kv, query, qsl, **kwargs)
     if mode == "decode":  # sequence 4 is empty: out = 0, lse = -inf, or the sink logit
         assert torch.equal(out[4], torch.zeros_like(out[4]))
         sinks = kwargs.get("sinks")

@@ -18,7 +18,6 @@ where the emulator would be slow (it runs a 64-row CTA of 576-wide rows in about
 """
 
 import dataclasses
-import math
 import os
 import sys
 
@@ -28,7 +27,7 @@ import torch
 import kvkernels  # noqa: F401
 import test_cache_ops as cache_tests
 from helpers import assert_bytes_equal, assert_close, generator, make_paged_kv, make_query, query_start_loc, randn, upcast
-from test_attention import make_case
+from test_attention import FEATURE_NAMES, check_features, make_case
 from test_mla import DECOMPRESS_CASES, make_mla_case, varlen_q_lens
 from kvkernels import ops, reference
 
@@ -309,22 +308,6 @@ def test_paged_attention_simt_16bit(emu, config, mode, monkeypatch):
     run_emu_attention(emu, kv, query, qsl, path=SIMT)
 
 
-def attention_features(b, d):
-    """test_attention.features: window widths at block boundaries, soft cap, ALiBi, sinks, all."""
-    hq = 8
-    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / hq) for h in range(hq)], dtype=f32)
-    sinks = randn(hq, gen=generator(7), std=2.0)
-    return {
-        "window0": dict(window_left=0),
-        "window=B-1": dict(window_left=b - 1),
-        "window=2B+1": dict(window_left=2 * b + 1),
-        "softcap": dict(soft_cap=1.5, scale=2.0 / math.sqrt(d)),
-        "alibi": dict(alibi_slopes=slopes),
-        "sinks": dict(sinks=sinks),
-        "all": dict(window_left=b, soft_cap=2.0, scale=1.5 / math.sqrt(d), alibi_slopes=slopes, sinks=sinks),
-    }
-
-
 # id: dtype, fp8, per-head, layout, Hkv, D, B (Hq = 8)
 FEATURE_CONFIGS = {
     "f32-NHD-b16": (f32, None, False, "NHD", 2, 64, 16),
@@ -335,20 +318,13 @@ FEATURE_CONFIGS = {
 
 
 @pytest.mark.parametrize("mode", ["decode", "varlen"])
-@pytest.mark.parametrize("feature", list(attention_features(16, 64)))
+@pytest.mark.parametrize("feature", FEATURE_NAMES)
 @pytest.mark.parametrize("config", FEATURE_CONFIGS.values(), ids=FEATURE_CONFIGS.keys())
 def test_paged_attention_features(emu, config, feature, mode):
-    dtype, fp8, per_head, layout, hkv, d, b = config
-    seq_lens = [2 * b, 2 * b + 1, 3 * b - 1, 1, 0, b, 40, 100]
-    kv, query, qsl = make_case(mode, seq_lens, dtype=dtype, num_heads=8, num_kv_heads=hkv, head_dim=d,
-                               block_size=b, layout=layout, fp8=fp8, per_head=per_head, seed=3)
-    kwargs = attention_features(b, d)[feature]
-    out, lse, _ = run_emu_attention(emu, kv, query, qsl, **kwargs)
-    if mode == "decode":  # sequence 4 is empty: out = 0, lse = -inf, or the sink logit
-        assert torch.equal(out[4], torch.zeros_like(out[4]))
-        sinks = kwargs.get("sinks")
-        expected = sinks if sinks is not None else torch.full((8,), float("-inf"))
-        assert_close(lse[4], expected, f32, msg="lse of the empty sequence")
+    """test_attention's feature cases (window edges, soft cap, ALiBi, sinks, scale, all) on the emulated kernels,
+    plus a sequence long enough for several key tiles."""
+    check_features(lambda kv, q, qsl, **kw: run_emu_attention(emu, kv, q, qsl, **kw)[:2], config, feature, mode,
+                   more_seq_lens=(100,))
 
 
 # id: dtype, fp8, layout, B, Hkv, D
