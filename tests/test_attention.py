@@ -35,9 +35,11 @@ def make_case(mode, seq_lens, *, dtype, num_heads, num_kv_heads, head_dim, block
     return kv, query, qsl
 
 
-def run_paged_attention(kv, query, qsl=None, **kwargs):
-    """Kernel vs reference (float64 query and caches; fp8 caches as they are); returns the kernel result."""
-    out, lse = ops.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl,
+def run_paged_attention(kv, query, qsl=None, op=ops.paged_attention, **kwargs):
+    """Kernel vs reference (float64 query and caches; fp8 caches as they are); returns the kernel result.
+    ``op``: the kernel, ``ops.paged_attention``'s signature (tests/test_cuda_emulated.py passes the emulated
+    CUDA one)."""
+    out, lse = op(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl,
                                    **kwargs, **kv.scales)
     kr, vr = kv.ref_caches()
     ref_out, ref_lse = reference.paged_attention(upcast(query), kr, vr, kv.block_tables, kv.seq_lens, qsl,

@@ -18,6 +18,7 @@ where the emulator would be slow (it runs a 64-row CTA of 576-wide rows in about
 """
 
 import dataclasses
+import functools
 import os
 import sys
 
@@ -27,7 +28,7 @@ import torch
 import kvkernels  # noqa: F401
 import test_cache_ops as cache_tests
 from helpers import assert_bytes_equal, assert_close, generator, make_paged_kv, make_query, query_start_loc, randn, upcast
-from test_attention import FEATURE_NAMES, check_features, make_case
+from test_attention import FEATURE_NAMES, check_features, make_case, run_paged_attention
 from test_mla import DECOMPRESS_CASES, make_mla_case, varlen_q_lens
 from kvkernels import ops, reference
 
@@ -223,6 +224,14 @@ def plan_of(emu, kv, query, qsl):
     return dict(path=path, dpad=dpad, splits=splits, heads_per_cta=hpc, q_tile=q_tile, grid=(gx, gy))
 
 
+def emulated_paged_attention(emu, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
+                             scale=None, window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None,
+                             v_scale=None):
+    """``kvkernels_emu::paged_attention`` (positional schema) with ``ops.paged_attention``'s signature."""
+    return emu.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                               window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale)
+
+
 def run_emu_attention(emu, kv, query, qsl=None, *, path=None, splits=None, **kwargs):
     """Emulated CUDA kernels vs the float64 reference (test_attention.run_paged_attention's checks);
     `path` / `splits`: the plan the case is meant to exercise, asserted so it cannot drift."""
@@ -231,23 +240,7 @@ def run_emu_attention(emu, kv, query, qsl=None, *, path=None, splits=None, **kwa
         assert plan["path"] == path, plan
     if splits is not None:
         assert splits(plan["splits"]), plan
-    args = dict(scale=None, window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, **kv.scales)
-    args.update(kwargs)
-    out, lse = emu.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl,
-                                   args["scale"], args["window_left"], args["soft_cap"], args["alibi_slopes"],
-                                   args["sinks"], args.get("k_scale"), args.get("v_scale"))
-    kr, vr = kv.ref_caches()
-    ref_out, ref_lse = reference.paged_attention(upcast(query), kr, vr, kv.block_tables, kv.seq_lens, qsl,
-                                                 **kwargs, **kv.scales)
-    t, hq, d = query.shape
-    assert out.dtype == query.dtype and out.shape == (t, hq, d) and out.is_contiguous()
-    assert lse.dtype == torch.float32 and lse.shape == (t, hq)
-    assert_close(out, ref_out, query.dtype, msg="out")
-    assert_close(lse, ref_lse, f32, msg="lse")
-    # assert_close skips the reference's non-finite entries: those must match exactly.
-    bad = ~torch.isfinite(ref_lse)
-    assert torch.equal(lse[bad], ref_lse[bad].float()), "lse where the reference is not finite"
-    assert not out[torch.isfinite(ref_out)].isnan().any()
+    out, lse = run_paged_attention(kv, query, qsl, op=functools.partial(emulated_paged_attention, emu), **kwargs)
     return out, lse, plan
 
 
@@ -460,11 +453,8 @@ def run_emu_mla_attention(emu, mla, q, qsl, scale, *, path=None, splits=None):
     ref_out, ref_lse = reference.mla_paged_attention(upcast(q), mla.ref_cache(), mla.block_tables, mla.seq_lens,
                                                      kv_lora_rank=r, scale=scale, query_start_loc=qsl,
                                                      kv_scale=mla.scale)
-    assert_close(out, ref_out, q.dtype, msg="out")
+    assert_close(out, ref_out, q.dtype, msg="out")  # NaN / +-inf at the reference's positions, exactly
     assert_close(lse, ref_lse, f32, msg="lse")
-    bad = ~torch.isfinite(ref_lse)
-    assert torch.equal(lse[bad], ref_lse[bad].float()), "lse where the reference is not finite"
-    assert not out[torch.isfinite(ref_out)].isnan().any()
     return out, lse, plan
 
 
