@@ -68,6 +68,15 @@ def cuda_only(*ops: str) -> list:
                                reason="kvkernels was built without its CUDA kernels (torch without CUDA or no nvcc)")]
 
 
+def force_cuda_plan(monkeypatch, op: str, kind: str | None, splits: int | None) -> None:
+    """Force the CUDA planner of ``op`` ("ATTN" or "MLA") through KVKERNELS_CUDA_<op>_PATH / _SPLITS for
+    one test; ``None`` leaves that choice to the planner (the variable is unset)."""
+    for name, value in ((f"KVKERNELS_CUDA_{op}_PATH", kind), (f"KVKERNELS_CUDA_{op}_SPLITS", splits)):
+        monkeypatch.delenv(name, raising=False)
+        if value:
+            monkeypatch.setenv(name, str(value))
+
+
 def require_kernel(op: str, device: str) -> None:
     """Skip (with the reason) when ``op`` has no kernel for ``device`` in this build."""
     if not has_kernel(op, device):

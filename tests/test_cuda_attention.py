@@ -21,13 +21,11 @@ Every test skips, with the reason, without a CUDA device or without the CUDA ker
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from helpers import (TOLERANCES, cuda_only, assert_close, generator, make_paged_kv, make_query, query_start_loc, randn,
-                     upcast)
+from helpers import (TOLERANCES, assert_close, cuda_only, force_cuda_plan, generator, make_paged_kv, make_query,
+                     query_start_loc, randn, upcast)
 from kvkernels import ops, reference
 from test_attention import CONFIGS, FEATURE_CONFIGS, FEATURE_NAMES, LONG_CONFIGS, features, make_case
 
@@ -45,12 +43,7 @@ PATHS = {"auto": (None, None), "simt": ("simt", None), "auto-split5": (None, 5),
 @pytest.fixture(params=list(PATHS), ids=list(PATHS))
 def path(request, monkeypatch):
     kind, splits = PATHS[request.param]
-    monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
-    monkeypatch.delenv("KVKERNELS_CUDA_ATTN_SPLITS", raising=False)
-    if kind:
-        monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", kind)
-    if splits:
-        monkeypatch.setenv("KVKERNELS_CUDA_ATTN_SPLITS", str(splits))
+    force_cuda_plan(monkeypatch, "ATTN", kind, splits)
     return request.param
 
 

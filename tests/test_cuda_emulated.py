@@ -27,7 +27,8 @@ import torch
 
 import kvkernels  # noqa: F401
 import test_cache_ops as cache_tests
-from helpers import assert_bytes_equal, assert_close, generator, make_paged_kv, make_query, query_start_loc, randn, upcast
+from helpers import (assert_bytes_equal, assert_close, force_cuda_plan, generator, make_paged_kv, make_query,
+                     query_start_loc, randn, upcast)
 from test_attention import FEATURE_NAMES, check_features, make_case, run_paged_attention
 from test_mla import DECOMPRESS_CASES, make_mla_case, varlen_q_lens
 from kvkernels import ops, reference
@@ -404,12 +405,7 @@ MLA_PATHS = {"auto": (None, None), "simt": ("simt", None), "mma16": ("mma16", No
 @pytest.fixture(params=list(MLA_PATHS), ids=list(MLA_PATHS))
 def mla_path(request, monkeypatch):
     kind, splits = MLA_PATHS[request.param]
-    monkeypatch.delenv("KVKERNELS_CUDA_MLA_PATH", raising=False)
-    monkeypatch.delenv("KVKERNELS_CUDA_MLA_SPLITS", raising=False)
-    if kind:
-        monkeypatch.setenv("KVKERNELS_CUDA_MLA_PATH", kind)
-    if splits:
-        monkeypatch.setenv("KVKERNELS_CUDA_MLA_SPLITS", str(splits))
+    force_cuda_plan(monkeypatch, "MLA", kind, splits)
     return kind, splits
 
 
@@ -505,8 +501,7 @@ MLA_DEEPSEEK_CASES = {
 @pytest.mark.parametrize("mode", ["decode", "varlen"])
 @pytest.mark.parametrize("case", MLA_DEEPSEEK_CASES.values(), ids=MLA_DEEPSEEK_CASES.keys())
 def test_mla_paged_attention_deepseek(emu, case, mode, monkeypatch):
-    monkeypatch.delenv("KVKERNELS_CUDA_MLA_PATH", raising=False)
-    monkeypatch.delenv("KVKERNELS_CUDA_MLA_SPLITS", raising=False)
+    force_cuda_plan(monkeypatch, "MLA", None, None)
     dtype, fp8, r, p, h, b, strided = case
     if mode == "varlen" and h > 64:
         pytest.skip("too slow on the emulator (H 128 decode covers two head chunks of 64 rows)")
@@ -525,10 +520,7 @@ def test_mla_long_context(emu, dtype, fp8, mode, splits, monkeypatch):
     """Thousands of keys over few sequences: the planner (4 emulated SMs) splits them; forced counts
     cover no split and more splits than the short sequences have key tiles (empty splits)."""
     from helpers import make_paged_mla
-    monkeypatch.delenv("KVKERNELS_CUDA_MLA_PATH", raising=False)
-    monkeypatch.delenv("KVKERNELS_CUDA_MLA_SPLITS", raising=False)
-    if splits:
-        monkeypatch.setenv("KVKERNELS_CUDA_MLA_SPLITS", str(splits))
+    force_cuda_plan(monkeypatch, "MLA", None, splits)
     seq_lens = [2100, 1, 700]
     mla = make_paged_mla(seq_lens, 128, 16, 64, dtype=dtype, fp8=fp8, seed=41)
     q_lens = [1, 1, 1] if mode == "decode" else [min(n, 6) for n in seq_lens]
@@ -544,8 +536,7 @@ def test_mla_long_context(emu, dtype, fp8, mode, splits, monkeypatch):
 @pytest.mark.parametrize("dtype", [f32, bf16])
 def test_mla_decode_plan_depends_on_shapes_only(emu, dtype, monkeypatch):
     """As test_decode_plan_depends_on_shapes_only, for mla_paged_attention."""
-    monkeypatch.delenv("KVKERNELS_CUDA_MLA_PATH", raising=False)
-    monkeypatch.delenv("KVKERNELS_CUDA_MLA_SPLITS", raising=False)
+    force_cuda_plan(monkeypatch, "MLA", None, None)
     mla, q, _ = make_mla_case("decode", [2100, 700], dtype, None, 128, 16, 16, 64, seed=44)
     plan = mla_plan_of(emu, mla, q, None)
     assert plan["splits"] > 1, plan

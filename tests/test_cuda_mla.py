@@ -28,8 +28,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import (TOLERANCES, cuda_only, assert_bytes_equal, assert_close, dense_attention, generator, make_paged_mla,
-                     make_query, query_start_loc, randn, upcast)
+from helpers import (TOLERANCES, assert_bytes_equal, assert_close, cuda_only, dense_attention, force_cuda_plan, generator,
+                     make_paged_mla, make_query, query_start_loc, randn, upcast)
 from kvkernels import ops, reference
 from test_cuda_attention import like_on, opt_on, poison_allocator
 from test_mla import DECOMPRESS_CASES, make_mla_case, random_weight, varlen_q_lens
@@ -56,12 +56,7 @@ def path(request, monkeypatch):
     if kind == "mma64" and 0 < _smem_optin() < 160 * 1024:
         pytest.skip(f"the 64-row tensor-core MLA kernel needs ~158 KiB of shared memory per block; this device "
                     f"allows {_smem_optin()} bytes")
-    monkeypatch.delenv("KVKERNELS_CUDA_MLA_PATH", raising=False)
-    monkeypatch.delenv("KVKERNELS_CUDA_MLA_SPLITS", raising=False)
-    if kind:
-        monkeypatch.setenv("KVKERNELS_CUDA_MLA_PATH", kind)
-    if splits:
-        monkeypatch.setenv("KVKERNELS_CUDA_MLA_SPLITS", str(splits))
+    force_cuda_plan(monkeypatch, "MLA", kind, splits)
     return request.param
 
 
