@@ -3,7 +3,7 @@
 the CPU with the emulator of tests/cuda_emu/cuda_emu.h, against the same checks as the CPU and
 CUDA tests (attention: the float64 reference, outputs poisoned before every launch).
 
-Opt-in (KVKERNELS_CUDA_EMU=1): building takes a minute or two. It needs the CUDA headers (nvcc's
+Opt-in (KVKERNELS_CUDA_EMU=1; `make cuda-emu-test`, which CI runs): building takes under a minute. It needs the CUDA headers (nvcc's
 include directory), not a GPU, and is how the kernels' logic was checked on a machine without one.
 What it cannot show: anything about real hardware (speed, alignment faults, races between CTAs,
 launch limits, the rounding order of real tensor cores) and the CUDA bindings (cache_ops_binding.cpp,
@@ -233,14 +233,20 @@ def emulated_paged_attention(emu, query, key_cache, value_cache, block_tables, s
                                window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale)
 
 
-def run_emu_attention(emu, kv, query, qsl=None, *, path=None, splits=None, **kwargs):
-    """Emulated CUDA kernels vs the float64 reference (test_attention.run_paged_attention's checks);
-    `path` / `splits`: the plan the case is meant to exercise, asserted so it cannot drift."""
-    plan = plan_of(emu, kv, query, qsl)
+def check_plan(plan, path, splits) -> None:
+    """The plan a case is meant to exercise (``path``; ``splits``: a predicate on the split count),
+    asserted so that a planner change cannot quietly move the case to another kernel."""
     if path is not None:
         assert plan["path"] == path, plan
     if splits is not None:
         assert splits(plan["splits"]), plan
+
+
+def run_emu_attention(emu, kv, query, qsl=None, *, path=None, splits=None, **kwargs):
+    """Emulated CUDA kernels vs the float64 reference (test_attention.run_paged_attention's checks);
+    `path` / `splits`: the plan the case is meant to exercise, asserted so it cannot drift."""
+    plan = plan_of(emu, kv, query, qsl)
+    check_plan(plan, path, splits)
     out, lse = run_paged_attention(kv, query, qsl, op=functools.partial(emulated_paged_attention, emu), **kwargs)
     return out, lse, plan
 
@@ -437,10 +443,7 @@ def run_emu_mla_attention(emu, mla, q, qsl, scale, *, path=None, splits=None):
     checks); outputs and split partials are poisoned before the launch. `path` / `splits`: the plan the
     case is meant to exercise, asserted so it cannot drift."""
     plan = mla_plan_of(emu, mla, q, qsl)
-    if path is not None:
-        assert plan["path"] == path, plan
-    if splits is not None:
-        assert splits(plan["splits"]), plan
+    check_plan(plan, path, splits)
     t, h, _ = q.shape
     r = mla.kv_lora_rank
     out, lse = emu.mla_paged_attention(q, mla.kv_cache, mla.block_tables, mla.seq_lens, r, scale, qsl, mla.scale)
