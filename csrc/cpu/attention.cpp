@@ -8,6 +8,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 #include "../index_checks.h"
@@ -86,6 +89,21 @@ int choose_splits(int64_t base_items, int64_t max_seq_len) {
   return int(std::min(wanted, most));
 }
 
+// Float scratch of this thread, reused across calls (grow-only; two slots: a worker's scratch and
+// the split partials of the calling thread, which is also a worker). A zeroed vector per call
+// cost a memset and page faults of a few hundred KiB, most of a small decode call. The kernels
+// write everything they read; with KVKERNELS_CPU_POISON_SCRATCH=1 (set by the tests) the buffer is
+// filled with NaN on every call, so a read of a stale value shows in the output.
+float* thread_scratch(int slot, size_t n) {
+  thread_local std::vector<float> buffers[2];
+  std::vector<float>& b = buffers[slot];
+  if (b.size() < n) b.resize(n);
+  const char* poison = std::getenv("KVKERNELS_CPU_POISON_SCRATCH");
+  if (poison != nullptr && std::strcmp(poison, "1") == 0)
+    std::fill(b.begin(), b.begin() + n, std::numeric_limits<float>::quiet_NaN());
+  return b.data();
+}
+
 void run_attention(const ArgCheck& c, const AttentionParams& p) {
   check_paged_kv_indices(c, p.kv);
   check_query_start_loc(c, p);
@@ -116,23 +134,20 @@ void run_attention(const ArgCheck& c, const AttentionParams& p) {
   }
   const int64_t n = static_cast<int64_t>(items.size());
 
-  std::vector<float> acc, m, d;
   AttentionPartials partials;
   if (plan.splits > 1) {
     const size_t rows = size_t(n) * plan.heads * plan.max_rows;
-    acc.resize(rows * plan.dv);
-    m.resize(rows);
-    d.resize(rows);
-    partials = {acc.data(), m.data(), d.data()};
+    float* acc = thread_scratch(1, rows * (plan.dv + 2));
+    partials = {acc, acc + rows * plan.dv, acc + rows * (plan.dv + 1)};
   }
   // Items differ in cost (causal prefill tiles see more keys the later they are), so each worker
   // takes the next item from a shared counter instead of a fixed contiguous range.
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(n, torch::stable::get_num_threads());
   torch::stable::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch(attention_scratch_floats(plan));
+    float* scratch = thread_scratch(0, attention_scratch_floats(plan));
     for (int64_t i = next++; i < n; i = next++)
-      kernels.attend(p, plan, items.data(), i, i + 1, scratch.data(), partials);
+      kernels.attend(p, plan, items.data(), i, i + 1, scratch, partials);
   });
   if (plan.splits > 1) {
     torch::stable::parallel_for(0, n / plan.splits, 1, [&](int64_t begin, int64_t end) {
