@@ -117,6 +117,20 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def unaligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into the middle of wider rows (``[..., 2:2 + W]`` of NaN-filled ``W + 6``-wide
+    rows): the same values with rows that are not 16-byte aligned, for the kernels' fallback from
+    aligned (cp.async / 16-byte) loads. A read outside the view meets NaN."""
+    width = t.shape[-1]
+    wide = poison(torch.empty(*t.shape[:-1], width + 6, dtype=t.dtype, device=t.device))
+    view = wide[..., 2:2 + width]
+    if is_fp8(t.dtype):
+        view.view(torch.uint8).copy_(t.view(torch.uint8))
+    else:
+        view.copy_(t)
+    return view
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of ``t`` (NaN-safe exact comparison), shape [..., last * itemsize]."""
     t = t.detach().cpu().contiguous()

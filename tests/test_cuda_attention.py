@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from helpers import (TOLERANCES, assert_close, cuda_only, force_cuda_plan, generator, make_paged_kv, make_query,
-                     query_start_loc, randn, upcast)
+                     query_start_loc, randn, unaligned_copy, upcast)
 from kvkernels import ops, reference
 from test_attention import CONFIGS, FEATURE_CONFIGS, FEATURE_NAMES, LONG_CONFIGS, features, make_case
 
@@ -237,22 +237,13 @@ def test_gqa_ratios(hq, hkv, dtype, mode, path):
 @pytest.mark.parametrize("mode", ["decode", "varlen"])
 @pytest.mark.parametrize("dtype,fp8", [(f32, None), (bf16, None), (f16, "e4m3")], ids=["f32", "bf16", "e4m3"])
 def test_unaligned_cache_rows(dtype, fp8, mode, path):
-    """Caches whose rows are not 16-byte aligned (a [..., 4:4+D] slice of wider rows) take the plain-load
+    """Caches whose rows are not 16-byte aligned (a [..., 2:2+D] slice of wider rows, NaN around it) take the plain-load
     fallback instead of cp.async; the query is a strided slice too."""
     d, b = 64, 16
     kv, query, qsl = make_case(mode, [40, 9, 0, 16], dtype=dtype, num_heads=8, num_kv_heads=2, head_dim=d,
                                block_size=b, fp8=fp8, strided="fused", seed=29)
     for name in ("key_cache", "value_cache"):
-        t = getattr(kv, name)
-        wide = torch.empty(*t.shape[:-1], d + 6, dtype=t.dtype)
-        view = wide[..., 2:2 + d]
-        if fp8:
-            wide.view(torch.uint8).fill_(0x7F)  # NaN
-            view.view(torch.uint8).copy_(t.view(torch.uint8))
-        else:
-            wide.fill_(float("nan"))
-            view.copy_(t)
-        setattr(kv, name, view)
+        setattr(kv, name, unaligned_copy(getattr(kv, name)))
     run_cuda(kv, query, qsl)
 
 

@@ -28,7 +28,7 @@ import torch
 import kvkernels  # noqa: F401
 import test_cache_ops as cache_tests
 from helpers import (assert_bytes_equal, assert_close, force_cuda_plan, generator, make_paged_kv, make_query,
-                     query_start_loc, randn, upcast)
+                     query_start_loc, randn, unaligned_copy, upcast)
 from test_attention import FEATURE_NAMES, check_features, make_case, run_paged_attention
 from test_mla import DECOMPRESS_CASES, make_mla_case, varlen_q_lens
 from kvkernels import ops, reference
@@ -615,16 +615,7 @@ def test_mla_unaligned_cache_rows(emu, dtype, fp8, mla_path):
         pytest.skip("float32 q has only the SIMT kernel")
     r, p = 64, 16
     mla, q, qsl = make_mla_case("decode", [40, 9, 0, 16], dtype, fp8, r, p, 8, 16, seed=29)
-    t = mla.kv_cache
-    wide = torch.empty(*t.shape[:-1], r + p + 6, dtype=t.dtype)
-    view = wide[..., 2:2 + r + p]
-    if fp8:
-        wide.view(torch.uint8).fill_(0x7F)  # NaN
-        view.view(torch.uint8).copy_(t.view(torch.uint8))
-    else:
-        wide.fill_(float("nan"))
-        view.copy_(t)
-    mla.kv_cache = view
+    mla.kv_cache = unaligned_copy(mla.kv_cache)
     run_emu_mla_attention(emu, mla, q, qsl, 0.1)
 
 

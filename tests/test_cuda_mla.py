@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from helpers import (TOLERANCES, assert_bytes_equal, assert_close, cuda_only, dense_attention, force_cuda_plan, generator,
-                     make_paged_mla, make_query, query_start_loc, randn, upcast)
+                     make_paged_mla, make_query, query_start_loc, randn, unaligned_copy, upcast)
 from kvkernels import ops, reference
 from test_cuda_attention import like_on, opt_on, poison_allocator
 from test_mla import DECOMPRESS_CASES, make_mla_case, random_weight, varlen_q_lens
@@ -188,16 +188,7 @@ def test_unaligned_cache_rows(dtype, fp8, path):
     plain-load fallback instead of cp.async."""
     r, p = 64, 16
     mla, q, qsl = make_mla_case("decode", [40, 9, 0, 16], dtype, fp8, r, p, 8, 16, seed=29)
-    t = mla.kv_cache
-    wide = torch.empty(*t.shape[:-1], r + p + 6, dtype=t.dtype)
-    view = wide[..., 2:2 + r + p]
-    if fp8:
-        wide.view(torch.uint8).fill_(0x7F)  # NaN
-        view.view(torch.uint8).copy_(t.view(torch.uint8))
-    else:
-        wide.fill_(float("nan"))
-        view.copy_(t)
-    mla.kv_cache = view
+    mla.kv_cache = unaligned_copy(mla.kv_cache)
     run_attention(mla, q, qsl, 0.1)
 
 
