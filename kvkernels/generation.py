@@ -10,8 +10,10 @@ adds, plus a copy of the partly filled block it diverged in (copy-on-write).
   the path branches into ``branch_factor`` paths (distinct tokens). At most ``max_paths`` paths are
   live; beyond that the candidates with the lowest cumulative log-probability are pruned.
 * ``parallel_sample``: ``n`` independent samples of one prompt, prefilled once.
-* ``beam_search``: ``model.generate(num_beams=...)`` after one prefill of each prompt (the beams are
-  forks), beam reorders permuting block tables (see the integration).
+* ``prefill_once``: a ``custom_generate`` callable for ``model.generate()`` (beam search, or
+  ``num_return_sequences`` samples): each prompt is computed once and its rows fork it, where plain
+  ``generate()`` computes it once per row. ``beam_search`` is ``generate(num_beams=...)`` with it;
+  beam reorders permute block tables (see the integration).
 * ``generate_shared_prefix``: a batch of requests that start with one shared prefix (a system
   prompt): the prefix is prefilled once and every request forks it, then ``model.generate()``.
 
@@ -60,7 +62,7 @@ from torch import Tensor
 from kvkernels.integrations.transformers import PagedCache, register
 
 __all__ = ["EntropyAdaptiveBranching", "GenerationPath", "GenerationResult", "BeamSearchResult",
-           "SharedPrefixResult", "parallel_sample", "beam_search", "generate_shared_prefix", "shared_prefix_batch",
+           "SharedPrefixResult", "parallel_sample", "prefill_once", "beam_search", "generate_shared_prefix", "shared_prefix_batch",
            "normalized_entropy", "inverse_cdf", "draw_distinct"]
 
 MB = 2 ** 20
@@ -518,14 +520,66 @@ def _positions(mask: Optional[Tensor], batch: int, length: int, device) -> Tenso
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def prefill_once(model, input_ids: Tensor, logits_processor, stopping_criteria, generation_config,
+                 synced_gpus: bool = False, streamer=None, **model_kwargs):
+    """A ``custom_generate`` callable for ``model.generate()``: the prompt is computed once per input
+    instead of once per beam / returned sequence.
+
+    ``model.generate(ids, past_key_values=PagedCache(model.config), num_beams=8,
+    custom_generate=kvkernels.generation.prefill_once)`` returns what the same call without
+    ``custom_generate`` returns. ``generate()`` has already expanded each input to ``num_beams``
+    (or ``num_return_sequences``) identical rows when it calls this; this runs the model once on one
+    row per input over all prompt tokens but the last, forks that row for its copies
+    (``batch_repeat_interleave``: zero-copy, the prompt's blocks shared), and hands over to
+    ``generate()``'s own decoding loop (``_beam_search`` / ``_sample``), whose first forward then
+    computes only the last prompt token of each row. Nothing to share (one row per input, or a
+    one-token prompt): the decoding loop runs as it is. transformers drops ``streamer`` for
+    ``custom_generate`` callables; it is not used."""
+    cache = model_kwargs.get("past_key_values")
+    if not isinstance(cache, PagedCache):
+        raise ValueError("kvkernels.generation.prefill_once: past_key_values: expected a PagedCache "
+                         f"(generate(..., past_key_values=PagedCache(model.config))), got {type(cache).__name__}")
+    if cache.sequences:
+        raise ValueError("kvkernels.generation.prefill_once: past_key_values: expected an empty PagedCache")
+    _check_model(model)
+    from transformers.generation.utils import GENERATION_MODES_MAPPING
+    method = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
+    if method not in ("_sample", "_beam_search"):
+        raise NotImplementedError(f"kvkernels.generation.prefill_once: generation mode "
+                                  f"{generation_config.get_generation_mode()!r} (greedy, sampling and beam search only)")
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise NotImplementedError("kvkernels.generation.prefill_once: inputs_embeds (pass input_ids)")
+    expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+    rows, length = input_ids.shape
+    if expand > 1 and length > 1 and not model.config.is_encoder_decoder:
+        mask = model_kwargs.get("attention_mask")
+        ids = input_ids[::expand]
+        same = torch.equal(input_ids, ids.repeat_interleave(expand, 0))
+        if mask is not None:
+            mask = mask[::expand]
+            same = same and torch.equal(model_kwargs["attention_mask"], mask.repeat_interleave(expand, 0))
+        if rows % expand or not same:
+            raise ValueError(f"kvkernels.generation.prefill_once: input_ids: expected groups of {expand} identical "
+                             f"rows (generate()'s expansion), got {rows} rows that are not")
+        mask = None if mask is None else mask[:, :-1]
+        with torch.no_grad():
+            model(input_ids=ids[:, :-1], attention_mask=mask, past_key_values=cache, use_cache=True,
+                  position_ids=_positions(mask, ids.shape[0], length - 1, input_ids.device), logits_to_keep=1)
+        cache.batch_repeat_interleave(expand)
+        cache.reserve(generation_config.max_length - length + 1)
+    extra = {"streamer": streamer} if method == "_sample" else {}
+    return getattr(type(model), method)(model, input_ids, logits_processor=logits_processor,
+                                        stopping_criteria=stopping_criteria, generation_config=generation_config,
+                                        synced_gpus=synced_gpus, **extra, **model_kwargs)
+
+
 def beam_search(model, input_ids: Tensor, num_beams: int = 4, max_new_tokens: int = 32, *,
                 attention_mask: Optional[Tensor] = None, cache: Optional[PagedCache] = None, block_size: int = 16,
                 progress: Progress = None, **generate_kwargs) -> BeamSearchResult:
-    """Beam search with each prompt prefilled once: ``model(prompt[:, :-1])`` on one row per prompt,
-    ``batch_repeat_interleave(num_beams)`` (zero-copy forks), then ``model.generate(input_ids,
-    num_beams=num_beams, past_key_values=cache, ...)`` which computes only the last prompt token.
-    ``input_ids`` ``[batch, L]`` (left padding with ``attention_mask``); other keyword arguments go to
-    ``generate()`` (``do_sample=False`` unless given)."""
+    """``model.generate(input_ids, num_beams=num_beams, custom_generate=prefill_once, ...)`` on a
+    ``PagedCache``: each prompt prefilled once, its beams forks of it. ``input_ids`` ``[batch, L]``
+    (left padding with ``attention_mask``); other keyword arguments go to ``generate()``
+    (``do_sample=False`` unless given). Returns the tokens with the memory report."""
     start = time.perf_counter()
     _check_model(model)
     cache = _new_cache(model, cache, block_size)
@@ -534,16 +588,11 @@ def beam_search(model, input_ids: Tensor, num_beams: int = 4, max_new_tokens: in
     batch, length = input_ids.shape
     generate_kwargs.setdefault("do_sample", False)
     prefill = 0
+    if length > 1 and num_beams > 1:  # what prefill_once computes: all but the last prompt token, once
+        prefill = batch * (length - 1) if attention_mask is None else int(attention_mask[:, :-1].sum())
     with torch.no_grad():
-        if length > 1:  # generate() needs one uncached prompt token
-            mask = None if attention_mask is None else attention_mask[:, :-1]
-            model(input_ids=input_ids[:, :-1], attention_mask=mask, past_key_values=cache, use_cache=True,
-                  position_ids=_positions(mask, batch, length - 1, input_ids.device), logits_to_keep=1)
-            prefill = batch * (length - 1) if mask is None else int(mask.sum())
-            cache.batch_repeat_interleave(num_beams)
-            cache.reserve(1 + max_new_tokens)
         out, probe = _generate(model, cache, input_ids, attention_mask, max_new_tokens, progress,
-                               dict(generate_kwargs, num_beams=num_beams))
+                               dict(generate_kwargs, num_beams=num_beams, custom_generate=prefill_once))
     return BeamSearchResult(_sequences(out), out, prefill, _memory_report(cache, probe), time.perf_counter() - start,
                             cache)
 

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 import kvkernels
 from kvkernels.generation import (EntropyAdaptiveBranching, beam_search, draw_distinct, generate_shared_prefix,
-                                  inverse_cdf, normalized_entropy, parallel_sample)
+                                  inverse_cdf, normalized_entropy, parallel_sample, prefill_once)
 from kvkernels.integrations.transformers import PagedCache
 
 from hf_models import build, config_for, left_padded_batch, model_pair
@@ -319,6 +319,79 @@ def test_beam_search_prefills_once_and_matches_stock(name):
     mem = result.memory
     assert mem["stored_bytes"] < mem["unshared_bytes"] / 2 and mem["split_rows"] == 0
     result.cache.kv.check_invariants()
+
+
+PREFILL_ONCE_MODES = {
+    "beam": dict(do_sample=False, num_beams=4, num_return_sequences=2),
+    "sample": dict(do_sample=True, top_k=20, num_return_sequences=3),
+    "beam_sample": dict(do_sample=True, num_beams=3),
+}
+
+
+@pytest.mark.parametrize("mode", list(PREFILL_ONCE_MODES))
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss", "deepseek_v3"])
+def test_generate_with_prefill_once_matches_stock(name, mode):
+    """generate(custom_generate=prefill_once): the same tokens and scores as stock generate(), the
+    prompt (all but its last token) computed once per input, then one token per expanded row."""
+    stock, paged = model_pair(name)
+    ids, mask = left_padded_batch()
+    kwargs = dict(PREFILL_ONCE_MODES[mode], max_new_tokens=8, output_scores=True, return_dict_in_generate=True)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        ref = stock.generate(ids, attention_mask=mask, **kwargs)
+    cache = PagedCache(paged.config, block_size=4)
+    spy = InputSpy(paged)
+    try:
+        torch.manual_seed(3)
+        with torch.no_grad():
+            out = paged.generate(ids, attention_mask=mask, past_key_values=cache, custom_generate=prefill_once,
+                                 **kwargs)
+    finally:
+        spy.close()
+    assert torch.equal(out.sequences, ref.sequences)
+    if "num_beams" in kwargs:
+        torch.testing.assert_close(out.sequences_scores, ref.sequences_scores, rtol=1e-4, atol=1e-5)
+    else:
+        for a, b in zip(out.scores, ref.scores):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    rows, expand = ids.shape[0], max(kwargs.get("num_beams", 1), kwargs.get("num_return_sequences", 1))
+    assert spy.shapes[0] == (rows, ids.shape[1] - 1)
+    assert all(s == (rows * expand, 1) for s in spy.shapes[1:]) and len(spy.shapes) == 9
+    usage = cache.memory_usage()
+    assert usage["stored_tokens"] < usage["unshared_tokens"] and cache.split_rows == 0
+    cache.kv.check_invariants()
+
+
+def test_prefill_once_without_copies_is_plain_generate():
+    """One row per input (greedy): nothing to share, the decoding loop runs as it is."""
+    stock, paged = model_pair("llama")
+    ids, mask = left_padded_batch()
+    spy = InputSpy(paged)
+    try:
+        with torch.no_grad():
+            out = paged.generate(ids, attention_mask=mask, past_key_values=PagedCache(paged.config),
+                                 custom_generate=prefill_once, max_new_tokens=5, do_sample=False)
+    finally:
+        spy.close()
+    with torch.no_grad():
+        ref = stock.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert torch.equal(out, ref) and spy.shapes[0] == tuple(ids.shape)
+
+
+def test_prefill_once_argument_checks():
+    stock, paged = model_pair("llama")
+    ids = torch.tensor([[3, 4, 5, 6]])
+    beams = dict(num_beams=2, max_new_tokens=2, do_sample=False, custom_generate=prefill_once)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="past_key_values: expected a PagedCache"):
+            paged.generate(ids, **beams)  # generate() made a DynamicCache
+        with pytest.raises(ValueError, match="past_key_values: expected an empty PagedCache"):
+            paged.generate(ids, past_key_values=_non_empty_cache(paged), **beams)
+        with pytest.raises(ValueError, match="attn_implementation"):
+            stock.generate(ids, past_key_values=PagedCache(stock.config), **beams)
+        with pytest.raises(NotImplementedError, match="inputs_embeds"):
+            paged.generate(inputs_embeds=paged.model.embed_tokens(ids), past_key_values=PagedCache(paged.config),
+                           **beams)
 
 
 @pytest.mark.parametrize("mode", [dict(do_sample=False), dict(do_sample=False, num_beams=3)])
