@@ -532,14 +532,17 @@ def prefill_once(model, input_ids: Tensor, logits_processor, stopping_criteria, 
     row per input over all prompt tokens but the last, forks that row for its copies
     (``batch_repeat_interleave``: zero-copy, the prompt's blocks shared), and hands over to
     ``generate()``'s own decoding loop (``_beam_search`` / ``_sample``), whose first forward then
-    computes only the last prompt token of each row. Nothing to share (one row per input, or a
-    one-token prompt): the decoding loop runs as it is. transformers drops ``streamer`` for
+    computes only the last prompt token of each row. Nothing to share (one row per input, a
+    one-token prompt, or an encoder-decoder model, whose encoder ``generate()`` already runs once
+    per input and whose cross-attention K/V ``PagedEncoderDecoderCache`` already shares): the
+    decoding loop runs as it is. transformers drops ``streamer`` for
     ``custom_generate`` callables; it is not used."""
     cache = model_kwargs.get("past_key_values")
-    if not isinstance(cache, PagedCache):
+    decoder = getattr(cache, "self_attention_cache", cache)  # PagedEncoderDecoderCache: its decoder half
+    if not isinstance(decoder, PagedCache):
         raise ValueError("kvkernels.generation.prefill_once: past_key_values: expected a PagedCache "
                          f"(generate(..., past_key_values=PagedCache(model.config))), got {type(cache).__name__}")
-    if cache.sequences:
+    if decoder.sequences:
         raise ValueError("kvkernels.generation.prefill_once: past_key_values: expected an empty PagedCache")
     _check_model(model)
     from transformers.generation.utils import GENERATION_MODES_MAPPING

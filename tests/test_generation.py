@@ -20,7 +20,7 @@ from kvkernels.generation import (EntropyAdaptiveBranching, beam_search, draw_di
                                   inverse_cdf, normalized_entropy, parallel_sample, prefill_once)
 from kvkernels.integrations.transformers import PagedCache
 
-from hf_models import build, config_for, left_padded_batch, model_pair
+from hf_models import bart_pair, build, config_for, left_padded_batch, model_pair
 
 EOS = 2
 # initializer_range 0.3: next-token entropies of this tiny model spread over ~0.0-0.75 (the default
@@ -376,6 +376,18 @@ def test_prefill_once_without_copies_is_plain_generate():
     with torch.no_grad():
         ref = stock.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     assert torch.equal(out, ref) and spy.shapes[0] == tuple(ids.shape)
+
+
+def test_prefill_once_encoder_decoder_runs_generate_as_it_is():
+    """BART: generate() runs the encoder once per input and PagedEncoderDecoderCache shares the
+    cross-attention K/V among the beams; the decoder prompt is one token: nothing to do."""
+    stock, paged = bart_pair()
+    ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    beams = dict(num_beams=3, num_return_sequences=2, max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        ref = stock.generate(ids, **beams)
+        out = paged.generate(ids, past_key_values=PagedCache(paged.config), custom_generate=prefill_once, **beams)
+    assert torch.equal(out, ref)
 
 
 def test_prefill_once_argument_checks():
