@@ -536,7 +536,8 @@ def prefill_once(model, input_ids: Tensor, logits_processor, stopping_criteria, 
     one-token prompt, or an encoder-decoder model, whose encoder ``generate()`` already runs once
     per input and whose cross-attention K/V ``PagedEncoderDecoderCache`` already shares): the
     decoding loop runs as it is. transformers drops ``streamer`` for
-    ``custom_generate`` callables; it is not used."""
+    ``custom_generate`` callables; it is not used. With ``output_hidden_states`` the first step's
+    hidden states cover only the last prompt token (the prefill's outputs are not returned)."""
     cache = model_kwargs.get("past_key_values")
     decoder = getattr(cache, "self_attention_cache", cache)  # PagedEncoderDecoderCache: its decoder half
     if not isinstance(decoder, PagedCache):
