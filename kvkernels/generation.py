@@ -62,8 +62,8 @@ from torch import Tensor
 from kvkernels.integrations.transformers import PagedCache, register
 
 __all__ = ["EntropyAdaptiveBranching", "GenerationPath", "GenerationResult", "BeamSearchResult",
-           "SharedPrefixResult", "parallel_sample", "prefill_once", "beam_search", "generate_shared_prefix", "shared_prefix_batch",
-           "normalized_entropy", "inverse_cdf", "draw_distinct"]
+           "SharedPrefixResult", "parallel_sample", "prefill_once", "beam_search", "generate_shared_prefix",
+           "shared_prefix_batch", "normalized_entropy", "inverse_cdf", "draw_distinct"]
 
 MB = 2 ** 20
 Progress = Optional[Callable[[int, int], None]]  # progress(steps done, steps in all)
@@ -550,7 +550,8 @@ def prefill_once(model, input_ids: Tensor, logits_processor, stopping_criteria, 
     method = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
     if method not in ("_sample", "_beam_search"):
         raise NotImplementedError(f"kvkernels.generation.prefill_once: generation mode "
-                                  f"{generation_config.get_generation_mode()!r} (greedy, sampling and beam search only)")
+                                  f"{generation_config.get_generation_mode()!r} (greedy, sampling and beam "
+                                  f"search only)")
     if model_kwargs.get("inputs_embeds") is not None:
         raise NotImplementedError("kvkernels.generation.prefill_once: inputs_embeds (pass input_ids)")
     expand = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
@@ -592,7 +593,7 @@ def beam_search(model, input_ids: Tensor, num_beams: int = 4, max_new_tokens: in
     batch, length = input_ids.shape
     generate_kwargs.setdefault("do_sample", False)
     prefill = 0
-    if length > 1 and num_beams > 1:  # what prefill_once computes: all but the last prompt token, once
+    if length > 1 and num_beams > 1 and not model.config.is_encoder_decoder:  # what prefill_once computes
         prefill = batch * (length - 1) if attention_mask is None else int(attention_mask[:, :-1].sum())
     with torch.no_grad():
         out, probe = _generate(model, cache, input_ids, attention_mask, max_new_tokens, progress,

@@ -432,7 +432,8 @@ def run(args: argparse.Namespace, argv: list) -> int:
     greedy_ids = torch.randint(3, vocab, (shapes.batch, shapes.prompt), generator=gen)
     beam_ids = torch.randint(3, vocab, (1, shapes.beam_prompt), generator=gen)
     cases_plan = [("greedy", ["stock", "kvkernels"], greedy_ids, shapes.new, 1),
-                  ("beam", ["stock", "kvkernels", "stock prefill-once", "kvkernels prefill-once"], beam_ids, shapes.beam_new, shapes.beams)]
+                  ("beam", ["stock", "kvkernels", "stock prefill-once", "kvkernels prefill-once"], beam_ids,
+                   shapes.beam_new, shapes.beams)]
     cases_plan = [c for c in cases_plan if c[0] in args.generate_cases]
     count = [0]
 
