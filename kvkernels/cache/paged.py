@@ -13,7 +13,6 @@ every check that can fail runs before the first change, so a failed call changes
 
 from __future__ import annotations
 
-import math
 from typing import Iterable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
