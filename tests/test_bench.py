@@ -9,7 +9,7 @@ import torch  # noqa: F401  (libtorch before the kvkernels extension)
 from kvkernels import bench
 
 QUICK = ["--quick", "--dtypes", "bfloat16,fp8_e4m3"]
-KINDS = {"decode", "prefill", "copy_blocks", "reshape_and_cache", "gather_kv", "merge", "mla_decode"}
+KINDS = {"decode", "prefill", "copy_blocks", "reshape_and_cache", "gather_kv", "merge", "mla_decode", "cascade_decode"}
 
 
 @pytest.fixture(scope="module")

@@ -90,6 +90,24 @@ def test_generate_matches_stock(name, mode, monkeypatch):
         assert usage["stored_tokens"] < usage["unshared_tokens"] and cache.split_rows == 0
 
 
+@pytest.mark.parametrize("mode", ["beam", "sample"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma2", "gpt_oss", "mistral"])
+def test_cascade_decode_matches_stock(name, mode, monkeypatch):
+    """Rows that share their prompt's blocks (beams; num_return_sequences samples) attend those blocks
+    once per group (kvkernels.cache.cascade) in every layer without a sliding window or sinks, and
+    generate the stock tokens. cascade_min_tokens=4 so the 4-9 token prompts qualify."""
+    stock, paged = model_pair(name)
+    ids, mask = left_padded_batch()
+    counter = OpCounter(monkeypatch, "merge_attention_states")
+    extra = {} if mode == "beam" else dict(num_return_sequences=3)
+    ref, out, cache = generate_both(stock, paged, ids, mask, mode, dict(block_size=4, cascade_min_tokens=4), **extra)
+    assert_same_generation(ref, out, mode)
+    layers, steps = paged.config.num_hidden_layers, len(out.scores) - 1  # decode forwards
+    plain = {"llama": 0, "qwen2": 1, "gemma2": 1, "gpt_oss": layers, "mistral": layers}[name]  # window / sinks
+    assert counter.calls["merge_attention_states"] == (layers - plain) * steps
+    cache.kv.check_invariants()
+
+
 @pytest.mark.parametrize("name,feature", [
     ("mistral", dict(sliding_window=None)),
     ("qwen2", dict(sliding_window=64)),

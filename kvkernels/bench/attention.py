@@ -267,3 +267,50 @@ def mla_case(batch: int, context: int, settings: Settings, gen: torch.Generator)
     else:
         skip(case, ("gather+matmul",), "--no-baselines")
     return case
+
+
+def cascade_case(name: str, dtype: torch.dtype, beams: int, prefix: int, own: int, settings: Settings,
+                 gen: torch.Generator) -> CaseResult:
+    """Decode of ``beams`` rows that share a ``prefix``-token prompt and hold ``own`` tokens each
+    (beam search / parallel samples), 32 query / 8 kv heads of 128: ``cascade_attention`` (the
+    prompt's blocks read once for all rows, then each row's own, merged) against one plain
+    ``paged_attention`` call over the same block tables. Bytes: the distinct K/V bytes."""
+    from kvkernels.cache.cascade import cascade_attention, plan_cascade
+    shared, mine = prefix // BLOCK, -(-own // BLOCK)
+    num_blocks = shared + beams * mine
+    case = CaseResult(f"cascade_decode {name} {beams} beams {prefix}+{own}", "cascade_decode", name, beams,
+                      prefix + own, bytes=2 * (prefix + beams * own) * KV_HEADS * HEAD_DIM * dtype.itemsize,
+                      bandwidth_ref="read", check_reference=f"float32 attention of the first {CHECKED_SEQS} rows",
+                      note=f"{beams} rows share {prefix} prompt tokens (whole blocks) and hold {own} own tokens "
+                           f"each; bytes: the distinct K/V; baseline: one paged_attention call over the same "
+                           f"tables (reads the prompt once per row); the plan is built once per step in use, "
+                           f"outside the timing")
+    layer_bytes = 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
+    layers = num_layers(layer_bytes, settings)
+    ids = torch.randperm(num_blocks, generator=gen)
+    table = torch.cat([ids[:shared].expand(beams, shared), ids[shared:].view(beams, mine)], 1)
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    key, value = fill_random(torch.empty(shape, dtype=dtype), gen), fill_random(torch.empty(shape, dtype=dtype), gen)
+    keys = [key] + [key.clone() for _ in range(layers - 1)]
+    values = [value] + [value.clone() for _ in range(layers - 1)]
+    query = torch.randn(beams, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    seq_lens = torch.full((beams,), prefix + own, dtype=torch.int32)
+    tables = table.to(torch.int32)
+    plan = plan_cascade(tables.numpy(), seq_lens.numpy(), BLOCK, "cpu", min_shared_tokens=1)
+    expected = torch.stack([attention_f32(query[i:i + 1], sequence_f32(keys[0], table[i], prefix + own, None),
+                                          sequence_f32(values[0], table[i], prefix + own, None),
+                                          HEAD_DIM ** -0.5)[0] for i in range(CHECKED_SEQS)])
+
+    def check(out: Tensor) -> float:
+        return max_abs_diff(out[:CHECKED_SEQS], expected)
+
+    def kernel(i: int) -> Tensor:
+        return cascade_attention(query, keys[i % layers], values[i % layers], plan)[0]
+
+    def plain(i: int) -> Tensor:
+        return ops.paged_attention(query, keys[i % layers], values[i % layers], tables, seq_lens)[0]
+
+    tolerance = TOLERANCE[dtype]
+    run_impl(case, "kvkernels", kernel, layers, settings, baseline=False, verify=check, tolerance=tolerance)
+    run_impl(case, "paged_attention", plain, layers, settings, baseline=True, verify=check, tolerance=tolerance)
+    return case

@@ -33,13 +33,15 @@ class Shapes:
     gather: tuple  # (batch, context)
     merge_tokens: int
     mla: tuple  # (batch, context)
+    cascade: tuple  # (beams, shared prompt tokens, own tokens per beam)
     bandwidth_bytes: Optional[int]  # None: max(4 x LLC, 1 GiB)
     min_time: float
 
 
 FULL = Shapes((1, 8, 32), (512, 4096, 16384), (512, 4096), (32, 2048, 256), 4096, (8, 4096), 8192, (8, 4096),
-              None, 0.5)
-QUICK = Shapes((1, 2), (64, 256), (64, 256), (4, 64, 16), 256, (2, 256), 512, (2, 256), 64 << 20, 0.01)
+              (8, 4096, 40), None, 0.5)
+QUICK = Shapes((1, 2), (64, 256), (64, 256), (4, 64, 16), 256, (2, 256), 512, (2, 256), (2, 64, 8), 64 << 20,
+               0.01)
 
 Job = tuple[str, Callable[[Settings, torch.Generator], CaseResult]]
 
@@ -124,6 +126,9 @@ def plan(args: argparse.Namespace, shapes: Shapes) -> list[Job]:
         jobs.append(("merge_attention_states", functools.partial(cache_ops.merge_case,
                                                                  shapes.merge_tokens)))
         jobs.append(("mla_paged_attention", functools.partial(attention.mla_case, *shapes.mla)))
+        for name in ("bfloat16", "float32"):
+            jobs.append((f"cascade_decode {name}", functools.partial(attention.cascade_case, name, DTYPES[name],
+                                                                     *shapes.cascade)))
     return jobs
 
 

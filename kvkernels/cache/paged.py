@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvkernels import ops
+from kvkernels.cache.cascade import plan_cascade
 from kvkernels.cache.pool import BlockPool, EvictionPolicy, HashFn, encode_extra_keys
 from kvkernels.cache.sparse import SparsePolicy
 from kvkernels.cache.stats import CacheStats
@@ -654,6 +655,16 @@ class PagedKVCache:
         """int32 ``[len(seqs), max_blocks]`` block tables of ``seqs``, padded with the null block."""
         with self._lock:
             return self._gather_tables(self._batch_rows(seqs, "block_tables"))
+
+    def cascade_plan(self, seqs: Sequence[int], *, min_shared_tokens: int = 256):
+        """``kvkernels.cache.cascade.CascadePlan`` of a decode step of ``seqs`` (after their
+        ``append_decode``): groups of rows that share leading blocks, for ``cascade_attention``;
+        ``None`` when they do not share enough (see ``plan_cascade``)."""
+        with self._lock:
+            rows = self._batch_rows(seqs, "cascade_plan")
+            width = max(int(self._nblocks[rows].max()) if rows.size else 1, 1)
+            return plan_cascade(self._tables[rows, :width], self._kv_len[rows], self.block_size, self.device,
+                                min_shared_tokens=min_shared_tokens)
 
     def seq_lens(self, seqs: Sequence[int]) -> torch.Tensor:
         """int32 ``[len(seqs)]``: KV tokens of each sequence (what ``paged_attention`` attends)."""

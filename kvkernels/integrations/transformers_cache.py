@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvkernels import ops
 from kvkernels.cache import MLAPagedCache, OutOfBlocksError, PagedKVCache
+from kvkernels.cache.cascade import CascadePlan, cascade_attention
 from kvkernels.integrations.transformers_attention import PagedKV, new_token_mask
 from kvkernels.integrations.transformers_mla import latent_attention
 
@@ -33,6 +34,7 @@ class Step(NamedTuple):
     seq_lens: Tensor  # int32 [batch]: KV tokens per sequence, this forward's included
     query_start_loc: Optional[Tensor]  # int32 [batch + 1]; None: decode (one real token per row)
     real_index: Optional[Tensor]  # int64: rows of [batch * q] that are real tokens; None: all are
+    cascade: Optional[CascadePlan] = None  # decode rows sharing leading blocks (see cascade_min_tokens)
 
 
 def decoder_num_layers(text_config) -> int:
@@ -128,6 +130,10 @@ class PagedCache(Cache):
         num_blocks: blocks of the storage (block 0 is the null block). ``None``: sized on first use
             and grown (doubled) whenever an append would run out.
         dtype, device: of the storage; default: those of the first key states.
+        cascade_min_tokens: decode steps whose rows form groups sharing at least this many prompt
+            tokens on average (beams, parallel samples) attend the shared blocks once per group
+            (``kvkernels.cache.cascade``) in the layers without a sliding window or sinks; ``None``
+            turns it off.
 
     For an encoder-decoder config, ``PagedCache(config, ...)`` builds a ``PagedEncoderDecoderCache``
     (self-attention on a ``PagedCache``, one cross-attention copy per input shared by its beams).
@@ -141,17 +147,21 @@ class PagedCache(Cache):
         return super().__new__(cls)
 
     def __init__(self, config, block_size: int = 16, num_blocks: Optional[int] = None,
-                 dtype: Optional[torch.dtype] = None, device=None) -> None:
+                 dtype: Optional[torch.dtype] = None, device=None, cascade_min_tokens: Optional[int] = 256) -> None:
         text = config.get_text_config(decoder=True)
         if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 2):
             raise ValueError(f"kvkernels PagedCache: num_blocks: expected an int >= 2 or None, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"kvkernels PagedCache: block_size: expected an int >= 1, got {block_size!r}")
+        if cascade_min_tokens is not None and (not isinstance(cascade_min_tokens, int) or cascade_min_tokens < 1):
+            raise ValueError(f"kvkernels PagedCache: cascade_min_tokens: expected an int >= 1 or None, got "
+                             f"{cascade_min_tokens!r}")
         if dtype is not None and dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise ValueError("kvkernels PagedCache: fp8 storage needs scales; not supported by this integration")
         self.config = config
         self.num_layers = decoder_num_layers(text)
         self.block_size, self.dtype = block_size, dtype
+        self.cascade_min_tokens = cascade_min_tokens
         self.device = torch.device(device) if device is not None else None
         self._fixed_blocks = num_blocks
         # MLA (the classes of transformers_mla.MLA_ATTENTION_CLASSES): update() receives the latent
@@ -460,7 +470,10 @@ class PagedCache(Cache):
             except OutOfBlocksError as err:
                 self._grow(err.needed)
                 ds = self.kv.append_decode(self._seqs, zeros)
-            step = Step(ds.slot_mapping, ds.block_tables, ds.seq_lens, None, None)
+            cascade = None
+            if self.cascade_min_tokens is not None and not self.latent and batch > 1:
+                cascade = self.kv.cascade_plan(self._seqs, min_shared_tokens=self.cascade_min_tokens)
+            step = Step(ds.slot_mapping, ds.block_tables, ds.seq_lens, None, None, cascade)
         else:
             counts = np.full(batch, q, dtype=np.int64) if real is None else real.sum(1).astype(np.int64)
             base = self._base
@@ -575,9 +588,12 @@ class PagedCache(Cache):
         qry = query.transpose(1, 2).reshape(-1, heads, dim).to(self.dtype)
         if step.real_index is not None:
             qry = qry.index_select(0, step.real_index)
-        out, _ = ops.paged_attention(qry, key_cache, value_cache, step.block_tables, step.seq_lens,
-                                     step.query_start_loc, scale=scale, window_left=window_left,
-                                     soft_cap=soft_cap, sinks=None if sinks is None else sinks.float())
+        if step.cascade is not None and window_left < 0 and sinks is None:  # rows sharing a prompt
+            out, _ = cascade_attention(qry, key_cache, value_cache, step.cascade, scale=scale, soft_cap=soft_cap)
+        else:
+            out, _ = ops.paged_attention(qry, key_cache, value_cache, step.block_tables, step.seq_lens,
+                                         step.query_start_loc, scale=scale, window_left=window_left,
+                                         soft_cap=soft_cap, sinks=None if sinks is None else sinks.float())
         if step.real_index is not None:
             full = out.new_zeros((query.shape[0] * q, heads, out.shape[-1]))
             out = full.index_copy_(0, step.real_index, out)
