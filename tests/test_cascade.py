@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvkernels import reference
-from kvkernels.cache import PagedKVCache
+from kvkernels.cache import PagedKVCache, UnknownSequenceError
 from kvkernels.cache.cascade import cascade_attention, plan_cascade
 
 from helpers import DEVICES, assert_close, generator, randn
@@ -124,6 +124,8 @@ def test_paged_cache_plan_on_forks():
     assert plan.groups == 1 and plan.group_size == 4 and plan.prefix_lens.tolist() == [2 * BS]
     assert plan.suffix_lens.tolist() == [73 - 32, 73 - 32, 73 - 32, 43 - 32]
     assert cache.cascade_plan(seqs, min_shared_tokens=2 * BS + 1) is None
+    with pytest.raises(UnknownSequenceError):
+        cache.cascade_plan(seqs + [999])
     query = randn(4, 8, 64, gen=gen)
     out, _ = cascade_attention(query, cache.key_cache(0), cache.value_cache(0), plan)
     expected, _ = reference.paged_attention(query.double(), cache.key_cache(0), cache.value_cache(0),

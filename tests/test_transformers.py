@@ -108,6 +108,17 @@ def test_cascade_decode_matches_stock(name, mode, monkeypatch):
     cache.kv.check_invariants()
 
 
+def test_paged_cache_constructor_arguments():
+    config = model_pair("llama")[1].config
+    for kwargs, match in ((dict(cascade_min_tokens=0), "cascade_min_tokens: expected an int >= 1 or None"),
+                          (dict(cascade_min_tokens=2.5), "cascade_min_tokens"),
+                          (dict(num_blocks=1), "num_blocks: expected an int >= 2 or None"),
+                          (dict(block_size=0), "block_size: expected an int >= 1")):
+        with pytest.raises(ValueError, match=match):
+            PagedCache(config, **kwargs)
+    assert PagedCache(config, cascade_min_tokens=None).cascade_min_tokens is None
+
+
 @pytest.mark.parametrize("name,feature", [
     ("mistral", dict(sliding_window=None)),
     ("qwen2", dict(sliding_window=64)),
