@@ -58,6 +58,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 from torch import Tensor
+from transformers.generation.utils import GENERATION_MODES_MAPPING
 
 from kvkernels.integrations.transformers import PagedCache, register
 
@@ -546,7 +547,6 @@ def prefill_once(model, input_ids: Tensor, logits_processor, stopping_criteria, 
     if decoder.sequences:
         raise ValueError("kvkernels.generation.prefill_once: past_key_values: expected an empty PagedCache")
     _check_model(model)
-    from transformers.generation.utils import GENERATION_MODES_MAPPING
     method = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
     if method not in ("_sample", "_beam_search"):
         raise NotImplementedError(f"kvkernels.generation.prefill_once: generation mode "

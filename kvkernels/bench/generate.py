@@ -266,18 +266,13 @@ def run_once(model, impl: str, ids: torch.Tensor, new: int, beams: int, measure:
                 cache.batch_repeat_interleave(beams)
                 out = model.generate(ids, past_key_values=cache, logits_processor=LogitsProcessorList([clock]), **gen)
                 seconds = time.perf_counter() - start
-        elif impl == "kvkernels":
+        else:  # "kvkernels", and "kvkernels prefill-once": the same call with custom_generate=prefill_once
+            if impl == "kvkernels prefill-once":
+                gen["custom_generate"] = prefill_once
             cache = PagedCache(model.config)
             clock = StepClock((lambda: cache.memory_usage()["stored_bytes"]) if measure else None, timers)
             start = time.perf_counter()
             out = model.generate(ids, past_key_values=cache, logits_processor=LogitsProcessorList([clock]), **gen)
-            seconds = time.perf_counter() - start
-        else:  # "kvkernels prefill-once": the same generate() call, with custom_generate=prefill_once
-            cache = PagedCache(model.config)
-            clock = StepClock((lambda: cache.memory_usage()["stored_bytes"]) if measure else None, timers)
-            start = time.perf_counter()
-            out = model.generate(ids, past_key_values=cache, logits_processor=LogitsProcessorList([clock]),
-                                 custom_generate=prefill_once, **gen)
             seconds = time.perf_counter() - start
     times = clock.times
     record = {"seconds": seconds, "decode_seconds": times[-1] - times[0], "decode_steps": len(times) - 1,
