@@ -99,12 +99,17 @@ def test_cascade_decode_matches_stock(name, mode, monkeypatch):
     stock, paged = model_pair(name)
     ids, mask = left_padded_batch()
     counter = OpCounter(monkeypatch, "merge_attention_states")
+    plans = []
+    original = kvkernels.PagedKVCache.cascade_plan
+    monkeypatch.setattr(kvkernels.PagedKVCache, "cascade_plan",
+                        lambda cache, *args, **kwargs: plans.append(1) or original(cache, *args, **kwargs))
     extra = {} if mode == "beam" else dict(num_return_sequences=3)
     ref, out, cache = generate_both(stock, paged, ids, mask, mode, dict(block_size=4, cascade_min_tokens=4), **extra)
     assert_same_generation(ref, out, mode)
     layers, steps = paged.config.num_hidden_layers, len(out.scores) - 1  # decode forwards
     plain = {"llama": 0, "qwen2": 1, "gemma2": 1, "gpt_oss": layers, "mistral": layers}[name]  # window / sinks
     assert counter.calls["merge_attention_states"] == (layers - plain) * steps
+    assert len(plans) == (steps if plain < layers else 0)  # once per step, by a layer that can use it
     cache.kv.check_invariants()
 
 

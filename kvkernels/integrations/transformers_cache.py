@@ -34,7 +34,6 @@ class Step(NamedTuple):
     seq_lens: Tensor  # int32 [batch]: KV tokens per sequence, this forward's included
     query_start_loc: Optional[Tensor]  # int32 [batch + 1]; None: decode (one real token per row)
     real_index: Optional[Tensor]  # int64: rows of [batch * q] that are real tokens; None: all are
-    cascade: Optional[CascadePlan] = None  # decode rows sharing leading blocks (see cascade_min_tokens)
 
 
 def decoder_num_layers(text_config) -> int:
@@ -179,6 +178,7 @@ class PagedCache(Cache):
         self._static: Optional[Step] = None  # set by PagedDecoder around a compiled step
         self._dups = None  # prefill rows forked from a duplicate row: (rep, real, counts, slots)
         self._unique = None  # (step, _unique_rows result): the distinct rows of that step, for every layer
+        self._cascade = None  # (step, CascadePlan or None): built by the first layer that can use it
         self._held: list[Optional[int]] = []  # sequences kept outside the batch rows (hold_row), None: released
         self.peak_used_blocks = 0  # most blocks held at once (see memory_usage)
         self.grow_count = 0  # storage growths
@@ -470,10 +470,7 @@ class PagedCache(Cache):
             except OutOfBlocksError as err:
                 self._grow(err.needed)
                 ds = self.kv.append_decode(self._seqs, zeros)
-            cascade = None
-            if self.cascade_min_tokens is not None and not self.latent and batch > 1:
-                cascade = self.kv.cascade_plan(self._seqs, min_shared_tokens=self.cascade_min_tokens)
-            step = Step(ds.slot_mapping, ds.block_tables, ds.seq_lens, None, None, cascade)
+            step = Step(ds.slot_mapping, ds.block_tables, ds.seq_lens, None, None)
         else:
             counts = np.full(batch, q, dtype=np.int64) if real is None else real.sum(1).astype(np.int64)
             base = self._base
@@ -588,8 +585,9 @@ class PagedCache(Cache):
         qry = query.transpose(1, 2).reshape(-1, heads, dim).to(self.dtype)
         if step.real_index is not None:
             qry = qry.index_select(0, step.real_index)
-        if step.cascade is not None and window_left < 0 and sinks is None:  # rows sharing a prompt
-            out, _ = cascade_attention(qry, key_cache, value_cache, step.cascade, scale=scale, soft_cap=soft_cap)
+        plan = self._cascade_plan(step) if window_left < 0 and sinks is None else None
+        if plan is not None:  # rows sharing a prompt
+            out, _ = cascade_attention(qry, key_cache, value_cache, plan, scale=scale, soft_cap=soft_cap)
         else:
             out, _ = ops.paged_attention(qry, key_cache, value_cache, step.block_tables, step.seq_lens,
                                          step.query_start_loc, scale=scale, window_left=window_left,
@@ -598,6 +596,18 @@ class PagedCache(Cache):
             full = out.new_zeros((query.shape[0] * q, heads, out.shape[-1]))
             out = full.index_copy_(0, step.real_index, out)
         return out.view(-1, q, heads, out.shape[-1]).to(query.dtype)
+
+    def _cascade_plan(self, step: Step) -> Optional[CascadePlan]:
+        """The shared-prefix plan of a decode step (``kvkernels.cache.cascade``), built once per step
+        by the first layer that can use it (none, for a model whose every layer has a window or
+        sinks); ``None`` for prefill, compiled ``PagedDecoder`` steps, or rows that share too little."""
+        if self._cascade is None or self._cascade[0] is not step:
+            plan = None
+            if (self.cascade_min_tokens is not None and self._static is None and step.query_start_loc is None
+                    and len(self._seqs) > 1):
+                plan = self.kv.cascade_plan(self._seqs, min_shared_tokens=self.cascade_min_tokens)
+            self._cascade = (step, plan)
+        return self._cascade[1]
 
     def _unique_rows(self, query: Tensor) -> Optional[tuple[Tensor, Tensor, Step]]:
         """For a prefill whose rows include zero-copy duplicates (``self._dups``) with bitwise equal
