@@ -10,8 +10,9 @@ them), a second ``paged_attention`` covers each row's remaining blocks, and
 union of disjoint key sets). Measured on the 2-core Xeon (8 rows, 32 query / 8 kv heads of 128,
 4096 shared + 40 own tokens, 2 threads; ``python -m kvkernels bench --cases extra``, case
 ``cascade_decode``): bfloat16 9.3 -> 2.5 ms per call, float32 13.1 -> 6.4 ms. Two calls and a merge
-cost more than one for short prefixes: with 2 kv heads of 64 in float32 the crossover was ~256
-shared tokens (``PagedCache``'s default ``cascade_min_tokens``).
+cost more than one for short prefixes: with 2 kv heads of 64 in float32 (8 rows, one thread, a
+one-off timing script) it ran 0.57x at 64 shared tokens, 0.79x at 128, 1.09x at 256: hence
+``PagedCache``'s default ``cascade_min_tokens=256``.
 
 Only for what the split keeps exact: no sliding window (positions would have to follow the split),
 no attention sinks (a sink belongs to exactly one softmax), no ALiBi. Soft capping is per logit
