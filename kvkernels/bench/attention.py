@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-from kvkernels import ops
+from kvkernels import memory, ops
 from kvkernels.bench.core import (GIB, TOLERANCE, CaseResult, Settings, copies_that_fit, fill_random, is_fp8,
                                   max_abs_diff, num_layers, run_impl, skip)
 
@@ -54,11 +54,11 @@ def build_paged(batch: int, context: int, num_queries: int, dtype: torch.dtype, 
     table = torch.randperm(num_blocks, generator=gen).view(batch, per_seq)
     scale = torch.tensor([FP8_SCALE]) if is_fp8(dtype) else None
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    key = fill_random(torch.empty(shape, dtype=dtype), gen, scale)
-    value = fill_random(torch.empty(shape, dtype=dtype), gen, scale)
+    key = fill_random(memory.empty(shape, dtype), gen, scale)
+    value = fill_random(memory.empty(shape, dtype), gen, scale)
     query = torch.randn(num_queries, HEADS, HEAD_DIM, generator=gen).to(query_dtype(dtype))
-    return PagedLayers(query, [key] + [key.clone() for _ in range(layers - 1)],
-                       [value] + [value.clone() for _ in range(layers - 1)], table.to(torch.int32), table,
+    return PagedLayers(query, [key] + [memory.copy(key) for _ in range(layers - 1)],
+                       [value] + [memory.copy(value) for _ in range(layers - 1)], table.to(torch.int32), table,
                        torch.full((batch,), context, dtype=torch.int32), context, scale, scale)
 
 
@@ -103,9 +103,9 @@ def contiguous_copies(data: PagedLayers, count: int) -> tuple[list, list]:
     dequantized bfloat16, since SDPA has no fp8 path), built from the paged layers."""
     keys, values = [], []
     for i in range(count):
-        keys.append(gather_bhld(data.key_caches[i], data.block_ids, data.context, data.k_scale).contiguous())
-        values.append(gather_bhld(data.value_caches[i], data.block_ids, data.context,
-                                  data.v_scale).contiguous())
+        keys.append(memory.copy(gather_bhld(data.key_caches[i], data.block_ids, data.context, data.k_scale)))
+        values.append(memory.copy(gather_bhld(data.value_caches[i], data.block_ids, data.context,
+                                              data.v_scale)))
     return keys, values
 
 
@@ -235,8 +235,8 @@ def mla_case(batch: int, context: int, settings: Settings, gen: torch.Generator)
     layer_bytes = batch * per_seq * MLA_BLOCK * width * 2
     layers = num_layers(layer_bytes, settings)
     table = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq)
-    cache = fill_random(torch.empty(batch * per_seq, MLA_BLOCK, width, dtype=torch.bfloat16), gen)
-    caches = [cache] + [cache.clone() for _ in range(layers - 1)]
+    cache = fill_random(memory.empty((batch * per_seq, MLA_BLOCK, width), torch.bfloat16), gen)
+    caches = [cache] + [memory.copy(cache) for _ in range(layers - 1)]
     q = torch.randn(batch, MLA_HEADS, width, generator=gen).to(torch.bfloat16)
     block_tables, seq_lens = table.to(torch.int32), torch.full((batch,), context, dtype=torch.int32)
     scale = (128 + MLA_ROPE) ** -0.5  # DeepSeek: qk_nope_head_dim 128 + rope 64
@@ -290,9 +290,9 @@ def cascade_case(name: str, dtype: torch.dtype, beams: int, prefix: int, own: in
     ids = torch.randperm(num_blocks, generator=gen)
     table = torch.cat([ids[:shared].expand(beams, shared), ids[shared:].view(beams, mine)], 1)
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    key, value = fill_random(torch.empty(shape, dtype=dtype), gen), fill_random(torch.empty(shape, dtype=dtype), gen)
-    keys = [key] + [key.clone() for _ in range(layers - 1)]
-    values = [value] + [value.clone() for _ in range(layers - 1)]
+    key, value = fill_random(memory.empty(shape, dtype), gen), fill_random(memory.empty(shape, dtype), gen)
+    keys = [key] + [memory.copy(key) for _ in range(layers - 1)]
+    values = [value] + [memory.copy(value) for _ in range(layers - 1)]
     query = torch.randn(beams, HEADS, HEAD_DIM, generator=gen).to(dtype)
     seq_lens = torch.full((beams,), prefix + own, dtype=torch.int32)
     tables = table.to(torch.int32)

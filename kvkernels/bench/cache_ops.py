@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from kvkernels import ops
+from kvkernels import memory, ops
 from kvkernels.bench.attention import BLOCK, FP8_SCALE, HEAD_DIM, HEADS, KV_HEADS
 from kvkernels.bench.core import (GIB, TOLERANCE, CaseResult, Settings, fill_random, is_fp8, max_abs_diff,
                                   num_layers, run_impl, skip)
@@ -51,7 +51,7 @@ def copy_blocks_case(dtype_name: str, dtype: torch.dtype, layers: int, num_block
     cache_bytes = math.prod(shape) * dtype.itemsize
     if not fits(case, ("kvkernels", "torch-index"), cache_bytes + moved // 2, settings):  # the baseline
         return case                                                                        # gathers first
-    cache = fill_random(torch.empty(shape, dtype=dtype, device=device), gen)
+    cache = fill_random(memory.empty(shape, dtype, device), gen)
     # Rotated mappings use disjoint blocks, so after any number of calls every destination equals
     # its source and one check after timing covers them all.
     rotations = max(1, min(num_layers(moved, settings), num_blocks // (2 * pairs)))

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 import kvkernels
+from kvkernels import memory
 
 LLC_FALLBACK = 256 << 20
 
@@ -74,7 +75,19 @@ def machine_info(llc: Optional[int]) -> dict:
         "kvkernels_cpu_isa": kernel_isa(),
         "isa_requested": os.environ.get("KVKERNELS_CPU_ISA"),
         "platform": platform.platform(),
+        "transparent_hugepage": thp_mode(),
     }
+
+
+def thp_mode() -> Optional[str]:
+    """The kernel's transparent huge page mode (always / madvise / never), None if not reported.
+    kvkernels.memory asks for huge pages, which "madvise" and "always" grant."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            m = re.search(r"\[(\w+)\]", f.read())
+        return m.group(1) if m else None
+    except OSError:
+        return None
 
 
 def _median_seconds(fn: Callable[[], object], min_time: float, min_reps: int = 5) -> float:
@@ -96,11 +109,13 @@ def measure_bandwidth(buffer_bytes: int, min_time: float) -> dict:
     counted, as for the kernels' writes).
     """
     n = buffer_bytes // 4
-    src = torch.empty(n, dtype=torch.float32).fill_(1.0)  # written, so no page is the zero page
+    # In 2 MiB pages where the OS allows, like the benchmarked caches (kvkernels.memory).
+    src = memory.empty((n,), torch.float32).fill_(1.0)  # written, so no page is the zero page
     read_methods = {"sum": lambda: torch.sum(src), "dot": lambda: torch.dot(src, src)}
     reads = {name: buffer_bytes / _median_seconds(fn, min_time) / 1e9 for name, fn in read_methods.items()}
-    dst = torch.empty_like(src).fill_(0.0)
+    dst = memory.empty((n,), torch.float32).fill_(0.0)
     copy = 2 * buffer_bytes / _median_seconds(lambda: dst.copy_(src), min_time) / 1e9
     best = max(reads, key=reads.get)
     return {"read": reads[best], "read_method": best, "read_by_method": reads, "copy": copy,
-            "buffer_bytes": buffer_bytes, "threads": torch.get_num_threads()}
+            "buffer_bytes": buffer_bytes, "threads": torch.get_num_threads(),
+            "huge_page_kib": memory.huge_page_kib()}  # of the process, with both buffers live

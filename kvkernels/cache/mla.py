@@ -20,6 +20,7 @@ from typing import Optional, Union
 
 import torch
 
+from kvkernels import memory
 from kvkernels.cache.paged import PagedKVCache
 from kvkernels.cache.tokens import check_count
 
@@ -43,8 +44,8 @@ class MLAPagedCache(PagedKVCache):
                          enable_prefix_caching, **kwargs)
 
     def _allocate_storage(self) -> torch.Tensor:
-        return torch.empty(self.num_layers, self.num_blocks, self.block_size, self.head_dim,
-                           dtype=self.dtype, device=self.device)
+        return memory.empty((self.num_layers, self.num_blocks, self.block_size, self.head_dim),
+                            self.dtype, self.device)
 
     def latent_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s latent rows, ``[num_blocks, block_size, kv_lora_rank + rope_dim]``."""

@@ -18,7 +18,7 @@ from typing import Iterable, NamedTuple, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from kvkernels import ops
+from kvkernels import memory, ops
 from kvkernels.cache.cascade import plan_cascade
 from kvkernels.cache.pool import BlockPool, EvictionPolicy, HashFn, encode_extra_keys
 from kvkernels.cache.sparse import SparsePolicy
@@ -101,8 +101,8 @@ class PagedKVCache:
     _block_dim = 2
 
     def _allocate_storage(self) -> torch.Tensor:
-        return torch.empty(self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
-                           self.head_dim, dtype=self.dtype, device=self.device)
+        return memory.empty((self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads,
+                             self.head_dim), self.dtype, self.device)
 
     # ---- row storage -----------------------------------------------------------------------------
 
