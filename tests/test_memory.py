@@ -72,3 +72,16 @@ def test_cache_pools_use_it():
     mla = kvkernels.MLAPagedCache(num_layers=2, kv_lora_rank=512, rope_dim=64, num_blocks=64, block_size=64)
     if LINUX and THP:
         assert "hg" in vm_flags(mla.kv.data_ptr())
+
+
+def test_advice_refused_still_gives_a_tensor(monkeypatch):
+    """Where madvise is unavailable (no libc symbol, other loaders) the storage is plain but usable."""
+    def no_libc(*args, **kwargs):
+        raise OSError("no libc here")
+    monkeypatch.setattr(memory.ctypes, "CDLL", no_libc)
+    assert memory._madvise_huge(0, memory.HUGE_PAGE) is False
+    t = memory.empty((4 << 20,), torch.uint8)
+    t.fill_(7)
+    assert t.shape == (4 << 20,) and int(t[-1]) == 7
+    if LINUX and THP:
+        assert "hg" not in vm_flags(t.data_ptr())  # the advice really was not given
