@@ -30,7 +30,10 @@ def build_cuda():
 
 def extension():
     debug = os.environ.get("KVKERNELS_DEBUG_BUILD") == "1"
-    opt = ["-O0", "-g"] if debug else ["-O3", "-g0"]
+    # KVKERNELS_DEBUG_INFO=1: the optimized code plus DWARF (-g changes no instruction), for
+    # profiles by source line and inlined function (benchmarks/decode_profile.py).
+    debug_info = os.environ.get("KVKERNELS_DEBUG_INFO") == "1"
+    opt = ["-O0", "-g"] if debug else ["-O3", "-g" if debug_info else "-g0"]
     cxx = ["-std=c++17", *opt, TORCH_TARGET, "-fvisibility=hidden"]
     include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
     srcs = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
