@@ -97,13 +97,13 @@ def reshape_and_cache_case(dtype_name: str, dtype: torch.dtype, tokens: int, set
     slots = (torch.randperm(num_blocks, generator=gen)[:, None] * BLOCK + torch.arange(BLOCK)).flatten()[:tokens]
     slots = slots.to(device)
     scale = torch.tensor([FP8_SCALE], device=device) if is_fp8(dtype) else None
-    key = fill_random(torch.empty(tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device), gen)
-    value = fill_random(torch.empty_like(key), gen)
-    keys = [key] + [key.clone() for _ in range(layers - 1)]
-    values = [value] + [value.clone() for _ in range(layers - 1)]
+    key = fill_random(memory.empty((tokens, KV_HEADS, HEAD_DIM), torch.bfloat16, device), gen)
+    value = fill_random(memory.empty(key.shape, torch.bfloat16, device), gen)
+    keys = [key] + [memory.copy(key) for _ in range(layers - 1)]
+    values = [value] + [memory.copy(value) for _ in range(layers - 1)]
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    k_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
-    v_caches = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+    k_caches = [memory.empty(shape, dtype, device) for _ in range(layers)]
+    v_caches = [memory.empty(shape, dtype, device) for _ in range(layers)]
     case.note += f"; {layers} copies rotated"
 
     def stored(x: Tensor) -> Tensor:
@@ -158,10 +158,10 @@ def gather_kv_case(batch: int, context: int, settings: Settings, gen: torch.Gene
     tables32 = table.to(torch.int32)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    k0 = fill_random(torch.empty(shape, dtype=torch.bfloat16, device=device), gen)
-    v0 = fill_random(torch.empty(shape, dtype=torch.bfloat16, device=device), gen)
-    k_caches = [k0] + [k0.clone() for _ in range(layers - 1)]
-    v_caches = [v0] + [v0.clone() for _ in range(layers - 1)]
+    k0 = fill_random(memory.empty(shape, torch.bfloat16, device), gen)
+    v0 = fill_random(memory.empty(shape, torch.bfloat16, device), gen)
+    k_caches = [k0] + [memory.copy(k0) for _ in range(layers - 1)]
+    v_caches = [v0] + [memory.copy(v0) for _ in range(layers - 1)]
     tokens = batch * context
 
     def torch_index(i: int) -> tuple[Tensor, Tensor]:
@@ -202,13 +202,13 @@ def merge_case(tokens: int, settings: Settings, gen: torch.Generator, *, device:
     # Partial outputs are averages of value rows, so smaller than N(0, 1) draws; 0.25 also keeps
     # bfloat16 rounding of the result (half an ulp grows with magnitude) well inside the tolerance.
     def partial_out() -> Tensor:
-        return fill_random(torch.empty(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device), gen).mul_(0.25)
+        return fill_random(memory.empty((tokens, HEADS, HEAD_DIM), torch.bfloat16, device), gen).mul_(0.25)
 
     def lse() -> Tensor:
         return (2 * torch.randn(tokens, HEADS, generator=gen)).to(device)
 
     inputs = [partial_out(), lse(), partial_out(), lse()]
-    copies = [inputs] + [[t.clone() for t in inputs] for _ in range(layers - 1)]
+    copies = [inputs] + [[memory.copy(t) for t in inputs] for _ in range(layers - 1)]
     expected = merge_f32(*inputs)
 
     def kernel(i: int) -> Tensor:
