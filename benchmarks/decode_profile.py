@@ -7,7 +7,7 @@ kernel in csrc/cpu/attention_kernel.h, through the chain of inlined functions th
 for the sampled address:
 
     logits        Q K^T (dot4x2_words, dot4x2, ...), with the Words split and the 4-way reductions
-    softmax       masks, exp, running max / denominator (softmax_row)
+    softmax       masks, exp, running max / denominator (mask_logits, softmax_rows4)
     P V           alpha-rescale and accumulate of the output rows (pv4_words, pv4)
     fp8 lookup    the fp8 -> bf16 table (Fp8WordLoader), inside logits or P V
     prefetch      issuing the next chunk's L2 prefetches (Prefetcher::at), inside logits or P V
@@ -42,7 +42,7 @@ STAGES = (  # (stage, function names): the innermost inlined frame that matches 
     ("fp8 lookup", ("Fp8WordLoader",)),
     ("prefetch", ("Prefetcher::at",)),
     ("logits", ("dot4x2_words", "dot4_words", "chunk_logits_words", "dot4x2", "dot4", "chunk_logits")),
-    ("softmax", ("softmax_row", "transform_logits")),
+    ("softmax", ("softmax_rows4", "mask_logits", "transform_logits")),
     ("P V", ("pv4_words", "pv4", "chunk_values_words", "chunk_values")),
     ("addressing", ("chunk_slots", "chunk_rows", "next_chunk", "for_chunk_slots")),
     ("item", ("load_queries", "store_rows", "finalize_row", "unpair_rows", "merge_splits")),

@@ -21,7 +21,7 @@ NS = "kvkernels::cpu::avx512vbmi::"
     ([f"{NS}Fp8WordLoader<kvkernels::cpu::fp8_e4m3>::load", f"void {NS}pv4_words<2, kvkernels::cpu::fp8_e4m3>",
       f"void {NS}chunk_values_words<kvkernels::cpu::fp8_e4m3>"], "fp8 lookup (P V)"),
     (["_mm_prefetch", f"{NS}Prefetcher::at", f"void {NS}chunk_logits_words<c10::BFloat16>"], "prefetch (logits)"),
-    ([f"{NS}Vec::exp", f"{NS}softmax_row", f"void {NS}attend_item<float, float>"], "softmax"),
+    ([f"{NS}Vec::exp", f"{NS}softmax_rows4", f"void {NS}attend_item<float, float>"], "softmax"),
     ([f"{NS}chunk_slots", f"void {NS}attend_item<float, float>"], "addressing"),
     ([f"void {NS}attend_item<float, float>"], "other kvkernels code"),
     (["??"], "other kvkernels code"),

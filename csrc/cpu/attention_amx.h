@@ -123,7 +123,7 @@ inline void amx_logits(const KeyTiles& kt, const bf16_bits* qt, int D, float* st
 }
 
 // The online-softmax step of one row tile on S^T (rows in the lanes of each key's vector): the
-// math of softmax_row, where the per-row max and sum are plain vector max and add over the keys.
+// math of softmax_rows4, where the per-row max and sum are plain vector max and add over the keys.
 // Row i (item row r0 + i) sees keys [a[i], b[i]); a row that sees nothing keeps its state
 // (alpha = 1) and gets probability 0. P goes out as bf16 rows [16, kTileChunk] for P V.
 inline void softmax_tile_t(const AttentionParams& p, float* st, float mul, float* m, float* d,

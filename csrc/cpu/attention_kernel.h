@@ -11,8 +11,8 @@
 //   1. logits S = Q K^T for all rows of the item: a key row is loaded (converted from bf16 /
 //      fp16 / fp8 in registers when not staged) once for four query rows, two keys at a time,
 //      and the four dot products are reduced together (Vec::sum4);
-//   2. mask (causal, window, chunk edges), soft cap, ALiBi, then the online-softmax update with a
-//      vector exp;
+//   2. mask (causal, window, chunk edges), soft cap, ALiBi (mask_logits), then the online-softmax
+//      update of four rows at once with vector exps (softmax_rows4);
 //   3. O = alpha * O + P V with a block of 4 rows x kCw vectors of O held in registers while the
 //      chunk's value rows stream through.
 // The next chunk's rows are prefetched into L2 from inside the math loops (paged blocks are
@@ -383,34 +383,50 @@ inline void transform_logits(const AttentionParams& p, float* s, int width, floa
   }
 }
 
-// Online-softmax step for one row: its logits s[0, width) of the chunk starting at position cs, of
-// which [a, b) are visible. Multiplies by `mul` (1 when the query was pre-scaled), applies soft cap
-// and ALiBi, masks, and turns s into probabilities relative to the new running max *m, updating
-// the denominator *d and the rescale *alpha of the row's accumulator.
-inline void softmax_row(const AttentionParams& p, float* s, int width, float mul, float* m,
-                        float* d, float* alpha, int head, int64_t pos, int64_t cs, int a, int b) {
-  if (a >= b) {  // nothing visible: no weight, no rescale
-    for (int j = 0; j < width; ++j) s[j] = 0.0f;
-    *alpha = 1.0f;
+// Makes row logits s[0, kChunk) of the chunk at position cs, of which [a, b) are visible, ready for
+// softmax_rows4: soft cap and ALiBi applied (the query was pre-scaled), invisible keys -inf.
+inline void mask_logits(const AttentionParams& p, float* s, int head, int64_t pos, int64_t cs, int a,
+                        int b) {
+  if (a >= b) {  // nothing visible: the whole row gets no weight
+    for (int j = 0; j < kChunk; ++j) s[j] = -INFINITY;
     return;
   }
-  if (p.soft_cap > 0.0f || p.alibi_slopes || mul != 1.0f)
-    transform_logits(p, s, width, mul, head, pos, cs);
+  if (p.soft_cap > 0.0f || p.alibi_slopes) transform_logits(p, s, kChunk, 1.0f, head, pos, cs);
   for (int j = 0; j < a; ++j) s[j] = -INFINITY;
-  for (int j = b; j < width; ++j) s[j] = -INFINITY;
-  Vec mx = Vec::load(s);
-  for (int x = Vec::N; x < width; x += Vec::N) mx = max(mx, Vec::load(s + x));
-  const float m_old = *m, m_new = kmax(m_old, mx.max());
-  const Vec mv = Vec::set1(m_new);
-  Vec sum = Vec::zero();
-  for (int x = 0; x < width; x += Vec::N) {
-    const Vec e = (Vec::load(s + x) - mv).exp();
-    e.store(s + x);
-    sum = sum + e;
+  for (int j = b; j < kChunk; ++j) s[j] = -INFINITY;
+}
+
+// Online-softmax step of four rows (row stride kChunk) of masked logits: turns them into
+// probabilities relative to each row's new running max m[r], updates the denominators d[r] and
+// sets alpha[r], the rescale of the row's accumulator. The four rows are done together so that
+// their row sums share one reduction tree and their rescales one vector exp (these were four
+// scalar expf calls). While a row has seen no visible key its max stays -inf; its exponents are
+// then taken relative to 0, which gives weight 0 and alpha 0 (its accumulator is still empty).
+inline void softmax_rows4(float* s, float* m, float* d, float* alpha) {
+  Vec sums[4];
+  float rescale[Vec::N] = {};  // exponents of the four alphas, then the alphas
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+    float* row = s + r * kChunk;
+    Vec mx = Vec::load(row);
+    for (int x = Vec::N; x < kChunk; x += Vec::N) mx = max(mx, Vec::load(row + x));
+    const float m_new = kmax(m[r], mx.max());
+    const float ref = m_new == -INFINITY ? 0.0f : m_new;
+    const Vec mv = Vec::set1(ref);
+    Vec sum = Vec::zero();
+    for (int x = 0; x < kChunk; x += Vec::N) {
+      const Vec e = (Vec::load(row + x) - mv).exp();
+      e.store(row + x);
+      sum = sum + e;
+    }
+    sums[r] = sum;
+    rescale[r] = m[r] - ref;  // <= 0; -inf (alpha 0) before the first visible key
+    m[r] = m_new;
   }
-  *alpha = std::exp(m_old - m_new);  // m_old = -inf gives 0
-  *d = *d * *alpha + sum.sum();
-  *m = m_new;
+  float total[4];
+  Vec::sum4(sums[0], sums[1], sums[2], sums[3], total);
+  Vec::load(rescale).exp().store(rescale);
+  for (int r = 0; r < 4; ++r) alpha[r] = rescale[r], d[r] = d[r] * rescale[r] + total[r];
 }
 
 // Walks the slots of positions [cs + j0, cs + j1) of a sequence: f(j, physical block, slot). One
@@ -497,17 +513,16 @@ inline void attend_chunk(const AttentionParams& p, const AttentionPlan& plan, co
 #endif
     chunk_logits(sc, plan.dk, rows4, keys, j0, j1, mk.nv, mk.k, pf_k);
   for (int r = 0; r < rows4; ++r) {
-    if (r >= rows) {
-      // padding row: stays empty
-      softmax_row(p, sc.s + r * kChunk, kChunk, 1.0f, &sc.m[r], &sc.d[r], &sc.alpha[r], 0, 0, cs, 0, 0);
+    if (r >= rows) {  // padding row: stays empty
+      mask_logits(p, sc.s + r * kChunk, 0, 0, cs, 0, 0);
       continue;
     }
     const int64_t pos = h.map.pos(r);
     int a, b;
     visible_keys(p, pos, cs, j0, j1, &a, &b);
-    softmax_row(p, sc.s + r * kChunk, kChunk, 1.0f, &sc.m[r], &sc.d[r], &sc.alpha[r],
-                h.map.head(r), pos, cs, a, b);
+    mask_logits(p, sc.s + r * kChunk, h.map.head(r), pos, cs, a, b);
   }
+  for (int r = 0; r < rows4; r += 4) softmax_rows4(sc.s + r * kChunk, sc.m + r, sc.d + r, sc.alpha + r);
 #if defined(KVK_WORDS)
   if constexpr (!std::is_same_v<Loader, void>)
     chunk_values_words(sc, plan.dv, rows4, vals, j0, j1, mk, *ld, pf_v);

@@ -111,7 +111,7 @@ inline __m512 reduce16(const __m512 x[16], Op op) {
   return _mm512_permutexvar_ps(where, r);
 }
 
-// The online-softmax step of softmax_row for the 16 rows of a tile at once (FMA form): row i (item
+// The online-softmax step of softmax_rows4 for the 16 rows of a tile at once (FMA form): row i (item
 // row r0 + i) sees keys [a[i], b[i]) of its logits s[i * kTileChunk ...]. The per-row max and sum
 // reductions and the rescale exp run across the rows in vectors. The probabilities overwrite s. A
 // row that sees nothing keeps its state (alpha = 1) and gets probability 0.
