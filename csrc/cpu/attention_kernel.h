@@ -641,17 +641,13 @@ void attend_item(const AttentionParams& p, const AttentionPlan& plan, const Atte
     const RowMasks mk(kv);
     // slots[c & 1]: chunk c, filled while chunk c - 1 is computed (for its prefetches).
     ChunkSlots slots[2];
-    {
-      const int64_t cs = c_begin * kChunk;
-      chunk_slots(kv, it.seq, cs, int(kmax<int64_t>(0, lo - cs)),
-                  int(kmin<int64_t>(kChunk, hi + 1 - cs)), &slots[c_begin & 1]);
-    }
     for (int64_t c = c_begin; c < c_end; ++c) {
       const int64_t cs = c * kChunk;
       const int j0 = int(kmax<int64_t>(0, lo - cs)), j1 = int(kmin<int64_t>(kChunk, hi + 1 - cs));
       // Later chunks start at key 0 (lo <= their start) and end at `next`.
       const int next = c + 1 < c_end ? int(kmin<int64_t>(kChunk, hi + 1 - cs - kChunk)) : 0;
       const ChunkSlots& cur = slots[c & 1];
+      if (c == c_begin) chunk_slots(kv, it.seq, cs, j0, j1, &slots[c & 1]);
       if (next > 0) chunk_slots(kv, it.seq, cs + kChunk, 0, next, &slots[(c + 1) & 1]);
       if (stage) stage_chunk<C>(kv, plan, cur, heads, it.num_kv, j0, j1, mk);
       for (int h = 0; h < it.num_kv; ++h) {
