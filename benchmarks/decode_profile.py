@@ -15,7 +15,7 @@ for the sampled address:
     item          queries in, output rows out (load_queries, store_rows, ...), split merges
 Samples outside kvkernels._C (OpenMP waits, torch dispatch, Python) are reported by library.
 
-Needs `perf` and `addr2line` (binutils), and the extension built with debug info, which does not
+Needs `perf`, `addr2line` and `readelf` (binutils), and the extension built with debug info, which does not
 change the generated code:  KVKERNELS_DEBUG_INFO=1 python setup.py build_ext --inplace
 
     python benchmarks/decode_profile.py [--dtypes bfloat16,fp8_e4m3] [--batch 8] [--context 4096]
@@ -134,11 +134,16 @@ def samples(data_file: str, so: str):
 
 
 def profile(args, dtype: str) -> None:
+    from kvkernels.bench.attention import KV_HEADS
+
     cmd = [sys.executable, __file__, "--worker", "--dtype", dtype, "--batch", str(args.batch), "--context",
            str(args.context), "--threads", str(args.threads), "--resident", args.resident,
            "--seconds", str(args.seconds + 4)]
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     so, layers = child.stdout.readline().split()
+    if ".debug_info" not in subprocess.run(["readelf", "-S", so], check=True, text=True, capture_output=True).stdout:
+        child.kill()  # without DWARF addr2line knows no inlined function, so every stage would be "other"
+        sys.exit(f"{so} has no debug info: rebuild with KVKERNELS_DEBUG_INFO=1 (see the docstring)")
     with tempfile.TemporaryDirectory() as tmp:
         data_file = os.path.join(tmp, "perf.data")
         time.sleep(1)
@@ -148,14 +153,12 @@ def profile(args, dtype: str) -> None:
         child.wait()
         ips, other = samples(data_file, so)
     chains = inline_chains(so, sorted(ips))
-    if all(c == ["??"] for c in chains.values()):
-        sys.exit(f"{so} has no debug info: rebuild with KVKERNELS_DEBUG_INFO=1 (see the docstring)")
     stages, lines = collections.Counter(), collections.Counter()
     for a, n in ips.items():
         stages[stage_of(chains[a])] += n
     total = sum(ips.values()) + sum(other.values())
     # Thread-seconds per call spread over the samples, per (token x kv head).
-    units = args.batch * args.context * 8
+    units = args.batch * args.context * KV_HEADS
     ns = float(per_call) * args.threads * 1e9 / units
     print(f"\n{dtype}: batch {args.batch} x {args.context}, {args.threads} threads, resident {args.resident} "
           f"({layers} cache copies), {float(per_call) * 1e3:.3f} ms per call over {calls} calls; "
@@ -190,7 +193,7 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    for tool in ("perf", "addr2line"):
+    for tool in ("perf", "addr2line", "readelf"):
         if shutil.which(tool) is None:
             sys.exit(f"{tool} not found: the profile needs perf and binutils")
     import torch
