@@ -132,3 +132,17 @@ def test_paged_cache_plan_on_forks():
                                             cache.block_tables(seqs), cache.seq_lens(seqs))
     assert_close(out, expected)
     cache.check_invariants()
+
+
+def test_cascade_attention_bad_input():
+    """A query that does not match the plan's rows or the cache's kv heads: a ValueError naming
+    query, before any kernel runs (the reshape would otherwise fail with torch's shape message)."""
+    gen = generator(9)
+    tables, lens, num_blocks = shared_tables([2], 4, [5] * 4, gen)
+    key = randn(num_blocks, BS, 2, 32, gen=gen)
+    plan = plan_cascade(tables, lens, BS, "cpu", min_shared_tokens=1)
+    for query, match in ((randn(3, 4, 32, gen=gen), r"query: expected \[4, num_heads, head_dim\]"),
+                         (randn(4, 4, 32, gen=gen)[0], "query: expected"),
+                         (randn(4, 3, 32, gen=gen), "query: 3 heads is not a multiple")):
+        with pytest.raises(ValueError, match=match):
+            cascade_attention(query, key, key, plan)

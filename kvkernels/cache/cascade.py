@@ -107,8 +107,15 @@ def cascade_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, pla
     """Decode attention of ``query [rows, num_heads, head_dim]`` (one token per row) as
     ``ops.paged_attention`` would compute it over the rows' whole block tables, through ``plan``.
     Returns ``(out [rows, num_heads, head_dim], lse float32 [rows, num_heads])``."""
-    rows, heads, dim = query.shape
-    kv_heads = key_cache.shape[2]
+    rows = plan.groups * plan.group_size
+    if query.dim() != 3 or query.shape[0] != rows:
+        raise ValueError(f"kvkernels cascade_attention: query: expected [{rows}, num_heads, head_dim] (the "
+                         f"plan's rows), got {tuple(query.shape)}")
+    heads, dim = query.shape[1:]
+    kv_heads = key_cache.shape[2] if key_cache.dim() == 4 else 0
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"kvkernels cascade_attention: query: {heads} heads is not a multiple of the "
+                         f"key_cache's kv heads (key_cache shape {tuple(key_cache.shape)})")
     group, g, n = heads // kv_heads, plan.groups, plan.group_size
     common = dict(scale=scale, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
     q = query if plan.order is None else query.index_select(0, plan.order)
