@@ -30,7 +30,7 @@ import torch
 import transformers as tf
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-from kvkernels.integrations.transformers import PagedCache, register
+from kvkernels.integrations.transformers import PagedCache, cache_kwargs, register
 
 
 class Probe(LogitsProcessor):
@@ -57,15 +57,17 @@ def run(model, stock_model, vocab, batch, prompt_len, new, beams, block_size):
     with torch.no_grad():
         dyn = DynamicCache(config=stock_model.config)
         probe = Probe(lambda: dynamic_bytes(dyn))
-        ref = stock_model.generate(prompt, past_key_values=dyn, logits_processor=LogitsProcessorList([probe]), **gen)
+        ref = stock_model.generate(prompt, **cache_kwargs(stock_model.generate, dyn),
+                                   logits_processor=LogitsProcessorList([probe]), **gen)
         results["stock"] = {"peak_bytes": probe.peak}
         for name in ("paged", "paged+fork"):
             cache = PagedCache(model.config, block_size=block_size)
             if name == "paged+fork":
-                model(prompt[:, :-1], past_key_values=cache)
+                model(prompt[:, :-1], **cache_kwargs(model.forward, cache))
                 cache.batch_repeat_interleave(beams)
             probe = Probe(lambda: cache.memory_usage()["stored_bytes"])
-            out = model.generate(prompt, past_key_values=cache, logits_processor=LogitsProcessorList([probe]), **gen)
+            out = model.generate(prompt, **cache_kwargs(model.generate, cache),
+                                 logits_processor=LogitsProcessorList([probe]), **gen)
             assert torch.equal(out, ref), f"{name}: tokens differ from the stock cache"
             results[name] = {"peak_bytes": probe.peak,
                              "peak_allocated_bytes": cache.memory_usage()["peak_allocated_bytes"]}

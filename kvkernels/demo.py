@@ -147,7 +147,7 @@ def dynamic_bytes(cache) -> int:
 def stock_generate(model, bar: Bar, input_ids, attention_mask, max_new_tokens: int, **kwargs):
     """``generate()`` on a ``DynamicCache`` with SDPA: (sequences, seconds, peak KV bytes, KV bytes
     at each forward but the last: what the beam reorders that follow them copy)."""
-    from kvkernels.integrations.transformers import attention_implementation
+    from kvkernels.integrations.transformers import attention_implementation, cache_kwargs
     from transformers import DynamicCache, LogitsProcessorList
     cache = DynamicCache(config=model.config)
     peak, calls, sizes = [0], [0], []
@@ -160,7 +160,7 @@ def stock_generate(model, bar: Bar, input_ids, attention_mask, max_new_tokens: i
         return scores
     with attention_implementation(model, "sdpa"), torch.no_grad():
         start = time.perf_counter()
-        out = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache,
+        out = model.generate(input_ids, attention_mask=attention_mask, **cache_kwargs(model.generate, cache),
                              max_new_tokens=max_new_tokens, logits_processor=LogitsProcessorList([probe]), **kwargs)
         seconds = time.perf_counter() - start
     return out, seconds, peak[0], sum(sizes[:-1])
@@ -352,7 +352,7 @@ def main(argv=None) -> int:
     try:
         import transformers
     except ImportError:
-        print("transformers is not installed (pip install 'transformers>=5.20'); running the ops-level demo "
+        print("transformers is not installed (pip install 'kvkernels[transformers]'); running the ops-level demo "
               "instead: python -m kvkernels demo kernels", file=sys.stderr)
         from kvkernels.demo_kernels import main as kernels
         return kernels([])
@@ -376,8 +376,9 @@ def run(args, transformers_version: str) -> Report:
         system, users = make_prompts(model, tokenizer, args)
         warm = torch.tensor([system[:8]], device=model.device)
         with torch.no_grad():  # first-call costs (thread pools, allocator) out of the timings
-            from kvkernels.integrations.transformers import PagedCache, attention_implementation
-            model.generate(warm, past_key_values=PagedCache(model.config), max_new_tokens=2, do_sample=False)
+            from kvkernels.integrations.transformers import PagedCache, attention_implementation, cache_kwargs
+            model.generate(warm, **cache_kwargs(model.generate, PagedCache(model.config)), max_new_tokens=2,
+                           do_sample=False)
             with attention_implementation(model, "sdpa"):
                 model.generate(warm, max_new_tokens=2, do_sample=False)
     report.add(f"kvkernels demo: {what}")

@@ -61,6 +61,7 @@ from torch import Tensor
 from transformers.generation.utils import GENERATION_MODES_MAPPING
 
 from kvkernels.integrations.transformers import PagedCache, register
+from kvkernels.integrations.transformers_compat import cache_kwargs, cache_name, pop_cache
 
 __all__ = ["EntropyAdaptiveBranching", "GenerationPath", "GenerationResult", "BeamSearchResult",
            "SharedPrefixResult", "parallel_sample", "prefill_once", "beam_search", "generate_shared_prefix",
@@ -219,6 +220,7 @@ class _Runner:
         if not temperature > 0:
             raise ValueError(f"kvkernels.generation: temperature must be > 0, got {temperature!r}")
         self.model, self.cache, self.temperature = model, cache, float(temperature)
+        self.cache_arg = cache_kwargs(model.forward, cache)
         self.device = model.device
         self.forward_calls = self.prefill_tokens = self.decode_tokens = 0
         self.peak_stored = 0
@@ -232,7 +234,7 @@ class _Runner:
     def prefill(self, prompt: list[int]) -> Tensor:
         """The prompt's one forward (one row); log-probabilities of the first new token ``[1, V]``."""
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, **self.cache_arg, use_cache=True, logits_to_keep=1)
         self.forward_calls += 1
         self.prefill_tokens += len(prompt)
         self._track()
@@ -241,7 +243,7 @@ class _Runner:
     def step(self, tokens: list[int]) -> Tensor:
         """One token per row, one forward: log-probabilities ``[rows, V]``."""
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device).view(-1, 1)
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids=ids, **self.cache_arg, use_cache=True)
         self.forward_calls += 1
         self.decode_tokens += len(tokens)
         self._track()
@@ -328,10 +330,12 @@ class EntropyAdaptiveBranching:
 
     def generate(self, prompt, max_new_tokens: int = 50, *, temperature: Optional[float] = None, seed: int = 0,
                  generator: Optional[torch.Generator] = None, cache: Optional[PagedCache] = None,
-                 progress: Progress = None) -> GenerationResult:
+                 progress: Progress = None, past_key_values: Optional[PagedCache] = None) -> GenerationResult:
         """Branching generation from ``prompt`` (text, token ids, or a ``[1, L]`` tensor).
-        ``generator`` (CPU) overrides ``seed``; ``cache``: an empty ``PagedCache`` to use."""
+        ``generator`` (CPU) overrides ``seed``; ``cache`` (or ``past_key_values``, its name in
+        transformers before 5.24): an empty ``PagedCache`` to use."""
         start = time.perf_counter()
+        cache = pop_cache({"past_key_values": past_key_values}, "kvkernels.generation.EntropyAdaptiveBranching", cache)
         prompt_ids, gen, eos, run = _setup(self.model, prompt, self.tokenizer, max_new_tokens, seed, generator,
                                            self.eos_token_id, cache, self.block_size,
                                            self.temperature if temperature is None else temperature)
@@ -414,11 +418,13 @@ def _setup(model, prompt, tokenizer, max_new_tokens, seed, generator, eos_token_
 def parallel_sample(model, prompt, n: int, max_new_tokens: int = 50, *, temperature: float = 1.0, seed: int = 0,
                     generator: Optional[torch.Generator] = None, eos_token_id=None, tokenizer=None,
                     block_size: int = 16, cache: Optional[PagedCache] = None,
-                    progress: Progress = None) -> GenerationResult:
+                    progress: Progress = None, past_key_values: Optional[PagedCache] = None) -> GenerationResult:
     """``n`` samples of ``prompt``, prefilled once: the samples are forks of the prompt's row and each
     stores only its own tokens. One forward per step for all live samples. ``paths`` in sample
-    order (``paths[j]`` drew ``u[:, j]``, see the module docs)."""
+    order (``paths[j]`` drew ``u[:, j]``, see the module docs). ``cache`` (or ``past_key_values``):
+    an empty ``PagedCache`` to use."""
     start = time.perf_counter()
+    cache = pop_cache({"past_key_values": past_key_values}, "kvkernels.generation.parallel_sample", cache)
     if not (isinstance(n, int) and n >= 1):
         raise ValueError(f"kvkernels.generation: n must be an int >= 1, got {n!r}")
     prompt_ids, gen, eos, run = _setup(model, prompt, tokenizer, max_new_tokens, seed, generator, eos_token_id,
@@ -481,7 +487,7 @@ def _generate(model, cache: PagedCache, input_ids: Tensor, attention_mask: Optio
     from transformers import LogitsProcessorList
     probe = _Probe(cache, max_new_tokens, progress)
     processors = LogitsProcessorList(list(generate_kwargs.pop("logits_processor", None) or []) + [probe])
-    out = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache,
+    out = model.generate(input_ids, attention_mask=attention_mask, **cache_kwargs(model.generate, cache),
                          max_new_tokens=max_new_tokens, logits_processor=processors, **generate_kwargs)
     return out, probe
 
@@ -526,8 +532,9 @@ def prefill_once(model, input_ids: Tensor, logits_processor, stopping_criteria, 
     """A ``custom_generate`` callable for ``model.generate()``: the prompt is computed once per input
     instead of once per beam / returned sequence.
 
-    ``model.generate(ids, past_key_values=PagedCache(model.config), num_beams=8,
-    custom_generate=kvkernels.generation.prefill_once)`` returns what the same call without
+    ``model.generate(ids, cache=PagedCache(model.config), num_beams=8,
+    custom_generate=kvkernels.generation.prefill_once)`` (``past_key_values=`` before transformers
+    5.24) returns what the same call without
     ``custom_generate`` returns. ``generate()`` has already expanded each input to ``num_beams``
     (or ``num_return_sequences``) identical rows when it calls this; this runs the model once on one
     row per input over all prompt tokens but the last, forks that row for its copies
@@ -539,13 +546,14 @@ def prefill_once(model, input_ids: Tensor, logits_processor, stopping_criteria, 
     decoding loop runs as it is. transformers drops ``streamer`` for
     ``custom_generate`` callables; it is not used. With ``output_hidden_states`` the first step's
     hidden states cover only the last prompt token (the prefill's outputs are not returned)."""
-    cache = model_kwargs.get("past_key_values")
+    name = cache_name(model.generate)  # generate() hands the cache over under its own name
+    cache = model_kwargs.get(name)
     decoder = getattr(cache, "self_attention_cache", cache)  # PagedEncoderDecoderCache: its decoder half
     if not isinstance(decoder, PagedCache):
-        raise ValueError("kvkernels.generation.prefill_once: past_key_values: expected a PagedCache "
-                         f"(generate(..., past_key_values=PagedCache(model.config))), got {type(cache).__name__}")
+        raise ValueError(f"kvkernels.generation.prefill_once: {name}: expected a PagedCache "
+                         f"(generate(..., {name}=PagedCache(model.config))), got {type(cache).__name__}")
     if decoder.sequences:
-        raise ValueError("kvkernels.generation.prefill_once: past_key_values: expected an empty PagedCache")
+        raise ValueError(f"kvkernels.generation.prefill_once: {name}: expected an empty PagedCache")
     _check_model(model)
     method = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
     if method not in ("_sample", "_beam_search"):
@@ -568,7 +576,7 @@ def prefill_once(model, input_ids: Tensor, logits_processor, stopping_criteria, 
                              f"rows (generate()'s expansion), got {rows} rows that are not")
         mask = None if mask is None else mask[:, :-1]
         with torch.no_grad():
-            model(input_ids=ids[:, :-1], attention_mask=mask, past_key_values=cache, use_cache=True,
+            model(input_ids=ids[:, :-1], attention_mask=mask, **cache_kwargs(model.forward, cache), use_cache=True,
                   position_ids=_positions(mask, ids.shape[0], length - 1, input_ids.device), logits_to_keep=1)
         cache.batch_repeat_interleave(expand)
         cache.reserve(generation_config.max_length - length + 1)
@@ -587,7 +595,7 @@ def beam_search(model, input_ids: Tensor, num_beams: int = 4, max_new_tokens: in
     (``do_sample=False`` unless given). Returns the tokens with the memory report."""
     start = time.perf_counter()
     _check_model(model)
-    cache = _new_cache(model, cache, block_size)
+    cache = _new_cache(model, pop_cache(generate_kwargs, "kvkernels.generation.beam_search", cache), block_size)
     if input_ids.dim() != 2:
         raise ValueError("kvkernels.generation.beam_search: input_ids: expected [batch, length]")
     batch, length = input_ids.shape
@@ -659,7 +667,8 @@ def generate_shared_prefix(model, prefix: Sequence[int], suffixes: Sequence[Sequ
     if not prefix or not suffixes or any(len(s) == 0 for s in suffixes):
         raise ValueError("kvkernels.generation.generate_shared_prefix: needs a non-empty prefix and at least one "
                          "token in every suffix")
-    cache = _new_cache(model, cache, block_size)
+    cache = _new_cache(model, pop_cache(generate_kwargs, "kvkernels.generation.generate_shared_prefix", cache),
+                       block_size)
     if pad_token_id is None:
         pad_token_id = getattr(model.generation_config, "pad_token_id", None)
         pad_token_id = 0 if pad_token_id is None else pad_token_id
@@ -668,7 +677,7 @@ def generate_shared_prefix(model, prefix: Sequence[int], suffixes: Sequence[Sequ
     expand = beams if beams > 1 else int(generate_kwargs.get("num_return_sequences") or 1)
     with torch.no_grad():
         pre = torch.tensor([prefix], dtype=torch.long, device=model.device)
-        model(input_ids=pre, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=pre, **cache_kwargs(model.forward, cache), use_cache=True, logits_to_keep=1)
         cache.batch_repeat_interleave(len(suffixes) * expand)
         cache.reserve(max(len(s) for s in suffixes) + max_new_tokens)
         out, probe = _generate(model, cache, ids, mask, max_new_tokens, progress, generate_kwargs)

@@ -14,7 +14,7 @@ import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
-from kvkernels.integrations.transformers import PagedCache, PagedDecoder
+from kvkernels.integrations.transformers import PagedCache, PagedDecoder, cache_kwargs
 
 from hf_models import build, left_padded_batch, model_pair
 
@@ -24,7 +24,7 @@ STEPS = 64
 def prefill(model, ids, mask, block_size=4):
     cache = PagedCache(model.config, block_size=block_size)
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
-    logits = model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1]
+    logits = model(ids, attention_mask=mask, position_ids=pos, **cache_kwargs(model.forward, cache)).logits[:, -1]
     return cache, logits, pos
 
 
@@ -36,7 +36,7 @@ def eager_decode(model, ids, mask, steps):
         token = logits.argmax(-1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
         pos = pos + 1
-        logits = model(token[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1]
+        logits = model(token[:, None], attention_mask=mask, position_ids=pos, **cache_kwargs(model.forward, cache)).logits[:, -1]
         out.append(logits)
     return torch.stack(out, 1)
 

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 import kvkernels
 from kvkernels.generation import (EntropyAdaptiveBranching, beam_search, draw_distinct, generate_shared_prefix,
                                   inverse_cdf, normalized_entropy, parallel_sample, prefill_once)
-from kvkernels.integrations.transformers import PagedCache
+from kvkernels.integrations.transformers import PagedCache, cache_kwargs
 
 from hf_models import bart_pair, build, config_for, left_padded_batch, model_pair
 
@@ -53,13 +53,13 @@ def draw(probs, u):
 
 def forward_one(model, token, cache):
     with torch.no_grad():
-        return model(torch.tensor([[token]]), past_key_values=cache).logits[0, -1]
+        return model(torch.tensor([[token]]), **cache_kwargs(model.forward, cache)).logits[0, -1]
 
 
 def prefill(model, prompt):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        logits = model(torch.tensor([prompt]), past_key_values=cache).logits[0, -1]
+        logits = model(torch.tensor([prompt]), **cache_kwargs(model.forward, cache)).logits[0, -1]
     return cache, logits
 
 
@@ -344,7 +344,7 @@ def test_generate_with_prefill_once_matches_stock(name, mode):
     try:
         torch.manual_seed(3)
         with torch.no_grad():
-            out = paged.generate(ids, attention_mask=mask, past_key_values=cache, custom_generate=prefill_once,
+            out = paged.generate(ids, attention_mask=mask, **cache_kwargs(paged.generate, cache), custom_generate=prefill_once,
                                  **kwargs)
     finally:
         spy.close()
@@ -369,7 +369,7 @@ def test_prefill_once_without_copies_is_plain_generate():
     spy = InputSpy(paged)
     try:
         with torch.no_grad():
-            out = paged.generate(ids, attention_mask=mask, past_key_values=PagedCache(paged.config),
+            out = paged.generate(ids, attention_mask=mask, **cache_kwargs(paged.generate, PagedCache(paged.config)),
                                  custom_generate=prefill_once, max_new_tokens=5, do_sample=False)
     finally:
         spy.close()
@@ -386,7 +386,7 @@ def test_prefill_once_encoder_decoder_runs_generate_as_it_is():
     beams = dict(num_beams=3, num_return_sequences=2, max_new_tokens=6, do_sample=False)
     with torch.no_grad():
         ref = stock.generate(ids, **beams)
-        out = paged.generate(ids, past_key_values=PagedCache(paged.config), custom_generate=prefill_once, **beams)
+        out = paged.generate(ids, **cache_kwargs(paged.generate, PagedCache(paged.config)), custom_generate=prefill_once, **beams)
     assert torch.equal(out, ref)
 
 
@@ -395,14 +395,14 @@ def test_prefill_once_argument_checks():
     ids = torch.tensor([[3, 4, 5, 6]])
     beams = dict(num_beams=2, max_new_tokens=2, do_sample=False, custom_generate=prefill_once)
     with torch.no_grad():
-        with pytest.raises(ValueError, match="past_key_values: expected a PagedCache"):
+        with pytest.raises(ValueError, match="(cache|past_key_values): expected a PagedCache"):
             paged.generate(ids, **beams)  # generate() made a DynamicCache
-        with pytest.raises(ValueError, match="past_key_values: expected an empty PagedCache"):
-            paged.generate(ids, past_key_values=_non_empty_cache(paged), **beams)
+        with pytest.raises(ValueError, match="(cache|past_key_values): expected an empty PagedCache"):
+            paged.generate(ids, **cache_kwargs(paged.generate, _non_empty_cache(paged)), **beams)
         with pytest.raises(ValueError, match="attn_implementation"):
-            stock.generate(ids, past_key_values=PagedCache(stock.config), **beams)
+            stock.generate(ids, **cache_kwargs(stock.generate, PagedCache(stock.config)), **beams)
         with pytest.raises(NotImplementedError, match="inputs_embeds"):
-            paged.generate(inputs_embeds=paged.model.embed_tokens(ids), past_key_values=PagedCache(paged.config),
+            paged.generate(inputs_embeds=paged.model.embed_tokens(ids), **cache_kwargs(paged.generate, PagedCache(paged.config)),
                            **beams)
 
 
@@ -470,7 +470,7 @@ def test_argument_checks(models):
 def _non_empty_cache(model):
     cache = PagedCache(model.config)
     with torch.no_grad():
-        model(torch.tensor([[3, 4, 5]]), past_key_values=cache)
+        model(torch.tensor([[3, 4, 5]]), **cache_kwargs(model.forward, cache))
     return cache
 
 
@@ -485,12 +485,12 @@ def test_held_rows_survive_storage_growth():
         kv = cache.kv
         return kv.kv.flatten(2, 3)[:, :, kv.slot_mapping(seq, 0, kv.seq_lens([seq]).item())].clone()
     with torch.no_grad():
-        paged(ids, past_key_values=cache)
+        paged(ids, **cache_kwargs(paged.forward, cache))
         handle = cache.hold_row(1)
         before = kv_of(cache.held_sequence(handle))
         grows, forks = cache.grow_count, cache.kv.stats().forks
         for _ in range(12):
-            paged(torch.tensor([[7], [8]]), past_key_values=cache)
+            paged(torch.tensor([[7], [8]]), **cache_kwargs(paged.forward, cache))
     assert cache.grow_count > grows
     assert cache.kv.stats().forks == forks  # the counters survive the growth (its rebuild forks are not counted)
     held = cache.held_sequence(handle)

@@ -17,7 +17,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import kvkernels
 from kvkernels.integrations import transformers_cache
-from kvkernels.integrations.transformers import PagedCache, paged_attention_forward, register
+from kvkernels.integrations.transformers import PagedCache, cache_kwargs, paged_attention_forward, register
 from kvkernels.integrations.transformers_encdec import PagedEncoderDecoderCache
 
 from hf_models import DECODER_MODELS, MISTRAL4_ROPE, MLA_MODELS, OpCounter, bart_config, bart_pair, build, config_for, left_padded_batch, model_pair
@@ -29,14 +29,14 @@ MODES = {
 }
 
 
-def generate_both(stock, paged, ids, mask, mode, cache_kwargs=None, **extra):
+def generate_both(stock, paged, ids, mask, mode, cache_args=None, **extra):
     """Stock generate() and generate() on a fresh PagedCache with the same seed."""
     kwargs = dict(MODES[mode], output_scores=True, return_dict_in_generate=True, **{"max_new_tokens": 10, **extra})
     torch.manual_seed(5)
     ref = stock.generate(ids, attention_mask=mask, **kwargs)
-    cache = PagedCache(paged.config, **(cache_kwargs or dict(block_size=4)))
+    cache = PagedCache(paged.config, **(cache_args or dict(block_size=4)))
     torch.manual_seed(5)
-    out = paged.generate(ids, attention_mask=mask, past_key_values=cache, **kwargs)
+    out = paged.generate(ids, attention_mask=mask, **cache_kwargs(paged.generate, cache), **kwargs)
     return ref, out, cache
 
 
@@ -155,11 +155,11 @@ def test_padding_changes_nothing():
     """A left-padded row generates what it generates alone (pads are not stored nor attended)."""
     _, paged = model_pair("llama")
     ids, mask = left_padded_batch()
-    batch = paged.generate(ids, attention_mask=mask, past_key_values=PagedCache(paged.config), max_new_tokens=8,
+    batch = paged.generate(ids, attention_mask=mask, **cache_kwargs(paged.generate, PagedCache(paged.config)), max_new_tokens=8,
                            do_sample=False)
     for r in range(ids.shape[0]):
         real = ids[r, mask[r].bool()][None]
-        alone = paged.generate(real, past_key_values=PagedCache(paged.config), max_new_tokens=8, do_sample=False)
+        alone = paged.generate(real, **cache_kwargs(paged.generate, PagedCache(paged.config)), max_new_tokens=8, do_sample=False)
         assert torch.equal(alone[0, -8:], batch[r, -8:])
 
 
@@ -218,7 +218,7 @@ def prefilled_cache(rows=4, block_size=4, name="llama"):
     ids, mask = left_padded_batch(rows=rows)
     cache = PagedCache(paged.config, block_size=block_size)
     with torch.no_grad():
-        paged(ids, attention_mask=mask, past_key_values=cache)
+        paged(ids, attention_mask=mask, **cache_kwargs(paged.forward, cache))
     return paged, cache
 
 
@@ -261,10 +261,10 @@ def test_eight_beams_peak_kv_bytes_at_most_a_quarter_of_stock():
     with torch.no_grad():
         dyn = DynamicCache(config=stock.config)
         probe = BytesProbe(lambda: sum(t.nbytes for layer in dyn.layers for t in (layer.keys, layer.values)))
-        ref = stock.generate(prompt, past_key_values=dyn, logits_processor=LogitsProcessorList([probe]), **gen)
+        ref = stock.generate(prompt, **cache_kwargs(stock.generate, dyn), logits_processor=LogitsProcessorList([probe]), **gen)
         cache = PagedCache(paged.config, block_size=8)
         paged_probe = BytesProbe(lambda: cache.memory_usage()["stored_bytes"])
-        out = paged.generate(prompt, past_key_values=cache, logits_processor=LogitsProcessorList([paged_probe]),
+        out = paged.generate(prompt, **cache_kwargs(paged.generate, cache), logits_processor=LogitsProcessorList([paged_probe]),
                              **gen)
     assert torch.equal(out, ref)
     assert cache.split_rows == 0
@@ -280,7 +280,7 @@ def test_prefill_stores_each_prompt_once(name):
     ids4, mask4 = ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0)
     cache = PagedCache(paged.config, block_size=4)
     with torch.no_grad():
-        got = paged(ids4, attention_mask=mask4, past_key_values=cache).logits
+        got = paged(ids4, attention_mask=mask4, **cache_kwargs(paged.forward, cache)).logits
         want = stock(ids4, attention_mask=mask4).logits
     real = mask4.bool()
     torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-5)
@@ -343,7 +343,7 @@ def test_storage_grows_and_keeps_sharing(name):
     stock, paged = model_pair(name)
     ids, mask = left_padded_batch()
     for mode in ("greedy", "beam"):
-        ref, out, cache = generate_both(stock, paged, ids, mask, mode, cache_kwargs=dict(block_size=2),
+        ref, out, cache = generate_both(stock, paged, ids, mask, mode, cache_args=dict(block_size=2),
                                         max_new_tokens=30, min_new_tokens=30)
         assert_same_generation(ref, out, mode)
         if mode == "greedy":
@@ -364,7 +364,7 @@ def test_fixed_num_blocks_runs_out():
     _, paged = model_pair("llama")
     ids, mask = left_padded_batch()
     with pytest.raises(kvkernels.OutOfBlocksError):
-        paged.generate(ids, attention_mask=mask, past_key_values=PagedCache(paged.config, block_size=4, num_blocks=6),
+        paged.generate(ids, attention_mask=mask, **cache_kwargs(paged.generate, PagedCache(paged.config, block_size=4, num_blocks=6)),
                        max_new_tokens=10)
 
 
@@ -375,11 +375,11 @@ def test_prefill_once_then_branch(name):
     prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(4))
     cache = PagedCache(paged.config, block_size=4)
     with torch.no_grad():
-        paged(prompt[:, :-1], past_key_values=cache)
+        paged(prompt[:, :-1], **cache_kwargs(paged.forward, cache))
     used = cache.kv.memory_usage()["used_blocks"]
     cache.batch_repeat_interleave(3)
     assert cache.batch_size == 3 and cache.kv.memory_usage()["used_blocks"] == used
-    out = paged.generate(prompt, past_key_values=cache, num_beams=3, max_new_tokens=6, do_sample=False)
+    out = paged.generate(prompt, **cache_kwargs(paged.generate, cache), num_beams=3, max_new_tokens=6, do_sample=False)
     ref = stock.generate(prompt, num_beams=3, max_new_tokens=6, do_sample=False)
     assert torch.equal(out, ref)
 
@@ -399,8 +399,8 @@ def test_crop_select_and_reset(name):
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.batch_size == -1 and len(cache.kv) == 0
     ids, mask = left_padded_batch()  # the storage serves the next batch
-    out = paged.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False)
-    ref = paged.generate(ids, attention_mask=mask, past_key_values=PagedCache(paged.config), max_new_tokens=5,
+    out = paged.generate(ids, attention_mask=mask, **cache_kwargs(paged.generate, cache), max_new_tokens=5, do_sample=False)
+    ref = paged.generate(ids, attention_mask=mask, **cache_kwargs(paged.generate, PagedCache(paged.config)), max_new_tokens=5,
                          do_sample=False)
     assert torch.equal(out, ref)
 
@@ -409,7 +409,7 @@ def test_wrong_attention_implementation_is_refused():
     stock, _ = model_pair("llama")  # runs sdpa
     ids, mask = left_padded_batch()
     with pytest.raises(ValueError, match="kvkernels"):
-        stock.generate(ids, attention_mask=mask, past_key_values=PagedCache(stock.config), max_new_tokens=2)
+        stock.generate(ids, attention_mask=mask, **cache_kwargs(stock.generate, PagedCache(stock.config)), max_new_tokens=2)
 
 
 def test_dense_fallback_without_paged_cache():

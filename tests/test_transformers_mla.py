@@ -17,7 +17,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 
 import kvkernels
 from kvkernels.integrations import transformers_mla
-from kvkernels.integrations.transformers import PagedCache, register
+from kvkernels.integrations.transformers import PagedCache, cache_kwargs, register
 from kvkernels.integrations.transformers_attention import PagedKV
 
 from hf_models import MLA_MODELS, OpCounter, left_padded_batch, model_pair
@@ -48,7 +48,7 @@ def test_absorbed_path_runs_and_expands_nothing(name, monkeypatch):
                     "paged_attention", "reshape_and_cache")
     paged_proj, stock_proj = ProjCounter(paged), ProjCounter(stock)
     try:
-        out = paged.generate(ids, attention_mask=mask, past_key_values=PagedCache(paged.config, block_size=4),
+        out = paged.generate(ids, attention_mask=mask, **cache_kwargs(paged.generate, PagedCache(paged.config, block_size=4)),
                              max_new_tokens=6, do_sample=False)
         ref = stock.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     finally:
@@ -76,8 +76,8 @@ def test_cache_holds_the_stock_latents_of_real_tokens_only(name):
     ids, mask = left_padded_batch()
     cache, dyn = PagedCache(text, block_size=4), DynamicCache(config=stock.config)
     with torch.no_grad():
-        paged(ids, attention_mask=mask, past_key_values=cache)
-        stock(ids, attention_mask=mask, past_key_values=dyn)
+        paged(ids, attention_mask=mask, **cache_kwargs(paged.forward, cache))
+        stock(ids, attention_mask=mask, **cache_kwargs(stock.forward, dyn))
     store = cache.kv
     assert isinstance(store, kvkernels.MLAPagedCache)
     assert store.kv.shape[1:] == (store.num_blocks, 4, rank + rope)
@@ -130,7 +130,7 @@ def test_without_paged_cache_the_model_runs_as_stock(name):
     with torch.no_grad():
         want = stock(ids, attention_mask=mask).logits
         got = paged(ids, attention_mask=mask).logits
-        got_dyn = paged(ids, attention_mask=mask, past_key_values=DynamicCache(config=paged.config)).logits
+        got_dyn = paged(ids, attention_mask=mask, **cache_kwargs(paged.forward, DynamicCache(config=paged.config))).logits
     real = mask.bool()
     assert torch.equal(got[real], want[real]) and torch.equal(got_dyn[real], want[real])
 
@@ -144,7 +144,7 @@ def test_bad_mla_input_is_refused():
     ids, mask = left_padded_batch()
     cache = PagedCache(text)
     with torch.no_grad():
-        paged(ids, attention_mask=mask, past_key_values=cache)
+        paged(ids, attention_mask=mask, **cache_kwargs(paged.forward, cache))
     attn = paged.model.layers[0].self_attn
     step = cache._make_step(None, torch.ones(3, dtype=torch.long).numpy(), torch.zeros((3, 1), dtype=torch.long).numpy())
     query = torch.randn(3, attn.num_heads, 1, attn.qk_head_dim)
@@ -173,11 +173,11 @@ def test_dsa_model_stops_on_paged_cache(monkeypatch):
     model = build(config, "kvkernels")
     ids, mask = left_padded_batch()
     with pytest.raises(AttributeError, match="wrap_expand_kv"), torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=PagedCache(model.config))
+        model(ids, attention_mask=mask, **cache_kwargs(model.forward, PagedCache(model.config)))
     monkeypatch.setattr(DeepseekV32Attention, "expand_kv", DeepseekV32Attention.expand_kv)  # undone after the test
     transformers_mla.wrap_expand_kv(DeepseekV32Attention)
     with pytest.raises(ValueError, match="indexer"), torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=PagedCache(model.config))
+        model(ids, attention_mask=mask, **cache_kwargs(model.forward, PagedCache(model.config)))
 
 
 def test_unwrapped_expand_kv_gets_a_clear_error(monkeypatch):
@@ -187,4 +187,4 @@ def test_unwrapped_expand_kv_gets_a_clear_error(monkeypatch):
     monkeypatch.setattr(DeepseekV3Attention, "expand_kv", DeepseekV3Attention.expand_kv.__kvkernels_original__)
     ids, mask = left_padded_batch()
     with pytest.raises(AttributeError, match="wrap_expand_kv"), torch.no_grad():
-        paged(ids, attention_mask=mask, past_key_values=PagedCache(paged.config))
+        paged(ids, attention_mask=mask, **cache_kwargs(paged.forward, PagedCache(paged.config)))

@@ -245,7 +245,7 @@ def run_once(model, impl: str, ids: torch.Tensor, new: int, beams: int, measure:
     from transformers import DynamicCache, LogitsProcessorList
 
     from kvkernels.generation import prefill_once
-    from kvkernels.integrations.transformers import PagedCache, attention_implementation
+    from kvkernels.integrations.transformers import PagedCache, attention_implementation, cache_kwargs
     gen = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
     if beams > 1:
         gen.update(num_beams=beams, early_stopping=False)
@@ -255,16 +255,18 @@ def run_once(model, impl: str, ids: torch.Tensor, new: int, beams: int, measure:
             clock = StepClock((lambda: dynamic_bytes(cache)) if measure else None, timers)
             with attention_implementation(model, "sdpa"):
                 start = time.perf_counter()
-                out = model.generate(ids, past_key_values=cache, logits_processor=LogitsProcessorList([clock]), **gen)
+                out = model.generate(ids, **cache_kwargs(model.generate, cache),
+                                     logits_processor=LogitsProcessorList([clock]), **gen)
                 seconds = time.perf_counter() - start
         elif impl == "stock prefill-once":  # the same pattern on DynamicCache: its expansion copies the KV
             cache = DynamicCache(config=model.config)
             clock = StepClock((lambda: dynamic_bytes(cache)) if measure else None, timers)
             with attention_implementation(model, "sdpa"):
                 start = time.perf_counter()
-                model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(input_ids=ids[:, :-1], **cache_kwargs(model.forward, cache), use_cache=True, logits_to_keep=1)
                 cache.batch_repeat_interleave(beams)
-                out = model.generate(ids, past_key_values=cache, logits_processor=LogitsProcessorList([clock]), **gen)
+                out = model.generate(ids, **cache_kwargs(model.generate, cache),
+                                     logits_processor=LogitsProcessorList([clock]), **gen)
                 seconds = time.perf_counter() - start
         else:  # "kvkernels", and "kvkernels prefill-once": the same call with custom_generate=prefill_once
             if impl == "kvkernels prefill-once":
@@ -272,7 +274,8 @@ def run_once(model, impl: str, ids: torch.Tensor, new: int, beams: int, measure:
             cache = PagedCache(model.config)
             clock = StepClock((lambda: cache.memory_usage()["stored_bytes"]) if measure else None, timers)
             start = time.perf_counter()
-            out = model.generate(ids, past_key_values=cache, logits_processor=LogitsProcessorList([clock]), **gen)
+            out = model.generate(ids, **cache_kwargs(model.generate, cache),
+                                 logits_processor=LogitsProcessorList([clock]), **gen)
             seconds = time.perf_counter() - start
     times = clock.times
     record = {"seconds": seconds, "decode_seconds": times[-1] - times[0], "decode_steps": len(times) - 1,

@@ -5,8 +5,11 @@ Use::
     from kvkernels.integrations.transformers import PagedCache, register
     register()                                             # -> "kvkernels"
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="kvkernels")
-    out = model.generate(input_ids, attention_mask=mask, past_key_values=PagedCache(model.config),
+    out = model.generate(input_ids, attention_mask=mask, cache=PagedCache(model.config),
                          max_new_tokens=64, num_beams=4)
+
+(``past_key_values=`` instead of ``cache=`` before transformers 5.24, which renamed the argument;
+``cache_kwargs(model.generate, cache)`` gives the keyword the installed version takes.)
 
 ``register()`` adds the attention function ``paged_attention_forward`` to ``AttentionInterface``
 and transformers' ``sdpa_mask`` to ``AttentionMaskInterface``, both under ``"kvkernels"``. Without
@@ -79,12 +82,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvkernels.integrations.transformers_attention import PagedKV, dense_attention, paged_attention_forward
 from kvkernels.integrations.transformers_cache import ATTENTION_NAME, PagedCache, Step
+from kvkernels.integrations.transformers_compat import cache_kwargs
 from kvkernels.integrations.transformers_decode import PagedDecoder
 from kvkernels.integrations.transformers_encdec import PagedEncoderDecoderCache
 from kvkernels.integrations.transformers_mla import latent_attention, register_mla, wrap_expand_kv
 
 __all__ = ["ATTENTION_NAME", "PagedCache", "PagedDecoder", "PagedEncoderDecoderCache", "PagedKV", "Step",
-           "attention_implementation", "dense_attention", "latent_attention", "paged_attention_forward", "register", "wrap_expand_kv"]
+           "attention_implementation", "cache_kwargs", "dense_attention", "latent_attention", "paged_attention_forward", "register", "wrap_expand_kv"]
 
 
 def register() -> str:

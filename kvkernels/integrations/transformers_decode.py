@@ -16,7 +16,8 @@ A step is split in two:
   padding was dealt with at prefill (it never entered the cache), and a decode token is real.
 
 Prefill (and any step that is not one token per row) runs eagerly through the same cache, e.g.
-``model(input_ids, attention_mask=mask, past_key_values=cache)``.
+``model(input_ids, attention_mask=mask, cache=cache)`` (``past_key_values=cache`` before
+transformers 5.24).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 
 from kvkernels.integrations.transformers_cache import PagedCache, Step
+from kvkernels.integrations.transformers_compat import cache_kwargs, pop_cache
 
 
 class PagedDecoder:
@@ -38,6 +40,8 @@ class PagedDecoder:
     returns the last position's logits ``[B, vocab]``.
 
     Args:
+        cache: the ``PagedCache`` (``past_key_values=`` is accepted too: transformers' name for it
+            before 5.24).
         max_length: longest sequence (tokens per row, padding not counted) the steps will reach;
             sets the fixed block-table width. Default: ``config.max_position_embeddings``.
         max_new_tokens: steps to reserve storage for now (a storage growth later changes the
@@ -46,11 +50,14 @@ class PagedDecoder:
             (``backend``, ``mode``, ``dynamic`` ...); ``False`` runs the same step eagerly.
     """
 
-    def __init__(self, model, cache: PagedCache, *, max_length: Optional[int] = None,
-                 max_new_tokens: int = 0, compile: bool = True, **compile_kwargs) -> None:
+    def __init__(self, model, cache: Optional[PagedCache] = None, *, max_length: Optional[int] = None,
+                 max_new_tokens: int = 0, compile: bool = True, past_key_values: Optional[PagedCache] = None,
+                 **compile_kwargs) -> None:
+        cache = pop_cache({"past_key_values": past_key_values}, "kvkernels PagedDecoder", cache)
         if not isinstance(cache, PagedCache) or cache.kv is None or not cache.sequences:
             raise ValueError("kvkernels PagedDecoder: needs a PagedCache that holds a prefilled batch")
         self.model, self.cache = model, cache
+        self._cache_arg = cache_kwargs(model.forward, cache)  # resolved here, not inside the compiled step
         kv, bs, batch = cache.kv, cache.block_size, len(cache.sequences)
         if max_length is None:
             max_length = int(getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", 4096))
@@ -73,7 +80,7 @@ class PagedDecoder:
 
     def _run(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor) -> Tensor:
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                         past_key_values=self.cache, use_cache=True)
+                         **self._cache_arg, use_cache=True)
         return out.logits[:, -1]
 
     def __call__(self, next_tokens: Tensor) -> Tensor:
