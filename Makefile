@@ -1,22 +1,29 @@
 # Two commands do all the set-up on a fresh machine (README):
-#   make demo   - create .venv, install torch 2.13.0 if no torch is present, build, run the demo
+#   make demo   - create .venv from requirements/lock.txt (torch too, unless one is present), build, run the demo
 #   make test   - the same set-up, then the test suite
-# Other targets: build, info, bench, cuda-check, cuda-emu-test, metal-check, metal-test, clean.
+# Other targets: build, info, bench, test-compat, lock, cuda-check, cuda-emu-test, metal-check, metal-test, clean.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-TORCH_VERSION := 2.13.0
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: demo test build info bench cuda-check cuda-emu-test metal-check metal-test clean
+.PHONY: demo test test-compat lock build info bench cuda-check cuda-emu-test metal-check metal-test clean
 
-# The venv sees system packages, so a machine that already has torch (e.g. a GPU box with its own
-# CUDA build) uses it; otherwise the CPU build of torch is installed.
-$(VENV)/.ready:
-	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q pytest numpy expecttest hypothesis ninja matplotlib "transformers>=5.20"
+# Versions come from requirements/lock.txt (pip constraints), so a fresh machine gets exactly the
+# tested environment whatever upstream released since. A machine whose python already has torch
+# (a GPU box with its own CUDA build) gets a venv that sees it; elsewhere the venv is isolated and
+# torch is installed from the lock too.
+LOCK := requirements/lock.txt
+$(VENV)/.ready: $(LOCK) requirements/dev.txt
+	rm -rf $(VENV)
+	if $(PYTHON) -c "import torch" 2>/dev/null; then \
+	  $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  $(PY) -m pip install -q -c $(LOCK) -r requirements/dev.txt; \
+	else \
+	  $(PYTHON) -m venv $(VENV); \
+	  $(PY) -m pip install -q -c $(LOCK) torch -r requirements/dev.txt; \
+	fi
 	touch $@
 
 # In-place build; ninja keeps it incremental. --no-build-isolation semantics: compile against the
@@ -35,6 +42,18 @@ info: build
 
 test: build
 	$(PY) -m pytest -q tests
+
+# The transformers-facing tests against the oldest and the newest transformers that pyproject.toml
+# allows (TRANSFORMERS_OLDEST / TRANSFORMERS_NEWEST; tests/test_packaging.py keeps them equal to
+# pyproject's range), each in a venv of its own under build-compat/ (kept for reruns).
+TRANSFORMERS_OLDEST := 5.16.1
+TRANSFORMERS_NEWEST := 5.24.0
+test-compat: build
+	PYTHON=$(PYTHON) scripts/test_compat.sh $(TRANSFORMERS_OLDEST) $(TRANSFORMERS_NEWEST)
+
+# Rewrite requirements/lock.txt from the newest releases (then rerun the tests before committing it).
+lock:
+	PYTHON=$(PYTHON) scripts/lock.sh
 
 # The CPU benchmark (benchmarks/README.md); matplotlib (installed with the venv) draws its plot.
 bench: build
