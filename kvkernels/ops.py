@@ -56,13 +56,20 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor,
 def copy_blocks(cache: Tensor, block_mapping: Tensor, *, block_dim: int = 0) -> None:
     """For each row ``(src, dst)`` of int64 ``block_mapping [n, 2]`` copy
     ``cache.select(block_dim, src)`` to ``cache.select(block_dim, dst)`` — every layer of a
-    stacked cache in one call. Destinations are distinct and never sources."""
+    stacked cache in one call. Destinations are distinct and never sources.
+
+    ``block_dim`` is the dimension that indexes blocks: 0 (the default) for one layer's
+    ``[num_blocks, block_size, H, D]`` cache, **2 for a stacked ``[layers, 2, num_blocks, ...]``
+    allocation** such as ``PagedKVCache.kv`` (1 for ``MLAPagedCache.kv``). On a stacked tensor the
+    default indexes layers, so ``copy_blocks(kv, mapping)`` with ids below the number of layers
+    copies whole layers."""
     _ops.copy_blocks.default(cache, block_mapping, block_dim)
 
 
 def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor, *, block_dim: int = 0) -> None:
     """Copy blocks ``src.select(block_dim, i)`` to ``dst.select(block_dim, j)`` for each row
-    ``(i, j)`` of ``block_mapping`` (CPU or ``src``'s device), e.g. GPU <-> pinned CPU offload."""
+    ``(i, j)`` of ``block_mapping`` (CPU or ``src``'s device), e.g. GPU <-> pinned CPU offload.
+    ``block_dim`` as in ``copy_blocks``: 2 for stacked ``[layers, 2, num_blocks, ...]`` tensors."""
     _ops.swap_blocks.default(src, dst, block_mapping, block_dim)
 
 
