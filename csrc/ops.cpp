@@ -1,4 +1,4 @@
-// The op inventory: every schema of torch.ops.kvkernels lives in this one block (DESIGN.md §3).
+// The op inventory: every schema of torch.ops.kvkernels lives in this one block (docs/design.md §8).
 // Backends register implementations in their own files (cpu/*.cpp, cuda/*.cu bindings).
 //
 // Written tensors carry their own alias set and the op returns (): without the annotations

@@ -5,7 +5,7 @@ The model must run ``attn_implementation="kvkernels"`` (``kvkernels.integrations
 prompt's blocks (zero-copy forks of ``PagedKVCache``); a continuation stores only the tokens it
 adds, plus a copy of the partly filled block it diverged in (copy-on-write).
 
-* ``EntropyAdaptiveBranching`` (origin document 000): sample one token per path, except where the
+* ``EntropyAdaptiveBranching``: sample one token per path, except where the
   next-token distribution is uncertain: where its normalized entropy exceeds ``entropy_threshold``
   the path branches into ``branch_factor`` paths (distinct tokens). At most ``max_paths`` paths are
   live; beyond that the candidates with the lowest cumulative log-probability are pruned.
@@ -42,7 +42,7 @@ exactly — the tests keep one on ``DynamicCache`` + ``copy.deepcopy`` as the or
   it leaves the live set (and is not counted by ``max_paths``).
 
 Memory reports (``GenerationPath.memory``) come from ``PagedKVCache.memory_usage(seq)`` taken at the
-end, while every returned path still holds its blocks, with origin document 000's names:
+end, while every returned path still holds its blocks, with these entries:
 ``own_memory_mb`` (blocks only this path references), ``parent_memory_mb`` (blocks shared with
 other paths: the prompt and common history), ``total_memory_mb``, ``divergence_point`` and
 ``sequence_length`` (KV tokens: prompt + generated tokens but the last, which is never fed back).
@@ -293,7 +293,7 @@ class _Runner:
 
 
 class EntropyAdaptiveBranching:
-    """Entropy-adaptive branching (origin document 000) on a paged cache.
+    """Entropy-adaptive branching on a paged cache.
 
     Args:
         model: a ``transformers`` causal LM running ``attn_implementation="kvkernels"``, or a path /

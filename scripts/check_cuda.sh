@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compile every CUDA source (csrc/cuda/*.cu) with nvcc for sm_80 and sm_90a, without torch (the
-# kernels are torch-free templates, DESIGN.md §5), and fail on compile errors or on any register
+# kernels are torch-free templates, docs/design.md §10), and fail on compile errors or on any register
 # spill / local-memory use reported by ptxas. Arguments: files to check instead of csrc/cuda/*.cu.
 # Without arguments it also compiles the CUDA bindings (csrc/cuda/*.cpp, host C++ with -DUSE_CUDA)
 # with -fsyntax-only against the headers of the torch that $PYTHON imports (skipped, with a note, when

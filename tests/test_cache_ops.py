@@ -193,7 +193,7 @@ def test_copy_blocks_stacked(dtype, block_dim, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_copy_blocks_mapping_on_cpu(device):
-    """block_mapping may live on the CPU whatever the cache's device (DESIGN.md §3)."""
+    """block_mapping may live on the CPU whatever the cache's device (docs/design.md §4)."""
     require_kernel("copy_blocks", device)
     check_copy_blocks_stacked(bf16, 2, device, mapping_device="cpu")
 

@@ -251,7 +251,7 @@ def test_memory_report_fields(models):
         assert m["total_bytes"] == m["own_bytes"] + m["shared_bytes"]
         assert m["own_memory_mb"] == m["own_bytes"] / 2**20 and m["parent_memory_mb"] == m["shared_bytes"] / 2**20
         assert m["total_memory_mb"] == pytest.approx(m["own_memory_mb"] + m["parent_memory_mb"])
-        seed_names = kv.get_memory_usage(path.seq)  # origin document 000's report of the cache
+        seed_names = kv.get_memory_usage(path.seq)  # the cache's own per-sequence report (MB names)
         assert seed_names["own_memory_mb"] == m["own_memory_mb"]
         assert seed_names["parent_memory_mb"] == m["parent_memory_mb"]
         assert seed_names["sequence_length"] == m["sequence_length"]

@@ -1,7 +1,7 @@
 """kvkernels.PagedKVCache: a stateful model test over random operations (structure and data), a
 threaded stress test, every bad-use case with state unchanged, and the behaviour of each feature
 (prefix hits, copy-on-write batching, zero-copy fork, sparse policies, offload, beam reorder,
-memory accounting, the seed documents' names)."""
+memory accounting, the alternative method names)."""
 
 import math
 import threading

@@ -42,7 +42,7 @@ inline T from_float(float x) {
   else return T(x);
 }
 
-// Stores x into a cache element; fp8 quantizes with `scale` (DESIGN.md §2).
+// Stores x into a cache element; fp8 quantizes with `scale` (docs/design.md §3).
 template <typename T>
 inline T to_cache(float x, float scale) {
   if constexpr (std::is_same_v<T, fp8_e4m3>) return fp8_e4m3{quantize_e4m3(x, scale)};

@@ -83,7 +83,7 @@ struct RowIo {
     std::memcpy(static_cast<void*>(p), buf, 2 * size_t(n));
   }
 
-  // ---- fp8 quantization of x / scale (DESIGN.md §2), as in row_io_avx512.h ----
+  // ---- fp8 quantization of x / scale (docs/design.md §3), as in row_io_avx512.h ----
   static void quantize(fp8_e4m3* p, Vec x, Vec scale, int n = N) {
     store8(p, encode(_mm256_div_ps(x.v, scale.v), 0x43e00000, 0x7e, 0x3c800000, 512.0f, 20,
                      0x7ffff, 120 << 3), n);

@@ -65,7 +65,7 @@ struct RowIo {
     _mm256_mask_storeu_epi16(p, Vec::mask(n), h);
   }
 
-  // ---- fp8 quantization of x / scale (DESIGN.md §2) ----
+  // ---- fp8 quantization of x / scale (docs/design.md §3) ----
   static void quantize(fp8_e4m3* p, Vec x, Vec scale, int n = N) {
     // float_to_e4m3: NaN 0x7f; >= 448 (after the clamp: also inf) 0x7e; below 2^-6 subnormal
     // steps of 2^-9; else round the mantissa to 3 bits and rebias the exponent.

@@ -22,7 +22,7 @@ struct RowIo {
     for (int i = 0; i < n; ++i) p[i] = from_float<T>(v.v[i]);
   }
 
-  // fp8: quantize x / scale (DESIGN.md §2).
+  // fp8: quantize x / scale (docs/design.md §3).
   template <typename C>
   static void quantize(C* p, Vec x, Vec scale, int n = N) {
     for (int i = 0; i < n; ++i) p[i] = to_cache<C>(x.v[i], scale.v[i]);

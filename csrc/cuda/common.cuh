@@ -49,7 +49,7 @@ __device__ __forceinline__ T from_float(float x) {
   else return __float2bfloat16_rn(x);
 }
 
-// float -> cache element; fp8 stores quantize(x / scale) (DESIGN.md §2).
+// float -> cache element; fp8 stores quantize(x / scale) (docs/design.md §3).
 template <typename C>
 __device__ __forceinline__ C to_cache(float x, float scale) {
   if constexpr (std::is_same_v<C, fp8_e4m3>) return fp8_e4m3{quantize_e4m3(x, scale)};

@@ -290,7 +290,7 @@ def decode_case(num_seqs: int, steps: int, prompt_range: tuple) -> dict:
 def mla_memory_case(tokens: int, layers: int = 27, heads: int = 16, kv_lora_rank: int = 512, rope_dim: int = 64,
                     qk_nope: int = 128, v_head: int = 128, block_size: int = 64, threshold: int = 8192,
                     keep_ratio: float = 0.5) -> dict:
-    """Issue 7 / seed 003: the memory of one ``tokens``-long sequence of a DeepSeek-V2-Lite-like model
+    """The memory of one ``tokens``-long sequence of a DeepSeek-V2-Lite-like model
     (defaults) in a standard K/V cache, a latent cache, and a latent cache in block-sparse mode, all
     taken from the caches' own accounting (the standard one from its bytes per token)."""
     ids = _tokens(tokens, 0)

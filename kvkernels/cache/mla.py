@@ -1,7 +1,7 @@
 """``MLAPagedCache``: the paged cache of multi-head latent attention (DeepSeek-V2/V3 style).
 
 Per token and layer only the compressed latent (``kv_lora_rank`` values; before the latent's
-RMSNorm in seed 003's layout, which ``mla_decompress`` can apply, after it as transformers' DeepSeek
+RMSNorm in the usual compressed-cache layout, which ``mla_decompress`` can apply, after it as transformers' DeepSeek
 models hand it to ``PagedCache``) and the rotary key (``rope_dim`` values) are stored, as one row of
 ``kv_lora_rank + rope_dim`` values: 576 for DeepSeek-V2/V3, against ``2 * heads * head_dim`` for a
 standard K/V cache. The rows are the layout of ``ops.concat_and_cache_mla`` (writes),
@@ -57,7 +57,7 @@ class MLAPagedCache(PagedKVCache):
     def value_cache(self, layer: int) -> torch.Tensor:
         raise TypeError("kvkernels.MLAPagedCache stores latent rows, not values: use latent_cache(layer)")
 
-    # ---- seed 003's names ------------------------------------------------------------------------
+    # ---- alternative names (other compressed MLA caches use them) --------------------------------
 
     def memory_usage_mb(self, seq: Optional[int] = None) -> float:
         """Latent bytes in use, in MiB: of ``seq`` (its tokens, shared ones included), or of the
@@ -68,7 +68,7 @@ class MLAPagedCache(PagedKVCache):
         return usage["stored_bytes"] / 2**20
 
     def block_sparse_stats(self, seq: int) -> dict:
-        """Seed 003's ``get_block_sparse_stats()`` for one sequence (see ``sparse_stats``)."""
+        """``sparse_stats`` as ``get_block_sparse_stats()``, for one sequence (see ``sparse_stats``)."""
         return self.sparse_stats(seq)
 
     get_block_sparse_stats = block_sparse_stats

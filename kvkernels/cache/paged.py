@@ -449,7 +449,7 @@ class PagedKVCache:
         self._extra[dst] = self._extra[src]
 
     def share_prompt_blocks(self, src: int, dsts: Sequence[int], num_prefix_tokens: int) -> None:
-        """Seed 001's batch prompt sharing: each of ``dsts`` (existing sequences holding no tokens,
+        """Batch prompt sharing: each of ``dsts`` (existing sequences holding no tokens,
         e.g. from ``add_sequence([])``) shares the first ``num_prefix_tokens`` tokens of ``src``
         by reference. The destinations take ``src``'s extra keys (their blocks are ``src``'s)."""
         with self._lock:
@@ -632,7 +632,7 @@ class PagedKVCache:
             self._sparsify_row(row, policy, keep_from)
 
     def sparse_stats(self, seq: int) -> dict:
-        """Seed 003's block-sparse statistics for one sequence: whether blocks were dropped, logical
+        """Block-sparse statistics for one sequence: whether blocks were dropped, logical
         vs active blocks, and the bytes the dropped blocks no longer take (per sequence; a dropped
         block another sequence still holds stays in memory, see ``stats().sparse_freed_blocks``)."""
         with self._lock:
@@ -790,27 +790,27 @@ class PagedKVCache:
             self.pool.check_invariants(tables)
             assert len(self._free_rows) + len(self._row_of) == len(self._nblocks)
 
-    # ---- names used by the seed documents --------------------------------------------------------
+    # ---- alternative names (other copy-on-write / prompt-sharing cache APIs use them) ------------
 
     def branch(self, seq: int) -> int:
-        """Seed 000's ``branch()``: a zero-copy fork; the child stores only its divergent tokens."""
+        """``fork`` as ``branch()``: a zero-copy fork; the child stores only its divergent tokens."""
         return self.fork(seq)
 
     def fork_sequence(self, src: int) -> int:
-        """Seed 001's ``fork_sequence``; the cache picks the new id (returned)."""
+        """``fork`` as ``fork_sequence``; the cache picks the new id (returned)."""
         return self.fork(src)
 
     def add_sequence_with_prompt(self, prompt_tokens, *, extra_keys=None) -> tuple[int, int]:
-        """Seed 001's prompt cache: ``add_sequence`` (chained block hashes subsume a prompt hash)."""
+        """``add_sequence`` under a prompt-cache name (chained block hashes subsume a prompt hash)."""
         return self.add_sequence(prompt_tokens, extra_keys=extra_keys)
 
     def get_stats(self) -> CacheStats:
-        """Seed 001's name for ``stats()`` (``prompt_cache_hits``, ``shared_prompt_blocks`` and
+        """``stats()`` under another name (``prompt_cache_hits``, ``shared_prompt_blocks`` and
         ``cow_operations`` are properties of the result)."""
         return self.stats()
 
     def get_memory_usage(self, seq: int) -> dict:
-        """Seed 000's memory report for one sequence: own / parent (shared) / total MB at token
+        """One sequence's memory report: own / parent (shared) / total MB at token
         granularity, the divergence point (tokens shared with its parent at fork time), length."""
         m = self.memory_usage(seq)
         own, shared = m["own_bytes"] / 2**20, m["shared_bytes"] / 2**20

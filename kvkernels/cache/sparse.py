@@ -36,8 +36,8 @@ class SparsePolicy:
 
 class KeepRecentRatio(SparsePolicy):
     """Once a sequence is longer than ``threshold_tokens``, keep only the most recent
-    ``ceil(keep_ratio * logical_blocks)`` blocks (recent blocks first, as in the block-sparse MLA
-    cache of seed 003; defaults 8192 and 0.5). The kept set follows the sequence as it grows: at
+    ``ceil(keep_ratio * logical_blocks)`` blocks (recent blocks first, the usual block-sparse mode
+    of compressed MLA caches; defaults 8192 and 0.5). The kept set follows the sequence as it grows: at
     16K tokens and ratio 0.5, the last 8K tokens stay."""
 
     def __init__(self, threshold_tokens: int = 8192, keep_ratio: float = 0.5) -> None:

@@ -46,7 +46,7 @@ class CacheStats:
         """Fraction of looked-up prompt tokens that were cached."""
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
-    # Names of seed 001's statistics.
+    # Alternative names of some statistics (other prompt-sharing caches report these).
     @property
     def prompt_cache_hits(self) -> int:
         return self.prefix_hits

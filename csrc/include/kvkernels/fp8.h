@@ -1,5 +1,5 @@
 // fp8 (OCP e4m3fn and e5m2) <-> float32 conversion, bit-exact with PyTorch's `.to(float8_*)` for
-// finite values inside the format's range. Quantization clamps first (DESIGN.md §2: values beyond
+// finite values inside the format's range. Quantization clamps first (docs/design.md §3: values beyond
 // the finite range saturate to ±448 / ±57344), so the encoders never produce inf.
 //
 // Rounding trick used by both encoders: for a normal result, keep the top mantissa bits of the
@@ -84,7 +84,7 @@ KVK_HOST_DEVICE float e5m2_to_float(uint8_t b) {
   return bits_float(sign | ((exp + 112u) << 23) | (man << 21));
 }
 
-// The quantization rule of DESIGN.md §2: divide in float32, clamp, round to nearest even.
+// The quantization rule of docs/design.md §3: divide in float32, clamp, round to nearest even.
 KVK_HOST_DEVICE uint8_t quantize_e4m3(float x, float scale) {
   const float q = x / scale;
   return float_to_e4m3(q != q ? q : fminf(fmaxf(q, -kFp8E4M3Max), kFp8E4M3Max));
