@@ -174,16 +174,19 @@ class GenerationResult:
 # ---- shared machinery -----------------------------------------------------------------------------
 
 
-def _as_prompt(prompt, tokenizer) -> list[int]:
+def _as_prompt(prompt, tokenizer, what: str = "prompt", special_tokens: bool = True) -> list[int]:
+    """Token ids of one sequence given as text (tokenized by ``tokenizer``, with its special tokens
+    unless ``special_tokens=False``: a suffix must not get a second BOS), a ``[L]`` or ``[1, L]``
+    tensor, or a sequence of ids. ``what`` names the argument in errors."""
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError("kvkernels.generation: a text prompt needs a tokenizer")
-        return list(tokenizer(prompt)["input_ids"])
+            raise ValueError(f"kvkernels.generation: {what}: text needs a tokenizer (tokenizer=...)")
+        return list(tokenizer(prompt, add_special_tokens=special_tokens)["input_ids"])
     if isinstance(prompt, Tensor):
         if prompt.dim() == 2 and prompt.shape[0] == 1:
             prompt = prompt[0]
         if prompt.dim() != 1:
-            raise ValueError(f"kvkernels.generation: prompt: expected one sequence, got shape {tuple(prompt.shape)}")
+            raise ValueError(f"kvkernels.generation: {what}: expected one sequence, got shape {tuple(prompt.shape)}")
         return [int(t) for t in prompt.tolist()]
     return [int(t) for t in prompt]
 
@@ -652,26 +655,39 @@ def shared_prefix_batch(prefix: Sequence[int], suffixes: Sequence[Sequence[int]]
     return ids.to(device), mask.to(device)
 
 
-def generate_shared_prefix(model, prefix: Sequence[int], suffixes: Sequence[Sequence[int]], max_new_tokens: int = 32,
-                           *, cache: Optional[PagedCache] = None, block_size: int = 16,
+def generate_shared_prefix(model, prefix, suffixes, max_new_tokens: int = 32, *, tokenizer=None,
+                           cache: Optional[PagedCache] = None, block_size: int = 16,
                            pad_token_id: Optional[int] = None, progress: Progress = None,
                            **generate_kwargs) -> SharedPrefixResult:
     """A batch of requests ``prefix + suffixes[r]`` (a shared system prompt, then each request's own
     tokens): the prefix is prefilled once, on one row, which every request's row forks
     (``batch_repeat_interleave``); then ``model.generate()`` on ``shared_prefix_batch(...)``
     computes only the suffixes. Keyword arguments go to ``generate()`` (``num_beams`` /
-    ``num_return_sequences`` work: the prefix row is forked for every expanded row)."""
+    ``num_return_sequences`` work: the prefix row is forked for every expanded row).
+
+    ``prefix`` and each suffix: token ids, a ``[L]`` or ``[1, L]`` tensor, or text with
+    ``tokenizer`` (the prefix with the tokenizer's special tokens, e.g. BOS, the suffixes without);
+    ``suffixes`` may also be one text or a ``[requests, L]`` tensor. ``pad_token_id``: default the
+    model's ``generation_config``'s, else the tokenizer's, else 0."""
     start = time.perf_counter()
     _check_model(model)
-    prefix = [int(t) for t in prefix]
+    name = "kvkernels.generation.generate_shared_prefix"
+    prefix = _as_prompt(prefix, tokenizer, "prefix")
+    if isinstance(suffixes, str):
+        suffixes = [suffixes]  # one request
+    elif isinstance(suffixes, Tensor) and suffixes.dim() != 2:
+        raise ValueError(f"{name}: suffixes: expected a list of requests (token ids, tensors or text) or a "
+                         f"[requests, length] tensor, got a tensor of shape {tuple(suffixes.shape)}")
+    suffixes = [_as_prompt(s, tokenizer, f"suffixes[{r}]", special_tokens=False) for r, s in enumerate(suffixes)]
     if not prefix or not suffixes or any(len(s) == 0 for s in suffixes):
-        raise ValueError("kvkernels.generation.generate_shared_prefix: needs a non-empty prefix and at least one "
-                         "token in every suffix")
-    cache = _new_cache(model, pop_cache(generate_kwargs, "kvkernels.generation.generate_shared_prefix", cache),
-                       block_size)
+        raise ValueError(f"{name}: needs a non-empty prefix and at least one token in every suffix")
+    cache = _new_cache(model, pop_cache(generate_kwargs, name, cache), block_size)
     if pad_token_id is None:
         pad_token_id = getattr(model.generation_config, "pad_token_id", None)
-        pad_token_id = 0 if pad_token_id is None else pad_token_id
+    if pad_token_id is None and tokenizer is not None:
+        pad_token_id = tokenizer.pad_token_id
+    if pad_token_id is None:
+        pad_token_id = 0
     ids, mask = shared_prefix_batch(prefix, suffixes, int(pad_token_id), model.device)
     beams = int(generate_kwargs.get("num_beams") or 1)
     expand = beams if beams > 1 else int(generate_kwargs.get("num_return_sequences") or 1)

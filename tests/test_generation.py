@@ -435,6 +435,47 @@ def test_shared_prefix_batch_matches_stock_and_each_request_alone(mode):
     result.cache.kv.check_invariants()
 
 
+def _word_tokenizer():
+    """A word-level tokenizer over a few words (ids < the test models' vocabulary) that adds [BOS]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    words = "you are a terse assistant answer what is paging why fork blocks".split()
+    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[UNK]": 3, **{w: i + 4 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A", special_tokens=[("[BOS]", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]",
+                                   unk_token="[UNK]")
+
+
+def test_shared_prefix_takes_tensors_and_text_like_the_other_strategies():
+    _, paged = model_pair("llama")
+    prefix, suffixes = prompt_ids(20), [[5, 6, 7], [9] * 7, [11, 12]]
+
+    def run(p, s, **kwargs):
+        result = generate_shared_prefix(paged, p, s, 4, block_size=4, do_sample=False, **kwargs)
+        result.cache.kv.check_invariants()
+        return result.sequences
+    expected = run(prefix, suffixes)
+    # a [1, L] prefix (what a tokenizer returns), 1-D and [1, L] suffixes
+    assert torch.equal(run(torch.tensor([prefix]), [torch.tensor(suffixes[0]), torch.tensor([suffixes[1]]),
+                                                    suffixes[2]]), expected)
+    assert torch.equal(run(torch.tensor(prefix), torch.tensor([[5, 6], [7, 8]])), run(prefix, [[5, 6], [7, 8]]))
+    # text with a tokenizer: the prefix gets the tokenizer's BOS, the suffixes no second one
+    tokenizer = _word_tokenizer()
+    system, users = "you are a terse assistant", [" what is paging", " why fork blocks"]
+    ids = [tokenizer(system)["input_ids"], *(tokenizer(u, add_special_tokens=False)["input_ids"] for u in users)]
+    assert ids[0][0] == 1 and all(1 not in u for u in ids[1:])
+    assert torch.equal(run(system, users, tokenizer=tokenizer), run(ids[0], ids[1:]))
+    assert torch.equal(run(system, users[0], tokenizer=tokenizer), run(ids[0], [ids[1]]))  # one request
+    with pytest.raises(ValueError, match="prefix: text needs a tokenizer"):
+        run(system, users)
+    with pytest.raises(ValueError, match=r"suffixes: expected a list of requests .* shape \(3,\)"):
+        run(prefix, torch.tensor([5, 6, 7]))
+    with pytest.raises(ValueError, match=r"suffixes\[1\]: expected one sequence, got shape \(2, 2\)"):
+        run(prefix, [[5], torch.ones(2, 2, dtype=torch.long)])
+
+
 # ---- primitives and argument checks ----------------------------------------------------------------
 
 
