@@ -289,8 +289,11 @@ def part_eab(model, tokenizer, bar: Bar, report: Report, prompt, args) -> None:
         dense = dense_log_probs(model, prompt, res.paths, args.temperature)
     m = res.memory
     flat = [e for step in res.entropies for e in step]
-    report.add(f"   paths        {len(res.paths)} returned, {res.branch_events} branchings, {res.pruned} pruned by "
-               f"cumulative log-prob, at most {res.max_live_paths} live; entropy {min(flat):.2f}-{max(flat):.2f}")
+    ended = sum(p.finished for p in res.paths)
+    report.add(f"   paths        {len(res.paths)} returned ({ended} ended by end-of-sequence + {len(res.paths) - ended} "
+               f"live at the last step), {res.branch_events} branchings, {res.pruned} pruned by cumulative log-prob, "
+               f"at most {res.max_live_paths} live (--max-paths caps live paths only); "
+               f"entropy {min(flat):.2f}-{max(flat):.2f}")
     report.add(f"   tokens/s     kvkernels {rate(res.decode_tokens, res.seconds)} ({res.decode_tokens} tokens "
                f"decoded in {res.forward_calls} forwards: the prompt once, then one per step for all live paths)")
     report.add(f"   KV memory    kvkernels {mib(m['stored_bytes'])} stored for all paths at the end (peak "

@@ -173,6 +173,23 @@ def test_eab_matches_deep_copy_oracle(models, seed, threshold, factor, cap, temp
     assert len(result.cache.kv) == 0
 
 
+def test_eab_max_paths_caps_the_live_paths_not_the_returned_ones(models):
+    """max_paths bounds the paths decoded together (the memory); paths that end with an
+    end-of-sequence token leave the live set and are returned besides, so len(paths) can exceed it."""
+    _, paged = models
+    eab = EntropyAdaptiveBranching(paged, entropy_threshold=0.3, branch_factor=3, max_paths=4, block_size=4,
+                                   eos_token_id=list(range(3, 23)))  # many end-of-sequence tokens
+    result = eab.generate(prompt_ids(), 12, seed=0)
+    live = [len(step) for step in result.entropies]  # one entropy per live path per step
+    assert len(live) == 12 and max(live) == result.max_live_paths == 4 and result.pruned > 0
+    finished = [p for p in result.paths if p.finished]
+    at_end = [p for p in result.paths if not p.finished]
+    assert len(result.paths) > 4 and len(finished) > 4
+    assert len(at_end) == live[-1] <= 4 and all(len(p.tokens) == 12 for p in at_end)  # live at the last step
+    assert all(p.tokens[-1] in range(3, 23) and len(p.tokens) <= 12 for p in finished)
+    result.release()
+
+
 def test_eab_seed_changes_paths(models):
     _, paged = models
     eab = EntropyAdaptiveBranching(paged, entropy_threshold=0.6, max_paths=8, block_size=4)
