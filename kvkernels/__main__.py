@@ -4,10 +4,25 @@ from __future__ import annotations
 
 import sys
 
+USAGE = """\
+usage: python -m kvkernels {info,demo,bench} [options]
+
+commands:
+  info   the compiled backends (CPU / CUDA / Metal kernels per op), the CPU ISA in use, the torch version
+  demo   a small transformers model generating on the paged cache against the stock cache, self-checked
+         (demo kernels: the ops-level demo, no transformers needed)
+  bench  benchmarks: the kernels against PyTorch and the measured memory bandwidth (--suite cache: the
+         cache manager; --suite generate: transformers generate() on both caches)
+
+python -m kvkernels <command> --help lists the command's options."""
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv.pop(0) if argv else "info"
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    command = argv.pop(0)
     if command == "info":
         from kvkernels.info import main as info
         return info(argv)
@@ -17,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "bench":
         from kvkernels.bench import main as bench
         return bench(argv)
-    print(f"usage: python -m kvkernels {{info,demo,bench}} [options]  (got {command!r})", file=sys.stderr)
+    print(f"{USAGE}\n\npython -m kvkernels: unknown command {command!r}", file=sys.stderr)
     return 2
 
 

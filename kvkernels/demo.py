@@ -289,8 +289,11 @@ def part_eab(model, tokenizer, bar: Bar, report: Report, prompt, args) -> None:
         dense = dense_log_probs(model, prompt, res.paths, args.temperature)
     m = res.memory
     flat = [e for step in res.entropies for e in step]
-    report.add(f"   paths        {len(res.paths)} returned, {res.branch_events} branchings, {res.pruned} pruned by "
-               f"cumulative log-prob, at most {res.max_live_paths} live; entropy {min(flat):.2f}-{max(flat):.2f}")
+    ended = sum(p.finished for p in res.paths)
+    report.add(f"   paths        {len(res.paths)} returned ({ended} ended by end-of-sequence + {len(res.paths) - ended} "
+               f"live at the last step), {res.branch_events} branchings, {res.pruned} pruned by cumulative log-prob, "
+               f"at most {res.max_live_paths} live (--max-paths caps live paths only); "
+               f"entropy {min(flat):.2f}-{max(flat):.2f}")
     report.add(f"   tokens/s     kvkernels {rate(res.decode_tokens, res.seconds)} ({res.decode_tokens} tokens "
                f"decoded in {res.forward_calls} forwards: the prompt once, then one per step for all live paths)")
     report.add(f"   KV memory    kvkernels {mib(m['stored_bytes'])} stored for all paths at the end (peak "
@@ -319,31 +322,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["kernels"]:
         from kvkernels.demo_kernels import main as kernels
         return kernels(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m kvkernels demo", description=__doc__.split("\n\n")[0],
-                                epilog="python -m kvkernels demo kernels --help: the ops-level demo")
-    p.add_argument("--model", help="local transformers checkpoint (loaded with attn_implementation='kvkernels'; "
-                                   "its tokenizer too, if present); default: a small random-weight Llama")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads (default 1: at the demo's small shapes more threads mostly add "
-                        "synchronization, and on a machine whose cores are busy with other work each parallel "
-                        "region waits for a descheduled thread (measured: 51 s instead of 4 s); 0: torch's default)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--requests", type=int, default=6, help="requests sharing the system prompt (part 1)")
-    p.add_argument("--system-tokens", type=int, default=150, help="system prompt length (random-weight model)")
-    p.add_argument("--new-tokens", type=int, default=48, help="new tokens per request (part 1)")
-    p.add_argument("--beams", type=int, default=8)
-    p.add_argument("--beam-tokens", type=int, default=32, help="new tokens of beam search (part 2)")
-    p.add_argument("--branch-tokens", type=int, default=32, help="new tokens of branching (part 3)")
-    p.add_argument("--threshold", type=float, help="normalized-entropy threshold of branching "
-                                                   "(default 0.6 for the random model, 0.055 with --model)")
-    p.add_argument("--branch-factor", type=int, default=3)
-    p.add_argument("--max-paths", type=int, default=12)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--show-paths", type=int, default=6, help="paths listed in the report")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p = build_parser()
     args = p.parse_args(argv)
     for name in ("requests", "system_tokens", "new_tokens", "beams", "beam_tokens", "branch_tokens", "block_size",
                  "branch_factor", "max_paths"):
@@ -365,6 +344,40 @@ def main(argv=None) -> int:
         torch.set_num_threads(threads)  # (main may run inside another program, e.g. the tests)
     print("\n".join(report.lines))
     return 0 if not report.failures else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvkernels.demo_kernels import DefaultsHelpFormatter
+    p = argparse.ArgumentParser(prog="python -m kvkernels demo",
+                                description=__doc__.split("\n\n")[0].replace("``", ""),
+                                epilog="python -m kvkernels demo kernels --help: the ops-level demo",
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--model", help="local transformers checkpoint (loaded with attn_implementation='kvkernels'; "
+                                   "its tokenizer too, if present) (default: a small random-weight Llama)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights, prompts and sampling")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="of the model and the caches")
+    p.add_argument("--device", default="cpu", help="torch device of the model and the caches")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads; 0: torch's default. One by default: at the demo's small shapes "
+                        "more threads mostly add synchronization, and on a machine whose cores are busy with other "
+                        "work each parallel region waits for a descheduled thread (measured: 51 s instead of 4 s)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per PagedCache block")
+    p.add_argument("--requests", type=int, default=6, help="requests sharing the system prompt (part 1)")
+    p.add_argument("--system-tokens", type=int, default=150, help="system prompt length (random-weight model)")
+    p.add_argument("--new-tokens", type=int, default=48, help="new tokens per request (part 1)")
+    p.add_argument("--beams", type=int, default=8, help="beams of beam search (part 2)")
+    p.add_argument("--beam-tokens", type=int, default=32, help="new tokens of beam search (part 2)")
+    p.add_argument("--branch-tokens", type=int, default=32, help="new tokens of branching (part 3)")
+    p.add_argument("--threshold", type=float, help="normalized-entropy threshold of branching "
+                                                   "(default: 0.6 for the random model, 0.055 with --model)")
+    p.add_argument("--branch-factor", type=int, default=3, help="paths a branching path becomes (part 3)")
+    p.add_argument("--max-paths", type=int, default=12,
+                   help="most paths live at once in branching (part 3); paths that end with an end-of-sequence "
+                        "token leave the live set, so more can be returned")
+    p.add_argument("--temperature", type=float, default=1.0, help="of branching's sampling distribution (part 3)")
+    p.add_argument("--show-paths", type=int, default=6, help="paths listed in the report")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
 
 
 def run(args, transformers_version: str) -> Report:

@@ -225,22 +225,48 @@ def _mib(n):
     return f"{n / 2**20:.2f} MiB"
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default as "(default: ...)", except where there is none to show
+    (``None``, a flag's ``False``) or the help text already says it ("(default ...")."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvkernels demo kernels", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=37,
-                   help="longest prompt; prompt i has prompt_len - 5*i tokens (at least 1)")
-    p.add_argument("--new-tokens", type=int, default=24)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p = build_parser()
     args = p.parse_args(argv)
     for name in ("batch", "prompt_len", "new_tokens", "block_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)  # (main may run inside another program, e.g. the tests)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kvkernels demo kernels",
+                                description=__doc__.split("\n\n")[0].replace("``", ""),
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    p.add_argument("--batch", type=int, default=4, help="sequences generated together")
+    p.add_argument("--prompt-len", type=int, default=37,
+                   help="longest prompt; prompt i has prompt_len - 5*i tokens (at least 1)")
+    p.add_argument("--new-tokens", type=int, default=24, help="tokens generated per sequence")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per cache block")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="of the weights and the cache")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads, as in python -m kvkernels demo (0: torch's default)")
+    return p
+
+
+def _run(args) -> int:
     dtype = getattr(torch, args.dtype)
 
     with torch.inference_mode():

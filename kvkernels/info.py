@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import platform
 
 import torch
@@ -23,6 +24,8 @@ def backends() -> dict[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvkernels info", description=__doc__.split("``: ")[1].strip())
+    parser.parse_args([] if argv is None else argv)  # no options: --help, or an error for anything else
     print(f"kvkernels {kvkernels.__version__}  ({kvkernels._C.__file__})")
     print(f"torch {torch.__version__}  (CUDA {torch.version.cuda})  python {platform.python_version()}")
     print(f"machine: {platform.machine()}  CPU ISA (torch): {torch.backends.cpu.get_cpu_capability()}"

@@ -1,12 +1,18 @@
 """``python -m kvkernels bench`` end to end on tiny shapes (--quick), in-process: exit code, the JSON
-record's fields and numbers, the baseline time limit, and the PNG."""
+record's fields and numbers, the baseline time limit, and the PNG; a --quick run says it is a smoke
+run in every output and, without --out, writes to a temporary directory."""
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch  # noqa: F401  (libtorch before the kvkernels extension)
 
 from kvkernels import bench
+from kvkernels.bench import report
+
+SMOKE = "quick smoke run — not a measurement"
 
 QUICK = ["--quick", "--dtypes", "bfloat16,fp8_e4m3"]
 KINDS = {"decode", "prefill", "copy_blocks", "reshape_and_cache", "gather_kv", "merge", "mla_decode", "cascade_decode"}
@@ -28,6 +34,7 @@ def test_quick_run_writes_a_complete_record(quick_run):
         assert machine[key] not in (None, ""), key
     for key in ("torch_version", "kvkernels_version", "python_version", "date", "command_line"):
         assert record[key], key
+    assert record["note"] == SMOKE and record["settings"]["quick"] is True
     assert record["bandwidth_gbps"]["read"] > 0 and record["bandwidth_gbps"]["copy"] > 0
     cases = record["cases"]
     assert {case["kind"] for case in cases} == KINDS
@@ -56,6 +63,10 @@ def test_quick_run_writes_a_png(quick_run):
     _, out, _ = quick_run
     (png,) = out.glob("cpu-*.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image  # matplotlib's own dependency
+    with Image.open(png) as image:
+        title = image.text["Title"]  # the figure's title, also stored in the PNG's metadata
+    assert title.startswith(f"*** {SMOKE}") and "kvkernels" in title
 
 
 def test_slow_baselines_are_cut_short_or_skipped_with_a_reason(tmp_path, capsys):
@@ -70,15 +81,39 @@ def test_slow_baselines_are_cut_short_or_skipped_with_a_reason(tmp_path, capsys)
         for case in rest:
             assert case["impls"][name]["skipped"].startswith("predicted"), case["name"]
     assert all(case["impls"]["kvkernels"]["checked"] for case in rest)  # kvkernels has no limit
-    assert "skipped (predicted" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "skipped (predicted" in out
+    assert out.startswith(report.SMOKE_BANNER) and out.rstrip().endswith(report.SMOKE_BANNER)
 
 
-def test_cache_suite_quick_run_writes_json_and_text(tmp_path):
-    code = bench.main(["--suite", "cache", "--quick", "--out", str(tmp_path)])
+def test_quick_runs_write_to_a_temporary_directory_full_runs_to_benchmarks_results(tmp_path, monkeypatch):
+    from kvkernels.bench import cli
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    assert report.output_dir(cli.parse_args(["--out", "here"])) == Path("here") and Path("here").is_dir()
+    assert report.output_dir(cli.parse_args([])) == Path("benchmarks/results")
+    quick = report.output_dir(cli.parse_args(["--quick"]))
+    assert quick.is_dir() and not list(quick.iterdir())
+    assert quick.parent == tmp_path / "tmp" and quick.name.startswith("kvkernels-bench-quick-")
+    assert report.output_dir(cli.parse_args(["--quick"])) != quick  # a new one per run
+
+
+def test_cache_suite_quick_run_writes_json_and_text(tmp_path, monkeypatch, capsys):
+    # No --out: a quick run goes to a new temporary directory, not to ./benchmarks/results.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    code = bench.main(["--suite", "cache", "--quick"])
     assert code == 0
-    (json_path,) = tmp_path.glob("cache-*.json")
-    (txt_path,) = tmp_path.glob("cache-*.txt")
+    assert not (tmp_path / "benchmarks").exists()
+    (json_path,) = tmp_path.glob("tmp/kvkernels-bench-quick-*/cache-*.json")
+    (txt_path,) = tmp_path.glob("tmp/kvkernels-bench-quick-*/cache-*.txt")
+    out = capsys.readouterr().out
+    assert out.startswith(report.SMOKE_BANNER) and f"JSON: {json_path}" in out
+    assert txt_path.read_text().startswith(report.SMOKE_BANNER)
     record = json.loads(json_path.read_text())
+    assert record["note"] == SMOKE
     for key in ("machine", "torch_version", "date", "command_line", "fork", "beams", "prefix", "decode"):
         assert record[key], key
     assert all(row["fork_kv_bytes_copied"] == 0 and row["fork_us"] > 0 for row in record["fork"]["rows"])
@@ -105,7 +140,8 @@ def test_cuda_suite_dry_run_on_the_cpu(tmp_path):
     record = json.loads(json_path.read_text())
     for key in ("machine", "torch_version", "date", "command_line", "bandwidth_gbps", "cases"):
         assert record[key], key
-    assert "cuda_version" in record
+    assert "cuda_version" in record and record["note"] == SMOKE
+    assert txt_path.read_text().startswith(report.SMOKE_BANNER)
     kinds = {case["kind"] for case in record["cases"]}
     assert {"copy_blocks", "reshape_and_cache", "gather_kv", "merge", "swap_blocks", "decode", "prefill"} <= kinds
     for case in record["cases"]:
@@ -132,6 +168,7 @@ def test_generate_suite_quick_run_writes_json_and_text(tmp_path):
     record = json.loads(json_path.read_text())
     for key in ("machine", "torch_version", "transformers_version", "date", "command_line", "model", "dtype"):
         assert record[key], key
+    assert record["note"] == SMOKE and txt_path.read_text().startswith(report.SMOKE_BANNER)
     cases = {case["name"]: case for case in record["cases"]}
     assert set(cases) == {"greedy", "beam"}
     assert set(cases["beam"]["impls"]) == {"stock", "kvkernels", "stock prefill-once", "kvkernels prefill-once"}

@@ -8,6 +8,8 @@ CUDA graph.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch._dynamo
@@ -72,6 +74,29 @@ def test_compiled_decode_no_graph_breaks_no_recompiles(name, backend):
     else:  # inductor fuses the model's own ops differently
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_decoder_needs_no_no_grad():
+    """Inference only: a step runs under no_grad itself. Called in grad mode (as after a prefill
+    outside no_grad), the compiled step used to have AOTAutograd trace a backward through
+    paged_attention, which warned that no autograd kernel was registered."""
+    _, model = model_pair("llama")
+    ids, mask = left_padded_batch()
+    with torch.no_grad():
+        expected = eager_decode(model, ids, mask, 3)
+    torch._dynamo.reset()
+    cache, logits, _ = prefill(model, ids, mask)  # grad mode, as a user may write it
+    assert logits.requires_grad
+    decoder = PagedDecoder(model, cache, max_length=64, backend="aot_eager")
+    got = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            logits = decoder(logits.argmax(-1))
+            got.append(logits)
+    assert not [w for w in caught if "autograd kernel was not registered" in str(w.message)]
+    assert not any(t.requires_grad for t in got)
+    assert torch.equal(torch.stack(got, 1), expected)
 
 
 def test_decoder_eager_mode_and_limits():

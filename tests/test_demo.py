@@ -32,8 +32,12 @@ def test_default_run_passes_and_reports(capsys):
     cow = [int(x) for x in re.findall(r"copy-on-write (\d+) block copies", out)]
     assert cow[0] == 6 - 1  # the system prompt's partial block, once per request but the last writer
     assert len(cow) == 3 and cow[1] > 0 and cow[2] > 0
-    branching = re.search(r"(\d+) returned, (\d+) branchings, (\d+) pruned", out)
-    assert branching and int(branching.group(2)) > 0 and int(branching.group(3)) > 0
+    branching = re.search(r"(\d+) returned \((\d+) ended by end-of-sequence \+ (\d+) live at the last step\), "
+                          r"(\d+) branchings, (\d+) pruned by cumulative log-prob, at most (\d+) live "
+                          r"\(--max-paths caps live paths only\)", out)
+    returned, ended, at_end, branchings, pruned, live = map(int, branching.groups())
+    assert returned == ended + at_end and ended == 0  # the random model has no end-of-sequence token
+    assert branchings > 0 and pruned > 0 and at_end <= live <= 12  # the default --max-paths
 
 
 def test_a_wrong_kernel_fails_loudly(monkeypatch, capsys):

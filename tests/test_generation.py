@@ -173,6 +173,23 @@ def test_eab_matches_deep_copy_oracle(models, seed, threshold, factor, cap, temp
     assert len(result.cache.kv) == 0
 
 
+def test_eab_max_paths_caps_the_live_paths_not_the_returned_ones(models):
+    """max_paths bounds the paths decoded together (the memory); paths that end with an
+    end-of-sequence token leave the live set and are returned besides, so len(paths) can exceed it."""
+    _, paged = models
+    eab = EntropyAdaptiveBranching(paged, entropy_threshold=0.3, branch_factor=3, max_paths=4, block_size=4,
+                                   eos_token_id=list(range(3, 23)))  # many end-of-sequence tokens
+    result = eab.generate(prompt_ids(), 12, seed=0)
+    live = [len(step) for step in result.entropies]  # one entropy per live path per step
+    assert len(live) == 12 and max(live) == result.max_live_paths == 4 and result.pruned > 0
+    finished = [p for p in result.paths if p.finished]
+    at_end = [p for p in result.paths if not p.finished]
+    assert len(result.paths) > 4 and len(finished) > 4
+    assert len(at_end) == live[-1] <= 4 and all(len(p.tokens) == 12 for p in at_end)  # live at the last step
+    assert all(p.tokens[-1] in range(3, 23) and len(p.tokens) <= 12 for p in finished)
+    result.release()
+
+
 def test_eab_seed_changes_paths(models):
     _, paged = models
     eab = EntropyAdaptiveBranching(paged, entropy_threshold=0.6, max_paths=8, block_size=4)
@@ -433,6 +450,47 @@ def test_shared_prefix_batch_matches_stock_and_each_request_alone(mode):
         stored = result.cache.kv.memory_usage()["stored_tokens"]
         assert stored == 20 + 13 + 4 * (8 - 1)
     result.cache.kv.check_invariants()
+
+
+def _word_tokenizer():
+    """A word-level tokenizer over a few words (ids < the test models' vocabulary) that adds [BOS]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    words = "you are a terse assistant answer what is paging why fork blocks".split()
+    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[UNK]": 3, **{w: i + 4 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A", special_tokens=[("[BOS]", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]",
+                                   unk_token="[UNK]")
+
+
+def test_shared_prefix_takes_tensors_and_text_like_the_other_strategies():
+    _, paged = model_pair("llama")
+    prefix, suffixes = prompt_ids(20), [[5, 6, 7], [9] * 7, [11, 12]]
+
+    def run(p, s, **kwargs):
+        result = generate_shared_prefix(paged, p, s, 4, block_size=4, do_sample=False, **kwargs)
+        result.cache.kv.check_invariants()
+        return result.sequences
+    expected = run(prefix, suffixes)
+    # a [1, L] prefix (what a tokenizer returns), 1-D and [1, L] suffixes
+    assert torch.equal(run(torch.tensor([prefix]), [torch.tensor(suffixes[0]), torch.tensor([suffixes[1]]),
+                                                    suffixes[2]]), expected)
+    assert torch.equal(run(torch.tensor(prefix), torch.tensor([[5, 6], [7, 8]])), run(prefix, [[5, 6], [7, 8]]))
+    # text with a tokenizer: the prefix gets the tokenizer's BOS, the suffixes no second one
+    tokenizer = _word_tokenizer()
+    system, users = "you are a terse assistant", [" what is paging", " why fork blocks"]
+    ids = [tokenizer(system)["input_ids"], *(tokenizer(u, add_special_tokens=False)["input_ids"] for u in users)]
+    assert ids[0][0] == 1 and all(1 not in u for u in ids[1:])
+    assert torch.equal(run(system, users, tokenizer=tokenizer), run(ids[0], ids[1:]))
+    assert torch.equal(run(system, users[0], tokenizer=tokenizer), run(ids[0], [ids[1]]))  # one request
+    with pytest.raises(ValueError, match="prefix: text needs a tokenizer"):
+        run(system, users)
+    with pytest.raises(ValueError, match=r"suffixes: expected a list of requests .* shape \(3,\)"):
+        run(prefix, torch.tensor([5, 6, 7]))
+    with pytest.raises(ValueError, match=r"suffixes\[1\]: expected one sequence, got shape \(2, 2\)"):
+        run(prefix, [[5], torch.ones(2, 2, dtype=torch.long)])
 
 
 # ---- primitives and argument checks ----------------------------------------------------------------

@@ -124,6 +124,23 @@ def test_paged_cache_constructor_arguments():
     assert PagedCache(config, cascade_min_tokens=None).cascade_min_tokens is None
 
 
+def test_paged_cache_takes_the_model_for_its_config():
+    _, paged = model_pair("llama")
+    ids, mask = left_padded_batch()
+    with torch.no_grad():
+        out = [paged.generate(ids, attention_mask=mask, **cache_kwargs(paged.generate, cache), max_new_tokens=4,
+                              do_sample=False) for cache in (PagedCache(paged), PagedCache(paged.config))]
+    assert torch.equal(out[0], out[1])
+    assert PagedCache(paged, block_size=4).config is paged.config
+    _, bart = bart_pair()
+    cache = PagedCache(bart)  # an encoder-decoder model: its config picks PagedEncoderDecoderCache
+    assert isinstance(cache, PagedEncoderDecoderCache) and cache.cross_attention_cache.config is bart.config
+    assert PagedEncoderDecoderCache(bart).self_attention_cache.config is bart.config
+    for wrong in ("llama", None, paged.model.embed_tokens):
+        with pytest.raises(TypeError, match=r"expected the model's config \(PagedCache\(model.config\)\) or the model"):
+            PagedCache(wrong)
+
+
 @pytest.mark.parametrize("name,feature", [
     ("mistral", dict(sliding_window=None)),
     ("qwen2", dict(sliding_window=64)),

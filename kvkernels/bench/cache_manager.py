@@ -34,7 +34,7 @@ import torch
 
 import kvkernels
 from kvkernels import ops
-from kvkernels.bench import machine
+from kvkernels.bench import machine, report
 from kvkernels.cache import KeepRecentRatio, MLAPagedCache, PagedKVCache
 
 
@@ -423,9 +423,12 @@ def run(args: argparse.Namespace, argv: list) -> int:
         "fork": fork, "beams": dict(beams, geometry=beam_geometry.describe()),
         "beams_unaligned": unaligned, "prefix": prefix, "decode": decode, "mla_memory": mla_memory,
     }
+    if args.quick:
+        record["note"] = report.SMOKE_NOTE
     text = format_text(record)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"cache-{machine.slug(info['cpu_model'])}-{started:%Y%m%d-%H%M%S}"
+    if args.quick:
+        text = f"{report.SMOKE_BANNER}\n{text}"
+    stem = report.output_dir(args) / f"cache-{machine.slug(info['cpu_model'])}-{started:%Y%m%d-%H%M%S}"
     stem.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str) + "\n")
     stem.with_suffix(".txt").write_text(text + "\n")
     print(text)

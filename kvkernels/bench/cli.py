@@ -71,15 +71,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "generate() tokens/s on PagedCache vs DynamicCache + SDPA (greedy, 8 beams); "
                         "see benchmarks/README.md")
     p.add_argument("--quick", action="store_true",
-                   help="tiny shapes, no layer rotation, 64 MiB bandwidth buffers, min-time 0.01 (smoke test)")
+                   help="tiny shapes, no layer rotation, 64 MiB bandwidth buffers, min-time 0.01: a smoke test, "
+                        "not a measurement (its outputs say so, and go to a temporary directory unless --out)")
     p.add_argument("--cases", type=_csv(str, CASE_GROUPS), default=list(CASE_GROUPS),
                    help="comma-separated subset of: " + ",".join(CASE_GROUPS) + " (swap: --device cuda only)")
     p.add_argument("--dtypes", type=_csv(str, tuple(DTYPES)), default=list(DTYPES),
                    help="decode cache dtypes (default: all of " + ",".join(DTYPES) + ")")
     p.add_argument("--batches", type=_csv(int), help="decode batch sizes (default 1,8,32; quick 1,2)")
     p.add_argument("--contexts", type=_csv(int), help="decode context lengths (default 512,4096,16384)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"),
-                   help="directory for the JSON and PNG (default: ./benchmarks/results)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for the JSON and PNG / text (default: ./benchmarks/results; with --quick a new "
+                        "temporary directory: a smoke run is not a measurement)")
     p.add_argument("--min-time", type=float, help="seconds of timed calls per measurement (default 0.5)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: all)")
     p.add_argument("--no-baselines", action="store_true", help="time kvkernels only")
@@ -229,16 +231,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "memory_budget_bytes": settings.memory_budget, "baselines": settings.baselines,
                      "max_baseline_seconds": settings.max_baseline_seconds},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"cpu-{machine.slug(info['cpu_model'])}-{started:%Y%m%d-%H%M%S}"
+    title = (f"kvkernels {kvkernels.__version__} on {info['cpu_model']}, {info['threads']} threads, "
+             f"ISA {info['kvkernels_cpu_isa']}")
+    if args.quick:
+        header["note"] = report.SMOKE_NOTE
+        title = f"{report.SMOKE_BANNER}\n{title}"
+    stem = report.output_dir(args) / f"cpu-{machine.slug(info['cpu_model'])}-{started:%Y%m%d-%H%M%S}"
     json_path, png_path = stem.with_suffix(".json"), stem.with_suffix(".png")
     report.write_json(json_path, header, bandwidth, cases)
-    no_png = report.write_plot(png_path, cases, bandwidth,
-                               f"kvkernels {kvkernels.__version__} on {info['cpu_model']}, "
-                               f"{info['threads']} threads, ISA {info['kvkernels_cpu_isa']}")
+    no_png = report.write_plot(png_path, cases, bandwidth, title)
     if no_png is not None:
         print(f"no PNG written: {no_png}", file=sys.stderr)
-    print(report.format_table(cases, bandwidth, f"JSON: {json_path}\n"
-                              + (f"PNG: {png_path}" if no_png is None else f"PNG: not written ({no_png})")))
+    table = report.format_table(cases, bandwidth, f"JSON: {json_path}\n"
+                                + (f"PNG: {png_path}" if no_png is None else f"PNG: not written ({no_png})"))
+    print(f"{report.SMOKE_BANNER}\n{table}\n{report.SMOKE_BANNER}" if args.quick else table)
     failed = any(r.checked is False for case in cases for r in case.impls.values())
     return 1 if failed else 0

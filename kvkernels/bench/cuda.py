@@ -333,8 +333,9 @@ def run(args, argv: list, device: Optional[torch.device] = None) -> int:
                      "memory_budget_bytes": settings.memory_budget, "baselines": settings.baselines,
                      "timing": "CUDA events around batches of back-to-back calls; median per-call time"},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"cuda-{machine.slug(header['machine']['name'])}-{started:%Y%m%d-%H%M%S}"
+    if args.quick:
+        header["note"] = report.SMOKE_NOTE
+    stem = report.output_dir(args) / f"cuda-{machine.slug(header['machine']['name'])}-{started:%Y%m%d-%H%M%S}"
     json_path, txt_path = stem.with_suffix(".json"), stem.with_suffix(".txt")
     report.write_json(json_path, header, bandwidth, cases)
     extra = ""
@@ -344,6 +345,8 @@ def run(args, argv: list, device: Optional[torch.device] = None) -> int:
     table = report.format_table(cases, bandwidth, f"{extra}JSON: {json_path}\ntext: {txt_path}")
     title = (f"kvkernels {kvkernels.__version__} on {header['machine']['name']}, torch {torch.__version__}, "
              f"CUDA {torch.version.cuda}, {header['date']}")
+    if args.quick:
+        title = f"{report.SMOKE_BANNER}\n{title}"
     txt_path.write_text(title + "\n\n" + table + "\n")
     print(title + "\n\n" + table)
     failed = any(r.checked is False for case in cases for r in case.impls.values())

@@ -44,7 +44,7 @@ from typing import Callable, Optional
 import torch
 
 import kvkernels
-from kvkernels.bench import machine
+from kvkernels.bench import machine, report
 
 MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=None,
@@ -463,9 +463,13 @@ def run(args: argparse.Namespace, argv: list) -> int:
     for case in cases:
         for entry in case["impls"].values():
             entry.pop("tokens", None)
+    if args.quick:
+        record["note"] = report.SMOKE_NOTE
     text = format_text(record)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"generate-{machine.slug(record['machine']['cpu_model'])}-{started:%Y%m%d-%H%M%S}"
+    if args.quick:
+        text = f"{report.SMOKE_BANNER}\n{text}"
+    slug = machine.slug(record["machine"]["cpu_model"])
+    stem = report.output_dir(args) / f"generate-{slug}-{started:%Y%m%d-%H%M%S}"
     stem.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str) + "\n")
     stem.with_suffix(".txt").write_text(text + "\n")
     print(text)

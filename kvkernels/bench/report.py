@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
 from kvkernels.bench.core import CaseResult, ImplResult
+
+SMOKE_NOTE = "quick smoke run — not a measurement"
+SMOKE_BANNER = f"*** {SMOKE_NOTE} (--quick: tiny shapes, short timings) ***"
+DEFAULT_OUT = Path("benchmarks/results")
+
+
+def output_dir(args: argparse.Namespace) -> Path:
+    """The directory a run writes to (created): ``--out``; without it ``./benchmarks/results`` for a
+    measurement and, for a ``--quick`` smoke run, a new temporary directory, so that tiny-shape
+    numbers never land among the measurements (or in a checkout's source tree)."""
+    if args.out is not None:
+        out = Path(args.out)
+    elif args.quick:
+        out = Path(tempfile.mkdtemp(prefix="kvkernels-bench-quick-"))
+    else:
+        out = DEFAULT_OUT
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 _COLUMNS = (("case", 34, "<"), ("impl", 16, "<"), ("layers", 6, ">"), ("reps", 4, ">"), ("median", 10, ">"),
             ("min", 10, ">"), ("GB/s", 7, ">"), ("of BW", 11, ">"), ("TFLOP/s", 7, ">"), ("kvk speedup", 11, ">"),
@@ -122,7 +142,7 @@ def write_plot(path: Path, cases: list[CaseResult], bandwidth: dict, title: str)
     if others:
         _bars_panel(fig.add_subplot(grid[rows - 1, :]), others)
     fig.suptitle(title)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata={"Title": title})
     plt.close(fig)
     return None
 

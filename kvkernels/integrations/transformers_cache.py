@@ -36,6 +36,18 @@ class Step(NamedTuple):
     real_index: Optional[Tensor]  # int64: rows of [batch * q] that are real tokens; None: all are
 
 
+def model_config(config, who: str = "PagedCache"):
+    """``config`` itself when it is a ``transformers`` config; a model's ``config`` when a model was
+    passed (``PagedCache(model)`` means ``PagedCache(model.config)``); anything else: a TypeError."""
+    if hasattr(config, "get_text_config"):
+        return config
+    inner = getattr(config, "config", None)
+    if hasattr(inner, "get_text_config"):
+        return inner
+    raise TypeError(f"kvkernels {who}: expected the model's config (PagedCache(model.config)) or the model, "
+                    f"got {type(config).__name__}")
+
+
 def decoder_num_layers(text_config) -> int:
     """Layers of the decoder. ``config.get_text_config(decoder=True)`` maps ``num_hidden_layers`` to the
     decoder's count for encoder-decoder configs too (BART's own ``decoder_layers`` field of that view
@@ -123,8 +135,9 @@ class PagedCache(Cache):
     ``transformers_mla.MLA_ATTENTION_CLASSES``).
 
     Args:
-        config: the model's config (``model.config``); the number of layers and whether the model
-            is MLA come from it (head dims / latent widths from the first states ``update`` gets).
+        config: the model's config (``model.config``; the model itself is taken for its config); the
+            number of layers and whether the model is MLA come from it (head dims / latent widths from
+            the first states ``update`` gets).
         block_size: tokens per block.
         num_blocks: blocks of the storage (block 0 is the null block). ``None``: sized on first use
             and grown (doubled) whenever an append would run out.
@@ -140,13 +153,16 @@ class PagedCache(Cache):
     """
 
     def __new__(cls, config=None, *args, **kwargs):
-        if cls is PagedCache and getattr(config, "is_encoder_decoder", False):
-            from kvkernels.integrations.transformers_encdec import PagedEncoderDecoderCache
-            return PagedEncoderDecoderCache(config, *args, **kwargs)
+        if cls is PagedCache and config is not None:
+            config = model_config(config)
+            if getattr(config, "is_encoder_decoder", False):
+                from kvkernels.integrations.transformers_encdec import PagedEncoderDecoderCache
+                return PagedEncoderDecoderCache(config, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, config, block_size: int = 16, num_blocks: Optional[int] = None,
                  dtype: Optional[torch.dtype] = None, device=None, cascade_min_tokens: Optional[int] = 256) -> None:
+        config = model_config(config)
         text = config.get_text_config(decoder=True)
         if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 2):
             raise ValueError(f"kvkernels PagedCache: num_blocks: expected an int >= 2 or None, got {num_blocks!r}")

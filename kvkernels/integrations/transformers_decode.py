@@ -18,6 +18,11 @@ A step is split in two:
 Prefill (and any step that is not one token per row) runs eagerly through the same cache, e.g.
 ``model(input_ids, attention_mask=mask, cache=cache)`` (``past_key_values=cache`` before
 transformers 5.24).
+
+Inference only: the ``kvkernels`` ops have no backward, so a step runs under ``torch.no_grad()``
+whatever the caller's grad mode (no ``with torch.no_grad():`` needed around it; its logits do not
+require grad). Without that, a compiled step in grad mode had AOTAutograd trace a backward through
+``paged_attention``, which warned "an autograd kernel was not registered to the Autograd key(s)".
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ class PagedDecoder:
     """One-token-per-row decode steps of ``model`` on ``cache`` (a prefilled ``PagedCache``).
 
     ``decoder(next_tokens)`` (int64 ``[B]`` or ``[B, 1]``) appends the tokens, runs the model and
-    returns the last position's logits ``[B, vocab]``.
+    returns the last position's logits ``[B, vocab]``. Inference only: the step runs under
+    ``torch.no_grad()`` (see the module docs).
 
     Args:
         cache: the ``PagedCache`` (``past_key_values=`` is accepted too: transformers' name for it
@@ -84,6 +90,10 @@ class PagedDecoder:
         return out.logits[:, -1]
 
     def __call__(self, next_tokens: Tensor) -> Tensor:
+        with torch.no_grad():  # inference only (no backward through the kvkernels ops)
+            return self._step_tokens(next_tokens)
+
+    def _step_tokens(self, next_tokens: Tensor) -> Tensor:
         cache = self.cache
         tokens = next_tokens.reshape(-1, 1)
         if tokens.shape[0] != self._slots.shape[0]:

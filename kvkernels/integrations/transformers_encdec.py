@@ -29,7 +29,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, EncoderDecoderCache
 from kvkernels import ops
 from kvkernels.cache import PagedKVCache
 from kvkernels.integrations.transformers_attention import PagedKV
-from kvkernels.integrations.transformers_cache import PagedCache, check_attn_implementation, decoder_num_layers
+from kvkernels.integrations.transformers_cache import (PagedCache, check_attn_implementation, decoder_num_layers,
+                                                       model_config)
 
 
 class _SelfAttentionCache(PagedCache):
@@ -75,7 +76,7 @@ class PagedCrossAttentionCache(Cache):
     """Cross-attention K/V held once per distinct input and shared by its rows (beams)."""
 
     def __init__(self, config, block_size: int = 16, dtype: Optional[torch.dtype] = None, device=None) -> None:
-        self.config = config
+        self.config = config = model_config(config, "PagedCrossAttentionCache")
         self.num_layers = decoder_num_layers(config.get_text_config(decoder=True))
         self.block_size, self.dtype = block_size, dtype
         self.device = torch.device(device) if device is not None else None
@@ -278,6 +279,7 @@ class PagedEncoderDecoderCache(EncoderDecoderCache):
 
     def __init__(self, config, block_size: int = 16, num_blocks: Optional[int] = None,
                  dtype: Optional[torch.dtype] = None, device=None) -> None:
+        config = model_config(config, "PagedEncoderDecoderCache")
         super().__init__(_SelfAttentionCache(config, block_size, num_blocks, dtype, device),
                          PagedCrossAttentionCache(config, block_size, dtype, device))
 
