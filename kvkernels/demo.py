@@ -297,8 +297,8 @@ def part_eab(model, tokenizer, bar: Bar, report: Report, prompt, args) -> None:
     report.add(f"   tokens/s     kvkernels {rate(res.decode_tokens, res.seconds)} ({res.decode_tokens} tokens "
                f"decoded in {res.forward_calls} forwards: the prompt once, then one per step for all live paths)")
     report.add(f"   KV memory    kvkernels {mib(m['stored_bytes'])} stored for all paths at the end (peak "
-               f"{mib(m['peak_stored_bytes'])}); a deep copy of the cache per path (origin document 000's "
-               f"original) holds {mib(m['deep_copy_bytes'])} ({100 * m['stored_bytes'] / m['deep_copy_bytes']:.0f}%)")
+               f"{mib(m['peak_stored_bytes'])}); a deep copy of the cache per path "
+               f"(the plain implementation of branching) holds {mib(m['deep_copy_bytes'])} ({100 * m['stored_bytes'] / m['deep_copy_bytes']:.0f}%)")
     report.add(f"   copy-on-write {m['cow_copies']} block copies ({m['cow_copied_tokens']} tokens), {m['forks']} forks")
     report.add("   path  parent  diverged at  own KiB  shared KiB  log-prob  tokens (most likely paths first)")
     for p in sorted(res.paths, key=lambda p: -p.log_prob)[:args.show_paths]:  # the most likely first
