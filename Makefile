@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine (README):
 #   make demo   - create .venv, install torch 2.13.0 if no torch is present, build, run the demo
 #   make test   - the same set-up, then the test suite
-# Other targets: build, info, bench, cuda-check, cuda-emu-test, metal-check, metal-test, clean.
+# Other targets: build, info, bench, cuda-check, cuda-emu-test, metal-check, metal-test, test-abi, clean.
 
 PYTHON ?= python3
 VENV := .venv
@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: demo test build info bench cuda-check cuda-emu-test metal-check metal-test clean
+.PHONY: demo test build info bench cuda-check cuda-emu-test metal-check metal-test test-abi clean
 
 # The venv sees system packages, so a machine that already has torch (e.g. a GPU box with its own
 # CUDA build) uses it; otherwise the CPU build of torch is installed.
@@ -57,6 +57,12 @@ metal-check:
 # Only the Metal tests: the emulator's own tests and every kernel against the reference, emulated.
 metal-test: build
 	$(PY) -m pytest -q tests/test_metal_emulator.py tests/test_metal_ops.py
+
+# Stable-ABI check: a wheel built against the venv's torch runs on torch 2.10 (the oldest supported)
+# in a venv of its own, build-abi/venv-torch2.10.0, kept between runs. The first run downloads torch
+# 2.10.0 (from PyPI the CUDA build, 4.1 GB; see scripts/check_stable_abi.sh for a CPU-only index).
+test-abi: $(VENV)/.ready
+	PY=$(PY) PYTHON=$(PYTHON) scripts/check_stable_abi.sh
 
 clean:
 	rm -rf build kvkernels/_C*.so kvkernels/.built
