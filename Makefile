@@ -1,14 +1,15 @@
 # Two commands do all the set-up on a fresh machine (README):
 #   make demo   - create .venv from requirements/lock.txt (torch too, unless one is present), build, run the demo
 #   make test   - the same set-up, then the test suite
-# Other targets: build, info, bench, test-compat, lock, cuda-check, cuda-emu-test, metal-check, metal-test, clean.
+# Other targets: build, info, bench, test-compat, test-abi, lock, cuda-check, cuda-emu-test, metal-check,
+# metal-test, clean.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: demo test test-compat lock build info bench cuda-check cuda-emu-test metal-check metal-test clean
+.PHONY: demo test test-compat test-abi lock build info bench cuda-check cuda-emu-test metal-check metal-test clean
 
 # Versions come from requirements/lock.txt (pip constraints), so a fresh machine gets exactly the
 # tested environment whatever upstream released since. A machine whose python already has torch
@@ -76,6 +77,12 @@ metal-check:
 # Only the Metal tests: the emulator's own tests and every kernel against the reference, emulated.
 metal-test: build
 	$(PY) -m pytest -q tests/test_metal_emulator.py tests/test_metal_ops.py
+
+# Stable-ABI check: a wheel built against the venv's torch runs on torch 2.10 (the oldest supported)
+# in a venv of its own, build-abi/venv-torch2.10.0, kept between runs. The first run downloads torch
+# 2.10.0 (from PyPI the CUDA build, 4.1 GB; see scripts/check_stable_abi.sh for a CPU-only index).
+test-abi: $(VENV)/.ready
+	PY=$(PY) PYTHON=$(PYTHON) scripts/check_stable_abi.sh
 
 clean:
 	rm -rf build kvkernels/_C*.so kvkernels/.built

@@ -1,31 +1,109 @@
 """Builds kvkernels._C with torch.utils.cpp_extension against the LibTorch stable ABI.
 
 One build serves torch 2.10 and newer (TORCH_TARGET_VERSION = 2.10). CPU sources always build;
-csrc/cuda/*.cu join automatically when the installed torch has CUDA and nvcc is found
-(DESIGN.md §5). New source files need no edit here: every backend folder is globbed.
+csrc/cuda/*.cu join automatically when the installed torch has CUDA and an nvcc of the same CUDA
+major version is found (DESIGN.md §5). New source files need no edit here: every backend folder is
+globbed.
 """
 
 import glob
 import os
+import re
+import subprocess
+import sys
+from importlib.metadata import entry_points
 
+import setuptools
 from setuptools import setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 TORCH_TARGET = "-DTORCH_TARGET_VERSION=0x020a000000000000"  # 2.10
+# pip builds a wheel through these commands (dist_info: the metadata step; editable_wheel: `-e`).
+WHEEL_COMMANDS = ("bdist_wheel", "dist_info", "editable_wheel")
 
 
 def sources(pattern):
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
+def wheel_support_error(commands, setuptools_version, has_bdist_wheel):
+    """The message to stop with when a wheel is asked for and nothing provides bdist_wheel, else None.
+
+    setuptools has bdist_wheel from 70.1 on; older ones take it from the `wheel` package. A Python
+    3.10/3.11 venv starts with setuptools 65.5 and no `wheel`, torch < 2.13 does not upgrade it, and
+    `pip install --no-build-isolation` installs no build requirement (pyproject.toml's are ignored),
+    so setuptools would stop with "invalid command 'bdist_wheel'" without saying what is missing.
+    """
+    if has_bdist_wheel or not any(c in WHEEL_COMMANDS for c in commands):
+        return None
+    return (f"kvkernels: setuptools {setuptools_version} cannot build a wheel without the `wheel` "
+            "package, and `pip install --no-build-isolation` installs no build requirements. Run "
+            "`pip install wheel` (or `pip install 'setuptools>=70.1'`) in this environment, then retry.")
+
+
+def has_bdist_wheel():
+    """Whether setuptools (>= 70.1) or the `wheel` package registers the bdist_wheel command (the entry
+    points setuptools looks commands up in)."""
+    return any(ep.name == "bdist_wheel" for ep in entry_points(group="distutils.commands"))
+
+
+def limited_api_tag(hexversion=getattr(cpp_extension, "min_supported_cpython", "0x030A0000")):
+    """The wheel's Python tag: the Py_LIMITED_API value torch compiles the extension with
+    (-DPy_LIMITED_API=0x030A0000 -> cp310, matching requires-python >= 3.10)."""
+    v = int(hexversion, 16)
+    return f"cp{v >> 24}{(v >> 16) & 0xFF}"
+
+
+def nvcc_release(nvcc):
+    """(major, minor) from `nvcc --version` ("release 13.0"), or None if it does not say."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def cuda_plan(torch_cuda, nvcc, nvcc_version, no_cuda):
+    """(build the CUDA sources?, warning or None) from torch.version.cuda, the nvcc path (None: not
+    found), its (major, minor) (None: unknown) and KVKERNELS_NO_CUDA=1.
+
+    torch.utils.cpp_extension refuses to compile CUDA sources with an nvcc whose major version
+    differs from torch's (a RuntimeError, "The detected CUDA version (13.0) mismatches ...": e.g.
+    PyPI's torch 2.10 is CUDA 12.8); a minor difference only warns. The CPU kernels do not depend on
+    CUDA, so a mismatch builds them alone, with a warning, instead of failing the install.
+    """
+    if no_cuda or torch_cuda is None:
+        return False, None
+    hint = "set KVKERNELS_NO_CUDA=1 to build the CPU kernels without this warning"
+    if nvcc is None:
+        return False, (f"kvkernels: torch has CUDA {torch_cuda} but no nvcc was found (CUDA_HOME / PATH): "
+                       f"building the CPU kernels only; {hint}.")
+    torch_major = int(torch_cuda.split(".")[0])
+    if nvcc_version is None or nvcc_version[0] == torch_major:
+        return True, None
+    return False, (f"kvkernels: {nvcc} is CUDA {nvcc_version[0]}.{nvcc_version[1]} but torch was built with "
+                   f"CUDA {torch_cuda}; torch.utils.cpp_extension does not compile across CUDA major "
+                   f"versions: building the CPU kernels only. To build the CUDA kernels, point "
+                   f"CUDA_HOME at a CUDA {torch_major}.x toolkit (or install a torch built for CUDA "
+                   f"{nvcc_version[0]}); {hint}.")
+
+
 def build_cuda():
     import torch
 
-    if os.environ.get("KVKERNELS_NO_CUDA") == "1":
-        return False
+    no_cuda = os.environ.get("KVKERNELS_NO_CUDA") == "1"
     # Never torch.cuda.is_available(): build hosts often have no GPU.
-    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    nvcc = None
+    if cpp_extension.CUDA_HOME is not None:
+        nvcc = os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")
+        nvcc = nvcc if os.path.exists(nvcc) else None
+    version = nvcc_release(nvcc) if nvcc and not no_cuda and torch.version.cuda else None
+    build, warning = cuda_plan(torch.version.cuda, nvcc, version, no_cuda)
+    if warning:
+        print(f"WARNING: {warning}", file=sys.stderr)
+    return build
 
 
 def extension():
@@ -53,8 +131,13 @@ def extension():
     )
 
 
-setup(
-    ext_modules=[extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
-)
+if __name__ == "__main__":  # also under pip: setuptools.build_meta runs this file as __main__
+    error = wheel_support_error(sys.argv[1:], setuptools.__version__, has_bdist_wheel())
+    if error:
+        sys.exit(error)
+    setup(
+        ext_modules=[extension()],
+        cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+        # abi3 wheel for CPython >= 3.10: the limited API version torch compiles with.
+        options={"bdist_wheel": {"py_limited_api": limited_api_tag()}},
+    )

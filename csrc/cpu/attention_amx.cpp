@@ -4,7 +4,7 @@
 // caches). Everything lives in namespace avx512amx; isa.cpp decides at run time whether it is
 // called (the CPU has AMX and the OS granted this process the tile state).
 #if defined(__x86_64__)
-#include <immintrin.h>
+#include "x86_intrinsics.h"  // first: <immintrin.h> without GCC 12's false uninitialized warnings
 
 #include <cmath>
 #include <cstdint>
@@ -18,8 +18,6 @@
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c"))), apply_to = function)
 #else
 #pragma GCC push_options
-// GCC 12 flags its own intrinsic headers (_mm512_undefined_*) as maybe-uninitialized.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c")
 #endif
 

@@ -2,7 +2,7 @@
 // target region lives in namespace avx512, so nothing it emits can be picked by the linker for code
 // that runs on a CPU without these instructions; isa.cpp decides at run time whether it is called.
 #if defined(__x86_64__)
-#include <immintrin.h>
+#include "x86_intrinsics.h"  // first: <immintrin.h> without GCC 12's false uninitialized warnings
 
 #include <cmath>
 #include <cstdint>
@@ -16,8 +16,6 @@
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))), apply_to = function)
 #else
 #pragma GCC push_options
-// GCC 12 flags its own intrinsic headers (_mm512_undefined_*) as maybe-uninitialized.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 #endif
 

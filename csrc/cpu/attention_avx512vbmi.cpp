@@ -3,7 +3,7 @@
 // table (KVK_AVX512_VBMI in vec_avx512.h) instead of the shift-and-patch conversion to float.
 // Everything lives in namespace avx512vbmi; isa.cpp decides at run time whether it is called.
 #if defined(__x86_64__)
-#include <immintrin.h>
+#include "x86_intrinsics.h"  // first: <immintrin.h> without GCC 12's false uninitialized warnings
 
 #include <cmath>
 #include <cstdint>
@@ -17,8 +17,6 @@
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c"))), apply_to = function)
 #else
 #pragma GCC push_options
-// GCC 12 flags its own intrinsic headers (_mm512_undefined_*) as maybe-uninitialized.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")
 #endif
 

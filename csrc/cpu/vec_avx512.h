@@ -5,7 +5,7 @@
 // register: the form in which bf16 rows, and with KVK_AVX512_VBMI fp8 rows, are read.
 #pragma once
 
-#include <immintrin.h>
+#include "x86_intrinsics.h"
 
 #include <cstdint>
 
