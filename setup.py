@@ -2,7 +2,7 @@
 
 One build serves torch 2.10 and newer (TORCH_TARGET_VERSION = 2.10). CPU sources always build;
 csrc/cuda/*.cu join automatically when the installed torch has CUDA and an nvcc of the same CUDA
-major version is found (DESIGN.md §5). New source files need no edit here: every backend folder is
+major version is found (docs/design.md §10). New source files need no edit here: every backend folder is
 globbed.
 """
 
