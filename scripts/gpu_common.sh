@@ -121,10 +121,11 @@ pytest_step() {
   section=$(tail -c +$((offset + 1)) "$log")
   STEP_DETAIL=$(printf '%s\n' "$section" | grep -E '^=+ .*( in [0-9.]+s).* =+$' | tail -1 | sed -E 's/^=+ //; s/ =+$//')
   [ -z "$STEP_DETAIL" ] && STEP_DETAIL="no pytest summary line (killed?)"
-  if [ "$DRY_RUN" != 1 ]; then
+  if [ "$DRY_RUN" != 1 ]; then  # on the GPU, no test may skip for want of a device or of a kernel
     local nodev
-    nodev=$(printf '%s\n' "$section" | grep -c "needs a CUDA device")
-    [ "$nodev" -gt 0 ] && STEP_DETAIL="$STEP_DETAIL; $nodev lines say 'needs a CUDA device'"
+    nodev=$(printf '%s\n' "$section" |
+      grep -cE "^SKIPPED .*(needs a CUDA device|built without its CUDA kernels|has no CUDA kernel)")
+    [ "$nodev" -gt 0 ] && STEP_DETAIL="$STEP_DETAIL; $nodev skip lines: no CUDA device or kernel"
   fi
   [ "$rc" -eq 5 ] && STEP_DETAIL="no test selected (pytest exit 5): $STEP_DETAIL"
   return "$rc"
