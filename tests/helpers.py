@@ -189,6 +189,39 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
                                msg=lambda m: f"{msg}: {m}")
 
 
+def ulp_distance(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Elementwise distance of two tensors of one floating dtype in units in the last place of that dtype:
+    how many representable values lie between them (+0 and -0 count as one value; NaN gives a
+    meaningless number, so compare NaN positions first). int64, on the CPU."""
+    assert actual.dtype == expected.dtype and actual.dtype.is_floating_point, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[actual.element_size()]
+    magnitude = (1 << (8 * actual.element_size() - 1)) - 1
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:  # sign-magnitude bits -> integers ordered like the values
+        i = t.detach().cpu().contiguous().view(bits).to(torch.int64)
+        return torch.where(i < 0, -(i & magnitude), i)
+
+    return (ordered(actual) - ordered(expected)).abs()
+
+
+def assert_within_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int, msg: str = "") -> None:
+    """NaN at the same positions, every other element at most ``ulps`` units in the last place of the
+    (common) dtype apart; infinities count as the value after the largest finite one."""
+    a, e = actual.detach().cpu(), expected.detach().cpu()
+    assert a.dtype == e.dtype, f"{msg}: dtype {a.dtype} != {e.dtype}"
+    nan_a, nan_e = torch.isnan(a), torch.isnan(e)
+    if not torch.equal(nan_a, nan_e):
+        raise AssertionError(f"{msg}: NaN positions differ, first at {(nan_a != nan_e).nonzero()[:5].tolist()}")
+    dist = torch.where(nan_e, 0, ulp_distance(a, e))
+    if dist.numel() and int(dist.max()) > ulps:
+        where = (dist > ulps).nonzero()
+        first = tuple(where[0].tolist())
+        raise AssertionError(f"{msg}: {where.shape[0]} of {dist.numel()} elements more than {ulps} ulp apart "
+                             f"(largest {int(dist.max())} ulp); first at {first}: {a[first].item()!r} vs "
+                             f"{e[first].item()!r}")
+
+
 def upcast(t):
     """float64 copy of a float tensor (fp8 tensors, integers and None are returned as they are)."""
     if t is None or not t.dtype.is_floating_point or is_fp8(t.dtype):

@@ -1,13 +1,20 @@
-// Paged-attention kernel instances for __half queries (attention_launch.cuh): the SIMT kernel over
-// f16 and fp8 caches, and the tensor-core decode / prefill kernels over them,
-// each for padded head dims 64 / 128 / 256, plus the split merge.
+// Paged-attention kernel instances for __half queries over f16 caches (attention_launch.cuh):
+// the SIMT kernel and the tensor-core decode / prefill kernels, each for padded head dims
+// 64 / 128 / 256; the split merge; and the dispatch by cache format (the fp8 cache instances
+// are in attention_f16_e4m3.cu and attention_f16_e5m2.cu).
 #include "attention_launch.cuh"
 
 namespace kvkernels::attn_cuda {
 
 cudaError_t launch_attention_f16(const AttnArgs& a, Path path, int dpad, dim3 grid,
                                  cudaStream_t stream) {
-  return launch_for_query<__half, CacheFormat::kFloat16>(a, path, dpad, grid, stream);
+  switch (a.p.kv.format) {
+    case CacheFormat::kFloat16:
+      return launch_for_cache<__half, CacheFormat::kFloat16>(a, path, dpad, grid, stream);
+    case CacheFormat::kFp8E4M3: return launch_attention_f16_e4m3(a, path, dpad, grid, stream);
+    case CacheFormat::kFp8E5M2: return launch_attention_f16_e5m2(a, path, dpad, grid, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 cudaError_t launch_merge_f16(const AttnArgs& a, cudaStream_t stream) {

@@ -1,7 +1,9 @@
-// Launchers of the kernel instances of one query dtype, included by attention_f32.cu /
-// attention_f16.cu / attention_bf16.cu (one query dtype per translation unit keeps the compile
-// units small); each defines the launch_attention_<q> / launch_merge_<q> entry points declared in
-// attention_common.cuh, which attention.cu calls.
+// Launchers of the kernel instances, included by the instance units: attention_f32.cu (float queries,
+// every cache format), attention_f16.cu / attention_bf16.cu (16-bit queries over their own cache
+// format) and attention_{f16,bf16}_{e4m3,e5m2}.cu (16-bit queries over fp8 caches): one (query dtype,
+// cache format) pair or fewer per translation unit keeps each compile short for a parallel build.
+// attention_{f32,f16,bf16}.cu define the launch_attention_<q> / launch_merge_<q> entry points declared
+// in attention_common.cuh, which attention.cu calls; the fp8 units define the ones declared below.
 #pragma once
 
 #include <atomic>
@@ -70,7 +72,18 @@ cudaError_t launch_for_cache(const AttnArgs& a, Path path, int dpad, dim3 grid,
   return cudaErrorInvalidValue;
 }
 
-// The cache formats a query dtype can read: its own, and both fp8 formats.
+// The fp8 cache instances of the 16-bit query dtypes (attention_{f16,bf16}_{e4m3,e5m2}.cu), called by
+// launch_attention_f16 / launch_attention_bf16.
+cudaError_t launch_attention_f16_e4m3(const AttnArgs& a, Path path, int dpad, dim3 grid,
+                                      cudaStream_t stream);
+cudaError_t launch_attention_f16_e5m2(const AttnArgs& a, Path path, int dpad, dim3 grid,
+                                      cudaStream_t stream);
+cudaError_t launch_attention_bf16_e4m3(const AttnArgs& a, Path path, int dpad, dim3 grid,
+                                       cudaStream_t stream);
+cudaError_t launch_attention_bf16_e5m2(const AttnArgs& a, Path path, int dpad, dim3 grid,
+                                       cudaStream_t stream);
+
+// The cache formats a query dtype can read: its own, and both fp8 formats (float queries: one unit).
 template <typename QT, CacheFormat SELF>
 cudaError_t launch_for_query(const AttnArgs& a, Path path, int dpad, dim3 grid,
                              cudaStream_t stream) {

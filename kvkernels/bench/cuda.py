@@ -230,7 +230,7 @@ def attention_jobs(shapes: CudaShapes, groups: list, device: torch.device) -> li
         reason = reason or "kvkernels/bench/cuda_attention.py (the CUDA attention cases) is not in this tree"
     if reason is None and not hasattr(cuda_attention, "jobs"):
         reason = ("the attention cases run through their own entry point, python -m kvkernels.bench.cuda_attention "
-                  "(scripts/gpu_validate.sh bench runs both); not yet wired into this suite")
+                  "(scripts/gpu_validate.sh runs both: steps b_attn, b_targets); not yet wired into this suite")
     if reason is None and cuda_attention is not None:
         return cuda_attention.jobs(shapes, wanted, device)
 

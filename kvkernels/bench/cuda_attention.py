@@ -67,10 +67,21 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _shapes(text: str) -> list[tuple[int, int]]:
+    """"64x4096,1x32768" -> [(64, 4096), (1, 32768)]."""
+    try:
+        return [(int(b), int(c)) for b, c in (x.lower().split("x") for x in text.split(",") if x)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BATCHxCONTEXT[,...], got {text!r}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("CUDA attention")
     g.add_argument("--attn-batches", type=_ints, default=list(DECODE_BATCHES))
     g.add_argument("--attn-contexts", type=_ints, default=list(DECODE_CONTEXTS))
+    g.add_argument("--attn-shapes", type=_shapes, default=None,
+                   help="decode batch x context pairs, e.g. 64x4096,1x32768 (instead of batches x contexts, "
+                        "also with --quick)")
     g.add_argument("--attn-dtypes", default="bfloat16,fp8_e4m3", help="decode cache dtypes")
     g.add_argument("--attn-prefill", type=_ints, default=list(PREFILL), help="queries,context ('' = none)")
     g.add_argument("--attn-reps", type=int, default=10, help="timed batches per implementation")
@@ -409,25 +420,36 @@ def prefill_case(q_len: int, context: int, args, gen: torch.Generator) -> list[d
 # ----------------------------------------------------------------------------------------------------
 
 
-def run(args: Optional[argparse.Namespace] = None) -> list[dict]:
-    """Every case; one dict per (case, implementation), plus one "copy" row with the bandwidth."""
+def run(args: Optional[argparse.Namespace] = None,
+        emit: Optional[Callable[[list[dict]], None]] = None) -> list[dict]:
+    """Every case; one dict per (case, implementation), plus one "copy" row with the bandwidth.
+    ``emit(rows)``, if given, gets each case's rows as soon as the case is done (a run stopped part-way
+    has reported what it measured)."""
     if args is None:
         args = _defaults()
+    emit = emit or (lambda new_rows: None)
     if not torch.cuda.is_available():
-        return [dict(case="cuda attention", kind="copy", impl="copy", skipped="no CUDA device")]
+        rows = [dict(case="cuda attention", kind="copy", impl="copy", skipped="no CUDA device")]
+        emit(rows)
+        return rows
     if args.quick:
         args.attn_batches, args.attn_contexts, args.attn_prefill = [1, 4], [1024], [512, 1024]
         args.attn_reps, args.attn_min_ms, args.rotate_mib = 3, 2.0, 64
+    shapes = args.attn_shapes or [(b, c) for b in args.attn_batches for c in args.attn_contexts]
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_gbps = copy_bandwidth(1 << 30 if not args.quick else 1 << 28, args.attn_reps)
     rows = [_row("copy bandwidth", "copy", "-", 0, 0, "copy", gbps=copy_gbps,
                  note="dst.copy_(src), bytes read + written per second")]
+    emit(rows[:])
     for dtype_name in [d for d in args.attn_dtypes.split(",") if d]:
-        for batch in args.attn_batches:
-            for context in args.attn_contexts:
-                rows += decode_case(dtype_name, batch, context, copy_gbps, args, gen)
+        for batch, context in shapes:
+            new_rows = decode_case(dtype_name, batch, context, copy_gbps, args, gen)
+            rows += new_rows
+            emit(new_rows)
     if args.attn_prefill:
-        rows += prefill_case(args.attn_prefill[0], args.attn_prefill[1], args, gen)
+        new_rows = prefill_case(args.attn_prefill[0], args.attn_prefill[1], args, gen)
+        rows += new_rows
+        emit(new_rows)
     return rows
 
 
@@ -457,21 +479,27 @@ def targets(rows: list[dict]) -> list[str]:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="CUDA paged-attention benchmark (kvkernels issue 6)")
     add_arguments(parser)
-    parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--json", help="write the rows to this file (rewritten after every case)")
     args = parser.parse_args(argv)
-    rows = run(args)
-    for r in rows:
-        extra = (f"{r['gbps']:.0f} GB/s ({r['fraction_of_copy_bw']:.2f} of copy)" if r.get("fraction_of_copy_bw")
-                 else f"{r['tflops']:.0f} TFLOP/s" if r.get("tflops")
-                 else f"{r['gbps']:.0f} GB/s" if r.get("gbps") else "")
-        ms = (f"{r['ms']:.4f} ms" if r.get("ms") else "" if r["kind"] == "copy"
-              else f"skipped: {r.get('skipped')}")
-        print(f"{r['case']:<36} {r['impl']:<24} {ms:<18} {extra} {r.get('speedup_vs') or ''}")
+    done: list[dict] = []
+
+    def emit(new_rows: list[dict]) -> None:
+        done.extend(new_rows)
+        for r in new_rows:
+            extra = (f"{r['gbps']:.0f} GB/s ({r['fraction_of_copy_bw']:.2f} of copy)"
+                     if r.get("fraction_of_copy_bw")
+                     else f"{r['tflops']:.0f} TFLOP/s" if r.get("tflops")
+                     else f"{r['gbps']:.0f} GB/s" if r.get("gbps") else "")
+            ms = (f"{r['ms']:.4f} ms" if r.get("ms") else f"skipped: {r['skipped']}" if r.get("skipped")
+                  else "")
+            print(f"{r['case']:<36} {r['impl']:<24} {ms:<18} {extra} {r.get('speedup_vs') or ''}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(done, f, indent=1)
+
+    rows = run(args, emit)
     for line in targets(rows):
         print("target:", line)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
     return 0
 
 

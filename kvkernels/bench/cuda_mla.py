@@ -29,7 +29,7 @@ import argparse
 import json
 import math
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -188,12 +188,17 @@ def decompress_case(dtype_name: str, tokens: int, heads: int, args, gen: torch.G
 # ----------------------------------------------------------------------------------------------------
 
 
-def run(args: Optional[argparse.Namespace] = None) -> list[dict]:
-    """Every case; one dict per (case, implementation), plus one "copy" row with the bandwidth."""
+def run(args: Optional[argparse.Namespace] = None,
+        emit: Optional[Callable[[list[dict]], None]] = None) -> list[dict]:
+    """Every case; one dict per (case, implementation), plus one "copy" row with the bandwidth.
+    ``emit(rows)``, if given, gets each case's rows as soon as the case is done."""
     if args is None:
         args = _defaults()
+    emit = emit or (lambda new_rows: None)
     if not torch.cuda.is_available():
-        return [dict(case="cuda mla", kind="copy", impl="copy", skipped="no CUDA device")]
+        rows = [dict(case="cuda mla", kind="copy", impl="copy", skipped="no CUDA device")]
+        emit(rows)
+        return rows
     if args.quick:
         args.mla_batches, args.mla_contexts, args.mla_heads = [1, 16], [1024], [16]
         args.mla_decompress_tokens, args.mla_reps, args.mla_min_ms, args.mla_rotate_mib = [2048], 3, 2.0, 64
@@ -201,36 +206,49 @@ def run(args: Optional[argparse.Namespace] = None) -> list[dict]:
     copy_gbps = copy_bandwidth(1 << 30 if not args.quick else 1 << 28, args.mla_reps)
     rows = [_row("copy bandwidth", "copy", "-", 0, 0, "copy", gbps=copy_gbps,
                  note="dst.copy_(src), bytes read + written per second")]
+    emit(rows[:])
     dtypes = [d for d in args.mla_dtypes.split(",") if d]
     for dtype_name in dtypes:
         for heads in args.mla_heads:
             for batch in args.mla_batches:
                 for context in args.mla_contexts:
-                    rows += decode_case(dtype_name, heads, batch, context, copy_gbps, args, gen)
+                    new_rows = decode_case(dtype_name, heads, batch, context, copy_gbps, args, gen)
+                    rows += new_rows
+                    emit(new_rows)
     for dtype_name in dtypes:
         for tokens in args.mla_decompress_tokens:
             for heads in args.mla_heads:
-                rows += decompress_case(dtype_name, tokens, heads, args, gen)
+                new_rows = decompress_case(dtype_name, tokens, heads, args, gen)
+                rows += new_rows
+                emit(new_rows)
     return rows
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="CUDA MLA benchmark (kvkernels issue 7)")
     add_arguments(parser)
-    parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--json", help="write the rows to this file (rewritten after every case)")
     args = parser.parse_args(argv)
-    rows = run(args)
-    for r in rows:
-        extra = (f"{r['gbps']:.0f} GB/s ({r['fraction_of_copy_bw']:.2f} of copy)" if r.get("fraction_of_copy_bw")
-                 else f"{r['tflops']:.0f} TFLOP/s" if r.get("tflops")
-                 else f"{r['gbps']:.0f} GB/s" if r.get("gbps") else "")
-        ms = (f"{r['ms']:.4f} ms" if r.get("ms") else "" if r["kind"] == "copy"
-              else f"skipped: {r.get('skipped')}")
-        check = "" if r.get("checked") is None else ("ok" if r["checked"] else f"MISMATCH {r['max_abs_diff']:.3g}")
-        print(f"{r['case']:<44} {r['impl']:<14} {ms:<18} {extra} {r.get('speedup_vs') or ''} {check}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    done: list[dict] = []
+
+    def emit(new_rows: list[dict]) -> None:
+        done.extend(new_rows)
+        for r in new_rows:
+            extra = (f"{r['gbps']:.0f} GB/s ({r['fraction_of_copy_bw']:.2f} of copy)"
+                     if r.get("fraction_of_copy_bw")
+                     else f"{r['tflops']:.0f} TFLOP/s" if r.get("tflops")
+                     else f"{r['gbps']:.0f} GB/s" if r.get("gbps") else "")
+            ms = (f"{r['ms']:.4f} ms" if r.get("ms") else f"skipped: {r['skipped']}" if r.get("skipped")
+                  else "")
+            check = ("" if r.get("checked") is None
+                     else "ok" if r["checked"] else f"MISMATCH {r['max_abs_diff']:.3g}")
+            print(f"{r['case']:<44} {r['impl']:<14} {ms:<18} {extra} {r.get('speedup_vs') or ''} {check}",
+                  flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(done, f, indent=1)
+
+    run(args, emit)
     return 0
 
 

@@ -1,0 +1,151 @@
+"""The GPU validation scripts (scripts/gpu_validate.sh, scripts/gpu_sanitize.sh, scripts/gpu_common.sh,
+scripts/gpu_out_limits.py) without a GPU: the shared deadline and per-step limits, a pytest run stopped
+by SIGINT that still leaves its summary and junit XML, summary.txt written step by step, $OUT kept within
+what the device tool brings back, and the sanitizer's test ids still collected. They run once, on a
+machine lent for minutes: a bug found there costs the run."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "scripts")
+BASH = shutil.which("bash")
+pytestmark = pytest.mark.skipif(BASH is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+
+
+def _limits_module():
+    spec = importlib.util.spec_from_file_location("gpu_out_limits", os.path.join(SCRIPTS, "gpu_out_limits.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CAP_", "BUDGET", "SKIP_BUILD"))}
+    env.update(PYTHON=sys.executable, **{k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _plan(script: str) -> list[str]:
+    text = open(os.path.join(SCRIPTS, script)).read()
+    block = re.search(r'^PLAN="(.*?)"$', text, re.S | re.M).group(1)
+    return [line.split()[0] for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("script", ["gpu_validate.sh", "gpu_sanitize.sh", "gpu_common.sh"])
+def test_scripts_parse(script):
+    result = subprocess.run([BASH, "-n", os.path.join(SCRIPTS, script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("script", ["gpu_validate.sh", "gpu_sanitize.sh"])
+def test_no_time_left_skips_every_step_and_still_reports(script, tmp_path):
+    """BUDGET=0: every step is skipped for the deadline, and summary.txt still has a line per step,
+    the closing line and the out-limits line."""
+    out = tmp_path / "out"
+    result = subprocess.run([BASH, os.path.join(SCRIPTS, script)], capture_output=True, text=True, timeout=120,
+                            env=_env(DRY_RUN=1, BUDGET=0, OUT=out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = (out / "summary.txt").read_text()
+    for step in _plan(script):
+        assert re.search(rf"\] {step} +SKIPPED +deadline: ", summary), (step, summary)
+    assert "done in " in summary and f"0 ok, 0 failed, 0 timed out, {len(_plan(script))} skipped" in summary
+    assert "out limits: " in summary
+    assert len(os.listdir(out)) <= 8
+
+
+def test_unknown_step_is_refused(tmp_path):
+    result = subprocess.run([BASH, os.path.join(SCRIPTS, "gpu_validate.sh"), "env", "no_such_step"],
+                            capture_output=True, text=True, timeout=60, env=_env(DRY_RUN=1, OUT=tmp_path))
+    assert result.returncode == 2 and "unknown step 'no_such_step'" in result.stdout
+
+
+def test_sigint_at_the_deadline_keeps_the_pytest_summary_and_junit(tmp_path):
+    """A step whose cap exceeds the time left runs under (time left - GRACE); at that limit pytest gets
+    SIGINT, ends with its summary and junit XML (the test that finished is in it), the step is reported
+    TIMEOUT, the next step is skipped for the deadline, and the run still ends with the summary."""
+    tests = tmp_path / "selftest"
+    tests.mkdir()
+    (tests / "test_sleepy.py").write_text(
+        "import time\n\n\ndef test_quick():\n    pass\n\n\ndef test_sleepy():\n    time.sleep(120)\n")
+    out = tmp_path / "out"
+    driver = f"""
+set -u
+BUDGET=24 GRACE=4 MIN_STEP=3
+source {SCRIPTS}/gpu_common.sh
+gpu_init selftest
+step_sleepy() {{ pytest_step tests.log {tests}/test_sleepy.py -p no:randomly; }}
+step_after() {{ STEP_DETAIL="ran"; }}
+run_step sleepy 600 step_sleepy
+run_step after 600 step_after
+gpu_finish
+echo "finish=$?"
+"""
+    result = subprocess.run([BASH, "-c", driver], capture_output=True, text=True, timeout=90,
+                            env=_env(OUT=out))
+    summary = (out / "summary.txt").read_text()
+    assert "finish=1" in result.stdout, result.stdout + result.stderr
+    sleepy = next(line for line in summary.splitlines() if "] sleepy " in line)
+    assert re.search(r"sleepy +TIMEOUT +rc=124 .*SIGINT at (1[0-9]|20)s; 1 passed in ", sleepy), summary
+    assert re.search(r"\] after +SKIPPED +deadline: ", summary), summary
+    assert "0 ok, 0 failed, 1 timed out, 1 skipped" in summary
+    log = (out / "tests.log").read_text()
+    assert "test_sleepy.py::test_sleepy" in log and "KeyboardInterrupt" in log
+    with tarfile.open(out / "results.tar.gz") as tar:
+        xml = tar.extractfile("results/junit-sleepy.xml").read().decode()
+    assert 'name="test_quick"' in xml and 'tests="1"' in xml
+    assert sorted(os.listdir(out)) == ["results.tar.gz", "summary.txt", "tests.log"]
+
+
+def test_out_limits(tmp_path):
+    """More than 8 files, a path too deep, a bad name, a link and an oversized log: afterwards at most 8
+    plain files no deeper than out/a/b/file, the log cut to the size limit with a note, the rest in
+    overflow.tar.gz, the files to keep first still there."""
+    limits = _limits_module()
+    out = tmp_path / "out"
+    (out / "a" / "b" / "c").mkdir(parents=True)
+    for name in ["summary.txt", "env.txt"] + [f"extra{i}.txt" for i in range(9)]:
+        (out / name).write_text(name)
+    (out / "a" / "b" / "c" / "deep.txt").write_text("deep")
+    (out / "a" / "b" / "fine.txt").write_text("fine")
+    (out / "bad name.txt").write_text("bad")
+    os.symlink("env.txt", out / "link.txt")
+    (out / "big.log").write_bytes(b"first line\n" + b"x" * (3 << 20) + b"\nlast line\n")
+    notes = limits.enforce(str(out), max_files=8, max_bytes=2 << 20, keep=("summary.txt", "env.txt"))
+    files = limits.walk(str(out))
+    assert len(files) <= 8 and all(len(f.split(os.sep)) <= 3 for f in files), files
+    assert all(os.path.isfile(out / f) and not os.path.islink(out / f) for f in files)
+    assert {"summary.txt", "env.txt", "overflow.tar.gz"} <= set(files)
+    big = (out / "big.log").read_bytes()
+    assert len(big) <= 2 << 20 and big.startswith(b"first line") and big.endswith(b"last line\n")
+    assert b"gpu_out_limits: " in big
+    with tarfile.open(out / "overflow.tar.gz") as tar:
+        packed = set(tar.getnames())
+    assert {"a/b/c/deep.txt", "bad name.txt", "link.txt"} <= packed
+    assert len(packed) + len(files) - 1 == 16  # every file is either still there or in the archive
+    assert any("cut to" in n for n in notes)
+    assert limits.enforce(str(out), max_files=8, max_bytes=2 << 20) == []  # a second pass changes nothing
+
+
+def test_sanitizer_cases_are_collected(tmp_path):
+    """Every test id of scripts/gpu_sanitize_cases.txt exists (a renamed case would make the sanitizer
+    run select nothing), and some of them are marked memcheck."""
+    lines = [line.split() for line in open(os.path.join(SCRIPTS, "gpu_sanitize_cases.txt"))
+             if line.strip() and not line.startswith("#")]
+    ids = [parts[0] for parts in lines]
+    assert ids and any(parts[1:] == ["memcheck"] for parts in lines)
+    assert all(parts[1:] in ([], ["memcheck"]) for parts in lines), lines
+    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *ids],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    collected = {line.strip() for line in result.stdout.splitlines()}
+    missing = [i for i in ids if i not in collected]
+    assert not missing, f"not collected: {missing}\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
