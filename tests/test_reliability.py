@@ -22,6 +22,8 @@ from kvkernels.metal import dispatch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 I32, I64 = torch.int32, torch.int64
 BIG = 2**32 + 1  # a head count that wraps to 1 in an int
+N, B, H, D, T = 6, 4, 2, 16, 3  # small caches: blocks, block size, kv heads, head dim, tokens
+R, P = 64, 16  # MLA: kv_lora_rank, rope dim
 
 
 def impl(name, op):
@@ -43,6 +45,23 @@ def raises_named(fn, op, arg, kwargs, keep=()):
         fn(**kwargs)
     for t, old in zip(keep, before):
         assert_bytes_equal(t, old, msg="written before the error")
+
+
+# ----------------------------------------------------------------------------------------------------
+# 7. MLAPagedCache.check_invariants() with an offloaded sequence
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_mla_check_invariants_with_an_offloaded_sequence():
+    # block_size (16) differs from the block count (3): the old check compared the host copy's block
+    # size with the number of blocks.
+    cache = MLAPagedCache(2, R, P, num_blocks=32, block_size=16, enable_prefix_caching=False)
+    s, _ = cache.add_sequence(list(range(40)))
+    cache.append(s, list(range(40)))
+    cache.offload(s)
+    cache.check_invariants()
+    cache.restore(s)
+    cache.check_invariants()
 
 
 # ----------------------------------------------------------------------------------------------------
