@@ -72,6 +72,13 @@ def test_zero_kv_heads_raises_instead_of_sigfpe():
     assert r.stdout.startswith("kvkernels.paged_attention: key_cache: num_kv_heads"), r.stdout
 
 
+@pytest.mark.parametrize("name", ["metal"])
+def test_zero_kv_heads_named_by_metal(name):
+    kc = torch.zeros(4, 16, 0, 64)
+    kwargs = dict(query=torch.zeros(1, 4, 64), key_cache=kc, value_cache=kc,
+                  block_tables=torch.zeros(1, 1, dtype=I32), seq_lens=torch.ones(1, dtype=I32))
+    raises_named(impl(name, "paged_attention"), "paged_attention", "key_cache", kwargs)
+
 
 # ----------------------------------------------------------------------------------------------------
 # 3. sizes narrowed from int64 to int: 2**32 + 1 heads became 1 head
@@ -115,7 +122,7 @@ def narrowing_cases():
 NARROWING = narrowing_cases()
 
 
-@pytest.mark.parametrize("name", ["ops", "torch.ops"])
+@pytest.mark.parametrize("name", ["ops", "torch.ops", "metal"])
 @pytest.mark.parametrize("case", NARROWING, ids=NARROWING)
 def test_sizes_beyond_int_raise_naming_the_argument(case, name):
     op, arg, kwargs = narrowing_cases()[case]
@@ -142,8 +149,15 @@ def length_cases(num_tokens):
 @pytest.mark.parametrize("name", ["ops", "torch.ops"])
 @pytest.mark.parametrize("op", ["gather_kv", "mla_decompress"])
 def test_num_tokens_checked_before_the_outputs_are_allocated(op, name):
+    # The Metal dispatch compared num_tokens with sum(seq_lens) before allocating already (on the
+    # emulator; on MPS in debug mode): test_metal_num_tokens_checks below.
     raises_named(impl(name, op), op, "num_tokens", length_cases(2**34)[op])
 
+
+@pytest.mark.parametrize("num_tokens", [2**34, -1], ids=["2**34", "negative"])
+@pytest.mark.parametrize("op", ["gather_kv", "mla_decompress"])
+def test_metal_num_tokens_checks(op, num_tokens):
+    raises_named(impl("metal", op), op, "num_tokens", length_cases(num_tokens)[op])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -221,7 +235,7 @@ def alias_cases():
 ALIAS = alias_cases()
 
 
-@pytest.mark.parametrize("name", ["ops", "torch.ops"])
+@pytest.mark.parametrize("name", ["ops", "torch.ops", "metal"])
 @pytest.mark.parametrize("case", ALIAS, ids=ALIAS)
 def test_outputs_sharing_memory_are_rejected(case, name):
     op, arg, kwargs, allocations = alias_cases()[case]
@@ -249,7 +263,7 @@ def random_view(buf, gen, shape=None):
 def test_memory_checks_are_sound_on_random_views(seed):
     """Random key_cache / value_cache views of one buffer: whenever reshape_and_cache accepts them (a call
     with no tokens runs every check and writes nothing), no two elements share memory, within either
-    view or across them."""
+    view or across them. The Metal dispatch's Python twin of the checks decides the same way."""
     gen = generator(100 + seed)
     buf = torch.zeros(160)
     accepted = interleaved = 0
@@ -272,6 +286,9 @@ def test_memory_checks_are_sound_on_random_views(seed):
             interleaved += min(vo) < max(ko) and min(ko) < max(vo)  # the byte ranges meet
             assert len(set(ko)) == len(ko) and len(set(vo)) == len(vo) and not set(ko) & set(vo), \
                 (k.shape, k.stride(), k.storage_offset(), v.stride(), v.storage_offset())
+        python_ok = not (dispatch.has_internal_overlap(k) or dispatch.has_internal_overlap(v)
+                         or dispatch.may_overlap(k, v))
+        assert python_ok == ok, (k.shape, k.stride(), k.storage_offset(), v.stride(), v.storage_offset())
     print(f"{accepted} accepted, {interleaved} of them with meeting byte ranges")
     assert accepted > 0 and interleaved > 0  # the cases exercise the exact test, not only range checks
 
@@ -294,7 +311,7 @@ def kv_layouts():
 KV_LAYOUTS = kv_layouts()
 
 
-@pytest.mark.parametrize("name", ["ops"])
+@pytest.mark.parametrize("name", ["ops", "metal"])
 @pytest.mark.parametrize("layout", KV_LAYOUTS, ids=KV_LAYOUTS)
 def test_interleaved_kv_views_of_one_allocation_are_accepted(layout, name):
     key_cache, value_cache, alloc = kv_layouts()[layout]
@@ -422,7 +439,7 @@ def test_empty_rows_and_blocks_run(op):
 # ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["ops"])
+@pytest.mark.parametrize("name", ["ops", "metal"])
 def test_swap_blocks_dtype_message_names_both_dtypes(name):
     with pytest.raises(RuntimeError, match=r"^kvkernels\.swap_blocks: dst: dtype .*(Half|float16).* must equal "
                                            r"src's dtype .*(Float|float32)"):
@@ -430,14 +447,14 @@ def test_swap_blocks_dtype_message_names_both_dtypes(name):
                                   block_mapping=torch.tensor([[0, 1]]), block_dim=0)
 
 
-@pytest.mark.parametrize("name", ["ops", "torch.ops"])
+@pytest.mark.parametrize("name", ["ops", "torch.ops", "metal"])
 def test_reshape_and_cache_wrong_key_heads_blames_key(name):
     kc, vc = torch.zeros(N, B, H, D), torch.zeros(N, B, H, D)
     kwargs = rc_args(kc, vc, key=torch.zeros(T, 2 * H, D), value=torch.zeros(T, 2 * H, D))
     raises_named(impl(name, "reshape_and_cache"), "reshape_and_cache", "key", kwargs, keep=[kc, vc])
 
 
-@pytest.mark.parametrize("name", ["ops"])
+@pytest.mark.parametrize("name", ["ops", "metal"])
 def test_one_block_is_singular(name):
     cache = torch.zeros(4, 64, 2, 64)
     with pytest.raises(RuntimeError, match=r"^kvkernels\.paged_attention: seq_lens: .*\(1 block of 64\)"):
@@ -446,7 +463,7 @@ def test_one_block_is_singular(name):
                                       seq_lens=torch.tensor([65], dtype=I32))
 
 
-@pytest.mark.parametrize("name", ["ops"])
+@pytest.mark.parametrize("name", ["ops", "metal"])
 @pytest.mark.parametrize("arg,dn,dv", [("qk_nope_head_dim", 2**63 - 1, 1), ("v_head_dim", 2**31 - 1, 2**31 - 1)],
                          ids=["dn-int64-max", "sum-beyond-int"])
 def test_mla_decompress_head_dim_overflow_is_reported_without_wrapping(name, arg, dn, dv):
