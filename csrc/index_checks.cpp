@@ -11,7 +11,7 @@ void check_paged_kv_indices(const ArgCheck& c, const paged_kv_t& kv) {
     c.expect(len >= 0, "seq_lens", "sequence ", s, " has negative length ", len);
     c.expect(len <= capacity, "seq_lens", "sequence ", s, " has ", len,
              " tokens but its block_tables row holds at most ", capacity, " (",
-             kv.max_blocks_per_seq, " blocks of ", kv.block_size, ")");
+             plural(kv.max_blocks_per_seq, "block"), " of ", kv.block_size, ")");
     const int64_t used = ceil_div(len, kv.block_size);
     for (int64_t b = 0; b < used; ++b) {
       const int64_t id = kv.block_id(s, b);
@@ -44,7 +44,6 @@ void check_slots(const ArgCheck& c, const int64_t* slots, int64_t num_tokens, in
 
 void check_block_mapping(const ArgCheck& c, const int64_t* mapping, int64_t num_pairs,
                          int64_t src_num_blocks, int64_t dst_num_blocks, bool same_tensor) {
-  std::vector<int8_t> role(static_cast<size_t>(dst_num_blocks), 0);  // 1 = source, 2 = destination
   for (int64_t i = 0; i < num_pairs; ++i) {
     const int64_t s = mapping[2 * i], d = mapping[2 * i + 1];
     c.expect(s >= 0 && s < src_num_blocks, "block_mapping", "row ", i, ": source block ", s,
@@ -52,15 +51,17 @@ void check_block_mapping(const ArgCheck& c, const int64_t* mapping, int64_t num_
     c.expect(d >= 0 && d < dst_num_blocks, "block_mapping", "row ", i, ": destination block ", d,
              " is out of range [0, ", dst_num_blocks, ")");
   }
-  for (int64_t i = 0; i < num_pairs; ++i) {
-    const int64_t d = mapping[2 * i + 1];
-    c.expect(role[d] != 2, "block_mapping", "destination block ", d, " appears more than once");
-    role[d] = 2;
-  }
+  // The destinations sorted: memory in the number of pairs, not in the number of blocks.
+  std::vector<int64_t> dsts(static_cast<size_t>(num_pairs));
+  for (int64_t i = 0; i < num_pairs; ++i) dsts[i] = mapping[2 * i + 1];
+  std::sort(dsts.begin(), dsts.end());
+  const auto dup = std::adjacent_find(dsts.begin(), dsts.end());
+  c.expect(dup == dsts.end(), "block_mapping", "destination block ",
+           dup == dsts.end() ? 0 : *dup, " appears more than once");
   if (!same_tensor) return;
   for (int64_t i = 0; i < num_pairs; ++i) {
     const int64_t s = mapping[2 * i];
-    c.expect(role[s] != 2, "block_mapping", "block ", s,
+    c.expect(!std::binary_search(dsts.begin(), dsts.end(), s), "block_mapping", "block ", s,
              " is both a source and a destination in one call");
   }
 }
@@ -72,17 +73,12 @@ std::vector<int64_t> token_starts(const paged_kv_t& kv) {
 }
 
 std::vector<int64_t> checked_token_starts(const ArgCheck& c, const paged_kv_t& kv,
-                                          int64_t num_tokens) {
+                                          std::optional<int64_t> num_tokens) {
   check_paged_kv_indices(c, kv);
   std::vector<int64_t> starts = token_starts(kv);
-  c.expect(starts.back() == num_tokens, "num_tokens", "is ", num_tokens, " but sum(seq_lens) is ",
-           starts.back());
+  c.expect(!num_tokens.has_value() || starts.back() == *num_tokens, "num_tokens", "is ",
+           num_tokens.value_or(0), " but sum(seq_lens) is ", starts.back());
   return starts;
-}
-
-int64_t checked_token_count(const ArgCheck& c, const paged_kv_t& kv) {
-  check_paged_kv_indices(c, kv);
-  return token_starts(kv).back();
 }
 
 }  // namespace kvkernels

@@ -2,6 +2,7 @@
 // them before writing; device backends run them on a host copy in debug mode (KVKERNELS_DEBUG=1).
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "checks.h"
@@ -27,11 +28,9 @@ void check_block_mapping(const ArgCheck& c, const int64_t* mapping, int64_t num_
 std::vector<int64_t> token_starts(const paged_kv_t& kv);
 
 // For ops whose output holds every token of every sequence (gather_kv, mla_decompress): checks the
-// paged indices and that num_tokens == sum(seq_lens), and returns the cumulative seq_lens.
+// paged indices and, when num_tokens is given, that it equals sum(seq_lens); returns the
+// cumulative seq_lens (its last entry is sum(seq_lens)).
 std::vector<int64_t> checked_token_starts(const ArgCheck& c, const paged_kv_t& kv,
-                                          int64_t num_tokens);
-
-// sum(seq_lens) after checking the paged indices (a TokenCounter for host-readable indices).
-int64_t checked_token_count(const ArgCheck& c, const paged_kv_t& kv);
+                                          std::optional<int64_t> num_tokens);
 
 }  // namespace kvkernels

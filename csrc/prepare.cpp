@@ -2,7 +2,10 @@
 
 #include <torch/csrc/stable/ops.h>
 
+#include <climits>
 #include <cmath>
+#include <exception>
+#include <vector>
 
 namespace kvkernels {
 
@@ -40,6 +43,38 @@ const float* per_head_vector(const ArgCheck& c, const std::optional<Tensor>& t, 
   return static_cast<const float*>(v.const_data_ptr());
 }
 
+int64_t element_size(ScalarType t) {
+  switch (t) {
+    case ScalarType::Half:
+    case ScalarType::BFloat16: return 2;
+    case ScalarType::Float8_e4m3fn:
+    case ScalarType::Float8_e5m2: return 1;
+    case ScalarType::Long:
+    case ScalarType::Double: return 8;
+    default: return 4;
+  }
+}
+
+// An output whose shape comes from the arguments, allocated like `like`: a size whose bytes do not
+// fit in int64, or an allocation that fails, is an error naming `arg` (torch's own error names no
+// argument). Called after every check of the op.
+Tensor new_output(const ArgCheck& c, const char* arg, const Tensor& like,
+                  std::vector<int64_t> shape, std::optional<ScalarType> dtype = std::nullopt) {
+  int64_t bytes = element_size(dtype.value_or(like.scalar_type()));
+  std::ostringstream ss;
+  ss << "[";
+  for (size_t i = 0; i < shape.size(); ++i) ss << (i ? ", " : "") << shape[i];
+  ss << "]";
+  for (int64_t n : shape)
+    c.expect(!__builtin_mul_overflow(bytes, n, &bytes), arg, "the output ", ss.str(),
+             " would need more than 2^63 bytes");
+  try {
+    return torch::stable::new_empty(like, shape, dtype);
+  } catch (const std::exception& e) {
+    c.fail(arg, "allocating the output ", ss.str(), " (", bytes, " bytes) failed: ", e.what());
+  }
+}
+
 void check_block_size(const ArgCheck& c, const Tensor& cache, const char* arg) {
   const int64_t b = cache.size(1);
   c.expect(b >= 1 && b <= kMaxBlockSize, arg, "block size (dimension 1) must be in [1, ",
@@ -60,7 +95,12 @@ paged_kv_t make_paged_kv(const ArgCheck& c, const Tensor& key_cache, const char*
   c.like(value_cache, v_arg, key_cache, k_arg);
   for (int64_t d = 0; d < 4; ++d) c.size(value_cache, v_arg, d, key_cache.size(d), k_arg);
   c.last_dim_contiguous(value_cache, v_arg);
+  const int num_kv_heads = c.to_int(key_cache.size(2), k_arg, "num_kv_heads (dimension 2)");
+  const int head_dim = c.to_int(key_cache.size(3), k_arg, "head_dim (dimension 3)");
 
+  // Kernels number sequences with an int; checked before a contiguous copy is made.
+  c.dim(block_tables, "block_tables", 2);
+  c.to_int(block_tables.size(0), "block_tables", "num_seqs (dimension 0)");
   Tensor bt = index_tensor(c, block_tables, "block_tables", ScalarType::Int, 2, key_cache, k_arg,
                            keep);
   Tensor sl = index_tensor(c, seq_lens, "seq_lens", ScalarType::Int, 1, key_cache, k_arg, keep);
@@ -77,8 +117,8 @@ paged_kv_t make_paged_kv(const ArgCheck& c, const Tensor& key_cache, const char*
   kv.v_stride_head = value_cache.stride(2);
   kv.num_blocks = key_cache.size(0);
   kv.block_size = static_cast<int>(key_cache.size(1));
-  kv.num_kv_heads = static_cast<int>(key_cache.size(2));
-  kv.head_dim = static_cast<int>(key_cache.size(3));
+  kv.num_kv_heads = num_kv_heads;
+  kv.head_dim = head_dim;
   kv.head_dim_v = kv.head_dim;
   kv.format = cache_format(key_cache.scalar_type());
   if (is_fp8(key_cache.scalar_type())) {
@@ -106,14 +146,14 @@ void fill_query(const ArgCheck& c, PreparedAttention& r, const Tensor& query_in,
   c.dtype(query_in, q_arg, kFloatTypes);
   c.same_device(cache, cache_arg, query_in, q_arg);
   c.cache_dtype(cache, cache_arg, query_in, q_arg);
-  Tensor query = with_unit_last_stride(query_in, r);
   AttentionParams& p = r.params;
+  p.num_heads = c.to_int(query_in.size(1), q_arg, "num_heads (dimension 1)");
+  Tensor query = with_unit_last_stride(query_in, r);
   p.q = query.const_data_ptr();
   p.q_stride_token = query.stride(0);
   p.q_stride_head = query.stride(1);
   p.q_format = float_format(query.scalar_type());
   p.num_tokens = query.size(0);
-  p.num_heads = static_cast<int>(query.size(1));
   if (query_start_loc.has_value()) {
     Tensor qsl = index_tensor(c, *query_start_loc, "query_start_loc", ScalarType::Int, 1, query,
                               q_arg, r);
@@ -123,8 +163,15 @@ void fill_query(const ArgCheck& c, PreparedAttention& r, const Tensor& query_in,
     c.expect(p.num_tokens == p.kv.num_seqs, q_arg, "decode (query_start_loc=None) needs one query ",
              "per sequence: got ", p.num_tokens, " queries for ", p.kv.num_seqs, " sequences");
   }
-  r.out = torch::stable::new_empty(query, {p.num_tokens, p.num_heads, out_dim});
-  r.lse = torch::stable::new_empty(query, {p.num_tokens, p.num_heads}, ScalarType::Float);
+}
+
+// The outputs of an attention call, allocated after every check (the index checks included).
+void finish_attention(const ArgCheck& c, PreparedAttention& r, const Tensor& query,
+                      const char* q_arg, int64_t out_dim, const IndexCheck& check_indices) {
+  AttentionParams& p = r.params;
+  if (check_indices) check_indices(p);
+  r.out = new_output(c, q_arg, query, {p.num_tokens, p.num_heads, out_dim});
+  r.lse = new_output(c, q_arg, query, {p.num_tokens, p.num_heads}, ScalarType::Float);
   p.out = r.out.mutable_data_ptr();
   p.lse = static_cast<float*>(r.lse.mutable_data_ptr());
 }
@@ -161,7 +208,8 @@ PreparedAttention prepare_paged_attention(
     const Tensor& block_tables, const Tensor& seq_lens,
     const std::optional<Tensor>& query_start_loc, std::optional<double> scale, int64_t window_left,
     double soft_cap, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
-    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale) {
+    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
+    const IndexCheck& check_indices) {
   PreparedAttention r;
   AttentionParams& p = r.params;
   p.kv = make_paged_kv(c, key_cache, "key_cache", value_cache, "value_cache", block_tables,
@@ -171,6 +219,9 @@ PreparedAttention prepare_paged_attention(
            "head_dim must be a positive multiple of 8 up to ", kMaxHeadDim, ", got ", d);
   c.dim(query, "query", 3);
   c.size(query, "query", 2, d, "head_dim of key_cache");
+  // num_kv_heads divides the query heads: 0 would be a division by zero.
+  c.expect(p.kv.num_kv_heads > 0, "key_cache", "num_kv_heads (dimension 2) must be positive, got ",
+           "shape ", shape_str(key_cache));
   c.expect(query.size(1) > 0 && query.size(1) % p.kv.num_kv_heads == 0, "query",
            "num_heads (", query.size(1), ") must be a positive multiple of num_kv_heads (",
            p.kv.num_kv_heads, ")");
@@ -184,13 +235,15 @@ PreparedAttention prepare_paged_attention(
   p.window_left = window_left < 0 ? -1 : static_cast<int>(window_left);
   p.alibi_slopes = per_head_vector(c, alibi_slopes, "alibi_slopes", p.num_heads, query, r);
   p.sinks = per_head_vector(c, sinks, "sinks", p.num_heads, query, r);
+  finish_attention(c, r, query, "query", d, check_indices);
   return r;
 }
 
 PreparedAttention prepare_mla_attention(
     const ArgCheck& c, const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables,
     const Tensor& seq_lens, int64_t kv_lora_rank, double scale,
-    const std::optional<Tensor>& query_start_loc, const std::optional<Tensor>& kv_scale) {
+    const std::optional<Tensor>& query_start_loc, const std::optional<Tensor>& kv_scale,
+    const IndexCheck& check_indices) {
   PreparedAttention r;
   AttentionParams& p = r.params;
   c.dim(kv_cache, "kv_cache", 3);
@@ -212,6 +265,7 @@ PreparedAttention prepare_mla_attention(
   fill_query(c, r, q, "q", kv_cache, "kv_cache", kv_lora_rank, query_start_loc);
   c.expect(std::isfinite(scale), "scale", "must be finite");
   p.scale = static_cast<float>(scale);
+  finish_attention(c, r, q, "q", kv_lora_rank, check_indices);
   return r;
 }
 
@@ -231,6 +285,8 @@ PreparedMerge prepare_merge(const ArgCheck& c, const Tensor& out_a_in, const Ten
     c.size(*t, arg, 0, out_a_in.size(0), "num_tokens of out_a");
     c.size(*t, arg, 1, out_a_in.size(1), "num_heads of out_a");
   }
+  p.num_heads = c.to_int(out_a_in.size(1), "out_a", "num_heads (dimension 1)");
+  p.head_dim = c.to_int(out_a_in.size(2), "out_a", "head_dim (dimension 2)");
   Tensor out_a = with_unit_last_stride(out_a_in, r);
   Tensor out_b = with_unit_last_stride(out_b_in, r);
   p.out_a = out_a.const_data_ptr();
@@ -247,10 +303,8 @@ PreparedMerge prepare_merge(const ArgCheck& c, const Tensor& out_a_in, const Ten
   p.lse_b_stride_head = lse_b.stride(1);
   p.format = float_format(out_a.scalar_type());
   p.num_tokens = out_a.size(0);
-  p.num_heads = static_cast<int>(out_a.size(1));
-  p.head_dim = static_cast<int>(out_a.size(2));
-  r.out = torch::stable::new_empty(out_a, {p.num_tokens, p.num_heads, p.head_dim});
-  r.lse = torch::stable::new_empty(out_a, {p.num_tokens, p.num_heads}, ScalarType::Float);
+  r.out = new_output(c, "out_a", out_a, {p.num_tokens, p.num_heads, p.head_dim});
+  r.lse = new_output(c, "out_a", out_a, {p.num_tokens, p.num_heads}, ScalarType::Float);
   p.out = r.out.mutable_data_ptr();
   p.lse = static_cast<float*>(r.lse.mutable_data_ptr());
   return r;
@@ -260,7 +314,7 @@ namespace {
 
 // One source [T, H, W] written into columns [col, col + W) of a cache [N, B, H, >= col + W].
 CacheWriteParams make_write(const ArgCheck& c, PreparedCacheWrite& r, const Tensor& src_in,
-                            const Tensor& cache, const char* cache_arg,
+                            const char* src_arg, const Tensor& cache, const char* cache_arg,
                             int64_t col, const Tensor& slots, const std::optional<Tensor>& scale,
                             const char* scale_arg, bool per_head_scale_allowed) {
   Tensor src = with_unit_last_stride(src_in, r);
@@ -276,8 +330,8 @@ CacheWriteParams make_write(const ArgCheck& c, PreparedCacheWrite& r, const Tens
   w.col_offset = col;
   w.cache_format = cache_format(cache.scalar_type());
   w.num_tokens = src.size(0);
-  w.num_heads = static_cast<int>(src.size(1));
-  w.width = static_cast<int>(src.size(2));
+  w.num_heads = c.to_int(src.size(1), src_arg, "num_heads (dimension 1)");
+  w.width = c.to_int(src.size(2), src_arg, "width (last dimension)");
   w.block_size = static_cast<int>(cache.size(1));
   w.slot_mapping = static_cast<const int64_t*>(slots.const_data_ptr());
   if (is_fp8(cache.scalar_type())) {
@@ -303,6 +357,8 @@ PreparedCacheWrite prepare_reshape_and_cache(const ArgCheck& c, const Tensor& ke
   c.dim(value, "value", 3);
   c.like(value, "value", key, "key");
   for (int64_t d = 0; d < 3; ++d) c.size(value, "value", d, key.size(d), "key's shape");
+  // The caches among themselves first: they fix num_kv_heads and head_dim, which the new tokens
+  // must match.
   for (auto [cache, arg] :
        {std::pair{&key_cache, "key_cache"}, std::pair{&value_cache, "value_cache"}}) {
     c.dim(*cache, arg, 4);
@@ -310,18 +366,38 @@ PreparedCacheWrite prepare_reshape_and_cache(const ArgCheck& c, const Tensor& ke
     c.same_device(*cache, arg, key, "key");
     c.last_dim_contiguous(*cache, arg);
     check_block_size(c, *cache, arg);
-    c.size(*cache, arg, 2, key.size(1), "num_kv_heads of key");
-    c.size(*cache, arg, 3, key.size(2), "head_dim of key");
-    c.cache_dtype(*cache, arg, key, "key");
   }
   c.like(value_cache, "value_cache", key_cache, "key_cache");
-  c.size(value_cache, "value_cache", 0, key_cache.size(0), "num_blocks of key_cache");
-  c.size(value_cache, "value_cache", 1, key_cache.size(1), "block_size of key_cache");
+  for (int64_t d = 0; d < 4; ++d)
+    c.size(value_cache, "value_cache", d, key_cache.size(d), "key_cache's shape");
+  c.size(key, "key", 1, key_cache.size(2), "num_kv_heads of key_cache");
+  c.size(key, "key", 2, key_cache.size(3), "head_dim of key_cache");
+  c.cache_dtype(key_cache, "key_cache", key, "key");
+  c.to_int(key.size(1), "key", "num_kv_heads (dimension 1)");
+  c.to_int(key.size(2), "key", "head_dim (dimension 2)");
+  c.dtype(slot_mapping, "slot_mapping", {ScalarType::Long});
+  c.dim(slot_mapping, "slot_mapping", 1);
+  c.size(slot_mapping, "slot_mapping", 0, key.size(0), "num_tokens of key");
+  // Written in place: each cache element has its own memory, and nothing read while writing
+  // shares memory with a cache (K and V interleaved in one allocation are fine).
+  const bool fp8 = is_fp8(key_cache.scalar_type());
+  const Layout key_l(key), value_l(value), slots_l(slot_mapping), kc_l(key_cache),
+      vc_l(value_cache);
+  for (auto [cache, arg] : {std::pair{&kc_l, "key_cache"}, std::pair{&vc_l, "value_cache"}}) {
+    c.writable(*cache, arg);
+    c.disjoint(key_l, "key", *cache, arg);
+    c.disjoint(value_l, "value", *cache, arg);
+    c.disjoint(slots_l, "slot_mapping", *cache, arg);
+    if (fp8) {
+      c.disjoint(k_scale, "k_scale", *cache, arg);
+      c.disjoint(v_scale, "v_scale", *cache, arg);
+    }
+  }
+  c.disjoint(vc_l, "value_cache", kc_l, "key_cache");
   Tensor slots = index_tensor(c, slot_mapping, "slot_mapping", ScalarType::Long, 1, key, "key", r);
-  c.size(slots, "slot_mapping", 0, key.size(0), "num_tokens of key");
-  r.writes.push_back(make_write(c, r, key, key_cache, "key_cache", 0, slots, k_scale,
+  r.writes.push_back(make_write(c, r, key, "key", key_cache, "key_cache", 0, slots, k_scale,
                                 "k_scale", true));
-  r.writes.push_back(make_write(c, r, value, value_cache, "value_cache", 0, slots,
+  r.writes.push_back(make_write(c, r, value, "value", value_cache, "value_cache", 0, slots,
                                 v_scale, "v_scale", true));
   return r;
 }
@@ -342,22 +418,35 @@ PreparedCacheWrite prepare_concat_and_cache_mla(const ArgCheck& c, const Tensor&
   c.last_dim_contiguous(kv_cache, "kv_cache");
   check_block_size(c, kv_cache, "kv_cache");
   const int64_t rank = kv_c.size(1), rope = k_pe.size(1);
-  c.size(kv_cache, "kv_cache", 2, rank + rope, "kv_lora_rank + rope_dim of kv_c and k_pe");
   c.expect(kv_cache.size(2) <= kMaxMlaRow, "kv_cache", "row width must be at most ", kMaxMlaRow);
+  // Each part is at most a row wide before they are added (no overflow).
+  c.expect(rank <= kMaxMlaRow, "kv_c", "kv_lora_rank (dimension 1) must be at most ", kMaxMlaRow,
+           ", got ", rank);
+  c.expect(rope <= kMaxMlaRow, "k_pe", "rope_dim (dimension 1) must be at most ", kMaxMlaRow,
+           ", got ", rope);
+  c.size(kv_cache, "kv_cache", 2, rank + rope, "kv_lora_rank + rope_dim of kv_c and k_pe");
   c.cache_dtype(kv_cache, "kv_cache", kv_c, "kv_c");
+  c.dtype(slot_mapping, "slot_mapping", {ScalarType::Long});
+  c.dim(slot_mapping, "slot_mapping", 1);
+  c.size(slot_mapping, "slot_mapping", 0, kv_c.size(0), "num_tokens of kv_c");
+  const Layout cache_l(kv_cache);
+  c.writable(cache_l, "kv_cache");
+  c.disjoint(Layout(kv_c), "kv_c", cache_l, "kv_cache");
+  c.disjoint(Layout(k_pe), "k_pe", cache_l, "kv_cache");
+  c.disjoint(Layout(slot_mapping), "slot_mapping", cache_l, "kv_cache");
+  if (is_fp8(kv_cache.scalar_type())) c.disjoint(scale, "scale", cache_l, "kv_cache");
   Tensor slots = index_tensor(c, slot_mapping, "slot_mapping", ScalarType::Long, 1, kv_c, "kv_c",
                               r);
-  c.size(slots, "slot_mapping", 0, kv_c.size(0), "num_tokens of kv_c");
   // Both sources are viewed as one head: [T, 1, width].
   Tensor cache4 = torch::stable::unsqueeze(kv_cache, 2);
   Tensor kv_c3 = torch::stable::unsqueeze(kv_c, 1);
   Tensor k_pe3 = torch::stable::unsqueeze(k_pe, 1);
   r.keep_alive.insert(r.keep_alive.end(), {cache4, kv_c3, k_pe3});
   r.writes.push_back(
-      make_write(c, r, kv_c3, cache4, "kv_cache", 0, slots, scale, "scale", false));
+      make_write(c, r, kv_c3, "kv_c", cache4, "kv_cache", 0, slots, scale, "scale", false));
   if (rope > 0)
     r.writes.push_back(
-        make_write(c, r, k_pe3, cache4, "kv_cache", rank, slots, scale, "scale", false));
+        make_write(c, r, k_pe3, "k_pe", cache4, "kv_cache", rank, slots, scale, "scale", false));
   return r;
 }
 
@@ -375,7 +464,9 @@ PreparedBlockCopy prepare_block_copy(const ArgCheck& c, const Tensor& src, const
   c.expect(ndim - 1 <= 7, src_arg, "at most 8 dimensions are supported");
   if (!same_tensor) {
     c.dim(dst, dst_arg, ndim);
-    c.expect(dst.scalar_type() == src.scalar_type(), dst_arg, "dtype must equal src's");  // devices may differ
+    c.expect(dst.scalar_type() == src.scalar_type(), dst_arg, "dtype ",
+             torch::headeronly::toString(dst.scalar_type()), " must equal src's dtype ",
+             torch::headeronly::toString(src.scalar_type()));  // devices may differ
     for (int64_t d = 0; d < ndim; ++d)
       if (d != bd) c.size(dst, dst_arg, d, src.size(d), "src's shape outside block_dim");
   }
@@ -387,6 +478,12 @@ PreparedBlockCopy prepare_block_copy(const ArgCheck& c, const Tensor& src, const
   c.expect(md.type() == torch::headeronly::DeviceType::CPU ||
                (md.type() == src.device().type() && md.index() == src.device().index()),
            "block_mapping", "must be on the CPU or on the device of ", src_arg);
+  // Written in place: every element of the destination has its own memory, and the mapping is
+  // not part of it. (swap_blocks' src may share memory with dst: every source block is read
+  // before any destination is written.)
+  const Layout dst_l(dst);
+  c.writable(dst_l, dst_arg);
+  c.disjoint(Layout(block_mapping), "block_mapping", dst_l, dst_arg);
   Tensor mapping = block_mapping.is_contiguous() ? block_mapping
                                                  : torch::stable::contiguous(block_mapping);
   r.keep_alive.push_back(mapping);
@@ -438,13 +535,17 @@ PreparedGather prepare_gather_kv(const ArgCheck& c, const Tensor& key_cache,
              torch::headeronly::toString(*out_dtype));
     out = *out_dtype;
   }
-  const int64_t num_tokens = num_tokens_arg.has_value() ? *num_tokens_arg : count(p.kv);
-  c.expect(num_tokens >= 0, "num_tokens", "must be >= 0, got ", num_tokens);
+  c.expect(num_tokens_arg.value_or(0) >= 0, "num_tokens", "must be >= 0, got ",
+           num_tokens_arg.value_or(0));
+  // The output length is known (and checked against seq_lens where they are readable) before the
+  // outputs are allocated.
+  const int64_t num_tokens = count(p.kv, num_tokens_arg);
+  const char* length_arg = num_tokens_arg.has_value() ? "num_tokens" : "seq_lens";
   p.out_format = float_format(out);
   p.num_tokens = num_tokens;
-  r.key = torch::stable::new_empty(key_cache, {num_tokens, p.kv.num_kv_heads, p.kv.head_dim}, out);
+  r.key = new_output(c, length_arg, key_cache, {num_tokens, p.kv.num_kv_heads, p.kv.head_dim}, out);
   r.value =
-      torch::stable::new_empty(key_cache, {num_tokens, p.kv.num_kv_heads, p.kv.head_dim}, out);
+      new_output(c, length_arg, key_cache, {num_tokens, p.kv.num_kv_heads, p.kv.head_dim}, out);
   p.key = r.key.mutable_data_ptr();
   p.value = r.value.mutable_data_ptr();
   return r;
@@ -467,6 +568,15 @@ PreparedDecompress prepare_mla_decompress(
            "row width (dimension 2) must be in [kv_lora_rank, ", kMaxMlaRow, "], got ", row);
   c.expect(qk_nope_head_dim > 0, "qk_nope_head_dim", "must be positive, got ", qk_nope_head_dim);
   c.expect(v_head_dim > 0, "v_head_dim", "must be positive, got ", v_head_dim);
+  // Kernels hold both, their sum (rows per head of w_kv_b) and the key width in an int.
+  const int dn = c.to_int(qk_nope_head_dim, "qk_nope_head_dim", "");
+  const int dv = c.to_int(v_head_dim, "v_head_dim", "");
+  const int64_t per_head = int64_t(dn) + dv;
+  c.expect(per_head <= INT_MAX, "v_head_dim", "qk_nope_head_dim + v_head_dim = ", per_head,
+           " exceeds the supported maximum ", INT_MAX);
+  c.expect(int64_t(dn) + (row - kv_lora_rank) <= INT_MAX, "qk_nope_head_dim",
+           "qk_nope_head_dim + rope_dim = ", int64_t(dn) + (row - kv_lora_rank),
+           " exceeds the supported maximum ", INT_MAX);
   Tensor cache4 = torch::stable::unsqueeze(kv_cache, 2);
   r.keep_alive.push_back(cache4);
   p.kv = make_paged_kv(c, cache4, "kv_cache", cache4, "kv_cache", block_tables, seq_lens, scale,
@@ -475,37 +585,44 @@ PreparedDecompress prepare_mla_decompress(
   c.dtype(w_kv_b_in, "w_kv_b", kFloatTypes);
   c.same_device(w_kv_b_in, "w_kv_b", kv_cache, "kv_cache");
   c.size(w_kv_b_in, "w_kv_b", 1, kv_lora_rank, "kv_lora_rank");
-  const int64_t per_head = qk_nope_head_dim + v_head_dim;
   c.expect(w_kv_b_in.size(0) > 0 && w_kv_b_in.size(0) % per_head == 0, "w_kv_b",
            "dimension 0 (", w_kv_b_in.size(0), ") must be num_heads * (qk_nope_head_dim + ",
            "v_head_dim) = num_heads * ", per_head);
+  const int num_heads =
+      c.to_int(w_kv_b_in.size(0) / per_head, "w_kv_b", "num_heads (dimension 0 / " +
+                                                           std::to_string(per_head) + ")");
   c.cache_dtype(kv_cache, "kv_cache", w_kv_b_in, "w_kv_b");
-  Tensor w = w_kv_b_in.is_contiguous() ? w_kv_b_in : torch::stable::contiguous(w_kv_b_in);
-  r.w_kv_b = w;
   if (norm_weight.has_value()) {
     c.dim(*norm_weight, "norm_weight", 1);
     c.size(*norm_weight, "norm_weight", 0, kv_lora_rank, "kv_lora_rank");
-    c.like(*norm_weight, "norm_weight", w, "w_kv_b");
+    c.like(*norm_weight, "norm_weight", w_kv_b_in, "w_kv_b");
+  }
+  c.expect(norm_eps >= 0.0, "norm_eps", "must be >= 0, got ", norm_eps);
+  c.expect(num_tokens_arg.value_or(0) >= 0, "num_tokens", "must be >= 0, got ",
+           num_tokens_arg.value_or(0));
+  // The output length is known (and checked against seq_lens where they are readable) before
+  // anything is allocated or copied.
+  const int64_t num_tokens = count(p.kv, num_tokens_arg);
+  const char* length_arg = num_tokens_arg.has_value() ? "num_tokens" : "seq_lens";
+  Tensor w = w_kv_b_in.is_contiguous() ? w_kv_b_in : torch::stable::contiguous(w_kv_b_in);
+  r.w_kv_b = w;
+  if (norm_weight.has_value()) {
     Tensor nw = torch::stable::contiguous(*norm_weight);
     r.keep_alive.push_back(nw);
     p.norm_weight = nw.const_data_ptr();
   }
-  c.expect(norm_eps >= 0.0, "norm_eps", "must be >= 0, got ", norm_eps);
-  const int64_t num_tokens = num_tokens_arg.has_value() ? *num_tokens_arg : count(p.kv);
-  c.expect(num_tokens >= 0, "num_tokens", "must be >= 0, got ", num_tokens);
   p.w_kv_b = w.const_data_ptr();
   p.w_format = float_format(w.scalar_type());
   p.norm_eps = static_cast<float>(norm_eps);
   p.num_tokens = num_tokens;
-  p.num_heads = static_cast<int>(w.size(0) / per_head);
+  p.num_heads = num_heads;
   p.kv_lora_rank = static_cast<int>(kv_lora_rank);
   p.rope_dim = static_cast<int>(row - kv_lora_rank);
-  p.qk_nope_head_dim = static_cast<int>(qk_nope_head_dim);
-  p.v_head_dim = static_cast<int>(v_head_dim);
+  p.qk_nope_head_dim = dn;
+  p.v_head_dim = dv;
   p.kv.head_dim_v = static_cast<int>(kv_lora_rank);
-  r.key = torch::stable::new_empty(
-      w, {num_tokens, p.num_heads, qk_nope_head_dim + p.rope_dim});
-  r.value = torch::stable::new_empty(w, {num_tokens, p.num_heads, v_head_dim});
+  r.key = new_output(c, length_arg, w, {num_tokens, num_heads, int64_t(dn) + p.rope_dim});
+  r.value = new_output(c, length_arg, w, {num_tokens, num_heads, int64_t(dv)});
   p.key = r.key.mutable_data_ptr();
   p.value = r.value.mutable_data_ptr();
   return r;

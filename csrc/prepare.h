@@ -1,7 +1,9 @@
 // The binding layer shared by every backend: validate the tensors of one op call (dtype, shape,
-// device, strides), allocate its outputs on the inputs' device and fill the torch-free params
-// struct of csrc/include/kvkernels/params.h. Nothing here reads device data; index-range checks
-// that need the values of index tensors live in index_checks.h.
+// device, strides, sizes the kernels hold in an int, memory shared between an output and another
+// argument), allocate its outputs on the inputs' device and fill the torch-free params struct of
+// csrc/include/kvkernels/params.h. Outputs are allocated last, after every check (the backend's
+// index checks included, through IndexCheck / TokenCounter). Nothing here reads device data;
+// index-range checks that need the values of index tensors live in index_checks.h.
 #pragma once
 
 #include <functional>
@@ -23,17 +25,24 @@ struct PreparedAttention : Prepared {
   Tensor out, lse;
 };
 
+// Checks of the values of the index tensors (index_checks.h), run by the attention preparers after
+// every other check and before the outputs are allocated: the CPU backend always passes one,
+// device backends in debug mode (on host copies). Empty: none.
+using IndexCheck = std::function<void(const AttentionParams&)>;
+
 PreparedAttention prepare_paged_attention(
     const ArgCheck& check, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
     const Tensor& block_tables, const Tensor& seq_lens,
     const std::optional<Tensor>& query_start_loc, std::optional<double> scale, int64_t window_left,
     double soft_cap, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
-    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale);
+    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
+    const IndexCheck& check_indices = {});
 
 PreparedAttention prepare_mla_attention(
     const ArgCheck& check, const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables,
     const Tensor& seq_lens, int64_t kv_lora_rank, double scale,
-    const std::optional<Tensor>& query_start_loc, const std::optional<Tensor>& kv_scale);
+    const std::optional<Tensor>& query_start_loc, const std::optional<Tensor>& kv_scale,
+    const IndexCheck& check_indices = {});
 
 struct PreparedMerge : Prepared {
   MergeParams params;
@@ -73,9 +82,13 @@ struct PreparedGather : Prepared {
   Tensor key, value;
 };
 
-// Returns sum(seq_lens) of a validated paged_kv_t; called when the caller gave no num_tokens. How
-// it reads seq_lens (directly, or after a device-to-host copy) is the backend's business.
-using TokenCounter = std::function<int64_t(const paged_kv_t&)>;
+// The output length of gather_kv / mla_decompress, resolved after every other check and before the
+// outputs are allocated: given the caller's num_tokens (nullopt: not given), returns the length to
+// allocate. It checks the paged indices and num_tokens == sum(seq_lens) wherever it reads seq_lens
+// (always on the CPU; on a device when num_tokens is not given, or in debug mode). How it reads
+// them (directly, or after a device-to-host copy) is the backend's business.
+using TokenCounter =
+    std::function<int64_t(const paged_kv_t&, std::optional<int64_t> num_tokens)>;
 
 PreparedGather prepare_gather_kv(const ArgCheck& check, const Tensor& key_cache,
                                  const Tensor& value_cache, const Tensor& block_tables,

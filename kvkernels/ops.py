@@ -139,6 +139,8 @@ def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=Non
     torch._check(query.dim() == 3, lambda: "kvkernels.paged_attention: query: expected 3 dims")
     torch._check(query.shape[2] == key_cache.shape[3],
                  lambda: "kvkernels.paged_attention: query: head_dim differs from key_cache's")
+    torch._check(key_cache.shape[2] > 0,
+                 lambda: "kvkernels.paged_attention: key_cache: num_kv_heads must be positive")
     t, h, d = query.shape
     return query.new_empty((t, h, d)), query.new_empty((t, h), dtype=torch.float32)
 
@@ -179,6 +181,8 @@ def _(kv_c, k_pe, kv_cache, slot_mapping, scale=None):
 @torch.library.register_fake("kvkernels::mla_decompress")
 def _(kv_cache, block_tables, seq_lens, w_kv_b, kv_lora_rank, qk_nope_head_dim, v_head_dim,
       norm_weight=None, norm_eps=1e-6, scale=None, num_tokens=None):
+    torch._check(qk_nope_head_dim > 0 and v_head_dim > 0,
+                 lambda: "kvkernels.mla_decompress: qk_nope_head_dim: it and v_head_dim must be positive")
     per_head = qk_nope_head_dim + v_head_dim
     torch._check(w_kv_b.shape[0] % per_head == 0,
                  lambda: "kvkernels.mla_decompress: w_kv_b: rows not a multiple of num_heads")

@@ -104,9 +104,15 @@ float* thread_scratch(int slot, size_t n) {
   return b.data();
 }
 
-void run_attention(const ArgCheck& c, const AttentionParams& p) {
-  check_paged_kv_indices(c, p.kv);
-  check_query_start_loc(c, p);
+// The index checks, run by the preparer before it allocates the outputs.
+IndexCheck index_checks(const ArgCheck& c) {
+  return [&c](const AttentionParams& p) {
+    check_paged_kv_indices(c, p.kv);
+    check_query_start_loc(c, p);
+  };
+}
+
+void run_attention(const AttentionParams& p) {
   const Isa isa = active_isa();
   const AttentionKernels& kernels = kernels_for(isa);
 
@@ -166,8 +172,9 @@ std::tuple<Tensor, Tensor> paged_attention_cpu(
   const ArgCheck c("paged_attention");
   PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables,
                                                 seq_lens, query_start_loc, scale, window_left,
-                                                soft_cap, alibi_slopes, sinks, k_scale, v_scale);
-  run_attention(c, r.params);
+                                                soft_cap, alibi_slopes, sinks, k_scale, v_scale,
+                                                index_checks(c));
+  run_attention(r.params);
   return {r.out, r.lse};
 }
 
@@ -179,8 +186,8 @@ std::tuple<Tensor, Tensor> mla_paged_attention_cpu(const Tensor& q, const Tensor
                                                    std::optional<Tensor> kv_scale) {
   const ArgCheck c("mla_paged_attention");
   PreparedAttention r = prepare_mla_attention(c, q, kv_cache, block_tables, seq_lens, kv_lora_rank,
-                                              scale, query_start_loc, kv_scale);
-  run_attention(c, r.params);
+                                              scale, query_start_loc, kv_scale, index_checks(c));
+  run_attention(r.params);
   return {r.out, r.lse};
 }
 

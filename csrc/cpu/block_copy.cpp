@@ -4,31 +4,14 @@
 #include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "../index_checks.h"
 #include "../prepare.h"
+#include "block_copy.h"
 
 namespace kvkernels::cpu {
 namespace {
-
-// Copies one block sub-tensor: walks its outer dims and memcpys the contiguous innermost run.
-void copy_block(const BlockCopyParams& p, const char* src, const int64_t* src_strides, char* dst,
-                const int64_t* dst_strides) {
-  int64_t rows = 1;
-  for (int d = 0; d < p.num_dims; ++d) rows *= p.sizes[d];
-  int64_t idx[7] = {};
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t s = 0, t = 0;
-    for (int d = 0; d < p.num_dims; ++d) {
-      s += idx[d] * src_strides[d];
-      t += idx[d] * dst_strides[d];
-    }
-    std::memcpy(dst + t, src + s, static_cast<size_t>(p.run_bytes));
-    for (int d = p.num_dims - 1; d >= 0 && ++idx[d] == p.sizes[d]; --d) idx[d] = 0;
-  }
-}
 
 void copy_pairs(const BlockCopyParams& p) {
   torch::stable::parallel_for(0, p.num_pairs, 1, [&](int64_t begin, int64_t end) {
@@ -55,6 +38,7 @@ void copy_blocks_cpu(Tensor& cache, const Tensor& block_mapping, int64_t block_d
   PreparedBlockCopy r = prepare_block_copy(c, cache, cache, block_mapping, block_dim, true);
   check_block_mapping(c, r.params.mapping, r.params.num_pairs, r.src_num_blocks, r.dst_num_blocks,
                       true);
+  if (cache.numel() == 0) return;  // empty blocks (the mapping is in range, so blocks exist)
   copy_pairs(r.params);
 }
 
@@ -64,6 +48,7 @@ void swap_blocks_cpu(const Tensor& src, Tensor& dst, const Tensor& block_mapping
   PreparedBlockCopy r = prepare_block_copy(c, src, dst, block_mapping, block_dim, false);
   const BlockCopyParams& p = r.params;
   check_block_mapping(c, p.mapping, p.num_pairs, r.src_num_blocks, r.dst_num_blocks, false);
+  if (p.num_pairs == 0 || src.numel() == 0 || dst.numel() == 0) return;  // nothing to copy
   const auto [s0, s1] = byte_extent(src);
   const auto [d0, d1] = byte_extent(dst);
   if (s0 >= d1 || d0 >= s1) return copy_pairs(p);

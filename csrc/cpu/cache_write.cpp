@@ -15,6 +15,7 @@ void run_writes(const ArgCheck& c, const PreparedCacheWrite& r, int64_t num_slot
   for (const CacheWriteParams& w : r.writes) check_slots(c, w.slot_mapping, w.num_tokens, num_slots);
   const RowKernels& kernels = row_kernels();
   for (const CacheWriteParams& w : r.writes) {
+    if (w.num_heads == 0 || w.width == 0) continue;  // empty rows: nothing to write
     torch::stable::parallel_for(0, w.num_tokens, 16, [&](int64_t begin, int64_t end) {
       kernels.write_tokens(w, begin, end);
     });

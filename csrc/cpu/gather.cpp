@@ -33,12 +33,17 @@ std::tuple<Tensor, Tensor> gather_kv_cpu(const Tensor& key_cache, const Tensor& 
                                          std::optional<int64_t> num_tokens,
                                          std::optional<ScalarType> out_dtype) {
   const ArgCheck c("gather_kv");
-  auto count = [&](const paged_kv_t& kv) { return checked_token_count(c, kv); };
+  // Indices and num_tokens are checked before the outputs are allocated.
+  std::vector<int64_t> starts;
+  auto count = [&](const paged_kv_t& kv, std::optional<int64_t> n) {
+    starts = checked_token_starts(c, kv, n);
+    return starts.back();
+  };
   PreparedGather r = prepare_gather_kv(c, key_cache, value_cache, block_tables, seq_lens, k_scale,
                                        v_scale, num_tokens, out_dtype, count);
   GatherParams& p = r.params;
-  const std::vector<int64_t> starts = checked_token_starts(c, p.kv, p.num_tokens);
   p.token_start = starts.data();
+  if (p.num_tokens == 0 || p.kv.num_kv_heads == 0 || p.kv.head_dim == 0) return {r.key, r.value};
   gather(p);
   return {r.key, r.value};
 }

@@ -63,12 +63,16 @@ std::tuple<Tensor, Tensor> mla_decompress_cpu(
     std::optional<Tensor> norm_weight, double norm_eps, std::optional<Tensor> scale,
     std::optional<int64_t> num_tokens) {
   const ArgCheck c("mla_decompress");
-  auto count = [&](const paged_kv_t& kv) { return checked_token_count(c, kv); };
+  // Indices and num_tokens are checked before the outputs are allocated.
+  std::vector<int64_t> starts;
+  auto count = [&](const paged_kv_t& kv, std::optional<int64_t> n) {
+    starts = checked_token_starts(c, kv, n);
+    return starts.back();
+  };
   PreparedDecompress r = prepare_mla_decompress(c, kv_cache, block_tables, seq_lens, w_kv_b,
                                                 kv_lora_rank, qk_nope_head_dim, v_head_dim,
                                                 norm_weight, norm_eps, scale, num_tokens, count);
   MlaDecompressParams& p = r.params;
-  const std::vector<int64_t> starts = checked_token_starts(c, p.kv, p.num_tokens);
   p.token_start = starts.data();
   const int64_t T = p.num_tokens, H = p.num_heads, dn = p.qk_nope_head_dim, dv = p.v_head_dim;
   if (T == 0) return {r.key, r.value};

@@ -16,8 +16,11 @@ namespace kvkernels::cpu::KVK_ISA {
 constexpr int kN = Vec::N;
 
 // src (float formats) -> cache row; fp8 caches store quantize(x / scale).
+// Empty rows return first: an empty tensor's data pointer may be null, and memcpy with a null
+// pointer is undefined even for 0 bytes.
 template <typename S, typename C>
 inline void write_row(const S* src, C* dst, int64_t n, float scale) {
+  if (n <= 0) return;
   if constexpr (std::is_same_v<S, C>) {
     std::memcpy(static_cast<void*>(dst), src, sizeof(S) * size_t(n));
   } else if constexpr (is_fp8_type<C>) {
@@ -35,6 +38,7 @@ inline void write_row(const S* src, C* dst, int64_t n, float scale) {
 // cache row -> out row (float formats); fp8 caches are dequantized as float(x) * scale.
 template <typename C, typename O>
 inline void read_row(const C* src, O* dst, int64_t n, float scale) {
+  if (n <= 0) return;
   if constexpr (std::is_same_v<C, O>) {  // O is never fp8
     std::memcpy(static_cast<void*>(dst), src, sizeof(C) * size_t(n));
   } else if constexpr (is_fp8_type<C>) {

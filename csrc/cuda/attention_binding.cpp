@@ -48,10 +48,14 @@ std::tuple<Tensor, Tensor> paged_attention_cuda(
     std::optional<Tensor> v_scale) {
   const ArgCheck c("paged_attention");
   const DeviceScope scope(c, query, "query");
+  // Debug mode: the index checks on host copies, before the outputs are allocated.
+  IndexCheck host_checks;
+  if (kvkernels::cuda::debug_mode())
+    host_checks = [&](const AttentionParams& p) { check_indices_on_host(c, p, scope.stream()); };
   PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables,
                                                 seq_lens, query_start_loc, scale, window_left,
-                                                soft_cap, alibi_slopes, sinks, k_scale, v_scale);
-  if (kvkernels::cuda::debug_mode()) check_indices_on_host(c, r.params, scope.stream());
+                                                soft_cap, alibi_slopes, sinks, k_scale, v_scale,
+                                                host_checks);
   if (r.params.num_tokens == 0 || r.params.kv.num_seqs == 0) return {r.out, r.lse};
 
   const LaunchPlan plan = plan_paged_attention(r.params, scope.device());

@@ -193,19 +193,17 @@ std::tuple<Tensor, Tensor> gather_kv_cuda(const Tensor& key_cache, const Tensor&
                                           std::optional<int64_t> num_tokens,
                                           std::optional<ScalarType> out_dtype) {
   const ArgCheck c("gather_kv");
-  // Without num_tokens the output length is sum(seq_lens): read (and check) it on the host.
-  auto count = [&](const paged_kv_t& kv) {
+  // Without num_tokens the output length is sum(seq_lens): read (and check) it on the host; with
+  // it, debug mode checks it there. Either way before the outputs are allocated.
+  auto count = [&](const paged_kv_t& kv, std::optional<int64_t> n) {
+    if (n.has_value() && !debug_mode()) return *n;
     const DeviceScope scope(c, key_cache, "key_cache");
-    return checked_token_count(c, host_paged_kv(c, kv, scope.stream()).kv);
+    return checked_token_starts(c, host_paged_kv(c, kv, scope.stream()).kv, n).back();
   };
   PreparedGather r = prepare_gather_kv(c, key_cache, value_cache, block_tables, seq_lens, k_scale,
                                        v_scale, num_tokens, out_dtype, count);
   const DeviceScope scope(c, key_cache, "key_cache");
   GatherParams& p = r.params;
-  if (num_tokens.has_value() && debug_mode()) {
-    const HostPagedKV host = host_paged_kv(c, p.kv, scope.stream());
-    checked_token_starts(c, host.kv, p.num_tokens);
-  }
   if (p.num_tokens == 0) return {r.key, r.value};
   Tensor starts = torch::stable::new_empty(key_cache, {p.kv.num_seqs + 1}, ScalarType::Long);
   check_launch(c, gather_kv(p, static_cast<int64_t*>(starts.mutable_data_ptr()), scope.stream()),

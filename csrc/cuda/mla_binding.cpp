@@ -35,18 +35,16 @@ std::tuple<Tensor, Tensor> mla_decompress_cuda(
     std::optional<int64_t> num_tokens) {
   const ArgCheck c("mla_decompress");
   const DeviceScope scope(c, kv_cache, "kv_cache");
-  // Without num_tokens the output length is sum(seq_lens): read (and check) it on the host.
-  auto count = [&](const paged_kv_t& kv) {
-    return checked_token_count(c, host_paged_kv(c, kv, scope.stream()).kv);
+  // Without num_tokens the output length is sum(seq_lens): read (and check) it on the host; with
+  // it, debug mode checks it there. Either way before the outputs are allocated.
+  auto count = [&](const paged_kv_t& kv, std::optional<int64_t> n) {
+    if (n.has_value() && !debug_mode()) return *n;
+    return checked_token_starts(c, host_paged_kv(c, kv, scope.stream()).kv, n).back();
   };
   PreparedDecompress r = prepare_mla_decompress(c, kv_cache, block_tables, seq_lens, w_kv_b,
                                                 kv_lora_rank, qk_nope_head_dim, v_head_dim,
                                                 norm_weight, norm_eps, scale, num_tokens, count);
   MlaDecompressParams& p = r.params;
-  if (num_tokens.has_value() && debug_mode()) {
-    const kvkernels::cuda::HostPagedKV host = host_paged_kv(c, p.kv, scope.stream());
-    checked_token_starts(c, host.kv, p.num_tokens);
-  }
   if (p.num_tokens == 0) return {r.key, r.value};
   Tensor starts = torch::stable::new_empty(kv_cache, {p.kv.num_seqs + 1}, ScalarType::Long);
   check_launch(c,
@@ -80,9 +78,12 @@ std::tuple<Tensor, Tensor> mla_paged_attention_cuda(const Tensor& q, const Tenso
                                                     std::optional<Tensor> kv_scale) {
   const ArgCheck c("mla_paged_attention");
   const DeviceScope scope(c, q, "q");
+  // Debug mode: the index checks on host copies, before the outputs are allocated.
+  IndexCheck host_checks;
+  if (debug_mode())
+    host_checks = [&](const AttentionParams& p) { check_indices_on_host(c, p, scope.stream()); };
   PreparedAttention r = prepare_mla_attention(c, q, kv_cache, block_tables, seq_lens, kv_lora_rank,
-                                              scale, query_start_loc, kv_scale);
-  if (debug_mode()) check_indices_on_host(c, r.params, scope.stream());
+                                              scale, query_start_loc, kv_scale, host_checks);
   if (r.params.num_tokens == 0 || r.params.kv.num_seqs == 0) return {r.out, r.lse};
 
   MlaPlan plan;

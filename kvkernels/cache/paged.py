@@ -785,7 +785,7 @@ class PagedKVCache:
                     tables.append(self._blocks(row))
                 else:
                     assert (self._tables[row] == 0).all() and self._host[row] is not None
-                    assert self._host[row].shape[2] == nb
+                    assert self._host[row].shape[self._block_dim] == nb  # the offloaded blocks
                 assert len(self._history[row]) == self._num_tokens[row] // bs
             self.pool.check_invariants(tables)
             assert len(self._free_rows) + len(self._row_of) == len(self._nblocks)

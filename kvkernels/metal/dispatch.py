@@ -74,6 +74,82 @@ def _check_device(op, device, **tensors):
             _fail(op, name, f"expected a tensor on {device}, got {t.device}")
 
 
+INT_MAX = 2**31 - 1  # sizes the kernels index with a 32-bit thread position (as csrc/checks.h's to_int)
+
+
+def _check_int(op, name, what, value):
+    _check(value <= INT_MAX, op, name, f"{what + ' = ' if what else ''}{value} exceeds the supported maximum {INT_MAX}")
+
+
+def _span(t: Tensor):
+    """(allocation, first byte, [(byte stride, size) of the dims of size > 1], element size). CPU
+    tensors are placed by address (two storages may share memory); an MPS storage is its own
+    allocation, placed by offset."""
+    elem = t.element_size()
+    dims = [(st * elem, n) for n, st in zip(t.shape, t.stride()) if n > 1]
+    if t.device.type == "cpu":
+        return 0, t.data_ptr(), dims, elem
+    return t.untyped_storage().data_ptr(), t.storage_offset() * elem, dims, elem
+
+
+def _extent(dims, elem, modulus=0):
+    """Bytes from the first byte to one past the last, over the dims whose stride `modulus` does not
+    divide (0: all)."""
+    return elem + sum(st * (n - 1) for st, n in dims if not modulus or st % modulus)
+
+
+def has_internal_overlap(t: Tensor) -> bool:
+    """Whether two indices of ``t`` can address the same element: the dims of size > 1 sorted by
+    stride, each stride must reach past what the smaller ones span (csrc/checks.cpp, the same test)."""
+    if t.numel() == 0:
+        return False
+    reach = 1
+    for st, n in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if st < reach:
+            return True
+        reach += st * (n - 1)
+    return False
+
+
+def may_overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share a byte; False only when provably disjoint: byte ranges apart,
+    or disjoint residue intervals modulo a stride that divides every outer stride (so K and V
+    interleaved in one [..., 2 * D] allocation are disjoint). csrc/checks.cpp, the same test."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    (ka, ba, da, ea), (kb, bb, db, eb) = _span(a), _span(b)
+    if ka != kb:
+        return False
+    if ba >= bb + _extent(db, eb) or bb >= ba + _extent(da, ea):
+        return False
+    for m in {st for st, _ in da + db if st > 0}:
+        ia, ib = _extent(da, ea, m), _extent(db, eb, m)
+        if ia < m and ib < m and (bb - ba) % m >= ia and (ba - bb) % m >= ib:
+            return False
+    return True
+
+
+def _check_writable(op, name, t):
+    _check(not has_internal_overlap(t), op, name,
+           f"elements of this output share memory (shape {list(t.shape)}, strides {list(t.stride())}: a "
+           "stride-0 dimension from expand(), or overlapping strides); every element an op writes needs its own "
+           "memory")
+
+
+def _check_disjoint(op, name, t, out_name, out):
+    if t is not None:
+        _check(not may_overlap(t, out), op, name, f"shares memory with {out_name}, which this op writes (an "
+               "output must not overlap another output or an input)")
+
+
+def _empty(op, name, shape, **kwargs):
+    """torch.empty for an output sized by the arguments; a failure names ``name``."""
+    try:
+        return torch.empty(*shape, **kwargs)
+    except RuntimeError as e:
+        raise RuntimeError(f"kvkernels.{op}: {name}: allocating the output {list(shape)} failed: {e}") from e
+
+
 def _check_float(op, name, t):
     _check(t.dtype in FLOATS, op, name, f"expected float32, float16 or bfloat16, got {t.dtype}")
 
@@ -121,15 +197,25 @@ def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache
     _check(value.dtype == key.dtype, op, "value", f"dtype {value.dtype} differs from key's {key.dtype}")
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         _check_kv_cache(op, name, cache)
-        _check(cache.shape[2:] == key.shape[1:], op, name,
-               f"[num_kv_heads, head_dim] = {tuple(cache.shape[2:])} differ from key's {tuple(key.shape[1:])}")
         _check(cache.dtype in FP8 or cache.dtype == key.dtype, op, name,
                f"dtype {cache.dtype} must equal key's {key.dtype} or be an fp8 type")
     _check(value_cache.shape == key_cache.shape and value_cache.dtype == key_cache.dtype, op, "value_cache",
            "shape and dtype must equal key_cache's")
+    # The caches fix num_kv_heads and head_dim; the new tokens must match them.
+    _check(key.shape[1:] == key_cache.shape[2:], op, "key",
+           f"[num_kv_heads, head_dim] = {tuple(key.shape[1:])} differ from key_cache's {tuple(key_cache.shape[2:])}")
     _check(slot_mapping.dtype == torch.int64 and slot_mapping.shape == key.shape[:1], op, "slot_mapping",
            f"expected int64 [{key.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     t, h, d = key.shape
+    _check_int(op, "key", "num_kv_heads (dimension 1)", h)
+    _check_int(op, "key", "head_dim (dimension 2)", d)
+    _check_int(op, "key", "num_tokens (dimension 0)", t)
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check_writable(op, name, cache)
+        for arg, x in (("key", key), ("value", value), ("slot_mapping", slot_mapping)) + (
+                (("k_scale", k_scale), ("v_scale", v_scale)) if cache.dtype in FP8 else ()):
+            _check_disjoint(op, arg, x, name, cache)
+    _check_disjoint(op, "value_cache", value_cache, "key_cache", key_cache)
     ks_head = _check_scale(op, "k_scale", k_scale, key_cache, h)
     vs_head = _check_scale(op, "v_scale", v_scale, value_cache, h)
     n, b = key_cache.shape[:2]
@@ -166,12 +252,14 @@ def _check_paged(op, dev, block_tables, seq_lens, num_blocks, block_size, num_se
            op, "seq_lens", f"expected int32 [{block_tables.shape[0]}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     if num_seqs is not None:
         _check(block_tables.shape[0] == num_seqs, op, "block_tables", f"expected {num_seqs} rows")
+    _check_int(op, "block_tables", "num_seqs (dimension 0)", block_tables.shape[0])
     if _debug_checks(dev) and seq_lens.numel():
         lens = seq_lens.cpu()
         _check(int(lens.min()) >= 0, op, "seq_lens", "negative length")
         width = block_tables.shape[1]
         _check(int(lens.max()) <= width * block_size, op, "seq_lens",
-               f"a sequence is longer than its block table ({width} blocks of {block_size})")
+               f"a sequence is longer than its block table ({width} block{'' if width == 1 else 's'} of "
+               f"{block_size})")
         table = block_tables.cpu()
         for i, n in enumerate(lens.tolist()):
             used = table[i, :(n + block_size - 1) // block_size]
@@ -193,21 +281,26 @@ def gather_kv(key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_
            "shape and dtype must equal key_cache's")
     _check(key_cache.dtype in FLOATS + FP8, op, "key_cache", f"unsupported dtype {key_cache.dtype}")
     n, b, h, d = key_cache.shape
+    _check_int(op, "key_cache", "num_kv_heads (dimension 2)", h)
+    _check_int(op, "key_cache", "head_dim (dimension 3)", d)
     _check_paged(op, dev, block_tables, seq_lens, n, b)
     ks_head = _check_scale(op, "k_scale", k_scale, key_cache, h)
     vs_head = _check_scale(op, "v_scale", v_scale, value_cache, h)
     if out_dtype is None:
         out_dtype = torch.bfloat16 if key_cache.dtype in FP8 else key_cache.dtype
     _check(out_dtype in FLOATS, op, "out_dtype", f"expected a float dtype, got {out_dtype}")
+    _check(num_tokens is None or int(num_tokens) >= 0, op, "num_tokens", f"must be >= 0, got {num_tokens}")
     cu = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64, device=dev)
     torch.cumsum(seq_lens, 0, out=cu[1:])
+    length_arg = "seq_lens" if num_tokens is None else "num_tokens"
     if num_tokens is None:
         num_tokens = int(cu[-1])
     elif _debug_checks(dev):
         _check(int(cu[-1]) == int(num_tokens), op, "num_tokens", f"expected sum(seq_lens) = {int(cu[-1])}")
     t = int(num_tokens)
-    key = torch.empty(t, h, d, dtype=out_dtype, device=dev)
-    value = torch.empty(t, h, d, dtype=out_dtype, device=dev)
+    _check_int(op, length_arg, "num_tokens", t)
+    key = _empty(op, length_arg, (t, h, d), dtype=out_dtype, device=dev)
+    value = _empty(op, length_arg, (t, h, d), dtype=out_dtype, device=dev)
     if t == 0 or h == 0 or d == 0:
         return key, value
     fp8 = key_cache.dtype in FP8
@@ -252,6 +345,8 @@ def copy_blocks(cache: Tensor, block_mapping: Tensor, block_dim: int = 0) -> Non
     _check(cache.element_size() in _ELEM_TYPES, op, "cache", f"element size {cache.element_size()} not supported")
     _check(block_mapping.dtype == torch.int64 and block_mapping.dim() == 2 and block_mapping.shape[1] == 2, op,
            "block_mapping", f"expected int64 [n, 2], got {block_mapping.dtype} {tuple(block_mapping.shape)}")
+    _check_writable(op, "cache", cache)
+    _check_disjoint(op, "block_mapping", block_mapping, "cache", cache)
     num_blocks = cache.shape[block_dim]
     pairs = block_mapping.shape[0]
     if _debug_checks(dev) and pairs:
@@ -282,10 +377,14 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor, block_dim: int 
     """Across devices (MPS <-> CPU) with torch copies, not a Metal kernel: every source block is read
     before any destination is written (src and dst may overlap)."""
     op = "swap_blocks"
-    _check(src.dtype == dst.dtype and src.dim() == dst.dim(), op, "dst", "dtype and number of dims must equal src's")
+    _check(src.dim() == dst.dim(), op, "dst", f"expected {src.dim()} dimensions (src's), got {dst.dim()}")
+    _check(src.dtype == dst.dtype, op, "dst", f"dtype {dst.dtype} must equal src's dtype {src.dtype}")
     _check(-src.dim() <= block_dim < src.dim(), op, "block_dim", f"{block_dim} out of range")
     _check(block_mapping.dtype == torch.int64 and block_mapping.dim() == 2 and block_mapping.shape[1] == 2, op,
            "block_mapping", f"expected int64 [n, 2], got {block_mapping.dtype} {tuple(block_mapping.shape)}")
+    # dst is written in place; src may share memory with it (every source block is read first).
+    _check_writable(op, "dst", dst)
+    _check_disjoint(op, "block_mapping", block_mapping, "dst", dst)
     pairs = block_mapping.cpu().tolist()
     for s, d in pairs:
         _check(0 <= s < src.shape[block_dim], op, "block_mapping", f"source id {s} out of range")
@@ -314,8 +413,11 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: T
         _check(lse.dtype == torch.float32 and lse.shape == out_a.shape[:2], op, name,
                f"expected float32 {tuple(out_a.shape[:2])}, got {lse.dtype} {tuple(lse.shape)}")
     t, h, d = out_a.shape
-    out = torch.empty(t, h, d, dtype=out_a.dtype, device=dev)
-    lse = torch.empty(t, h, dtype=torch.float32, device=dev)
+    _check_int(op, "out_a", "num_heads (dimension 1)", h)
+    _check_int(op, "out_a", "head_dim (dimension 2)", d)
+    _check_int(op, "out_a", "num_tokens (dimension 0)", t)
+    out = _empty(op, "out_a", (t, h, d), dtype=out_a.dtype, device=dev)
+    lse = _empty(op, "out_a", (t, h), dtype=torch.float32, device=dev)
     if out.numel() == 0:
         if d == 0 and t * h:
             lse.copy_(torch.logaddexp(lse_a, lse_b))
@@ -376,7 +478,10 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
     _check(dk == d, op, "key_cache", f"head_dim {dk} differs from query's {d}")
     _check(d % 8 == 0 and 0 < d <= MAX_HEAD_DIM, op, "query", f"head_dim must be a multiple of 8 in [8, "
            f"{MAX_HEAD_DIM}], got {d}")
-    _check(hkv > 0 and hq % hkv == 0, op, "query", f"num_heads {hq} is not a multiple of num_kv_heads {hkv}")
+    _check(hkv > 0, op, "key_cache", f"num_kv_heads (dimension 2) must be positive, got shape {list(key_cache.shape)}")
+    _check(hq > 0 and hq % hkv == 0, op, "query", f"num_heads {hq} is not a positive multiple of num_kv_heads {hkv}")
+    _check_int(op, "query", "num_heads (dimension 1)", hq)
+    _check_int(op, "query", "num_tokens (dimension 0)", t)
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     _check_paged(op, dev, block_tables, seq_lens, n, b)
     if query_start_loc is None:
@@ -389,8 +494,8 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
                    f"expected float32 [{hq}], got {x.dtype} {tuple(x.shape)}")
     ks_head = _check_scale(op, "k_scale", k_scale, key_cache, hkv)
     vs_head = _check_scale(op, "v_scale", v_scale, value_cache, hkv)
-    out = torch.empty(t, hq, d, dtype=query.dtype, device=dev)
-    lse = torch.empty(t, hq, dtype=torch.float32, device=dev)
+    out = _empty(op, "query", (t, hq, d), dtype=query.dtype, device=dev)
+    lse = _empty(op, "query", (t, hq), dtype=torch.float32, device=dev)
     if t == 0 or hq == 0:
         return out, lse
     fp8 = key_cache.dtype in FP8
@@ -456,6 +561,11 @@ def concat_and_cache_mla(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapp
     _check(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (t,), op, "slot_mapping",
            f"expected int64 [{t}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     _check_mla_scale(op, "scale", scale, kv_cache)
+    _check_int(op, "kv_c", "num_tokens (dimension 0)", t)
+    _check_writable(op, "kv_cache", kv_cache)
+    for arg, x in (("kv_c", kv_c), ("k_pe", k_pe), ("slot_mapping", slot_mapping)) + (
+            (("scale", scale),) if kv_cache.dtype in FP8 else ()):
+        _check_disjoint(op, arg, x, "kv_cache", kv_cache)
     n, b = kv_cache.shape[:2]
     if _debug_checks(dev) and t:
         _check(int(slot_mapping.max()) < n * b, op, "slot_mapping", f"slot out of range [0, {n * b})")
@@ -485,7 +595,11 @@ def mla_decompress(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, w_k
     n, b, width = kv_cache.shape
     _check(0 < r <= MLA_MAX_RANK and r % 8 == 0, op, "kv_lora_rank", f"must be a multiple of 8 in [8, {MLA_MAX_RANK}]")
     _check(r <= width <= MLA_MAX_ROW, op, "kv_cache", f"row width {width} must be in [kv_lora_rank, {MLA_MAX_ROW}]")
-    _check(dn >= 0 and dv >= 0 and dn + dv > 0, op, "qk_nope_head_dim", "head dims must be >= 0 and not both 0")
+    _check(dn > 0, op, "qk_nope_head_dim", f"must be positive, got {dn}")
+    _check(dv > 0, op, "v_head_dim", f"must be positive, got {dv}")
+    _check_int(op, "qk_nope_head_dim", "", dn)
+    _check_int(op, "v_head_dim", "", dv)
+    _check_int(op, "v_head_dim", "qk_nope_head_dim + v_head_dim", dn + dv)
     _check(w_kv_b.dim() == 2 and w_kv_b.shape[1] == r and w_kv_b.shape[0] % (dn + dv) == 0, op, "w_kv_b",
            f"expected [num_heads * {dn + dv}, {r}], got {tuple(w_kv_b.shape)}")
     _check(kv_cache.dtype in FP8 or kv_cache.dtype == w_kv_b.dtype, op, "kv_cache",
@@ -496,16 +610,20 @@ def mla_decompress(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, w_k
     _check_mla_scale(op, "scale", scale, kv_cache)
     _check_paged(op, dev, block_tables, seq_lens, n, b)
     heads = w_kv_b.shape[0] // (dn + dv)
+    _check_int(op, "w_kv_b", f"num_heads (dimension 0 / {dn + dv})", heads)
     p_dim = width - r
+    _check(num_tokens is None or int(num_tokens) >= 0, op, "num_tokens", f"must be >= 0, got {num_tokens}")
     cu = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int64, device=dev)
     torch.cumsum(seq_lens, 0, out=cu[1:])
+    length_arg = "seq_lens" if num_tokens is None else "num_tokens"
     if num_tokens is None:
         num_tokens = int(cu[-1])
     elif _debug_checks(dev):
         _check(int(cu[-1]) == int(num_tokens), op, "num_tokens", f"expected sum(seq_lens) = {int(cu[-1])}")
     t = int(num_tokens)
-    key = torch.empty(t, heads, dn + p_dim, dtype=w_kv_b.dtype, device=dev)
-    value = torch.empty(t, heads, dv, dtype=w_kv_b.dtype, device=dev)
+    _check_int(op, length_arg, "num_tokens", t)
+    key = _empty(op, length_arg, (t, heads, dn + p_dim), dtype=w_kv_b.dtype, device=dev)
+    value = _empty(op, length_arg, (t, heads, dv), dtype=w_kv_b.dtype, device=dev)
     if t == 0 or heads == 0:
         return key, value
     fp8 = kv_cache.dtype in FP8
@@ -551,8 +669,10 @@ def mla_paged_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_l
         _check(t == num_seqs, op, "q", f"decode: expected one query per sequence ({num_seqs}), got {t}")
     else:
         _check_rows(op, dev, query_start_loc, t, num_seqs, seq_lens)
-    out = torch.empty(t, hq, r, dtype=q.dtype, device=dev)
-    lse = torch.empty(t, hq, dtype=torch.float32, device=dev)
+    _check_int(op, "q", "num_heads (dimension 1)", hq)
+    _check_int(op, "q", "num_tokens (dimension 0)", t)
+    out = _empty(op, "q", (t, hq, r), dtype=q.dtype, device=dev)
+    lse = _empty(op, "q", (t, hq), dtype=torch.float32, device=dev)
     if t == 0 or hq == 0:
         return out, lse
     fp8 = kv_cache.dtype in FP8

@@ -71,7 +71,10 @@ std::tuple<Tensor, Tensor> gather_kv(const Tensor& key_cache, const Tensor& valu
                                      std::optional<Tensor> v_scale, int64_t num_tokens,
                                      std::optional<ScalarType> out_dtype) {
   const ArgCheck c("gather_kv");
-  auto never = [&](const paged_kv_t&) -> int64_t { c.fail("num_tokens", "required here"); };
+  auto never = [&](const paged_kv_t&, std::optional<int64_t> n) -> int64_t {
+    if (!n.has_value()) c.fail("num_tokens", "required here");
+    return *n;
+  };
   PreparedGather r = prepare_gather_kv(c, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale,
                                        num_tokens, out_dtype, never);
   Tensor starts = torch::stable::new_empty(key_cache, {r.params.kv.num_seqs + 1}, ScalarType::Long);
@@ -178,7 +181,9 @@ std::tuple<Tensor, Tensor> mla_decompress(const Tensor& kv_cache, const Tensor& 
                                           int64_t v_head_dim, std::optional<Tensor> norm_weight, double norm_eps,
                                           std::optional<Tensor> scale, std::optional<int64_t> num_tokens) {
   const ArgCheck c("mla_decompress");
-  auto count = [&](const paged_kv_t& kv) { return checked_token_count(c, kv); };
+  auto count = [&](const paged_kv_t& kv, std::optional<int64_t> n) {
+    return n.has_value() ? *n : checked_token_starts(c, kv, n).back();
+  };
   PreparedDecompress r = prepare_mla_decompress(c, kv_cache, block_tables, seq_lens, w_kv_b, kv_lora_rank,
                                                 qk_nope_head_dim, v_head_dim, norm_weight, norm_eps, scale,
                                                 num_tokens, count);
