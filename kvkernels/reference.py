@@ -3,8 +3,10 @@
 Each function here has exactly the signature of its twin in ``kvkernels.ops`` (see docs/api.md)
 and implements the semantics of docs/ops.md. The code is written to be obviously right, not
 fast: per-sequence Python loops, dense masks, and all arithmetic in float64 (outputs are cast
-to the dtypes docs/ops.md prescribes). There is no validation beyond what correctness needs;
-bad input gives whatever error PyTorch raises, or garbage.
+to the dtypes docs/ops.md prescribes). The index arguments are validated as the ops validate them
+(dtype, shape, every id and length in range; ``RuntimeError("kvkernels.<op>: <argument>: ...")``
+before anything is written), so the oracle never gives a plausible answer where the op raises;
+other bad input gives whatever error PyTorch raises.
 
 Float inputs may themselves be float64 (the tests upcast query/key/value/caches/weights to
 compute the oracle); fp8 caches are quantized and dequantized in float32 exactly as the
@@ -78,6 +80,98 @@ def _to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype, scale) -> torch.T
 def _load64(stored: torch.Tensor, scale) -> torch.Tensor:
     """Cache contents as float64 (dequantized in float32 first when fp8)."""
     return dequantize(stored, scale).to(torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# index checks (docs/ops.md; the ops raise the same errors, naming the same argument)
+# ---------------------------------------------------------------------------------------------
+
+
+def _fail(op: str, arg: str, msg: str):
+    raise RuntimeError(f"kvkernels.{op}: {arg}: {msg}")
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _check_index(op: str, arg: str, t, dtype: torch.dtype, shape: tuple) -> None:
+    """``t`` has ``dtype`` and ``shape`` (None: any size along that dimension)."""
+    ok = t.dtype == dtype and t.dim() == len(shape) and all(
+        want is None or have == want for have, want in zip(t.shape, shape))
+    if not ok:
+        want = ", ".join("*" if w is None else str(w) for w in shape)
+        _fail(op, arg, f"expected {dtype} [{want}], got {t.dtype} {list(t.shape)}")
+
+
+def _check_paged(op: str, cache, block_tables, seq_lens, num_tokens=None) -> list[int]:
+    """int32 block_tables [S, W] and seq_lens [S]; every seq_len in [0, W * block_size]; every
+    block id a sequence uses in [0, num_blocks); num_tokens (if given) == sum(seq_lens).
+    Returns seq_lens as a list."""
+    _check_index(op, "block_tables", block_tables, torch.int32, (None, None))
+    _check_index(op, "seq_lens", seq_lens, torch.int32, (block_tables.shape[0],))
+    num_blocks, block_size = cache.shape[0], cache.shape[1]
+    width = block_tables.shape[1]
+    table = block_tables.cpu()
+    lens = [int(x) for x in seq_lens.tolist()]
+    for i, n in enumerate(lens):
+        if n < 0:
+            _fail(op, "seq_lens", f"sequence {i} has negative length {n}")
+        if n > width * block_size:
+            _fail(op, "seq_lens", f"sequence {i} has {n} tokens but its block_tables row holds at most "
+                  f"{width * block_size} ({_plural(width, 'block')} of {block_size})")
+        for j, block in enumerate(table[i, :-(-n // block_size)].tolist()):
+            if not 0 <= block < num_blocks:
+                _fail(op, "block_tables", f"entry [{i}, {j}] = {block} is out of range for a cache of "
+                      f"{num_blocks} blocks")
+    if num_tokens is not None and int(num_tokens) != sum(lens):
+        _fail(op, "num_tokens", f"is {int(num_tokens)} but sum(seq_lens) is {sum(lens)}")
+    return lens
+
+
+def _check_queries(op: str, q_arg: str, num_tokens: int, query_start_loc, seq_lens: list[int]) -> None:
+    """Decode: one query per sequence. Varlen: int32 [S + 1], from 0, non-decreasing, to
+    num_tokens, no sequence with more queries than keys."""
+    if query_start_loc is None:
+        if num_tokens != len(seq_lens):
+            _fail(op, q_arg, f"decode (query_start_loc=None) needs one query per sequence: got {num_tokens} "
+                  f"queries for {len(seq_lens)} sequences")
+        return
+    _check_index(op, "query_start_loc", query_start_loc, torch.int32, (len(seq_lens) + 1,))
+    qsl = [int(x) for x in query_start_loc.tolist()]
+    if qsl[0] != 0:
+        _fail(op, "query_start_loc", f"must start at 0, got {qsl[0]}")
+    for s, n in enumerate(seq_lens):
+        if qsl[s + 1] < qsl[s]:
+            _fail(op, "query_start_loc", f"decreases at index {s + 1} ({qsl[s]} -> {qsl[s + 1]})")
+        if qsl[s + 1] - qsl[s] > n:
+            _fail(op, "query_start_loc", f"sequence {s} has {qsl[s + 1] - qsl[s]} queries but only {n} keys")
+    if qsl[-1] != num_tokens:
+        _fail(op, "query_start_loc", f"must end at num_tokens = {num_tokens}, got {qsl[-1]}")
+
+
+def _check_slots(op: str, slot_mapping, num_tokens: int, cache) -> None:
+    _check_index(op, "slot_mapping", slot_mapping, torch.int64, (num_tokens,))
+    num_slots = cache.shape[0] * cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= num_slots:
+            _fail(op, "slot_mapping", f"slot {slot} of token {t} is out of range for a cache of {num_slots} slots")
+
+
+def _check_block_mapping(op: str, block_mapping, src_blocks: int, dst_blocks: int, same_tensor: bool) -> list:
+    _check_index(op, "block_mapping", block_mapping, torch.int64, (None, 2))
+    pairs = block_mapping.tolist()
+    for i, (s, d) in enumerate(pairs):
+        if not 0 <= s < src_blocks:
+            _fail(op, "block_mapping", f"row {i}: source block {s} is out of range [0, {src_blocks})")
+        if not 0 <= d < dst_blocks:
+            _fail(op, "block_mapping", f"row {i}: destination block {d} is out of range [0, {dst_blocks})")
+    dsts = [d for _, d in pairs]
+    if len(set(dsts)) != len(dsts):
+        _fail(op, "block_mapping", "a destination block appears more than once")
+    if same_tensor and set(dsts) & {s for s, _ in pairs}:
+        _fail(op, "block_mapping", "a block is both a source and a destination in one call")
+    return pairs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,6 +260,7 @@ def _attend_one_sequence(q, k, v, scale, window_left=-1, soft_cap=0.0, alibi_slo
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
     """Write key/value [T, H, D] into their slots of the paged caches (quantizing for fp8)."""
+    _check_slots("reshape_and_cache", slot_mapping, key.shape[0], key_cache)
     _write_slots(key_cache, _to_cache_dtype(key, key_cache.dtype, k_scale), slot_mapping)
     _write_slots(value_cache, _to_cache_dtype(value, value_cache.dtype, v_scale), slot_mapping)
 
@@ -175,13 +270,19 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     """Causal attention of query [T, Hq, D] over each sequence's paged keys/values -> (out, lse)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
+    if num_kv_heads == 0:
+        _fail("paged_attention", "key_cache", "num_kv_heads (dimension 2) must be positive")
+    if num_heads == 0 or num_heads % num_kv_heads:
+        _fail("paged_attention", "query", f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads "
+              f"({num_kv_heads})")
     group = num_heads // num_kv_heads  # query head h reads kv head h // group
+    seq_lens_list = _check_paged("paged_attention", key_cache, block_tables, seq_lens)
+    _check_queries("paged_attention", "query", num_tokens, query_start_loc, seq_lens_list)
     if scale is None:
         scale = head_dim ** -0.5
 
     out = torch.zeros(num_tokens, num_heads, value_cache.shape[-1], dtype=torch.float64, device=query.device)
     lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float64, device=query.device)
-    seq_lens_list = [int(x) for x in seq_lens.tolist()]
     for i, (start, end) in enumerate(_query_ranges(query_start_loc, len(seq_lens_list))):
         seq_len = seq_lens_list[i]
         k = _load64(_sequence_tokens(key_cache, block_tables[i], seq_len), k_scale)
@@ -210,23 +311,26 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
 
 def copy_blocks(cache, block_mapping, *, block_dim=0) -> None:
     """cache.select(block_dim, dst) = cache.select(block_dim, src) for each (src, dst) row."""
+    blocks = cache.shape[block_dim]
+    pairs = _check_block_mapping("copy_blocks", block_mapping, blocks, blocks, same_tensor=True)
     # Destinations are never sources, so copying one pair at a time is order-independent.
-    for src, dst in block_mapping.tolist():
+    for src, dst in pairs:
         cache.select(block_dim, dst).copy_(cache.select(block_dim, src))
 
 
 def swap_blocks(src, dst, block_mapping, *, block_dim=0) -> None:
     """dst.select(block_dim, d) = src.select(block_dim, s) for each (s, d) row, across devices."""
-    pairs = block_mapping.tolist()  # works whether the mapping lives on the CPU or the GPU
+    # .tolist() works whether the mapping lives on the CPU or the GPU.
+    pairs = _check_block_mapping("swap_blocks", block_mapping, src.shape[block_dim], dst.shape[block_dim],
+                                 same_tensor=False)
     # src and dst may be the same memory: read every source block before writing any.
     blocks = [src.select(block_dim, s).clone() for s, _ in pairs]
     for (_, d), block in zip(pairs, blocks):
         dst.select(block_dim, d).copy_(block.to(dst.device))
 
 
-def _gather_rows(cache, block_tables, seq_lens, scale, out_dtype):
+def _gather_rows(cache, block_tables, seq_lens_list, scale, out_dtype):
     """Concatenate every sequence's cache rows (dequantized, cast to out_dtype), in order."""
-    seq_lens_list = [int(x) for x in seq_lens.tolist()]
     out = torch.empty(sum(seq_lens_list), *cache.shape[2:], dtype=out_dtype, device=cache.device)
     offset = 0
     for i, seq_len in enumerate(seq_lens_list):
@@ -239,17 +343,17 @@ def _gather_rows(cache, block_tables, seq_lens, scale, out_dtype):
 def gather_kv(key_cache, value_cache, block_tables, seq_lens, *, k_scale=None, v_scale=None, num_tokens=None,
               out_dtype=None):
     """Paged -> contiguous key/value [sum(seq_lens), H, D], sequences in order."""
+    lens = _check_paged("gather_kv", key_cache, block_tables, seq_lens, num_tokens)
     if out_dtype is None:
         out_dtype = torch.bfloat16 if _is_fp8(key_cache.dtype) else key_cache.dtype
-    key = _gather_rows(key_cache, block_tables, seq_lens, k_scale, out_dtype)
-    value = _gather_rows(value_cache, block_tables, seq_lens, v_scale, out_dtype)
-    if num_tokens is not None:
-        assert int(num_tokens) == key.shape[0], "num_tokens must equal sum(seq_lens)"
+    key = _gather_rows(key_cache, block_tables, lens, k_scale, out_dtype)
+    value = _gather_rows(value_cache, block_tables, lens, v_scale, out_dtype)
     return key, value
 
 
 def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, scale=None) -> None:
     """Write rows [kv_c ; k_pe] into the MLA latent cache [N, B, R + P] (quantizing for fp8)."""
+    _check_slots("concat_and_cache_mla", slot_mapping, kv_c.shape[0], kv_cache)
     rows = torch.cat([kv_c, k_pe], dim=-1)
     _write_slots(kv_cache, _to_cache_dtype(rows, kv_cache.dtype, scale), slot_mapping)
 
@@ -264,9 +368,8 @@ def _split_w_kv_b(w_kv_b, qk_nope_head_dim, v_head_dim):
 def mla_decompress(kv_cache, block_tables, seq_lens, w_kv_b, *, kv_lora_rank, qk_nope_head_dim, v_head_dim,
                    norm_weight=None, norm_eps=1e-6, scale=None, num_tokens=None):
     """Latent cache -> per-head key [T, Hq, dn + P] and value [T, Hq, dv] (DeepSeek-V2 kv_b_proj)."""
-    rows = _gather_rows(kv_cache, block_tables, seq_lens, scale, torch.float64)  # [T, R + P]
-    if num_tokens is not None:
-        assert int(num_tokens) == rows.shape[0], "num_tokens must equal sum(seq_lens)"
+    lens = _check_paged("mla_decompress", kv_cache, block_tables, seq_lens, num_tokens)
+    rows = _gather_rows(kv_cache, block_tables, lens, scale, torch.float64)  # [T, R + P]
     latent, k_pe = rows[:, :kv_lora_rank], rows[:, kv_lora_rank:]
     if norm_weight is not None:
         # RMSNorm applies to the latent only; the rotary part is stored already final.
@@ -287,9 +390,10 @@ def mla_paged_attention(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sc
                         kv_scale=None):
     """Absorbed-weight MLA attention of q [T, Hq, R + P] over the latent cache -> (out [T, Hq, R], lse)."""
     num_tokens, num_heads, _ = q.shape
+    seq_lens_list = _check_paged("mla_paged_attention", kv_cache, block_tables, seq_lens)
+    _check_queries("mla_paged_attention", "q", num_tokens, query_start_loc, seq_lens_list)
     out = torch.zeros(num_tokens, num_heads, kv_lora_rank, dtype=torch.float64, device=q.device)
     lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float64, device=q.device)
-    seq_lens_list = [int(x) for x in seq_lens.tolist()]
     for i, (start, end) in enumerate(_query_ranges(query_start_loc, len(seq_lens_list))):
         seq_len = seq_lens_list[i]
         rows = _load64(_sequence_tokens(kv_cache, block_tables[i], seq_len), kv_scale).to(q.device)

@@ -72,8 +72,8 @@ def test_zero_kv_heads_raises_instead_of_sigfpe():
     assert r.stdout.startswith("kvkernels.paged_attention: key_cache: num_kv_heads"), r.stdout
 
 
-@pytest.mark.parametrize("name", ["metal"])
-def test_zero_kv_heads_named_by_metal(name):
+@pytest.mark.parametrize("name", ["metal", "reference"])
+def test_zero_kv_heads_named_by_metal_and_reference(name):
     kc = torch.zeros(4, 16, 0, 64)
     kwargs = dict(query=torch.zeros(1, 4, 64), key_cache=kc, value_cache=kc,
                   block_tables=torch.zeros(1, 1, dtype=I32), seq_lens=torch.ones(1, dtype=I32))
@@ -146,7 +146,7 @@ def length_cases(num_tokens):
     }
 
 
-@pytest.mark.parametrize("name", ["ops", "torch.ops"])
+@pytest.mark.parametrize("name", ["ops", "torch.ops", "reference"])
 @pytest.mark.parametrize("op", ["gather_kv", "mla_decompress"])
 def test_num_tokens_checked_before_the_outputs_are_allocated(op, name):
     # The Metal dispatch compared num_tokens with sum(seq_lens) before allocating already (on the
@@ -454,7 +454,7 @@ def test_reshape_and_cache_wrong_key_heads_blames_key(name):
     raises_named(impl(name, "reshape_and_cache"), "reshape_and_cache", "key", kwargs, keep=[kc, vc])
 
 
-@pytest.mark.parametrize("name", ["ops", "metal"])
+@pytest.mark.parametrize("name", ["ops", "metal", "reference"])
 def test_one_block_is_singular(name):
     cache = torch.zeros(4, 64, 2, 64)
     with pytest.raises(RuntimeError, match=r"^kvkernels\.paged_attention: seq_lens: .*\(1 block of 64\)"):
@@ -473,3 +473,68 @@ def test_mla_decompress_head_dim_overflow_is_reported_without_wrapping(name, arg
     with pytest.raises(RuntimeError, match=rf"^kvkernels\.mla_decompress: {arg}: ") as e:
         impl(name, "mla_decompress")(**kwargs)
     assert "-" not in str(e.value).split(":", 2)[2], str(e.value)  # no wrapped (negative) number
+
+
+def paged_args(op, **changes):
+    table = torch.tensor([[1, 2], [3, 0]], dtype=I32)
+    lens = torch.tensor([5, 3], dtype=I32)
+    if op == "paged_attention":
+        cache = torch.zeros(4, 4, 2, 8, dtype=torch.float64)
+        kwargs = dict(query=torch.zeros(2, 2, 8, dtype=torch.float64), key_cache=cache, value_cache=cache,
+                      block_tables=table, seq_lens=lens)
+    elif op == "gather_kv":
+        cache = torch.zeros(4, 4, 2, 8, dtype=torch.float64)
+        kwargs = dict(key_cache=cache, value_cache=cache, block_tables=table, seq_lens=lens)
+    elif op == "mla_paged_attention":
+        kwargs = dict(q=torch.zeros(2, 2, 80, dtype=torch.float64), kv_cache=torch.zeros(4, 4, 80, dtype=torch.float64),
+                      block_tables=table, seq_lens=lens, kv_lora_rank=64, scale=0.1)
+    else:
+        kwargs = dict(kv_cache=torch.zeros(4, 4, 80, dtype=torch.float64), block_tables=table, seq_lens=lens,
+                      w_kv_b=torch.zeros(64, 64, dtype=torch.float64), kv_lora_rank=64, qk_nope_head_dim=16,
+                      v_head_dim=16)
+    kwargs.update(changes)
+    return kwargs
+
+
+def as_float32(kwargs):
+    """The reference's float64 arguments as float32 (what the kernels take)."""
+    return {k: v.float() if isinstance(v, torch.Tensor) and v.dtype == torch.float64 else v
+            for k, v in kwargs.items()}
+
+
+PAGED_OPS = ["paged_attention", "gather_kv", "mla_paged_attention", "mla_decompress"]
+BAD_INDICES = {
+    "block_tables-int64": ("block_tables", lambda a: dict(block_tables=a["block_tables"].long())),
+    "seq_lens-int64": ("seq_lens", lambda a: dict(seq_lens=a["seq_lens"].long())),
+    "seq_len-over-capacity": ("seq_lens", lambda a: dict(seq_lens=torch.tensor([9, 3], dtype=I32))),
+    "block-id-out-of-range": ("block_tables", lambda a: dict(block_tables=torch.tensor([[1, 4], [3, 0]],
+                                                                                        dtype=I32))),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_INDICES, ids=BAD_INDICES)
+@pytest.mark.parametrize("op", PAGED_OPS)
+def test_reference_validates_indices_like_the_op(op, bad):
+    arg, change = BAD_INDICES[bad]
+    kwargs = paged_args(op)
+    kwargs.update(change(kwargs))
+    raises_named(impl("reference", op), op, arg, kwargs)
+    raises_named(impl("ops", op), op, arg, as_float32(kwargs))  # the op names the same argument
+
+
+@pytest.mark.parametrize("op,kwargs,arg", [
+    ("reshape_and_cache", lambda: rc_args(torch.zeros(N, B, H, D), torch.zeros(N, B, H, D),
+                                          slot_mapping=torch.tensor([0, 5, N * B])), "slot_mapping"),
+    ("reshape_and_cache", lambda: rc_args(torch.zeros(N, B, H, D), torch.zeros(N, B, H, D),
+                                          slot_mapping=torch.tensor([0, 5, 9], dtype=I32)), "slot_mapping"),
+    ("copy_blocks", lambda: dict(cache=torch.zeros(N, 4), block_mapping=torch.tensor([[0, 1], [1, 2]])),
+     "block_mapping"),
+    ("swap_blocks", lambda: dict(src=torch.zeros(N, 4), dst=torch.zeros(2, 4), block_mapping=torch.tensor([[0, 2]])),
+     "block_mapping"),
+    ("paged_attention", lambda: paged_args("paged_attention", query=torch.zeros(3, 2, 8, dtype=torch.float64)),
+     "query"),
+], ids=["slot-out-of-range", "slot_mapping-int32", "copy-dst-is-source", "swap-dst-out-of-range",
+        "decode-tokens-ne-seqs"])
+def test_reference_validates_writes_and_queries_like_the_op(op, kwargs, arg):
+    raises_named(impl("reference", op), op, arg, kwargs())
+    raises_named(impl("ops", op), op, arg, as_float32(kwargs()))
