@@ -75,7 +75,7 @@ def test_cascade_equals_reference(device, dtype, prefix_blocks, group_size, kv_h
     out, lse = cascade_attention(query.to(device), key.to(device), value.to(device), plan, soft_cap=soft_cap)
     safe = torch.from_numpy(np.where(tables < 0, 0, tables))
     expected, expected_lse = reference.paged_attention(query.double(), key, value, safe,
-                                                       torch.from_numpy(lens), soft_cap=soft_cap)
+                                                       torch.from_numpy(lens).int(), soft_cap=soft_cap)
     assert out.dtype == dtype
     assert_close(out, expected, dtype)
     assert_close(lse, expected_lse, torch.float32, rtol=1e-4, atol=1e-4)
