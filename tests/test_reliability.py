@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+import kvkernels
 from helpers import assert_bytes_equal, generator, randn
 from kvkernels import MLAPagedCache, ops, reference
 from kvkernels.metal import dispatch
@@ -64,9 +65,11 @@ except RuntimeError as e:
 
 
 def test_zero_kv_heads_raises_instead_of_sigfpe():
-    # In a child process: without the check the process dies of SIGFPE, which would take pytest with it.
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", ZERO_HEADS], capture_output=True, text=True, cwd=ROOT, env=env,
+    # In a child process: without the check the process dies of SIGFPE, which would take pytest with it. The
+    # child imports the kvkernels this process imported (make sanitize's instrumented copy there).
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(kvkernels.__file__)))
+    env = dict(os.environ, PYTHONPATH=pkg_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", ZERO_HEADS], capture_output=True, text=True, cwd=pkg_root, env=env,
                        timeout=300)
     assert r.returncode == 0, f"the process died (return code {r.returncode}): {r.stderr[-2000:]}"
     assert r.stdout.startswith("kvkernels.paged_attention: key_cache: num_kv_heads"), r.stdout
