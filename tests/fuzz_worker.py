@@ -19,6 +19,7 @@ original stdout (file descriptor 1 is pointed at stderr, so nothing the op or to
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import pickle
@@ -628,13 +629,13 @@ def p_index(op, kw, k, v):
 
 SCALARS = {
     "paged_attention": {
-        "scale": [(float("nan"), "E"), (float("inf"), "E"), (float("-inf"), "E"), (0.0, "V"), (-0.5, "V"),
+        "scale": [(float("nan"), "E"), (float("inf"), "E"), (float("-inf"), "E"), (0.0, "V"), ("neg", "V"),
                   (1e30, "V"), (1e-30, "V"), (None, "V")],
         "soft_cap": [(-1.0, "E"), (float("nan"), "E"), (float("inf"), "E"), (1e-30, "V"), (1e30, "V"), (0.0, "V")],
         "window_left": [(2**31, "E"), (2**62, "E"), (2**31 - 1, "V"), (-2, "V"), (-(2**40), "V"), (0, "V")],
     },
     "mla_paged_attention": {
-        "scale": [(float("nan"), "E"), (float("inf"), "E"), (0.0, "V"), (-1.0, "V"), (1e30, "V")],
+        "scale": [(float("nan"), "E"), (float("inf"), "E"), (0.0, "V"), ("neg", "V"), (1e30, "V")],
         "kv_lora_rank": [(0, "E"), (-8, "E"), (7, "E"), (513, "E"), (520, "E"), (2**31, "E"), (2**63 - 1, "E"),
                          ("r-8", "rank"), ("r+8", "rank")],
     },
@@ -661,7 +662,11 @@ def p_scalar(op, kw, k, v):
         raise Skip("no scalar arguments")
     arg = pick(table, k)
     val, outcome = pick(table[arg], v)
-    if val == "r-8":
+    if val == "neg":  # a negative scale of the usual size (larger ones leave the tolerances' regime: f32
+        # logits of |s| ~ 50 lose ~1e-5 relative, as any float32 attention would)
+        default = kw["query"].shape[-1] ** -0.5 if op == "paged_attention" else None
+        val = -(kw[arg] if kw[arg] is not None else default)
+    elif val == "r-8":
         val = kw[arg] - 8
     elif val == "r+8":
         val = kw[arg] + 8
@@ -955,7 +960,10 @@ def run_reference(op, kw):
 
 def run_spec(spec):
     """Build, perturb, run and check one call. Returns the verdict's details; raises Finding."""
-    os.environ["KVKERNELS_CPU_ISA"] = spec["isa"]
+    if spec["isa"] in supported_isas():
+        os.environ["KVKERNELS_CPU_ISA"] = spec["isa"]
+    else:  # "best", or a path this CPU lacks: the kernels' own choice
+        os.environ.pop("KVKERNELS_CPU_ISA", None)
     torch.set_num_threads(spec["threads"])
     op = spec["op"]
     gen = torch.Generator().manual_seed(spec["seed"])
@@ -1045,6 +1053,7 @@ def verdict(spec):
         return dict(status="fuzzer-error", message=traceback.format_exc()[-3000:])
 
 
+@functools.lru_cache(maxsize=None)
 def supported_isas():
     out = []
     for name in ("portable", "avx2", "avx512", "avx512vbmi", "avx512amx"):
@@ -1055,7 +1064,7 @@ def supported_isas():
         except RuntimeError:
             pass
     os.environ.pop("KVKERNELS_CPU_ISA", None)
-    return out
+    return tuple(out)
 
 
 def limit_memory():
@@ -1079,7 +1088,7 @@ def serve():
         out.write(struct.pack("<Q", len(data)) + data)
         out.flush()
 
-    send(dict(isas=supported_isas(), pid=os.getpid()))
+    send(dict(isas=list(supported_isas()), pid=os.getpid()))
     while True:
         head = inp.read(8)
         if len(head) < 8:
