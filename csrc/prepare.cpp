@@ -162,14 +162,9 @@ void fill_query(const ArgCheck& c, PreparedAttention& r, const Tensor& query_in,
   c.cache_dtype(cache, cache_arg, query_in, q_arg);
   AttentionParams& p = r.params;
   p.num_heads = c.to_int(query_in.size(1), q_arg, "num_heads (dimension 1)");
-  Tensor query = with_unit_last_stride(query_in, r);
-  p.q = query.const_data_ptr();
-  p.q_stride_token = query.stride(0);
-  p.q_stride_head = query.stride(1);
-  p.q_format = float_format(query.scalar_type());
-  p.num_tokens = query.size(0);
+  p.num_tokens = query_in.size(0);  // the query itself is set up by finish_attention, after the checks
   if (query_start_loc.has_value()) {
-    Tensor qsl = index_tensor(c, *query_start_loc, "query_start_loc", ScalarType::Int, 1, query,
+    Tensor qsl = index_tensor(c, *query_start_loc, "query_start_loc", ScalarType::Int, 1, query_in,
                               q_arg, r, p.kv.num_seqs + 1, "num_seqs + 1");
     p.query_start_loc = static_cast<const int32_t*>(qsl.const_data_ptr());
   } else {
@@ -178,11 +173,18 @@ void fill_query(const ArgCheck& c, PreparedAttention& r, const Tensor& query_in,
   }
 }
 
-// The outputs of an attention call, allocated after every check (the index checks included).
-void finish_attention(const ArgCheck& c, PreparedAttention& r, const Tensor& query,
+// The query (copied when its last stride is not 1) and the outputs of an attention call, after every
+// check (the index checks included: query_start_loc's last entry must equal the query's length
+// before a query of that length is copied).
+void finish_attention(const ArgCheck& c, PreparedAttention& r, const Tensor& query_in,
                       const char* q_arg, int64_t out_dim, const IndexCheck& check_indices) {
   AttentionParams& p = r.params;
   if (check_indices) check_indices(p);
+  Tensor query = with_unit_last_stride(c, query_in, q_arg, r);
+  p.q = query.const_data_ptr();
+  p.q_stride_token = query.stride(0);
+  p.q_stride_head = query.stride(1);
+  p.q_format = float_format(query.scalar_type());
   r.out = new_output(c, q_arg, query, {p.num_tokens, p.num_heads, out_dim});
   r.lse = new_output(c, q_arg, query, {p.num_tokens, p.num_heads}, ScalarType::Float);
   p.out = r.out.mutable_data_ptr();
@@ -209,11 +211,9 @@ CacheFormat cache_format(ScalarType t) {
   }
 }
 
-Tensor with_unit_last_stride(const Tensor& t, Prepared& keep) {
+Tensor with_unit_last_stride(const ArgCheck& c, const Tensor& t, const char* arg, Prepared& keep) {
   if (t.dim() == 0 || t.size(t.dim() - 1) <= 1 || t.stride(t.dim() - 1) == 1) return t;
-  Tensor copy = torch::stable::contiguous(t);
-  keep.keep_alive.push_back(copy);
-  return copy;
+  return contiguous_or_copy(c, t, arg, keep);
 }
 
 PreparedAttention prepare_paged_attention(
@@ -300,8 +300,8 @@ PreparedMerge prepare_merge(const ArgCheck& c, const Tensor& out_a_in, const Ten
   }
   p.num_heads = c.to_int(out_a_in.size(1), "out_a", "num_heads (dimension 1)");
   p.head_dim = c.to_int(out_a_in.size(2), "out_a", "head_dim (dimension 2)");
-  Tensor out_a = with_unit_last_stride(out_a_in, r);
-  Tensor out_b = with_unit_last_stride(out_b_in, r);
+  Tensor out_a = with_unit_last_stride(c, out_a_in, "out_a", r);
+  Tensor out_b = with_unit_last_stride(c, out_b_in, "out_b", r);
   p.out_a = out_a.const_data_ptr();
   p.out_b = out_b.const_data_ptr();
   p.a_stride_token = out_a.stride(0);
@@ -330,7 +330,7 @@ CacheWriteParams make_write(const ArgCheck& c, PreparedCacheWrite& r, const Tens
                             const char* src_arg, const Tensor& cache, const char* cache_arg,
                             int64_t col, const Tensor& slots, const std::optional<Tensor>& scale,
                             const char* scale_arg, bool per_head_scale_allowed) {
-  Tensor src = with_unit_last_stride(src_in, r);
+  Tensor src = with_unit_last_stride(c, src_in, src_arg, r);
   CacheWriteParams w;
   w.src = src.const_data_ptr();
   w.src_stride_token = src.stride(0);

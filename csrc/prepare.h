@@ -113,7 +113,8 @@ PreparedDecompress prepare_mla_decompress(
 // Helpers also used by backends.
 FloatFormat float_format(ScalarType t);
 CacheFormat cache_format(ScalarType t);
-// t itself if its last dimension has stride 1, else a contiguous copy (kept alive by `keep`).
-Tensor with_unit_last_stride(const Tensor& t, Prepared& keep);
+// t itself if its last dimension has stride 1, else a contiguous copy (kept alive by `keep`); a copy
+// that cannot be allocated is an error naming `arg`.
+Tensor with_unit_last_stride(const ArgCheck& check, const Tensor& t, const char* arg, Prepared& keep);
 
 }  // namespace kvkernels

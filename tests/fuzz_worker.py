@@ -77,7 +77,7 @@ SCALE_OF = {"k_scale": "key_cache", "v_scale": "value_cache", "scale": "kv_cache
 
 # The perturbations each op is fuzzed with (None: the valid call as built).
 KINDS = ["dtype", "mixfloat", "ndim", "zero", "shape", "laststride", "pad", "expand", "nonfinite", "bigdim",
-         "index", "scalar", "missing"]
+         "hugetokens", "index", "scalar", "missing"]
 OP_KINDS = {op: KINDS + ["alias"] for op in OPS}
 
 # Compare results of calls with NaN/inf inputs (or non-finite reference results) against the reference.
@@ -729,6 +729,27 @@ def p_bigdim(op, kw, k, v):
     kw[arg] = t.narrow(d, 0, 1).expand(shape)
     if ROLES[op][arg] == "scale" and not scale_read(op, kw, arg):
         return V  # not read
+    return E()
+
+
+TOKEN_ARGS = {"reshape_and_cache": ["key", "value", "slot_mapping"], "paged_attention": ["query"],
+              "merge_attention_states": ["out_a", "lse_a", "out_b", "lse_b"],
+              "concat_and_cache_mla": ["kv_c", "k_pe", "slot_mapping"], "mla_paged_attention": ["q"]}
+
+
+def p_hugetokens(op, kw, k, v):
+    """Every per-token input expand()ed to 2^40 tokens (a stride-0 token dim; with v odd also a last stride of 2,
+    which the op must copy away): consistent shapes, but no call of that length can allocate what it needs, so
+    the op must raise naming an argument (a length check, or an allocation that fails) before any copy or
+    write, never crash or run for hours."""
+    if op not in TOKEN_ARGS:
+        raise Skip("no per-token input")
+    for arg in TOKEN_ARGS[op]:
+        t = kw[arg]
+        row = t[:1] if t.shape[0] else torch.zeros(1, *t.shape[1:], dtype=t.dtype)
+        if v % 2 and row.dim() > 1 and row.shape[-1] > 1:
+            row = last_dim_strided(row)
+        kw[arg] = row.expand(2**40, *t.shape[1:])
     return E()
 
 
