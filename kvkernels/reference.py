@@ -272,6 +272,9 @@ def mla_decompress(kv_cache, block_tables, seq_lens, w_kv_b, *, kv_lora_rank, qk
         # RMSNorm applies to the latent only; the rotary part is stored already final.
         rms = torch.rsqrt(latent.pow(2).mean(dim=-1, keepdim=True) + norm_eps)
         latent = latent * rms * norm_weight.to(latent.device, torch.float64)
+    # docs/ops.md: the projection's input is the latent rounded to w_kv_b's dtype (as a model's
+    # RMSNorm output is, and as a bf16 / fp16 GEMM takes it); products accumulate in float64 here.
+    latent = latent.to(w_kv_b.dtype).to(torch.float64)
 
     w_k, w_v = _split_w_kv_b(w_kv_b.to(latent.device), qk_nope_head_dim, v_head_dim)
     k_nope = torch.einsum("hdr,tr->thd", w_k, latent)

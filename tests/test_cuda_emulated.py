@@ -651,7 +651,7 @@ def run_emu_decompress(emu, case, seq_lens, seed=2, w_offset=0):
     assert key.dtype == value.dtype == dtype
     assert key.shape == (t, h, dn + p) and value.shape == (t, h, dv)
     assert key.is_contiguous() and value.is_contiguous()
-    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, upcast(w),
+    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, w,
                                                   kv_lora_rank=r, qk_nope_head_dim=dn, v_head_dim=dv,
                                                   norm_weight=upcast(norm_weight), norm_eps=1e-5, scale=mla.scale)
     assert_close(key, ref_key, dtype, msg="key")

@@ -311,7 +311,7 @@ def test_mla_decompress(case, lane_order):
     kwargs = dict(kv_lora_rank=r, qk_nope_head_dim=dn, v_head_dim=dv, norm_eps=1e-5, scale=mla.scale)
     key, value = dispatch.mla_decompress(mla.kv_cache, mla.block_tables, mla.seq_lens, w, norm_weight=norm_weight,
                                          **kwargs)
-    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, upcast(w),
+    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, w,
                                                   norm_weight=upcast(norm_weight), **kwargs)
     assert key.shape == (sum(seq_lens), h, dn + p) and value.shape == (sum(seq_lens), h, dv)
     assert_close(key, ref_key, dtype, msg="key")

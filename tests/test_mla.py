@@ -119,7 +119,7 @@ def test_mla_decompress(case):
                   num_tokens=sum(seq_lens) if with_num_tokens else None)
     key, value = ops.mla_decompress(mla.kv_cache, mla.block_tables, mla.seq_lens, w, norm_weight=norm_weight,
                                     **kwargs)
-    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, upcast(w),
+    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, w,
                                                   norm_weight=upcast(norm_weight), **kwargs)
     t = sum(seq_lens)
     assert key.dtype == value.dtype == dtype
