@@ -349,6 +349,12 @@ def test_mla_paged_attention(case, mode, lane_order):
         assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
 
 
+def test_mla_decompress_rounds_the_latent(lane_order):
+    """docs/ops.md: the normalised latent is rounded to w_kv_b's dtype before the product."""
+    from test_mla import check_decompress_rounding
+    check_decompress_rounding(dispatch.mla_decompress)
+
+
 # ----------------------------------------------------------------------------------------------------
 # non-finite values (docs/ops.md "Non-finite values"; every CPU path: tests/test_nonfinite.py)
 # ----------------------------------------------------------------------------------------------------
