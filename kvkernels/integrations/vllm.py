@@ -109,7 +109,7 @@ def _device_capability():
 
 
 def _describe(c) -> str:
-    return (f"{getattr(c.attn_type, "value", c.attn_type)}, head_size {c.head_size}, {c.dtype}, kv cache {c.kv_cache_dtype or 'auto'}"
+    return (f"{getattr(c.attn_type, 'value', c.attn_type)}, head_size {c.head_size}, {c.dtype}, kv cache {c.kv_cache_dtype or 'auto'}"
             + (", sliding window" if c.has_sliding_window else "") + (", sinks" if c.has_sink else "")
             + (", MLA" if c.use_mla else ""))
 
