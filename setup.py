@@ -53,8 +53,10 @@ def extension():
     )
 
 
+# KVKERNELS_NO_EXTENSION=1: package metadata only (an editable install whose extension is built in
+# place by `setup.py build_ext --inplace`, incrementally; the Makefile's test-vllm venv uses it).
 setup(
-    ext_modules=[extension()],
+    ext_modules=[] if os.environ.get("KVKERNELS_NO_EXTENSION") == "1" else [extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
     options={"bdist_wheel": {"py_limited_api": "cp39"}},
 )

@@ -181,21 +181,27 @@ class KVKernelsMetadataBuilder(AttentionMetadataBuilder[KVKernelsMetadata]):
 
 class _CallLog:
     """``KVKERNELS_VLLM_CALL_LOG=DIR``: every process appends one line per kvkernels op call to
-    ``DIR/calls-<pid>.txt`` (``<rank> <op> <layer> <rows>``), so a test (or a user) can see that the
-    ops ran, in which process and on which tensor-parallel rank. Off (one attribute check) otherwise."""
+    ``DIR/calls-<pid>.txt`` — ``<rank> <op> <layer> <rows> <requests> <rows with one query>`` — so a
+    test (or a user) can see that the ops ran, in which process and on which tensor-parallel rank, and
+    what the batches held. Off (one environment look-up per call) when the variable is unset."""
 
     def __init__(self) -> None:
-        self.dir = os.environ.get("KVKERNELS_VLLM_CALL_LOG") or None
-        self._file = None
+        self._files: dict[str, object] = {}
         self._lock = threading.Lock()
 
-    def write(self, op: str, layer: str, rows: int) -> None:
+    @staticmethod
+    def enabled() -> Optional[str]:
+        return os.environ.get("KVKERNELS_VLLM_CALL_LOG") or None
+
+    def write(self, directory: str, op: str, layer: str, rows: int, reqs: int = 0, single: int = 0) -> None:
         with self._lock:
-            if self._file is None:
-                os.makedirs(self.dir, exist_ok=True)
-                self._file = open(os.path.join(self.dir, f"calls-{os.getpid()}.txt"), "a", buffering=1)
+            f = self._files.get(directory)
+            if f is None:
+                os.makedirs(directory, exist_ok=True)
+                f = self._files[directory] = open(os.path.join(directory, f"calls-{os.getpid()}.txt"), "a",
+                                                  buffering=1)
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-            self._file.write(f"{rank} {op} {layer} {rows}\n")
+            f.write(f"{rank} {op} {layer} {rows} {reqs} {single}\n")
 
 
 _CALL_LOG = _CallLog()
@@ -276,8 +282,9 @@ class KVKernelsImpl(AttentionImpl[KVKernelsMetadata]):
         k_scale, v_scale = self._scales(layer)
         n = slot_mapping.shape[0]  # key/value may carry padding rows past the slots
         ops.reshape_and_cache(key[:n], value[:n], k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
-        if _CALL_LOG.dir:
-            _CALL_LOG.write("reshape_and_cache", getattr(layer, "layer_name", "?"), n)
+        log = _CALL_LOG.enabled()
+        if log:
+            _CALL_LOG.write(log, "reshape_and_cache", getattr(layer, "layer_name", "?"), n)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Optional[KVKernelsMetadata], output: torch.Tensor,
@@ -300,6 +307,9 @@ class KVKernelsImpl(AttentionImpl[KVKernelsMetadata]):
             scale=self.scale, window_left=self.window_left, soft_cap=self.soft_cap, alibi_slopes=alibi,
             sinks=self._sinks(), k_scale=k_scale, v_scale=v_scale)
         output[:n].view(out.shape).copy_(out)
-        if _CALL_LOG.dir:
-            _CALL_LOG.write("paged_attention", getattr(layer, "layer_name", "?"), n)
+        log = _CALL_LOG.enabled()
+        if log:
+            q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
+            _CALL_LOG.write(log, "paged_attention", getattr(layer, "layer_name", "?"), n, md.num_reqs,
+                            int((q_lens == 1).sum()))
         return output

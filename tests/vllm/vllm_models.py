@@ -65,11 +65,14 @@ def transformers_greedy(path: str, prompts: list[list[int]], max_new_tokens: int
                         dtype: torch.dtype = torch.float32) -> list[list[int]]:
     """Greedy continuations of each prompt (one at a time: no padding) with transformers."""
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+    # vLLM runs with ignore_eos: no end-of-sequence token here either (min_new_tokens would instead
+    # forbid the eos token, which vLLM may pick).
+    model.generation_config.eos_token_id = None
     outs = []
     for p in prompts:
         ids = torch.tensor([p])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0)
+                             do_sample=False, pad_token_id=0)
         outs.append(out[0, len(p):].tolist())
     return outs
 
