@@ -167,3 +167,132 @@ def test_stock_runs_do_not_touch_kvkernels(model_dir, monkeypatch):
         e.greedy(prompts(2, 20))
     assert spy.calls == Counter()
 
+
+
+# ---- vLLM's process layout: spawned engine core, tensor parallelism ----------------------------------
+
+
+def test_spawned_engine_core_gets_the_backend(model_dir, monkeypatch, tmp_path):
+    """vLLM's default layout: the engine core is a spawned process that unpickles the configuration
+    before any plugin loads. The name KVKERNELS (an alias of CUSTOM) survives that, and the plugin,
+    loaded from its entry point in that process, serves every layer there."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("KVKERNELS_VLLM_CALL_LOG", str(tmp_path))
+    path = model_dir("llama")
+    ps = prompts(3, 40, seed=6)
+    with Engine(path, "KVKERNELS") as e:
+        ours = e.greedy(ps)
+    assert ours == transformers_greedy(path, ps, MAX_NEW)
+    calls = _call_log(tmp_path)
+    pids = {c[0] for c in calls}
+    assert pids and str(os.getpid()) not in pids  # the ops ran in the engine's own process
+    layers = {c[3] for c in calls if c[2] == "paged_attention"}
+    assert layers == {"model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"}
+
+
+def test_tensor_parallel_2(model_dir, monkeypatch, tmp_path):
+    """tensor_parallel_size=2 on the CPU (gloo + shared memory; one OpenMP thread per rank): every
+    rank's worker runs the kvkernels ops on its half of the heads, and the tokens are transformers'."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("KVKERNELS_VLLM_CALL_LOG", str(tmp_path))
+    path = model_dir("llama")
+    ps = prompts(3, 40, seed=7)
+    with Engine(path, "KVKERNELS", tensor_parallel_size=2) as e:
+        ours = e.greedy(ps)
+    assert ours == transformers_greedy(path, ps, MAX_NEW)
+    calls = [c for c in _call_log(tmp_path) if c[2] == "paged_attention"]
+    by_rank = {}
+    for pid, rank, _, layer, *_ in calls:
+        by_rank.setdefault(rank, (set(), set()))
+        by_rank[rank][0].add(pid)
+        by_rank[rank][1].add(layer)
+    assert sorted(by_rank) == [0, 1]
+    assert by_rank[0][0].isdisjoint(by_rank[1][0])  # two worker processes
+    for pids, layers in by_rank.values():
+        assert len(layers) == 2
+
+
+# ---- chunked prefill, prefix caching, mixed batches ---------------------------------------------------
+
+
+def test_chunked_prefill_with_prefix_cache_hits(model_dir, monkeypatch):
+    """Requests sharing a 128-token prompt prefix, prefilled in chunks of a 64-token step budget while
+    other requests decode: the later requests hit the prefix cache (their cached blocks are just part of
+    the block table), steps mix decode rows and prefill chunks, and the tokens are transformers'."""
+    path = model_dir("llama")
+    ps = prompts(4, 200, seed=8, shared=128)
+    spy = OpSpy(monkeypatch)
+    with Engine(path, "KVKERNELS", block_size=16, enable_prefix_caching=True, enable_chunked_prefill=True,
+                max_num_batched_tokens=64, max_num_seqs=4) as e:
+        first = e.generate(ps[:1])
+        rest = e.generate(ps[1:])
+    ours = [list(o.outputs[0].token_ids) for o in first + rest]
+    assert ours == transformers_greedy(path, ps, MAX_NEW)
+    assert all(o.num_cached_tokens >= 128 for o in rest), [o.num_cached_tokens for o in rest]
+    mixed = [b for b in spy.batches if 0 < b[2] < b[1]]  # some rows decode, some prefill
+    chunked = [b for b in spy.batches if b[0] == 64]  # a full step budget of query rows
+    assert mixed and chunked
+
+
+# ---- sliding window, soft cap, sinks -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma2", "gpt_oss"])
+def test_model_features_match_transformers(model_dir, monkeypatch, kind):
+    """Sliding windows (Mistral, Qwen2's windowed layers, Gemma2, GPT-OSS), Gemma2's logit soft cap and
+    GPT-OSS's attention sinks reach the kernel, and the tokens are transformers' (eager attention)."""
+    path = model_dir(kind)
+    ps = prompts(3, 48, seed=9)
+    seen = set()
+    real = kvkernels.ops.paged_attention
+
+    def spy(q, kc, vc, bt, sl, qsl=None, **kw):
+        seen.add((kw["window_left"], kw["soft_cap"], kw["sinks"] is not None))
+        return real(q, kc, vc, bt, sl, qsl, **kw)
+    monkeypatch.setattr(kvkernels.ops, "paged_attention", spy)
+    with Engine(path, "KVKERNELS") as e:
+        ours = e.greedy(ps)
+    assert ours == transformers_greedy(path, ps, MAX_NEW)
+    windows = {w for w, _, _ in seen}
+    assert 7 in windows  # sliding_window 8: the query and the 7 keys before it
+    if kind == "gemma2":
+        assert {c for _, c, _ in seen} == {0.5}
+    if kind == "gpt_oss":
+        assert all(s for _, _, s in seen)
+    if kind in ("qwen2", "gpt_oss"):
+        assert -1 in windows  # and the full-attention layers
+
+
+# ---- fp8 KV cache --------------------------------------------------------------------------------------
+
+
+def _set_kv_scales(k_scale: float, v_scale: float):
+    def apply(model):
+        n = 0
+        for m in model.modules():
+            if hasattr(m, "_k_scale") and hasattr(m, "impl"):
+                m._k_scale.fill_(k_scale)
+                m._v_scale.fill_(v_scale)
+                m._k_scale_float, m._v_scale_float = k_scale, v_scale
+                n += 1
+        return n
+    return apply
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_cache_matches_reference(model_dir, monkeypatch, cache_dtype):
+    """vLLM's fp8 KV cache (uint8 storage, the layer's k/v scales): every cache write is bit-identical
+    to kvkernels.reference's quantization and every attention output matches the reference computed on
+    the same fp8 bytes, with non-unit scales; the greedy tokens stay close to the float32 run's."""
+    path = model_dir("llama")
+    ps = prompts(3, 48, seed=10)
+    spy = OpSpy(monkeypatch, check_reference=True)
+    with Engine(path, "KVKERNELS", kv_cache_dtype=cache_dtype) as e:
+        assert e.llm.apply_model(_set_kv_scales(0.05, 0.08)) == [2]
+        ours = e.greedy(ps)
+    assert spy.calls["reshape_and_cache"] > 0 and spy.cache_mismatches == 0
+    assert spy.calls["paged_attention"] > 0 and spy.max_err < 1e-4, spy.max_err
+    ref = transformers_greedy(path, ps, MAX_NEW)
+    agree = sum(a == b for o, r in zip(ours, ref) for a, b in zip(o, r)) / sum(len(r) for r in ref)
+    assert agree > 0.5, (ours, ref)

@@ -16,7 +16,7 @@ import transformers as tf
 VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
-              pad_token_id=0, tie_word_embeddings=False)
+              pad_token_id=0, tie_word_embeddings=False, initializer_range=0.1)
 
 
 def _gpt_oss_sinks(model) -> None:
@@ -34,7 +34,7 @@ MODELS = {
     "mistral": (tf.MistralConfig, dict(sliding_window=8), None),
     "qwen2": (tf.Qwen2Config, dict(use_sliding_window=True, sliding_window=8, max_window_layers=1,
                                    layer_types=["full_attention", "sliding_attention"]), None),
-    "gemma2": (tf.Gemma2Config, dict(initializer_range=0.1, attn_logit_softcapping=0.5, sliding_window=8,
+    "gemma2": (tf.Gemma2Config, dict(attn_logit_softcapping=0.5, sliding_window=8,
                                      final_logit_softcapping=30.0, query_pre_attn_scalar=32), None),
     "gpt_oss": (tf.GptOssConfig, dict(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
