@@ -32,9 +32,11 @@ def _gpt_oss_sinks(model) -> None:
 MODELS = {
     "llama": (tf.LlamaConfig, {}, None),
     "mistral": (tf.MistralConfig, dict(sliding_window=8), None),
-    "qwen2": (tf.Qwen2Config, dict(use_sliding_window=True, sliding_window=8, max_window_layers=1,
-                                   layer_types=["full_attention", "sliding_attention"]), None),
-    "gemma2": (tf.Gemma2Config, dict(attn_logit_softcapping=0.5, sliding_window=8,
+    # vLLM 0.32's Qwen2 takes one layer type for all layers (it asserts max_window_layers == layers).
+    "qwen2": (tf.Qwen2Config, dict(use_sliding_window=True, sliding_window=8, max_window_layers=2,
+                                   layer_types=["sliding_attention", "sliding_attention"]), None),
+    # vLLM's Gemma2 always ties its output embedding to the input one.
+    "gemma2": (tf.Gemma2Config, dict(tie_word_embeddings=True, attn_logit_softcapping=0.5, sliding_window=8,
                                      final_logit_softcapping=30.0, query_pre_attn_scalar=32), None),
     "gpt_oss": (tf.GptOssConfig, dict(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
                                       sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
