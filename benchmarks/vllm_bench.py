@@ -46,7 +46,7 @@ def write_config(dest: Path, args) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": args.heads * args.head_dim, "num_attention_heads": args.heads,
+        "hidden_size": args.hidden, "num_attention_heads": args.heads,
         "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "num_hidden_layers": args.layers,
         "intermediate_size": args.intermediate, "vocab_size": args.vocab, "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
@@ -119,7 +119,7 @@ def e2e(args) -> list[dict]:
 
 def child_args(args) -> list[str]:
     out = []
-    for name in ("layers", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "prompt_len", "requests",
+    for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "prompt_len", "requests",
                  "new_tokens", "dtype", "block_size"):
         out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return out
@@ -222,7 +222,8 @@ def table(result: dict) -> str:
     e = result.get("e2e")
     if e:
         s = result["settings"]
-        lines.append(f"End to end (LLM.generate, {s['layers']} layers, {s['heads']} q / {s['kv_heads']} kv heads x "
+        lines.append(f"End to end (LLM.generate, {s['layers']} layers of width {s['hidden']}, {s['heads']} q / "
+                     f"{s['kv_heads']} kv heads x "
                      f"{s['head_dim']}, intermediate {s['intermediate']}, {s['dtype']}, block {s['block_size']}, "
                      f"{s['requests']} requests x {s['prompt_len']} prompt tokens, {s['new_tokens']} new tokens, "
                      "enforce_eager, random weights):")
@@ -249,6 +250,9 @@ def table(result: dict) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024,
+                   help="model width; the attention is heads x head-dim wide whatever it is (Llama's head_dim), "
+                        "so a narrow model keeps the projections' cost, which is not attention, small")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -278,7 +282,7 @@ def main() -> int:
         print(json.dumps(e2e_child(args)), flush=True)
         return 0
     if args.quick:
-        args.layers, args.heads, args.kv_heads, args.intermediate = 2, 8, 2, 256
+        args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate = 2, 256, 8, 2, 256
         args.prompt_len, args.requests, args.new_tokens, args.reps = 128, 4, 8, 1
         args.op_calls, args.op_reps, args.dram_bytes = 3, 1, 8 << 20
     if args.threads:
