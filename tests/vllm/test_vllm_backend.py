@@ -299,3 +299,64 @@ def test_fp8_kv_cache_matches_reference(model_dir, monkeypatch, cache_dtype):
     assert spy.calls["reshape_and_cache"] > 0 and spy.cache_mismatches == 0
     assert spy.calls["paged_attention"] > 0 and spy.max_err < 1e-4, spy.max_err
     assert [len(o) for o in ours] == [MAX_NEW] * len(ps)
+
+
+# ---- the OpenAI server -------------------------------------------------------------------------------
+
+
+def test_vllm_serve_tensor_parallel_2(model_dir, tmp_path):
+    """vLLM's OpenAI server with ``--attention-backend KVKERNELS --tensor-parallel-size 2`` on a loopback port:
+    a completion of token ids comes back with transformers' tokens, and both ranks ran the ops."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    path = model_dir("llama")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1",
+               KVKERNELS_VLLM_CALL_LOG=str(tmp_path / "calls"))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    # vllm-cpu 0.32's `vllm` command stops at importlib.metadata.version("vllm") (its distribution is
+    # named vllm-cpu); the module entry point is the same server.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1",
+           "--port", str(port), "--attention-backend", "KVKERNELS", "--tensor-parallel-size", "2",
+           "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32", "--block-size", "16",
+           "--max-model-len", "512", "--seed", "0"]
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, "vllm serve did not come up in 600 s"
+            time.sleep(2)
+        ps = prompts(2, 40, seed=11)
+        got = []
+        for p in ps:
+            body = json.dumps({"model": path, "prompt": p, "max_tokens": MAX_NEW, "temperature": 0,
+                               "ignore_eos": True, "return_token_ids": True}).encode()
+            req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as r:
+                got.append(json.loads(r.read())["choices"][0]["token_ids"])
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    assert got == transformers_greedy(path, ps, MAX_NEW)
+    ranks = {c[1] for c in _call_log(tmp_path / "calls") if c[2] == "paged_attention"}
+    assert ranks == {0, 1}
