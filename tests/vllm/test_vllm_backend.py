@@ -144,6 +144,45 @@ def _call_log(directory) -> list[tuple]:
     return rows
 
 
+# ---- selection ------------------------------------------------------------------------------------------
+
+
+def test_selection_and_fallback():
+    """The plugin (loaded from its entry point) registers CUSTOM, the alias KVKERNELS parses to it, and
+    the platform's selection gives decoder layers the kvkernels backend and every layer the backend
+    cannot serve — encoder, cross-attention, MLA, odd head sizes, per-head fp8 scales — vLLM's own
+    choice; without the selection the platform answers as before."""
+    from vllm.config.attention import AttentionConfig
+    from vllm.platforms import current_platform
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    from kvkernels.integrations.vllm import BACKEND_PATH
+
+    load_general_plugins()
+    custom = AttentionBackendEnum.CUSTOM
+    assert custom.get_path() == BACKEND_PATH
+    assert AttentionBackendEnum["KVKERNELS"] is custom
+    assert AttentionConfig(backend="kvkernels").backend is custom
+    import pickle
+    assert pickle.loads(pickle.dumps(AttentionConfig(backend="KVKERNELS"))).backend is custom
+
+    def pick(selected, **kw):
+        base = dict(head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16)
+        return current_platform.get_attn_backend_cls(selected, AttentionSelectorConfig(**{**base, **kw}))
+    stock = AttentionBackendEnum.CPU_ATTN.get_path()
+    assert pick(custom) == BACKEND_PATH
+    assert pick(custom, has_sink=True, has_sliding_window=True, kv_cache_dtype="fp8_e5m2") == BACKEND_PATH
+    assert pick(None) == stock
+    for kw in (dict(attn_type=AttentionType.ENCODER_ONLY), dict(attn_type=AttentionType.ENCODER),
+               dict(attn_type=AttentionType.ENCODER_DECODER), dict(head_size=20), dict(head_size=512),
+               dict(use_per_head_quant_scales=True), dict(use_kv_connector=True)):
+        assert pick(custom, **kw) == pick(None, **kw), kw
+    assert pick(custom, use_mla=True, head_size=576) == pick(None, use_mla=True, head_size=576) != BACKEND_PATH
+
+
 # ---- equality with transformers and with vLLM's own CPU backend -------------------------------------
 
 
