@@ -12,8 +12,9 @@ Run from the vLLM venv (``make bench-vllm``, or ``build-vllm/venv/bin/python ben
    (what the first token costs there), so decode tokens/s = requests x new tokens / the difference, at
    a context of prompt-len .. prompt-len + new tokens.
 2. Op level, in this process, on the same queries, keys and values: ``kvkernels.ops.paged_attention``
-   over its cache against vLLM's ``cpu_attention_with_kv_cache`` over vLLM's (each cache written by its
-   own reshape_and_cache; the same block tables), decode and a prefill chunk, ABBA order, rotating over
+   over its cache (laid out as the backend gets it inside vLLM: ``[blocks, kv heads, block, 2 x D]``, K
+   and V strided views) against vLLM's ``cpu_attention_with_kv_cache`` over vLLM's (each cache written
+   by its own reshape_and_cache; the same block tables), decode and a prefill chunk, ABBA order, rotating over
    enough cache copies that every call reads from DRAM; vLLM's per-step scheduler metadata is built
    outside the timing (it is shared by all layers of a step). Output difference reported.
 
@@ -168,8 +169,10 @@ def op_case(name: str, dtype: torch.dtype, batch: int, context: int, q_len: int,
     for c in range(copies):
         k = torch.randn(batch * context, KVH, D, generator=g).to(dtype)
         v = torch.randn(batch * context, KVH, D, generator=g).to(dtype)
-        kc = torch.zeros(num_blocks, B, KVH, D, dtype=dtype)
-        vc = torch.zeros_like(kc)
+        # kvkernels' cache as the backend sees it inside vLLM: the head-major layout it asks vLLM for,
+        # a token's key and value side by side in one row, K and V strided views.
+        kv = torch.zeros(num_blocks, KVH, B, 2 * D, dtype=dtype)
+        kc, vc = kv[..., :D].transpose(1, 2), kv[..., D:].transpose(1, 2)
         kvkernels.ops.reshape_and_cache(k, v, kc, vc, slots)
         vkv = torch.zeros(num_blocks, KVH, B, 2 * D, dtype=dtype).view(num_blocks, KVH, 2 * B, D)
         vk, vv = vkv.chunk(2, dim=2)

@@ -19,9 +19,11 @@ vLLM resolved for the model (``KVCacheLayout``). This backend stores a token's k
 ``head_size`` values of its row and its value in the second, so
 ``K = kv_cache[..., :D].transpose(1, 2)`` and ``V = kv_cache[..., D:].transpose(1, 2)`` are
 ``[num_blocks, block_size, num_kv_heads, D]`` views with a unit last stride — what the kvkernels ops
-take, without a copy, in every layout (NHD-per-block ``LBNHC`` is preferred: a block's rows are
-``[block_size, num_kv_heads, 2 * D]`` in memory; ``LBHNC``, the only layout vLLM's CPU backend reads,
-is accepted too, so a model whose other layers fall back to that backend still gets one layout).
+take, without a copy, in every layout. Head-major blocks (``LBHNC``) are preferred: a (block, kv head)'s
+keys and values are then one contiguous ``[block_size, 2 * D]`` run, which the decode kernel reads
+faster than the NHD blocks of ``LBNHC`` (``[block_size, num_kv_heads, 2 * D]``); it is also the only
+layout vLLM's CPU backend reads, so a model whose other layers fall back to that backend gets one
+layout.
 
 The same classes run on every device kvkernels has kernels for: the ops dispatch on the tensors'
 device (CPU kernels on vLLM's CPU platform, the CUDA kernels on a CUDA platform).
@@ -93,9 +95,12 @@ class KVKernelsBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # Every layout gives unit-stride K/V rows (the content axis is always innermost); NHD blocks
-        # first, then vLLM's CPU backend's head-major blocks, then the rest in vLLM's default order.
-        return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLNHC, KVCacheLayout.BLHNC,
+        # Every layout gives unit-stride K/V rows (the content axis is always innermost). Head-major
+        # blocks first: a (block, kv head)'s keys and values are one contiguous [block_size, 2D] run, which
+        # the decode kernel streams faster than NHD blocks' rows spread over the block (bf16, 16 x 2048
+        # context, block 128: 47.5 vs 52.3 ms per call here); it is also the only layout of vLLM's CPU
+        # backend, so layers that fall back to it share the layout. The rest in vLLM's default order.
+        return (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC, KVCacheLayout.BLHNC, KVCacheLayout.BLNHC,
                 KVCacheLayout.BHLNC, KVCacheLayout.LHBNC)
 
     @classmethod
