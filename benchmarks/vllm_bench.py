@@ -57,9 +57,43 @@ def write_config(dest: Path, args) -> Path:
     return dest
 
 
+class AttentionTimer:
+    """Seconds spent inside the attention ops (kvkernels' or vLLM's CPU ones) of an in-process engine:
+    the functions are looked up on their modules per call, so wrapping the module attributes sees every
+    call. Costs two perf_counter reads per call."""
+
+    def __init__(self) -> None:
+        import kvkernels
+        from vllm import _custom_ops as vops
+
+        self.seconds = {"attention": 0.0, "cache_write": 0.0}
+        for module, name, key in ((kvkernels.ops, "paged_attention", "attention"),
+                                  (kvkernels.ops, "reshape_and_cache", "cache_write"),
+                                  (vops, "cpu_attention_with_kv_cache", "attention"),
+                                  (vops, "cpu_attn_reshape_and_cache", "cache_write")):
+            setattr(module, name, self._wrap(getattr(module, name), key))
+
+    def _wrap(self, fn, key):
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.seconds[key] += time.perf_counter() - t0
+        return timed
+
+    def take(self) -> dict:
+        out = dict(self.seconds)
+        for k in self.seconds:
+            self.seconds[k] = 0.0
+        return out
+
+
 def e2e_child(args) -> dict:
     """One engine: warm-up, prefill, first token on a warm cache, decode. Prints a JSON line."""
     from vllm import LLM, SamplingParams
+
+    timer = AttentionTimer()
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, args.vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.requests)]
@@ -79,10 +113,14 @@ def e2e_child(args) -> dict:
 
     warm = [torch.randint(3, args.vocab, (64,), generator=g).tolist() for _ in range(2)]
     run(warm, 4)
+    timer.take()
     t_prefill, _ = run(prompts, 1)
+    ops_prefill = timer.take()
     t_first, outs = run(prompts, 1)
+    ops_first = timer.take()
     cached = min(o.num_cached_tokens or 0 for o in outs)
     t_decode_total, outs = run(prompts, 1 + args.new_tokens)
+    ops_decode = {k: v - ops_first[k] for k, v in timer.take().items()}
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     decode_s = t_decode_total - t_first
     return {
@@ -91,6 +129,8 @@ def e2e_child(args) -> dict:
         "first_token_warm_cache_s": t_first, "cached_prompt_tokens_min": cached,
         "decode_run_s": t_decode_total, "decode_s": decode_s,
         "decode_tokens_per_s": args.requests * args.new_tokens / decode_s,
+        "prefill_attention_s": ops_prefill["attention"], "prefill_cache_write_s": ops_prefill["cache_write"],
+        "decode_attention_s": ops_decode["attention"], "decode_cache_write_s": ops_decode["cache_write"],
         "first_tokens": [t[:8] for t in tokens[:2]],
     }
 
@@ -230,10 +270,13 @@ def table(result: dict) -> str:
                      f"{s['head_dim']}, intermediate {s['intermediate']}, {s['dtype']}, block {s['block_size']}, "
                      f"{s['requests']} requests x {s['prompt_len']} prompt tokens, {s['new_tokens']} new tokens, "
                      "enforce_eager, random weights):")
-        lines.append(f"{'backend':<11}{'prefill tok/s':>15}{'decode tok/s':>14}{'startup s':>11}")
+        lines.append(f"{'backend':<11}{'prefill tok/s':>15}{'(attn s / s)':>14}{'decode tok/s':>14}"
+                     f"{'(attn s / s)':>14}{'startup s':>11}")
         for r in e:
-            lines.append(f"{r['backend']:<11}{r['prefill_tokens_per_s']:>15.1f}{r['decode_tokens_per_s']:>14.2f}"
-                         f"{r['startup_s']:>11.1f}")
+            pa = f"{r['prefill_attention_s']:.0f}/{r['prefill_s']:.0f}" if "prefill_attention_s" in r else "-"
+            da = f"{r['decode_attention_s']:.1f}/{r['decode_s']:.1f}" if "decode_attention_s" in r else "-"
+            lines.append(f"{r['backend']:<11}{r['prefill_tokens_per_s']:>15.1f}{pa:>14}{r['decode_tokens_per_s']:>14.2f}"
+                         f"{da:>14}{r['startup_s']:>11.1f}")
         sm = result["e2e_summary"]
         lines.append(f"kvkernels / stock (medians): prefill {sm['prefill_speedup']:.3f}x, decode "
                      f"{sm['decode_speedup']:.3f}x")
