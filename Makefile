@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine (README):
 #   make demo   - create .venv from requirements/lock.txt (torch too, unless one is present), build, run the demo
 #   make test   - the same set-up, then the test suite
-# Other targets: build, info, bench, test-compat, test-abi, test-vllm, bench-vllm, lock, cuda-check,
+# Other targets: build, info, bench, fuzz, sanitize, test-compat, test-abi, test-vllm, bench-vllm, lock, cuda-check,
 # cuda-emu-test, metal-check, metal-test, clean.
 
 PYTHON ?= python3
@@ -9,8 +9,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: demo test test-compat test-abi test-vllm bench-vllm lock build info bench cuda-check cuda-emu-test \
-        metal-check metal-test clean
+.PHONY: demo test test-compat test-abi test-vllm bench-vllm lock build info bench fuzz sanitize cuda-check \
+        cuda-emu-test metal-check metal-test clean
 
 # Versions come from requirements/lock.txt (pip constraints), so a fresh machine gets exactly the
 # tested environment whatever upstream released since. A machine whose python already has torch
@@ -44,6 +44,18 @@ info: build
 
 test: build
 	$(PY) -m pytest -q tests
+
+# The op fuzzer (tests/test_fuzz.py) for SECONDS seconds: random calls of every op in turn, valid ones against
+# the reference, perturbed ones against the error contract; prints calls per op and every distinct finding.
+# (make test runs a short deterministic pass of it.)
+SECONDS ?= 300
+fuzz: build
+	KVKERNELS_FUZZ_SECONDS=$(SECONDS) $(PY) -m pytest -q tests/test_fuzz.py
+
+# The CPU extension under ASan + UBSan (built into build-asan/), the CPU kernel tests and a short fuzz run
+# against it: scripts/sanitize.sh. Needs the compiler's libasan and libubsan.
+sanitize: $(VENV)/.ready
+	PY=$(abspath $(PY)) scripts/sanitize.sh
 
 # The transformers-facing tests against the oldest and the newest transformers that pyproject.toml
 # allows (TRANSFORMERS_OLDEST / TRANSFORMERS_NEWEST; tests/test_packaging.py keeps them equal to

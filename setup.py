@@ -90,10 +90,16 @@ def cuda_plan(torch_cuda, nvcc, nvcc_version, no_cuda):
                    f"{nvcc_version[0]}); {hint}.")
 
 
+# KVKERNELS_SANITIZE=1: the CPU extension under AddressSanitizer and UndefinedBehaviorSanitizer, for
+# `make sanitize` (scripts/sanitize.sh builds it into build-asan/, never in place).
+SANITIZE = os.environ.get("KVKERNELS_SANITIZE") == "1"
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+
+
 def build_cuda():
     import torch
 
-    no_cuda = os.environ.get("KVKERNELS_NO_CUDA") == "1"
+    no_cuda = os.environ.get("KVKERNELS_NO_CUDA") == "1" or SANITIZE
     # Never torch.cuda.is_available(): build hosts often have no GPU.
     nvcc = None
     if cpp_extension.CUDA_HOME is not None:
@@ -112,6 +118,8 @@ def extension():
     # profiles by source line and inlined function (benchmarks/decode_profile.py).
     debug_info = os.environ.get("KVKERNELS_DEBUG_INFO") == "1"
     opt = ["-O0", "-g"] if debug else ["-O3", "-g" if debug_info else "-g0"]
+    if SANITIZE:
+        opt = ["-O1", "-g", *SANITIZE_FLAGS]
     cxx = ["-std=c++17", *opt, TORCH_TARGET, "-fvisibility=hidden"]
     include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
     srcs = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
@@ -127,7 +135,7 @@ def extension():
         )
     return cpp_extension.CppExtension(
         "kvkernels._C", srcs, include_dirs=include_dirs, py_limited_api=True,
-        extra_compile_args={"cxx": cxx},
+        extra_compile_args={"cxx": cxx}, extra_link_args=SANITIZE_FLAGS if SANITIZE else [],
     )
 
 

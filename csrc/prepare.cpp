@@ -22,24 +22,38 @@ const std::initializer_list<ScalarType> kCacheTypes = {
     ScalarType::Float, ScalarType::Half, ScalarType::BFloat16, ScalarType::Float8_e4m3fn,
     ScalarType::Float8_e5m2};
 
-// Index tensors: the right dtype and device, made contiguous so kernels index them directly.
+// t itself when contiguous, else a contiguous copy kept alive by `keep`. A copy that cannot be
+// allocated is an error naming `arg` (torch's own message names no argument).
+Tensor contiguous_or_copy(const ArgCheck& c, const Tensor& t, const char* arg, Prepared& keep) {
+  if (t.is_contiguous()) return t;
+  try {
+    Tensor copy = torch::stable::contiguous(t);
+    keep.keep_alive.push_back(copy);
+    return copy;
+  } catch (const std::exception& e) {
+    c.fail(arg, "copying its ", t.numel(), " elements to contiguous memory failed: ", e.what());
+  }
+}
+
+// Index tensors: the right dtype, shape and device, made contiguous so kernels index them
+// directly. `size0` (when >= 0) is the required length of dimension 0, checked before the copy: an
+// expand()ed tensor of the wrong length is an error, not a copy of billions of elements.
 Tensor index_tensor(const ArgCheck& c, const Tensor& t, const char* arg, ScalarType dtype,
-                    int64_t ndim, const Tensor& ref, const char* ref_arg, Prepared& keep) {
+                    int64_t ndim, const Tensor& ref, const char* ref_arg, Prepared& keep,
+                    int64_t size0 = -1, const char* size0_what = "") {
   c.dtype(t, arg, {dtype});
   c.dim(t, arg, ndim);
   c.same_device(t, arg, ref, ref_arg);
-  if (t.is_contiguous()) return t;
-  Tensor copy = torch::stable::contiguous(t);
-  keep.keep_alive.push_back(copy);
-  return copy;
+  if (size0 >= 0) c.size(t, arg, 0, size0, size0_what);
+  return contiguous_or_copy(c, t, arg, keep);
 }
 
 // A [num_heads] float32 vector (alibi slopes, sinks).
 const float* per_head_vector(const ArgCheck& c, const std::optional<Tensor>& t, const char* arg,
                              int64_t num_heads, const Tensor& ref, Prepared& keep) {
   if (!t.has_value()) return nullptr;
-  Tensor v = index_tensor(c, *t, arg, ScalarType::Float, 1, ref, "query", keep);
-  c.size(v, arg, 0, num_heads, "num_heads of query");
+  Tensor v = index_tensor(c, *t, arg, ScalarType::Float, 1, ref, "query", keep, num_heads,
+                          "num_heads of query");
   return static_cast<const float*>(v.const_data_ptr());
 }
 
@@ -103,8 +117,8 @@ paged_kv_t make_paged_kv(const ArgCheck& c, const Tensor& key_cache, const char*
   c.to_int(block_tables.size(0), "block_tables", "num_seqs (dimension 0)");
   Tensor bt = index_tensor(c, block_tables, "block_tables", ScalarType::Int, 2, key_cache, k_arg,
                            keep);
-  Tensor sl = index_tensor(c, seq_lens, "seq_lens", ScalarType::Int, 1, key_cache, k_arg, keep);
-  c.size(sl, "seq_lens", 0, bt.size(0), "num_seqs = block_tables.shape[0]");
+  Tensor sl = index_tensor(c, seq_lens, "seq_lens", ScalarType::Int, 1, key_cache, k_arg, keep,
+                           bt.size(0), "num_seqs = block_tables.shape[0]");
 
   paged_kv_t kv;
   kv.k = key_cache.const_data_ptr();
@@ -156,8 +170,7 @@ void fill_query(const ArgCheck& c, PreparedAttention& r, const Tensor& query_in,
   p.num_tokens = query.size(0);
   if (query_start_loc.has_value()) {
     Tensor qsl = index_tensor(c, *query_start_loc, "query_start_loc", ScalarType::Int, 1, query,
-                              q_arg, r);
-    c.size(qsl, "query_start_loc", 0, p.kv.num_seqs + 1, "num_seqs + 1");
+                              q_arg, r, p.kv.num_seqs + 1, "num_seqs + 1");
     p.query_start_loc = static_cast<const int32_t*>(qsl.const_data_ptr());
   } else {
     c.expect(p.num_tokens == p.kv.num_seqs, q_arg, "decode (query_start_loc=None) needs one query ",
@@ -484,9 +497,12 @@ PreparedBlockCopy prepare_block_copy(const ArgCheck& c, const Tensor& src, const
   const Layout dst_l(dst);
   c.writable(dst_l, dst_arg);
   c.disjoint(Layout(block_mapping), "block_mapping", dst_l, dst_arg);
-  Tensor mapping = block_mapping.is_contiguous() ? block_mapping
-                                                 : torch::stable::contiguous(block_mapping);
-  r.keep_alive.push_back(mapping);
+  // Destinations are distinct blocks of dst: more pairs than dst has blocks repeat one. Checked
+  // before the copy below (an expand()ed mapping of 2^30 pairs would be copied and sorted first).
+  c.expect(block_mapping.size(0) <= dst.size(bd), "block_mapping", block_mapping.size(0),
+           " pairs for ", plural(dst.size(bd), "destination block"),
+           ": a destination block appears more than once");
+  Tensor mapping = contiguous_or_copy(c, block_mapping, "block_mapping", r);
 
   BlockCopyParams& p = r.params;
   const int64_t elem = static_cast<int64_t>(src.element_size());

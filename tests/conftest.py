@@ -18,9 +18,11 @@ def skip_reason(report) -> str:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """After the run (``make test`` runs ``pytest -q tests``): why tests were skipped, one line per
+    """After the run (``make test`` runs ``pytest -q tests``): the fuzzer's calls per op (when
+    tests/test_fuzz.py ran), then why tests were skipped, one line per
     reason with its count, most frequent first (``-rs`` lists every skipped test instead: on a machine
     without a GPU that is well over a thousand lines)."""
+    fuzz_summary(terminalreporter)
     skipped = terminalreporter.stats.get("skipped", [])
     if not skipped:
         return
@@ -32,3 +34,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if rest:
         terminalreporter.write_line(f"{sum(c for _, c in rest):>6}  ({len(rest)} other reasons; pytest -rs lists "
                                     f"every skipped test)")
+
+
+def fuzz_summary(terminalreporter):
+    """tests/test_fuzz.py, when it ran: the calls tried per op, by outcome, and the findings of a timed run."""
+    import sys
+
+    fuzz = sys.modules.get("test_fuzz")
+    if fuzz is not None and fuzz.STATS:
+        terminalreporter.write_sep("-", "kvkernels fuzz: calls per op")
+        terminalreporter.write_line(fuzz.summary())

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+import kvkernels
 from helpers import assert_bytes_equal, generator, randn
 from kvkernels import MLAPagedCache, ops, reference
 from kvkernels.metal import dispatch
@@ -64,9 +65,11 @@ except RuntimeError as e:
 
 
 def test_zero_kv_heads_raises_instead_of_sigfpe():
-    # In a child process: without the check the process dies of SIGFPE, which would take pytest with it.
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", ZERO_HEADS], capture_output=True, text=True, cwd=ROOT, env=env,
+    # In a child process: without the check the process dies of SIGFPE, which would take pytest with it. The
+    # child imports the kvkernels this process imported (make sanitize's instrumented copy there).
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(kvkernels.__file__)))
+    env = dict(os.environ, PYTHONPATH=pkg_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", ZERO_HEADS], capture_output=True, text=True, cwd=pkg_root, env=env,
                        timeout=300)
     assert r.returncode == 0, f"the process died (return code {r.returncode}): {r.stderr[-2000:]}"
     assert r.stdout.startswith("kvkernels.paged_attention: key_cache: num_kv_heads"), r.stdout
@@ -538,3 +541,43 @@ def test_reference_validates_indices_like_the_op(op, bad):
 def test_reference_validates_writes_and_queries_like_the_op(op, kwargs, arg):
     raises_named(impl("reference", op), op, arg, kwargs())
     raises_named(impl("ops", op), op, arg, as_float32(kwargs()))
+
+
+# ----------------------------------------------------------------------------------------------------
+# found by tests/test_fuzz.py: an expand()ed index tensor, ALiBi slope or sink vector of the wrong length was
+# copied to contiguous memory before its length was checked (2^31 elements: gigabytes allocated and written
+# before the size error; where the allocation failed, torch's error, naming no argument). Lengths are now
+# checked first, a block_mapping with more pairs than destination blocks is an error before it is copied,
+# and a copy that cannot be allocated names its argument. 2^61 elements: any copy would need >= 2^63 bytes.
+# ----------------------------------------------------------------------------------------------------
+
+HUGE = 2**61
+
+
+def huge_paged(op, **change):
+    kwargs = as_float32(paged_args(op))
+    kwargs.update(change)
+    return kwargs
+
+
+@pytest.mark.parametrize("api", ["ops", "torch.ops"])
+@pytest.mark.parametrize("op,arg,make", [
+    ("paged_attention", "sinks", lambda: huge_paged("paged_attention", sinks=torch.zeros(1).expand(HUGE))),
+    ("paged_attention", "alibi_slopes",
+     lambda: huge_paged("paged_attention", alibi_slopes=torch.zeros(1).expand(HUGE))),
+    ("paged_attention", "seq_lens", lambda: huge_paged("paged_attention", seq_lens=torch.ones(1, dtype=I32).expand(HUGE))),
+    ("paged_attention", "query_start_loc",
+     lambda: huge_paged("paged_attention", query_start_loc=torch.zeros(1, dtype=I32).expand(HUGE))),
+    ("gather_kv", "seq_lens", lambda: huge_paged("gather_kv", seq_lens=torch.ones(1, dtype=I32).expand(HUGE))),
+    ("copy_blocks", "block_mapping",
+     lambda: dict(cache=torch.zeros(N, 4), block_mapping=torch.tensor([[0, 1]]).expand(HUGE, 2))),
+    ("swap_blocks", "block_mapping", lambda: dict(src=torch.zeros(N, 4), dst=torch.zeros(N, 4),
+                                                  block_mapping=torch.tensor([[0, 1]]).expand(HUGE, 2))),
+    ("paged_attention", "block_tables",  # a legal width, but its copy cannot be allocated: named
+     lambda: huge_paged("paged_attention", block_tables=torch.zeros(2, 1, dtype=I32).expand(2, HUGE))),
+], ids=["sinks", "alibi_slopes", "seq_lens", "query_start_loc", "gather-seq_lens", "copy-block_mapping",
+        "swap-block_mapping", "block_tables-copy-fails"])
+def test_expanded_argument_checked_before_it_is_copied(op, arg, make, api):
+    kwargs = make()
+    keep = [t for t in kwargs.values() if isinstance(t, torch.Tensor) and t.numel() < 2**20]
+    raises_named(impl(api, op), op, arg, kwargs, keep)
