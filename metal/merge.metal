@@ -28,8 +28,15 @@ kernel void merge_attention_states(device const OUT_T* out_a [[buffer(0)]],
   const long d = gid.x, h = gid.y, t = gid.z;
   const float la = lse_a[t * p.la_stride_t + h * p.la_stride_h];
   const float lb = lse_b[t * p.lb_stride_t + h * p.lb_stride_h];
-  const bool a_empty = bits_neg_inf(la), b_empty = bits_neg_inf(lb);  // a side that saw no key
+  // docs/ops.md: an lse of -inf or +inf (FlashAttention-2's mark) is a side that saw no key, not
+  // read; a NaN lse makes the row NaN; a finite side is read even if its weight underflows.
+  const bool a_empty = bits_neg_inf(la) || bits_pos_inf(la), b_empty = bits_neg_inf(lb) || bits_pos_inf(lb);
   const long o = (t * p.num_heads + h) * p.head_dim + d;
+  if (bits_nan(la) || bits_nan(lb)) {
+    out[o] = from_float<OUT_T>(quiet_nan());
+    if (d == 0) lse[t * p.num_heads + h] = quiet_nan();
+    return;
+  }
   if (a_empty && b_empty) {
     out[o] = from_float<OUT_T>(0.0f);
     if (d == 0) lse[t * p.num_heads + h] = -INFINITY;
@@ -51,8 +58,8 @@ kernel void merge_attention_states(device const OUT_T* out_a [[buffer(0)]],
     l = m + log(s);
   }
   float acc = 0.0f;
-  if (wa > 0.0f) acc += wa * to_float(out_a[t * p.a_stride_t + h * p.a_stride_h + d * p.a_stride_d]);
-  if (wb > 0.0f) acc += wb * to_float(out_b[t * p.b_stride_t + h * p.b_stride_h + d * p.b_stride_d]);
+  if (!a_empty) acc += wa * to_float(out_a[t * p.a_stride_t + h * p.a_stride_h + d * p.a_stride_d]);
+  if (!b_empty) acc += wb * to_float(out_b[t * p.b_stride_t + h * p.b_stride_h + d * p.b_stride_d]);
   out[o] = from_float<OUT_T>(acc);
   if (d == 0) lse[t * p.num_heads + h] = l;
 }

@@ -57,7 +57,7 @@ kernel void concat_and_cache_mla(device const CONCAT_SRC_T* kv_c [[buffer(0)]],
 
 // ---- mla_decompress ----------------------------------------------------------------------------
 // out[t, n] = sum_r c[t, r] * w_kv_b[n, r] for the Hq * (dn + dv) rows n of w_kv_b, with c the
-// (optionally RMS-normalised) latent of token t. Tiles: MD_TM tokens x MD_TN rows of w_kv_b per
+// (optionally RMS-normalised) latent of token t, rounded once to w_kv_b's dtype (docs/ops.md). Tiles: MD_TM tokens x MD_TN rows of w_kv_b per
 // threadgroup of 16 x 16 threads (2 x 2 outputs each), MD_TK latent elements per step, both
 // operands staged in threadgroup memory (one barrier after the loads, one before the next loads).
 
@@ -157,6 +157,7 @@ kernel void mla_decompress(device const DEC_CACHE_T* kv_cache [[buffer(0)]],
       if (row_base[r] >= 0 && k < R) {
         c = to_float(kv_cache[row_base[r] + k]) * sc * row_norm[r];
         if (p.has_norm) c *= to_float(norm_weight[k]);
+        c = to_float(from_float<DEC_W_T>(c));  // docs/ops.md: the latent is rounded to w_kv_b's dtype
       }
       c_tile[r][kk] = c;
       const long n = n0 + r;
@@ -307,8 +308,9 @@ kernel void mla_paged_attention(device const MLA_Q_T* q [[buffer(0)]],        //
           if (d < W) partial += qv[e] * rows[r][d];
         }
         const float x = simd_sum(partial) * p.scale;
-        const float m_new = max(m, x);
-        const float corr = exp(m - m_new), w = exp(x - m_new);
+        const bool poison = bits_nan(x) || bits_pos_inf(x);  // docs/ops.md: a NaN row
+        const float m_new = poison ? m : max(m, x);
+        const float corr = exp(m - m_new), w = poison ? quiet_nan() : exp(x - m_new);
         l = l * corr + w;
         for (int e = 0; e < MLA_EPL_V; ++e) {
           const long d = lane + 32 * e;
@@ -321,10 +323,15 @@ kernel void mla_paged_attention(device const MLA_Q_T* q [[buffer(0)]],        //
   }
 
   if (!head_active) return;  // after the last barrier
+  // docs/ops.md: l NaN (a NaN or +inf logit) or l = 0 with visible keys (all logits -inf): NaN row;
+  // a non-finite kv_scale makes out NaN.
+  const bool nan_row = bits_nan(l) || (l == 0.0f && pos >= 0);
+  const bool v_ok = bits_finite(sc);
   const long row = t * p.num_heads + h;
   for (int e = 0; e < MLA_EPL_V; ++e) {
     const long d = lane + 32 * e;
-    if (d < R) out[row * R + d] = from_float<MLA_Q_T>(l > 0.0f ? acc[e] / l : 0.0f);
+    const float o = (nan_row || !v_ok) ? quiet_nan() : l > 0.0f ? acc[e] / l : 0.0f;
+    if (d < R) out[row * R + d] = from_float<MLA_Q_T>(o);
   }
-  if (lane == 0) lse[row] = l > 0.0f ? m + log(l) : -INFINITY;
+  if (lane == 0) lse[row] = nan_row ? quiet_nan() : l > 0.0f ? m + log(l) : -INFINITY;
 }

@@ -10,6 +10,9 @@
 // online softmax with simd_sum for the dot products, starting from a finite maximum so that no
 // inf - inf ever happens. The partial states (max, sum, accumulator) meet in threadgroup memory and
 // are merged after one barrier; sinks join that merge as one more logit without a value.
+// Non-finite values (docs/ops.md): a NaN or +inf logit or sink makes the row NaN (the state's sum
+// turns NaN), every visible logit -inf without a sink is 0 / 0 = NaN, a non-finite v_scale makes
+// out NaN; the tests are on the bits (fast math may fold isnan away).
 // Only visible keys are read: causal limit pos = seq_len - q_len + i, window [pos - window_left, pos].
 // Not tuned: no query tiling for prefill (each query row reads its keys itself), no split-K for
 // very long contexts.
@@ -116,8 +119,9 @@ kernel void paged_attention(device const Q_T* query [[buffer(0)]],        // [T,
     float x = simd_sum(partial) * p.scale;  // logit order: scale, soft cap, ALiBi
     if (p.soft_cap > 0.0f) x = p.soft_cap * precise::tanh(x / p.soft_cap);
     x += slope * float(j - pos);
-    const float m_new = max(m, x);
-    const float corr = exp(m - m_new), w = exp(x - m_new);
+    const bool poison = bits_nan(x) || bits_pos_inf(x);  // NaN weight: the row becomes NaN
+    const float m_new = poison ? m : max(m, x);
+    const float corr = exp(m - m_new), w = poison ? quiet_nan() : exp(x - m_new);
     l = l * corr + w;
     for (int e = 0; e < PA_MAX_EPL; ++e) {
       const long d = lane + 32 * e;
@@ -140,18 +144,26 @@ kernel void paged_attention(device const Q_T* query [[buffer(0)]],        // [T,
 
   float gm = -FLT_MAX;
   for (int k = 0; k < PA_SIMD_GROUPS; ++k) gm = max(gm, part_m[k]);
-  const float sink = p.has_sinks ? sinks[h] : -FLT_MAX;
-  if (p.has_sinks) gm = max(gm, sink);
+  // The sink: -inf is no sink; NaN or +inf makes the row NaN.
+  const float sink = p.has_sinks ? sinks[h] : -INFINITY;
+  const bool with_sink = !bits_neg_inf(sink);
+  const bool sink_poison = bits_nan(sink) || bits_pos_inf(sink);
+  if (with_sink && !sink_poison) gm = max(gm, sink);
   float weight[PA_SIMD_GROUPS];
-  float total = p.has_sinks ? exp(sink - gm) : 0.0f;
+  float total = with_sink ? (sink_poison ? quiet_nan() : exp(sink - gm)) : 0.0f;
   for (int k = 0; k < PA_SIMD_GROUPS; ++k) {
     weight[k] = exp(part_m[k] - gm);
     total += part_l[k] * weight[k];
   }
+  // total = 0: no finite logit and no sink; a NaN row when the row has visible keys (all -inf).
+  const bool nan_row = bits_nan(total) || (total == 0.0f && pos >= first);
+  const bool v_ok = bits_finite(vs);
   const long row = t * p.num_heads + h;
   for (long d = tid; d < D; d += group_threads) {
     float o = 0.0f;
-    if (total > 0.0f) {
+    if (nan_row || !v_ok) {
+      o = quiet_nan();
+    } else if (total > 0.0f) {
       for (int k = 0; k < PA_SIMD_GROUPS; ++k) {
         if (part_l[k] > 0.0f) o += part_o[k][d] * weight[k];
       }
@@ -159,5 +171,5 @@ kernel void paged_attention(device const Q_T* query [[buffer(0)]],        // [T,
     }
     out[row * D + d] = from_float<Q_T>(o);
   }
-  if (tid == 0) lse[row] = total > 0.0f ? gm + log(total) : -INFINITY;
+  if (tid == 0) lse[row] = nan_row ? quiet_nan() : total > 0.0f ? gm + log(total) : -INFINITY;
 }

@@ -651,7 +651,7 @@ def run_emu_decompress(emu, case, seq_lens, seed=2, w_offset=0):
     assert key.dtype == value.dtype == dtype
     assert key.shape == (t, h, dn + p) and value.shape == (t, h, dv)
     assert key.is_contiguous() and value.is_contiguous()
-    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, upcast(w),
+    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, w,
                                                   kv_lora_rank=r, qk_nope_head_dim=dn, v_head_dim=dv,
                                                   norm_weight=upcast(norm_weight), norm_eps=1e-5, scale=mla.scale)
     assert_close(key, ref_key, dtype, msg="key")
@@ -755,3 +755,117 @@ def test_mla_decompress_tma_require_float32(emu, monkeypatch):
     _tma_env(monkeypatch, True)
     with pytest.raises(RuntimeError, match=r"float32 weights have no TMA path"):
         run_emu_decompress(emu, (f32, None, 64, 16, 2, 16, 24, False, 16, False), [9, 3])
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
+def test_mla_decompress_rounds_the_latent(emu, tma, monkeypatch):
+    """docs/ops.md: the normalised latent is rounded to w_kv_b's dtype before the product."""
+    from test_mla import check_decompress_rounding
+    _tma_env(monkeypatch, tma)
+
+    def op(kv_cache, block_tables, seq_lens, w, *, kv_lora_rank, qk_nope_head_dim, v_head_dim, norm_eps,
+           norm_weight):
+        return emu.mla_decompress(kv_cache, block_tables, seq_lens, w, kv_lora_rank, qk_nope_head_dim, v_head_dim,
+                                  norm_weight, norm_eps, None, None)
+    check_decompress_rounding(op)
+
+
+# ---------------------------------------------------------------------------------------------------
+# non-finite values (docs/ops.md "Non-finite values"; the CPU paths: tests/test_nonfinite.py)
+# ---------------------------------------------------------------------------------------------------
+
+# Element byte of each non-finite value per fp8 format (e4m3fn has no inf).
+_FP8_BYTE = {torch.float8_e4m3fn: {"nan": 0x7F}, torch.float8_e5m2: {"nan": 0x7E, "+inf": 0x7C, "-inf": 0xFC}}
+_VALUE = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
+
+
+def _poke(cache, block_ids, seq_len, pos, head, col, value):
+    from helpers import token_slots
+    slot = int(token_slots(block_ids, seq_len, cache.shape[1])[pos])
+    b, o = slot // cache.shape[1], slot % cache.shape[1]
+    if cache.dtype in _FP8_BYTE:
+        cache.view(torch.uint8)[b, o, head, col] = _FP8_BYTE[cache.dtype][value]
+    else:
+        cache[b, o, head, col] = _VALUE[value]
+
+
+# id: dtype, fp8, Hq, Hkv, D, mode, path, forced splits. Prefill (MMA_PREFILL) puts the values on the
+# causal diagonal of a tile, which takes the tensor-core kernel's fix-up of keys some rows do not see.
+NONFINITE_ATTN = {
+    "f32-simt-varlen": (f32, None, 4, 2, 64, "varlen", SIMT, None),
+    "bf16-mma-decode": (bf16, None, 8, 2, 64, "decode", MMA_DECODE, None),
+    "f16-mma-prefill": (f16, None, 2, 2, 64, "prefill", MMA_PREFILL, None),
+    "e5m2-bf16-mma-prefill-d128": (bf16, "e5m2", 4, 1, 128, "prefill", MMA_PREFILL, None),
+    "bf16-split3": (bf16, None, 4, 2, 64, "decode", MMA_DECODE, 3),
+}
+
+
+@pytest.mark.parametrize("config", NONFINITE_ATTN.values(), ids=NONFINITE_ATTN.keys())
+def test_paged_attention_nonfinite(emu, config, monkeypatch):
+    dtype, fp8, hq, hkv, d, mode, path, splits = config
+    force_cuda_plan(monkeypatch, "ATTN", None, splits)
+    seq_lens = [70, 5]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=d, block_size=16, dtype=dtype, fp8=fp8,
+                       seed=31)
+    q_lens = {"decode": [1, 1], "varlen": [6, 3], "prefill": seq_lens}[mode]
+    qsl = None if mode == "decode" else query_start_loc(q_lens)
+    query = make_query(sum(q_lens), hq, d, dtype, generator(32))
+    inf = "nan" if fp8 == "e4m3" else "+inf"
+    # NaN key at 20, inf value at 40 (kv head 0); in prefill both lie on a diagonal tile; a NaN key
+    # and an inf key (kv head hkv - 1) at the last position (seen by the last query only).
+    _poke(kv.key_cache, kv.blocks[0], 70, 20, 0, 3, "nan")
+    _poke(kv.value_cache, kv.blocks[0], 70, 40, 0, 5, inf)
+    _poke(kv.key_cache, kv.blocks[0], 70, 69, hkv - 1, 1, inf)
+    _poke(kv.value_cache, kv.blocks[0], 70, 69, hkv - 1, 2, "nan")
+    sinks = torch.linspace(-1.0, 1.0, hq)
+    sinks[1] = float("nan")
+    slopes = torch.linspace(0.01, 0.1, hq)
+    slopes[-1] = float("inf")
+    for opts in ({}, dict(sinks=sinks), dict(alibi_slopes=slopes, window_left=30)):
+        out, lse, _ = run_emu_attention(emu, kv, query, qsl, path=path,
+                                        splits=None if splits is None else (lambda n: n > 1), **opts)
+        if mode == "prefill" and not opts:  # rows before key 20 saw no NaN
+            assert out[:20].isfinite().all() and lse[:20].isfinite().all()
+    if fp8:
+        kv.k_scale[0] = float("nan")
+        kv.v_scale[-1] = float("inf")
+        run_emu_attention(emu, kv, query, qsl, path=path)
+
+
+@pytest.mark.parametrize("kind", ["mma16", "mma64", "simt", "mma64-split3"])
+def test_mla_paged_attention_nonfinite(emu, kind, monkeypatch):
+    path, splits = MLA_PATHS[kind]
+    force_cuda_plan(monkeypatch, "MLA", path, splits)
+    r, p, h, b = 64, 16, 16, 16
+    seq_lens = [70, 5]
+    for mode, q_lens in (("decode", None), ("varlen", [40, 5])):
+        mla, q, qsl = make_mla_case(mode, seq_lens, bf16, None, r, p, h, b, q_lens=q_lens, seed=33)
+        slot = lambda pos: int(__import__("helpers").token_slots(mla.blocks[0], 70, b)[pos])  # noqa: E731
+        s = slot(45)
+        mla.kv_cache[s // b, s % b, 7] = float("inf")  # a value element on the prefill diagonal
+        s = slot(50)
+        mla.kv_cache[s // b, s % b, r + 3] = float("nan")  # a rope (key-only) element
+        out, lse, _ = run_emu_mla_attention(emu, mla, q, qsl, 0.1)
+        if mode == "varlen":  # queries at positions 30..44 do not see key 45
+            assert out[:15, :, 7].isfinite().all()
+    mla, q, qsl = make_mla_case("decode", seq_lens, bf16, "e4m3", r, p, h, b, seed=34)
+    mla.scale[0] = float("inf")
+    run_emu_mla_attention(emu, mla, q, qsl, 0.1)
+
+
+def test_merge_attention_states_nonfinite(emu):
+    """Every pair of lse kinds (finite, far below, -inf, +inf, NaN) as on the CPU (tests/test_nonfinite.py)."""
+    kinds = [0.7, -150.0, float("-inf"), float("inf"), float("nan")]
+    pairs = [(a, b) for a in kinds for b in kinds]
+    gen = generator(35)
+    out_a = randn(len(pairs), 2, 40, gen=gen, dtype=bf16)
+    out_b = randn(len(pairs), 2, 40, gen=gen, dtype=bf16)
+    lse_a = torch.tensor([[a, a] for a, _ in pairs])
+    lse_b = torch.tensor([[b, b] for _, b in pairs])
+    out_a[:, 0, ::3] = torch.where(lse_a[:, :1].isfinite(), out_a[:, 0, ::3], float("nan"))
+    out_b[:, 0, 1::3] = torch.where(lse_b[:, :1].isfinite(), out_b[:, 0, 1::3], float("inf"))
+    out_a[:, 1, 17] = float("nan")  # read whenever lse_a is not +-inf
+    out, lse = emu.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    ref_out, ref_lse = reference.merge_attention_states(upcast(out_a), lse_a, upcast(out_b), lse_b)
+    assert_close(out, ref_out, bf16, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")

@@ -224,7 +224,7 @@ def run_decompress(case, seq_lens, seed=2):
     assert key.shape == (t, h, dn + p) and value.shape == (t, h, dv)
     assert key.is_contiguous() and value.is_contiguous()
     key, value = key.cpu(), value.cpu()
-    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, upcast(w),
+    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, w,
                                                   norm_weight=upcast(norm_weight), scale=mla.scale, **kwargs)
     assert_close(key, ref_key, dtype, msg="key")
     assert_close(value, ref_value, dtype, msg="value")
@@ -340,7 +340,7 @@ def test_mla_decompress_tma_unaligned_weight(dtype, monkeypatch):
         ops.mla_decompress(*args, **kwargs)
     monkeypatch.delenv("KVKERNELS_CUDA_TMA")
     key, value = ops.mla_decompress(*args, **kwargs)
-    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, upcast(w.cpu()),
+    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, w.cpu(),
                                                   **kwargs)
     assert_close(key.cpu(), ref_key, dtype, msg="key")
     assert_close(value.cpu(), ref_value, dtype, msg="value")

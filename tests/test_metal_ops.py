@@ -311,7 +311,7 @@ def test_mla_decompress(case, lane_order):
     kwargs = dict(kv_lora_rank=r, qk_nope_head_dim=dn, v_head_dim=dv, norm_eps=1e-5, scale=mla.scale)
     key, value = dispatch.mla_decompress(mla.kv_cache, mla.block_tables, mla.seq_lens, w, norm_weight=norm_weight,
                                          **kwargs)
-    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, upcast(w),
+    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, w,
                                                   norm_weight=upcast(norm_weight), **kwargs)
     assert key.shape == (sum(seq_lens), h, dn + p) and value.shape == (sum(seq_lens), h, dv)
     assert_close(key, ref_key, dtype, msg="key")
@@ -349,6 +349,99 @@ def test_mla_paged_attention(case, mode, lane_order):
         assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
 
 
+def test_mla_decompress_rounds_the_latent(lane_order):
+    """docs/ops.md: the normalised latent is rounded to w_kv_b's dtype before the product."""
+    from test_mla import check_decompress_rounding
+    check_decompress_rounding(dispatch.mla_decompress)
+
+
+# ----------------------------------------------------------------------------------------------------
+# non-finite values (docs/ops.md "Non-finite values"; every CPU path: tests/test_nonfinite.py)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _poke(cache, blocks, seq_len, pos, head, col, value):
+    """One element of the token at `pos` (fp8 caches: the byte of `value`)."""
+    from helpers import token_slots
+    slot = int(token_slots(blocks, seq_len, cache.shape[1])[pos])
+    b, o = slot // cache.shape[1], slot % cache.shape[1]
+    idx = (b, o, head, col) if cache.dim() == 4 else (b, o, col)
+    if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        byte = {"nan": 0x7F if cache.dtype == torch.float8_e4m3fn else 0x7E, "+inf": 0x7C, "-inf": 0xFC}[value]
+        cache.view(torch.uint8)[idx] = byte
+    else:
+        cache[idx] = float(value.replace("+", ""))
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("fp8", [None, "e5m2"])
+def test_paged_attention_nonfinite(mode, fp8):
+    """NaN / inf keys and values at the first and last key of a sequence and in a partial block, NaN /
+    inf sinks and ALiBi slopes, a non-finite v_scale; keys outside the window carry NaN as well."""
+    b, hq, hkv, d = 4, 4, 2, 32
+    seq_lens = [2 * b + 3, 0, 3 * b]
+    kv, query, qsl = attention_case(mode, seq_lens, dtype=bf16, hq=hq, hkv=hkv, d=d, b=b, fp8=fp8, per_head=True,
+                                    seed=8)
+    _poke(kv.key_cache, kv.blocks[0], seq_lens[0], 0, 1, 3, "nan")  # outside window 5 of every query
+    _poke(kv.value_cache, kv.blocks[0], seq_lens[0], 0, 1, 4, "nan")
+    _poke(kv.key_cache, kv.blocks[0], seq_lens[0], 2 * b + 2, 0, 5, "+inf")  # the last key
+    _poke(kv.value_cache, kv.blocks[2], seq_lens[2], 2, 1, 6, "+inf")
+    _poke(kv.key_cache, kv.blocks[2], seq_lens[2], 3 * b - 2, 1, 1, "nan")
+    sinks = torch.tensor([0.5, float("nan"), float("-inf"), float("inf")])
+    slopes = torch.tensor([0.1, float("nan"), 0.2, float("-inf")])
+    out, lse = check_paged_attention(kv, query, qsl, window_left=5)
+    assert out[:, 3].isfinite().any()
+    check_paged_attention(kv, query, qsl, sinks=sinks)
+    check_paged_attention(kv, query, qsl, alibi_slopes=slopes, window_left=5)
+    if fp8:
+        kv.v_scale[1] = float("inf")
+        kv.k_scale[0] = float("nan")
+        out, lse = check_paged_attention(kv, query, qsl)
+        # Sequence 0's last query: heads of kv head 0 NaN through k_scale, of kv head 1 through v_scale.
+        last = 0 if qsl is None else int(qsl[1]) - 1
+        assert out[last].isnan().all() and lse[last, :2].isnan().all()
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+def test_mla_paged_attention_nonfinite(mode):
+    r, p, h, b = 32, 8, 5, 4
+    seq_lens = [2 * b + 1, 0, 9]
+    for fp8 in (None, "e5m2"):
+        mla = make_paged_mla(seq_lens, r, p, b, dtype=bf16, fp8=fp8, seed=9)
+        q_lens = [1] * len(seq_lens) if mode == "decode" else [3, 0, 9]
+        qsl = None if mode == "decode" else query_start_loc(q_lens)
+        q = make_query(sum(q_lens), h, r + p, bf16, generator(10))
+        _poke(mla.kv_cache, mla.blocks[0], seq_lens[0], 2 * b, 0, 3, "+inf")  # last key, a value element
+        _poke(mla.kv_cache, mla.blocks[2], seq_lens[2], 4, 0, r + 1, "nan")  # a rope element
+        kwargs = dict(kv_lora_rank=r, scale=0.2, query_start_loc=qsl, kv_scale=mla.scale)
+        for scale in ([None] if fp8 is None else [mla.scale, torch.tensor([float("nan")])]):
+            kwargs["kv_scale"] = scale
+            out, lse = dispatch.mla_paged_attention(q, mla.kv_cache, mla.block_tables, mla.seq_lens, **kwargs)
+            ref_out, ref_lse = reference.mla_paged_attention(upcast(q), mla.ref_cache(), mla.block_tables,
+                                                             mla.seq_lens, **kwargs)
+            assert_close(out, ref_out, bf16, msg="out")
+            assert_close(lse, ref_lse, f32, msg="lse")
+
+
+def test_merge_attention_states_nonfinite():
+    """Every pair of lse kinds: ±inf = empty (not read), NaN = NaN row, finite read even when its weight
+    underflows."""
+    kinds = [0.7, -150.0, float("-inf"), float("inf"), float("nan")]
+    pairs = [(a, b) for a in kinds for b in kinds]
+    gen = generator(12)
+    out_a = randn(len(pairs), 2, 8, gen=gen, dtype=f16)
+    out_b = randn(len(pairs), 2, 8, gen=gen, dtype=f16)
+    lse_a = torch.tensor([[a, a] for a, _ in pairs])
+    lse_b = torch.tensor([[b, b] for _, b in pairs])
+    out_a[:, 0, ::3] = torch.where(lse_a[:, :1].isfinite(), out_a[:, 0, ::3], float("nan"))
+    out_b[:, 0, 1::3] = torch.where(lse_b[:, :1].isfinite(), out_b[:, 0, 1::3], float("inf"))
+    out_a[:, 1, 5] = float("nan")
+    out, lse = dispatch.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    ref_out, ref_lse = reference.merge_attention_states(upcast(out_a), lse_a, upcast(out_b), lse_b)
+    assert_close(out, ref_out, f16, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
+
+
 # ----------------------------------------------------------------------------------------------------
 # registration, validation, and the real device (Apple Silicon only)
 # ----------------------------------------------------------------------------------------------------
@@ -376,6 +469,10 @@ def test_mps_kernels_registered():
     (lambda kv, q: dispatch.reshape_and_cache(q[:, :2], q[:, :2], kv.key_cache, kv.value_cache,
                                               torch.tensor([0, 1, 2, 10**6])),
      "kvkernels.reshape_and_cache: slot_mapping: slot out of range"),
+    (lambda kv, q: dispatch.paged_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                            scale=float("nan")), "kvkernels.paged_attention: scale: must be finite"),
+    (lambda kv, q: dispatch.paged_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                            soft_cap=float("inf")), "kvkernels.paged_attention: soft_cap: must be >= 0"),
 ])
 def test_validation(call, message):
     kv = make_paged_kv(seq_lens=[3, 5, 1, 2], num_kv_heads=2, head_dim=16, block_size=2, seed=1)

@@ -119,7 +119,7 @@ def test_mla_decompress(case):
                   num_tokens=sum(seq_lens) if with_num_tokens else None)
     key, value = ops.mla_decompress(mla.kv_cache, mla.block_tables, mla.seq_lens, w, norm_weight=norm_weight,
                                     **kwargs)
-    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, upcast(w),
+    ref_key, ref_value = reference.mla_decompress(mla.ref_cache(), mla.block_tables, mla.seq_lens, w,
                                                   norm_weight=upcast(norm_weight), **kwargs)
     t = sum(seq_lens)
     assert key.dtype == value.dtype == dtype
@@ -130,6 +130,45 @@ def test_mla_decompress(case):
     # k_pe is copied into every head unchanged (dequantized and rounded once for fp8 caches).
     k_pe = torch.cat(mla.rows)[:, None, r:].expand(-1, h, -1).to(dtype)
     assert_bytes_equal(key[..., dn:], k_pe, msg="k_pe part of key")
+
+
+def decompress_rounding_case(dtype=bf16):
+    """An mla_decompress whose result depends on docs/ops.md's rounding of the normalised latent to
+    w_kv_b's dtype: each output row is the difference of two latent columns whose float32 values
+    differ by 2^-7 relative (norm weights 1 and 1 + 2^-7 on equal cache columns), so rounding each to
+    bf16 first changes the result by up to ~30%. Returns (mla, w, norm_weight, kwargs) and the
+    reference outputs with and without the rounding."""
+    r, p, h, dn, dv = 64, 16, 2, 8, 8
+    mla = make_paged_mla([9, 4], r, p, 16, dtype=dtype, seed=11)
+    cache = mla.kv_cache
+    cache[..., 1:r:2] = cache[..., 0:r:2]  # columns 2i and 2i + 1 equal (unused slots stay NaN)
+    norm_weight = torch.ones(r, dtype=dtype)
+    norm_weight[1::2] = 1 + 2.0 ** -7
+    # Row n of w_kv_b picks latent columns 2j and 2j + 1 with +1 / -1 (n = j within each head's rows).
+    w = torch.zeros(h * (dn + dv), r, dtype=dtype)
+    for n in range(h * (dn + dv)):
+        j = (n * 5 + 3) % (r // 2)
+        w[n, 2 * j], w[n, 2 * j + 1] = 1.0, -1.0
+    kwargs = dict(kv_lora_rank=r, qk_nope_head_dim=dn, v_head_dim=dv, norm_eps=1e-5, norm_weight=norm_weight)
+    rounded = reference.mla_decompress(upcast(cache), mla.block_tables, mla.seq_lens, w, **kwargs)
+    exact = reference.mla_decompress(upcast(cache), mla.block_tables, mla.seq_lens, upcast(w), **kwargs)
+    return mla, w, kwargs, rounded, exact
+
+
+def check_decompress_rounding(op):
+    """``op`` (ops.mla_decompress's signature) rounds the latent as docs/ops.md says: its result is the
+    rounded reference's to bf16 output precision, far from the unrounded one (which the case makes
+    differ by percents)."""
+    mla, w, kwargs, (ref_key, ref_value), (exact_key, _) = decompress_rounding_case()
+    key, value = op(mla.kv_cache, mla.block_tables, mla.seq_lens, w, **kwargs)
+    gap = ((ref_key.double() - exact_key.double()).abs() / exact_key.double().abs().clamp_min(1e-30))[..., :8]
+    assert gap.max() > 0.05, "the case does not tell the two roundings apart"
+    assert_close(key, ref_key.double(), bf16, rtol=2 ** -7, atol=0, msg="key")
+    assert_close(value, ref_value.double(), bf16, rtol=2 ** -7, atol=0, msg="value")
+
+
+def test_mla_decompress_rounds_the_latent_to_the_weight_dtype():
+    check_decompress_rounding(ops.mla_decompress)
 
 
 # ----------------------------------------------------------------------------------------------------

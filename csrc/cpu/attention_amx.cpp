@@ -13,6 +13,7 @@
 
 #include "attention_plan.h"
 #include "convert.h"
+#include "kvkernels/softmax.h"
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c"))), apply_to = function)

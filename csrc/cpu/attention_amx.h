@@ -29,6 +29,13 @@ inline __m512i row_words(const C* row) {
   return word_loader<C>().load(row, Words::mask(Words::N)).v;
 }
 
+inline float bf16_bits_to_float(bf16_bits b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 // ---- S^T = K Q^T ----
 // The keys are the A operand: 16 key rows x 32 dims, which is how a cache stores them, so a group of
 // 16 keys in consecutive slots of a bf16 block is loaded straight from the block (the tile load
@@ -155,6 +162,7 @@ inline void softmax_tile_t(const AttentionParams& p, float* st, float mul, float
   }
   const __m512 m_old = _mm512_loadu_ps(m);
   const __m512 m_new = _mm512_mask_max_ps(m_old, live, m_old, mx);
+  const __m512 ref = tile_exp_base(m_new);  // 0 while m_new is -inf (attention_tiles.h)
   // Word lane i of pair kp: (P[i][2kp], P[i][2kp + 1]); 16 pairs transposed give 32 keys of P's rows.
   alignas(64) static const uint16_t pair_idx[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
                                                     21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
@@ -165,9 +173,9 @@ inline void softmax_tile_t(const AttentionParams& p, float* st, float mul, float
     __m512i w[16];
     for (int kp = 0; kp < 16; ++kp) {
       const int k = 32 * h + 2 * kp;
-      // exp gives 0 for -inf (masked keys) and for NaN (-inf - -inf: a row that never saw a key).
-      const __m512 e0 = Vec{_mm512_sub_ps(_mm512_loadu_ps(st + 16 * k), m_new)}.exp().v;
-      const __m512 e1 = Vec{_mm512_sub_ps(_mm512_loadu_ps(st + 16 * k + 16), m_new)}.exp().v;
+      // exp gives 0 for -inf (masked keys) and NaN for a NaN logit (which must reach d).
+      const __m512 e0 = Vec{_mm512_sub_ps(_mm512_loadu_ps(st + 16 * k), ref)}.exp().v;
+      const __m512 e1 = Vec{_mm512_sub_ps(_mm512_loadu_ps(st + 16 * k + 16), ref)}.exp().v;
       sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
       const __m512bh pb = _mm512_cvtne2ps_pbh(e1, e0);  // e0 in the low half
       w[kp] = _mm512_permutexvar_epi16(pairs, reinterpret_cast<const __m512i&>(pb));
@@ -177,7 +185,7 @@ inline void softmax_tile_t(const AttentionParams& p, float* st, float mul, float
   }
   // alpha = e^(m_old - m_new), 1 for rows that saw nothing (whose m_old may be -inf).
   const __m512 al = _mm512_mask_blend_ps(live, _mm512_set1_ps(1.0f),
-                                         Vec{_mm512_sub_ps(m_old, m_new)}.exp().v);
+                                         Vec{_mm512_sub_ps(m_old, ref)}.exp().v);
   _mm512_storeu_ps(alpha, al);
   _mm512_storeu_ps(d, _mm512_fmadd_ps(_mm512_loadu_ps(d), al, sum));
   _mm512_storeu_ps(m, m_new);
@@ -250,6 +258,64 @@ inline void amx_rescale(const TileScratch& sc, int r0, int D) {
   }
 }
 
+// Rows that do not all see the same keys of a chunk (the causal diagonal or a window's edge in
+// prefill): a key a row does not see has probability 0 for it, but the tile product still
+// multiplies that 0 by the key's value, and 0 times an inf or NaN value is NaN (docs/ops.md: keys
+// a row does not see never influence it). For such chunks the non-finite values are zeroed in the
+// packed operands (amx_zero_nonfinite) and added back afterwards by the rows that see them
+// (amx_add_nonfinite). A chunk every row sees whole (decode, MLA decode, all but the diagonal
+// chunks of prefill) skips both.
+
+// bf16 bits with an all-ones exponent: inf or NaN.
+inline __mmask32 nonfinite_words(__m512i x) {
+  const __m512i expo = _mm512_set1_epi16(0x7F80);
+  return _mm512_cmpeq_epi16_mask(_mm512_and_si512(x, expo), expo);
+}
+
+// Zeroes the non-finite values of a packed group (amx_pack_values, w columns); returns the keys
+// (bit j: key j of the chunk) that had one.
+inline uint64_t amx_zero_nonfinite(bf16_bits* vp, int w) {
+  uint64_t keys = 0;
+  for (int kp = 0; kp < kTileChunk / 2; ++kp) {
+    bf16_bits* row = vp + size_t(kp) * 2 * w;
+    for (int c = 0; c < 2 * w; c += 32) {
+      const __m512i x = _mm512_loadu_si512(row + c);
+      const __mmask32 bad = nonfinite_words(x);
+      if (!bad) continue;
+      _mm512_storeu_si512(row + c, _mm512_maskz_mov_epi16(__mmask32(~bad), x));
+      // Words alternate between key 2 kp (even words) and key 2 kp + 1 (odd words).
+      if (bad & 0x55555555u) keys |= uint64_t(1) << (2 * kp);
+      if (bad & 0xAAAAAAAAu) keys |= uint64_t(1) << (2 * kp + 1);
+    }
+  }
+  return keys;
+}
+
+// acc[r][c] += P[r][j] v[j][c] for the non-finite values v[j][c] of the keys in `keys`, columns
+// [c0, c0 + w), for every real row r of a live tile that sees key j (sc.vis).
+template <typename C>
+inline void amx_add_nonfinite(const TileScratch& sc, const C* const* vals, uint64_t keys, int c0,
+                              int w, int D, const bool* live, int tiles, int rows) {
+  for (int j = 0; j < kTileChunk; ++j) {
+    if (!((keys >> j) & 1)) continue;
+    for (int c = 0; c < w; c += 32) {
+      const __m512i x = row_words(vals[j] + c0 + c);
+      uint32_t bad = nonfinite_words(x);
+      if (!bad) continue;
+      alignas(64) uint16_t words[32];
+      _mm512_store_si512(words, x);
+      for (; bad; bad &= bad - 1) {
+        const int l = __builtin_ctz(bad);
+        const float v = bf16_bits_to_float(words[l]);
+        for (int r = 0; r < kmin(rows, 16 * tiles); ++r) {
+          if (!live[r / 16] || j < sc.vis[2 * r] || j >= sc.vis[2 * r + 1]) continue;
+          sc.acc[size_t(r) * D + c0 + c + l] += bf16_bits_to_float(sc.p[size_t(r) * kTileChunk + j]) * v;
+        }
+      }
+    }
+  }
+}
+
 // O += P V for the live row tiles (rescaled before by amx_rescale), 64 value columns at a time:
 // each group of columns is packed and then multiplied while it is still in L1 (packing all 64 x
 // 512 values of an MLA chunk at once, 64 KB, went through L2). Groups alternate between two
@@ -257,16 +323,24 @@ inline void amx_rescale(const TileScratch& sc, int r0, int D) {
 // lines.
 template <typename C>
 inline void amx_values(const TileScratch& sc, const C* const* vals, int j0, int j1, int D,
-                       const bool* live, int tiles) {
+                       const bool* live, int tiles, int rows) {
   // One group: kTileChunk / 2 pair rows of 2 x 64 bf16 (8 KB). Both buffers fit the value region
   // (Dv x kTileChunk floats) whenever there is a second group (Dv > 64).
   constexpr size_t kGroupBf16 = (kTileChunk / 2) * 2 * 64;
   bf16_bits* const buf[2] = {sc.vp_bf16(), sc.vp_bf16() + kGroupBf16};
   const int groups = (D + 63) / 64;  // D % 32 == 0: the last group may be 32 wide
+  bool uniform = true;  // every real row of a live tile sees exactly [j0, j1)
+  for (int r = 0; r < kmin(rows, 16 * tiles) && uniform; ++r)
+    uniform = !live[r / 16] || (sc.vis[2 * r] == j0 && sc.vis[2 * r + 1] == j1);
+  uint64_t bad[2] = {0, 0};  // keys with non-finite values in each buffer's group (not uniform)
   amx_pack_values(vals, j0, j1, 0, kmin(64, D), buf[0]);
+  if (!uniform) bad[0] = amx_zero_nonfinite(buf[0], kmin(64, D));
   for (int g = 0; g < groups; ++g) {
     const int c = 64 * g;
-    if (g + 1 < groups) amx_pack_values(vals, j0, j1, c + 64, kmin(64, D - c - 64), buf[(g + 1) & 1]);
+    if (g + 1 < groups) {
+      amx_pack_values(vals, j0, j1, c + 64, kmin(64, D - c - 64), buf[(g + 1) & 1]);
+      if (!uniform) bad[(g + 1) & 1] = amx_zero_nonfinite(buf[(g + 1) & 1], kmin(64, D - c - 64));
+    }
     for (int t = 0; t < tiles; ++t) {
       if (!live[t]) continue;
       float* acc = sc.acc + size_t(16 * t) * D + c;
@@ -274,6 +348,7 @@ inline void amx_values(const TileScratch& sc, const C* const* vals, int j0, int 
       if (D - c >= 64) amx_pv<4>(acc, D, P, buf[g & 1]);
       else amx_pv<2>(acc, D, P, buf[g & 1]);
     }
+    if (bad[g & 1]) amx_add_nonfinite(sc, vals, bad[g & 1], c, kmin(64, D - c), D, live, tiles, rows);
   }
 }
 

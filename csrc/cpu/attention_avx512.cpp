@@ -11,6 +11,7 @@
 
 #include "attention_plan.h"
 #include "convert.h"
+#include "kvkernels/softmax.h"
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))), apply_to = function)

@@ -26,7 +26,8 @@
 // (vdpbf16ps was tried for the logits and was no faster: on the benchmark machine it issues at
 // 1.08 G/s per core against 4.43 G/s for 16-lane FMAs, i.e. half the multiply-add rate.)
 //
-// Requires (included before the target region): convert.h, attention_plan.h, <cmath>, <cstring>.
+// Requires (included before the target region): convert.h, attention_plan.h, kvkernels/softmax.h,
+// <cmath>, <cstring>.
 
 namespace kvkernels::cpu::KVK_ISA {
 
@@ -188,17 +189,92 @@ inline void pv4(float* acc, int dv, const float* P, int ps, const float* alpha,
     for (int x = 0; x < CW; ++x) a[r][x].store(acc + r * dv + (c + x) * Vec::N);
 }
 
+// Row r of an item is query q0 + r / group, head kv_head * group + r % group.
+struct RowMap {
+  int64_t token0, pos0;
+  int group, head0;
+  int64_t token(int r) const { return token0 + r / group; }
+  int64_t pos(int r) const { return pos0 + r / group; }
+  int head(int r) const { return head0 + r % group; }
+};
+
+// Keys [a, b) of [j0, j1) in the chunk at position cs that the query at `pos` sees (causal, window).
+inline void visible_keys(const AttentionParams& p, int64_t pos, int64_t cs, int j0, int j1, int* a,
+                         int* b) {
+  int64_t lo = j0;
+  if (p.window_left >= 0) lo = kmax<int64_t>(lo, pos - p.window_left - cs);
+  *a = int(kmin<int64_t>(lo, j1));
+  *b = int(kmax<int64_t>(kmin<int64_t>(j1, pos - cs + 1), *a));
+}
+
+// Which keys of [j0, j1) four consecutive rows see: row i sees [a[i], b[i]), and all four see
+// [lo, hi) (lo = hi = j1 when no key is seen by all). P V runs the common range through pv4 and
+// the rest through pv4_edges, row by row: a key a row does not see has probability 0 for it, but
+// 0 times an inf or NaN value would still be NaN (docs/ops.md: keys a row does not see never
+// influence it). Rows that differ only in prefill (the causal diagonal, a window's edge): in
+// decode every row sees the whole range and the edges are empty.
+struct Vis4 {
+  int a[4], b[4];
+  int lo, hi;
+  // ab(i, &a, &b) fills row i's range; padding rows (i not real) see everything (no output).
+  template <typename F>
+  Vis4(int j0, int j1, int real, F ab) : lo(j0), hi(j1) {
+    for (int i = 0; i < 4; ++i) {
+      if (i < real) ab(i, &a[i], &b[i]);
+      else a[i] = j0, b[i] = j1;
+      lo = kmax(lo, a[i]), hi = kmin(hi, b[i]);
+    }
+    if (lo >= hi) lo = hi = j1;
+  }
+  bool sees(int i, int j) const { return j >= a[i] && j < b[i]; }
+};
+
+// The keys of [j0, j1) outside [v.lo, v.hi), each added by the rows that see it, to accumulator
+// rows already rescaled (by pv4 over the common range). P has row stride ps.
+template <typename VT>
+inline void pv4_edges(float* acc, int dv, const float* P, int ps, const VT* const* vals, int j0,
+                      int j1, const Vis4& v, int nvv, const Mask* mk) {
+  for (int j = j0; j < j1; ++j) {
+    if (j == v.lo) j = v.hi;
+    if (j >= j1) break;
+    for (int r = 0; r < 4; ++r) {
+      if (!v.sees(r, j)) continue;
+      const Vec pr = Vec::set1(P[r * ps + j]);
+      float* o = acc + size_t(r) * dv;
+      for (int i = 0; i < nvv; ++i)
+        fma(pr, Vec::load(vals[j] + i * Vec::N, mk[i]), Vec::load(o + i * Vec::N)).store(o + i * Vec::N);
+    }
+  }
+}
+
+// The rows of an item as seen from one chunk: their visible keys (visible_keys) in groups of four.
+struct ChunkRows {
+  const AttentionParams& p;
+  const RowMap& map;
+  int rows;  // real rows; the rest up to a multiple of 4 are padding
+  int64_t cs;
+  int j0, j1;
+  Vis4 group(int r) const {
+    return Vis4(j0, j1, rows - r, [&](int i, int* a, int* b) {
+      visible_keys(p, map.pos(r + i), cs, j0, j1, a, b);
+    });
+  }
+};
+
 template <typename VT>
 inline void chunk_values(const Scratch& sc, int dv, int rows4, const VT* const* vals, int j0,
-                         int j1, int nvv, const Mask* mk, const Prefetcher& pf) {
+                         int j1, int nvv, const Mask* mk, const Prefetcher& pf,
+                         const ChunkRows& cr) {
   for (int r = 0; r < rows4; r += 4) {
     float* acc = sc.acc + size_t(r) * dv;
     const float* P = sc.s + r * kChunk;
     const float* alpha = sc.alpha + r;
+    const Vis4 v = cr.group(r);
     int c = 0;
     for (; c + kCw <= nvv; c += kCw)
-      pv4<kCw>(acc, dv, P, kChunk, alpha, vals, j0, j1, c, mk, r == 0 && c == 0 ? &pf : nullptr);
-    for (; c < nvv; ++c) pv4<1>(acc, dv, P, kChunk, alpha, vals, j0, j1, c, mk, nullptr);
+      pv4<kCw>(acc, dv, P, kChunk, alpha, vals, v.lo, v.hi, c, mk, r == 0 && c == 0 ? &pf : nullptr);
+    for (; c < nvv; ++c) pv4<1>(acc, dv, P, kChunk, alpha, vals, v.lo, v.hi, c, mk, nullptr);
+    pv4_edges(acc, dv, P, kChunk, vals, j0, j1, v, nvv, mk);
   }
 }
 
@@ -296,18 +372,44 @@ inline void pv4_words(float* acc, int dv, const float* P, const float* alpha, co
     for (int x = 0; x < 2 * CW; ++x) a[r][x].store(acc + r * dv + c * Words::N + x * Vec::N);
 }
 
+// pv4_edges over Words of values, accumulator in the paired column order.
+template <typename C>
+inline void pv4_edges_words(float* acc, int dv, const float* P, const C* const* vals, int j0,
+                            int j1, const Vis4& v, int nvw, const Words::Mask* mw,
+                            const WordLoader<C>& ld) {
+  for (int j = j0; j < j1; ++j) {
+    if (j == v.lo) j = v.hi;
+    if (j >= j1) break;
+    for (int r = 0; r < 4; ++r) {
+      if (!v.sees(r, j)) continue;
+      const Vec pr = Vec::set1(P[r * kChunk + j]);
+      float* o = acc + size_t(r) * dv;
+      for (int i = 0; i < nvw; ++i) {
+        Vec e, od;
+        ld.load(vals[j] + i * Words::N, mw[i]).split(&e, &od);
+        float* x = o + i * Words::N;
+        fma(pr, e, Vec::load(x)).store(x);
+        fma(pr, od, Vec::load(x + Vec::N)).store(x + Vec::N);
+      }
+    }
+  }
+}
+
 template <typename C>
 inline void chunk_values_words(const Scratch& sc, int dv, int rows4, const C* const* vals, int j0,
                                int j1, const RowMasks& mk, const WordLoader<C>& ld,
-                               const Prefetcher& pf) {
+                               const Prefetcher& pf, const ChunkRows& cr) {
   for (int r = 0; r < rows4; r += 4) {
     float* acc = sc.acc + size_t(r) * dv;
     const float* P = sc.s + r * kChunk;
     const float* alpha = sc.alpha + r;
+    const Vis4 v = cr.group(r);
     int c = 0;
     for (; c + 2 <= mk.nvw; c += 2)
-      pv4_words<2>(acc, dv, P, alpha, vals, j0, j1, c, mk.vw, ld, r == 0 && c == 0 ? &pf : nullptr);
-    for (; c < mk.nvw; ++c) pv4_words<1>(acc, dv, P, alpha, vals, j0, j1, c, mk.vw, ld, nullptr);
+      pv4_words<2>(acc, dv, P, alpha, vals, v.lo, v.hi, c, mk.vw, ld,
+                   r == 0 && c == 0 ? &pf : nullptr);
+    for (; c < mk.nvw; ++c) pv4_words<1>(acc, dv, P, alpha, vals, v.lo, v.hi, c, mk.vw, ld, nullptr);
+    pv4_edges_words(acc, dv, P, vals, j0, j1, v, mk.nvw, mk.vw, ld);
   }
 }
 #endif  // KVK_WORDS
@@ -325,41 +427,20 @@ inline void unpair_rows(float* acc, int rows, int dv) {
   }
 }
 
-// Output row and lse from the unnormalized state; the sink is one more logit in the denominator
-// that carries no value (a -inf sink is no sink).
+// Output row and lse from the unnormalized state (m, d over the row's visible keys; has_keys: the
+// row has any), with the sink and v_scale: kvkernels/softmax.h finish_row gives the documented
+// non-finite results. A non-finite v_scale makes the whole output row NaN (docs/ops.md): it is
+// applied here, after the sum, where an inf would not give the per-element inf / NaN pattern of
+// dequantizing first.
 template <typename Q>
 inline void finalize_row(const AttentionParams& p, int64_t token, int head, const float* acc,
-                         float m, float d, float v_scale) {
-  float denom = d, lse = d > 0.0f ? m + std::log(d) : -INFINITY, fix = 1.0f;
-  if (p.sinks && p.sinks[head] > -INFINITY) {
-    const float sink = p.sinks[head];
-    const float mx = kmax(m, sink);
-    fix = d > 0.0f ? std::exp(m - mx) : 0.0f;
-    denom = d * fix + std::exp(sink - mx);
-    lse = mx + std::log(denom);
-  }
-  const float inv = denom > 0.0f ? fix * v_scale / denom : 0.0f;
+                         float m, float d, bool has_keys, float v_scale) {
+  float mul;
+  const float lse = finish_row(m, d, has_keys, p.sinks ? p.sinks[head] : -INFINITY, &mul);
+  const float inv = std::isfinite(v_scale) ? mul * v_scale : NAN;
   Q* o = static_cast<Q*>(p.out) + (token * p.num_heads + head) * p.kv.head_dim_v;
   for (int i = 0; i < p.kv.head_dim_v; ++i) o[i] = from_float<Q>(acc[i] * inv);
   p.lse[token * p.num_heads + head] = lse;
-}
-
-// Row r of an item is query q0 + r / group, head kv_head * group + r % group.
-struct RowMap {
-  int64_t token0, pos0;
-  int group, head0;
-  int64_t token(int r) const { return token0 + r / group; }
-  int64_t pos(int r) const { return pos0 + r / group; }
-  int head(int r) const { return head0 + r % group; }
-};
-
-// Keys [a, b) of [j0, j1) in the chunk at position cs that the query at `pos` sees (causal, window).
-inline void visible_keys(const AttentionParams& p, int64_t pos, int64_t cs, int j0, int j1, int* a,
-                         int* b) {
-  int64_t lo = j0;
-  if (p.window_left >= 0) lo = kmax<int64_t>(lo, pos - p.window_left - cs);
-  *a = int(kmin<int64_t>(lo, j1));
-  *b = int(kmax<int64_t>(kmin<int64_t>(j1, pos - cs + 1), *a));
 }
 
 // Logits s[0, width) of one row (query at `pos`, head `head`) of the chunk at position cs, in the
@@ -523,12 +604,13 @@ inline void attend_chunk(const AttentionParams& p, const AttentionPlan& plan, co
     mask_logits(p, sc.s + r * kChunk, h.map.head(r), pos, cs, a, b);
   }
   for (int r = 0; r < rows4; r += 4) softmax_rows4(sc.s + r * kChunk, sc.m + r, sc.d + r, sc.alpha + r);
+  const ChunkRows cr{p, h.map, rows, cs, j0, j1};
 #if defined(KVK_WORDS)
   if constexpr (!std::is_same_v<Loader, void>)
-    chunk_values_words(sc, plan.dv, rows4, vals, j0, j1, mk, *ld, pf_v);
+    chunk_values_words(sc, plan.dv, rows4, vals, j0, j1, mk, *ld, pf_v, cr);
   else
 #endif
-    chunk_values(sc, plan.dv, rows4, vals, j0, j1, mk.nvv, mk.v, pf_v);
+    chunk_values(sc, plan.dv, rows4, vals, j0, j1, mk.nvv, mk.v, pf_v, cr);
 }
 
 // Converts keys [j0, j1) of a chunk, for all heads of an item, into each head's float scratch,
@@ -595,12 +677,14 @@ struct ChunkRange {
 // when the item is one split of several, its unnormalized partial result.
 template <typename Q>
 inline void store_rows(const AttentionParams& p, const AttentionPlan& plan, const RowMap& map,
-                       int kv_head, int h, int rows, const float* acc, const float* m,
+                       int64_t seq, int kv_head, int h, int rows, const float* acc, const float* m,
                        const float* d, float* part_acc, float* part_m, float* part_d) {
   if (part_acc == nullptr) {
     const float v_scale = p.kv.v_scale_of(kv_head);
+    const bool has_keys = p.kv.seq_lens[seq] > 0;  // every row sees its own position's key
     for (int r = 0; r < rows; ++r)
-      finalize_row<Q>(p, map.token(r), map.head(r), acc + size_t(r) * plan.dv, m[r], d[r], v_scale);
+      finalize_row<Q>(p, map.token(r), map.head(r), acc + size_t(r) * plan.dv, m[r], d[r], has_keys,
+                      v_scale);
     return;
   }
   const size_t row0 = size_t(h) * plan.max_rows;
@@ -683,8 +767,8 @@ void attend_item(const AttentionParams& p, const AttentionPlan& plan, const Atte
   for (int h = 0; h < it.num_kv; ++h) {
     const Scratch& sc = heads[h].sc;
     if (words) unpair_rows(sc.acc, rows, plan.dv);
-    store_rows<Q>(p, plan, heads[h].map, heads[h].kv_head, h, rows, sc.acc, sc.m, sc.d, part_acc,
-                  part_m, part_d);
+    store_rows<Q>(p, plan, heads[h].map, it.seq, heads[h].kv_head, h, rows, sc.acc, sc.m, sc.d,
+                  part_acc, part_m, part_d);
   }
 }
 
@@ -733,26 +817,28 @@ void merge_splits(const AttentionParams& p, const AttentionPlan& plan, const Att
     for (int h = 0; h < it.num_kv; ++h) {
       const RowMap map{p.q_begin(it.seq) + it.q0, 0, G, (it.kv_head + h) * G};
       const float v_scale = p.kv.v_scale_of(it.kv_head + h);
+      const bool has_keys = p.kv.seq_lens[it.seq] > 0;
       const size_t row0 = size_t(first) * item_rows + size_t(h) * plan.max_rows;
       for (int r = 0; r < rows; ++r) {
+        // m: the largest split max (a NaN one is skipped here and turns d NaN below). Every split
+        // is read, an empty one (m = -inf, d = 0, acc 0) with weight 0; while no split saw a
+        // finite logit (m = -inf) the weights are 1, so a NaN d or acc still comes through.
         float m = -INFINITY;
-        for (int s = 0; s < plan.splits; ++s) m = kmax(m, part.m[row0 + s * item_rows + r]);
+        for (int s = 0; s < plan.splits; ++s) m = std::fmax(m, part.m[row0 + s * item_rows + r]);
         float* acc = part.acc + (row0 + r) * dv;
         float d = 0.0f;
-        if (m > -INFINITY) {
-          for (int s = 0; s < plan.splits; ++s) {
-            const size_t row = row0 + s * item_rows + r;
-            const float w = std::exp(part.m[row] - m);  // empty split: m = -inf, weight 0
-            d += part.d[row] * w;
-            const float* a = part.acc + row * dv;
-            if (s == 0) {
-              for (int i = 0; i < Dv; ++i) acc[i] = a[i] * w;
-            } else if (w > 0.0f) {
-              for (int i = 0; i < Dv; ++i) acc[i] += a[i] * w;
-            }
+        for (int s = 0; s < plan.splits; ++s) {
+          const size_t row = row0 + s * item_rows + r;
+          const float w = m == -INFINITY ? 1.0f : std::exp(part.m[row] - m);
+          d += part.d[row] * w;
+          const float* a = part.acc + row * dv;
+          if (s == 0) {
+            for (int i = 0; i < Dv; ++i) acc[i] = a[i] * w;
+          } else {
+            for (int i = 0; i < Dv; ++i) acc[i] += a[i] * w;
           }
         }
-        finalize_row<Q>(p, map.token(r), map.head(r), acc, m, d, v_scale);
+        finalize_row<Q>(p, map.token(r), map.head(r), acc, m, d, has_keys, v_scale);
       }
     }
   });

@@ -7,6 +7,7 @@
 
 #include "attention_plan.h"
 #include "convert.h"
+#include "kvkernels/softmax.h"
 
 #define KVK_ISA portable
 #include "vec_portable.h"

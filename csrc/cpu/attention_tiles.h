@@ -111,6 +111,12 @@ inline __m512 reduce16(const __m512 x[16], Op op) {
   return _mm512_permutexvar_ps(where, r);
 }
 
+// The base of a tile row's exponents: its running max, or 0 while that is -inf.
+inline __m512 tile_exp_base(__m512 m_new) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                              m_new, _mm512_setzero_ps());
+}
+
 // The online-softmax step of softmax_rows4 for the 16 rows of a tile at once (FMA form): row i (item
 // row r0 + i) sees keys [a[i], b[i]) of its logits s[i * kTileChunk ...]. The per-row max and sum
 // reductions and the rescale exp run across the rows in vectors. The probabilities overwrite s. A
@@ -140,8 +146,11 @@ inline void softmax_tile(const AttentionParams& p, float* s, float mul, float* m
   const __m512 m_old = _mm512_loadu_ps(m);
   const __m512 row_max = reduce16(mx, [](__m512 u, __m512 v) { return _mm512_max_ps(u, v); });
   const __m512 m_new = _mm512_mask_max_ps(m_old, live, m_old, row_max);
+  // Exponents are taken relative to m_new, or to 0 while it is -inf (nothing but -inf logits
+  // yet): -inf - -inf would be NaN, and exp propagates NaN (a NaN logit must reach d).
+  const __m512 ref = tile_exp_base(m_new);
   alignas(64) float mrow[16];
-  _mm512_store_ps(mrow, m_new);
+  _mm512_store_ps(mrow, ref);
   __m512 sum[16];
   for (int i = 0; i < 16; ++i) {
     sum[i] = _mm512_setzero_ps();
@@ -157,7 +166,7 @@ inline void softmax_tile(const AttentionParams& p, float* s, float mul, float* m
   }
   // alpha = e^(m_old - m_new), 1 for rows that saw nothing (whose m_old may be -inf).
   const __m512 al = _mm512_mask_blend_ps(live, _mm512_set1_ps(1.0f),
-                                         Vec{_mm512_sub_ps(m_old, m_new)}.exp().v);
+                                         Vec{_mm512_sub_ps(m_old, ref)}.exp().v);
   const __m512 sums = reduce16(sum, [](__m512 u, __m512 v) { return _mm512_add_ps(u, v); });
   _mm512_storeu_ps(alpha, al);
   _mm512_storeu_ps(d, _mm512_fmadd_ps(_mm512_loadu_ps(d), al, sums));
@@ -257,16 +266,27 @@ inline void fma_logits(const float* q, int D, const float* kt, float* s) {
   }
 }
 
-// O = alpha O + P V for one row tile, through pv4 (4 rows x 64 columns in registers).
-inline void fma_values(const TileScratch& sc, int r0, int D, const float* const* vals, int j0,
-                       int j1, const Mask* mk) {
+// Which keys of the chunk rows r .. r + 3 see (sc.vis; rows past `rows` are padding).
+inline Vis4 tile_vis4(const TileScratch& sc, int r, int rows, int j0, int j1) {
+  return Vis4(j0, j1, rows - r, [&](int i, int* a, int* b) {
+    *a = sc.vis[2 * (r + i)], *b = sc.vis[2 * (r + i) + 1];
+  });
+}
+
+// O = alpha O + P V for one row tile, through pv4 (4 rows x 64 columns in registers) over the keys
+// all four rows see and pv4_edges for the rest (attention_kernel.h, Vis4).
+inline void fma_values(const TileScratch& sc, int r0, int rows, int D, const float* const* vals,
+                       int j0, int j1, const Mask* mk) {
   for (int r = r0; r < r0 + 16; r += 4) {
     float* acc = sc.acc + size_t(r) * D;
     const float* P = sc.s + size_t(r) * kTileChunk;
+    const Vis4 v = tile_vis4(sc, r, rows, j0, j1);
     int c = 0;
     for (; c + 4 <= D / 16; c += 4)
-      pv4<4>(acc, D, P, kTileChunk, sc.alpha + r, vals, j0, j1, c, mk, nullptr);
-    for (; c < D / 16; ++c) pv4<1>(acc, D, P, kTileChunk, sc.alpha + r, vals, j0, j1, c, mk, nullptr);
+      pv4<4>(acc, D, P, kTileChunk, sc.alpha + r, vals, v.lo, v.hi, c, mk, nullptr);
+    for (; c < D / 16; ++c)
+      pv4<1>(acc, D, P, kTileChunk, sc.alpha + r, vals, v.lo, v.hi, c, mk, nullptr);
+    pv4_edges(acc, D, P, kTileChunk, vals, j0, j1, v, D / 16, mk);
   }
 }
 
@@ -396,11 +416,12 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
       softmax_tile(p, s, mul, m, d, alpha, a, b, map, r0, cs);
     });
 #if defined(KVK_AMX)
-    if constexpr (kAmx) amx_values(sc, vals, j0, j1, Dv, live, tiles);
+    if constexpr (kAmx) amx_values(sc, vals, j0, j1, Dv, live, tiles, rows);
 #endif
-    if constexpr (!kAmx) each_live_tile([&](int r0) { fma_values(sc, r0, Dv, fvals, j0, j1, mk.v); });
+    if constexpr (!kAmx)
+      each_live_tile([&](int r0) { fma_values(sc, r0, rows, Dv, fvals, j0, j1, mk.v); });
   }
-  store_rows<Q>(p, plan, map, it.kv_head, 0, rows, sc.acc, sc.m, sc.d, part_acc, part_m, part_d);
+  store_rows<Q>(p, plan, map, it.seq, it.kv_head, 0, rows, sc.acc, sc.m, sc.d, part_acc, part_m, part_d);
 }
 
 template <typename Q, typename C>

@@ -1,7 +1,7 @@
 // merge_attention_states on the CPU: the exact merge of two attention states over disjoint key
 // sets (kvkernels/softmax.h, merge_weights), one (token, head) row at a time through the row
-// kernels of the active ISA (rows.h). A side whose weight is 0 contributes exactly 0, even when
-// its row holds inf or NaN.
+// kernels of the active ISA (rows.h). A side whose lse is -inf or +inf saw no key and contributes
+// exactly 0, even when its row holds inf or NaN; a NaN lse makes the row NaN (docs/ops.md).
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 

@@ -123,11 +123,11 @@ struct RowIo {
   }
 
   // ---- merge ----
-  // w != 0 ? w * x : 0 per lane (a zero weight never lets an inf/NaN of x through). Masking the
-  // product also keeps GCC from contracting it with the following add into an FMA, so the result
-  // stays bit-identical to the scalar (portable) merge.
-  static Vec weighted(float w, Vec x) {
-    const __m256 keep = _mm256_castsi256_ps(_mm256_set1_epi32(w != 0.0f ? -1 : 0));
+  // read ? w * x : 0 per lane (a side that is not read never lets an inf/NaN of x through).
+  // Masking the product also keeps GCC from contracting it with the following add into an FMA, so
+  // the result stays bit-identical to the scalar (portable) merge.
+  static Vec weighted(float w, bool read, Vec x) {
+    const __m256 keep = _mm256_castsi256_ps(_mm256_set1_epi32(read ? -1 : 0));
     return {_mm256_and_ps(_mm256_mul_ps(_mm256_set1_ps(w), x.v), keep)};
   }
 };

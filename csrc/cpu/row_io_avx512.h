@@ -105,11 +105,11 @@ struct RowIo {
   }
 
   // ---- merge ----
-  // w != 0 ? w * x : 0 per lane, so a zero weight never lets an inf/NaN of x through. A masked
-  // multiply is also never contracted with the following add into an FMA, which keeps the
+  // read ? w * x : 0 per lane, so a side that is not read never lets an inf/NaN of x through. A
+  // masked multiply is also never contracted with the following add into an FMA, which keeps the
   // result bit-identical to the scalar (portable) merge.
-  static Vec weighted(float w, Vec x) {
-    return {_mm512_maskz_mul_ps(w != 0.0f ? Mask(0xFFFF) : Mask(0), _mm512_set1_ps(w), x.v)};
+  static Vec weighted(float w, bool read, Vec x) {
+    return {_mm512_maskz_mul_ps(read ? Mask(0xFFFF) : Mask(0), _mm512_set1_ps(w), x.v)};
   }
 };
 

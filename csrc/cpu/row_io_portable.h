@@ -28,10 +28,10 @@ struct RowIo {
     for (int i = 0; i < n; ++i) p[i] = to_cache<C>(x.v[i], scale.v[i]);
   }
 
-  // w != 0 ? w * x : 0 per lane: a zero weight never lets an inf/NaN of x through.
-  static Vec weighted(float w, Vec x) {
+  // read ? w * x : 0 per lane: a side that is not read never lets an inf/NaN of x through.
+  static Vec weighted(float w, bool read, Vec x) {
     Vec r = Vec::zero();
-    if (w != 0.0f)
+    if (read)
       for (int i = 0; i < N; ++i) r.v[i] = w * x.v[i];
     return r;
   }

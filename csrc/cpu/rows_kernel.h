@@ -53,17 +53,18 @@ inline void read_row(const C* src, O* dst, int64_t n, float scale) {
   }
 }
 
-// out = wa * a + wb * b, a side with weight 0 contributing exactly 0 (merge_attention_states).
+// out = wa * a + wb * b, a side that is not read (ra / rb false: its lse marks it empty)
+// contributing exactly 0 (merge_attention_states).
 template <typename T>
-inline void merge_row(const T* a, const T* b, T* out, int n, float wa, float wb) {
+inline void merge_row(const T* a, const T* b, T* out, int n, float wa, bool ra, float wb, bool rb) {
   int i = 0;
   for (; i + kN <= n; i += kN)
-    RowIo::store(out + i, RowIo::weighted(wa, RowIo::load(a + i)) +
-                              RowIo::weighted(wb, RowIo::load(b + i)));
+    RowIo::store(out + i, RowIo::weighted(wa, ra, RowIo::load(a + i)) +
+                              RowIo::weighted(wb, rb, RowIo::load(b + i)));
   if (i < n) {
     const int m = n - i;
-    RowIo::store(out + i, RowIo::weighted(wa, RowIo::load(a + i, m)) +
-                              RowIo::weighted(wb, RowIo::load(b + i, m)), m);
+    RowIo::store(out + i, RowIo::weighted(wa, ra, RowIo::load(a + i, m)) +
+                              RowIo::weighted(wb, rb, RowIo::load(b + i, m)), m);
   }
 }
 
@@ -128,12 +129,14 @@ template <typename T>
 void merge_as(const MergeParams& p, int64_t begin, int64_t end) {
   for (int64_t r = begin; r < end; ++r) {
     const int64_t t = r / p.num_heads, h = r % p.num_heads;
+    const float la = p.lse_a[t * p.lse_a_stride_token + h * p.lse_a_stride_head];
+    const float lb = p.lse_b[t * p.lse_b_stride_token + h * p.lse_b_stride_head];
     float wa, wb;
-    p.lse[r] = merge_weights(p.lse_a[t * p.lse_a_stride_token + h * p.lse_a_stride_head],
-                             p.lse_b[t * p.lse_b_stride_token + h * p.lse_b_stride_head], &wa, &wb);
+    p.lse[r] = merge_weights(la, lb, &wa, &wb);
     merge_row(static_cast<const T*>(p.out_a) + t * p.a_stride_token + h * p.a_stride_head,
               static_cast<const T*>(p.out_b) + t * p.b_stride_token + h * p.b_stride_head,
-              static_cast<T*>(p.out) + r * p.head_dim, p.head_dim, wa, wb);
+              static_cast<T*>(p.out) + r * p.head_dim, p.head_dim, wa, !lse_empty(la), wb,
+              !lse_empty(lb));
   }
 }
 

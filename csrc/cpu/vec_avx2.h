@@ -64,9 +64,10 @@ struct Vec {
   }
 
   // e^x as in vec_avx512.h; 2^n is built in the exponent field, so x is clamped to the normal
-  // range and anything below it (including -inf) is forced to exactly 0.
+  // range and anything below it (including -inf) is forced to exactly 0. NaN stays NaN (the clamp
+  // returns its second operand, v, for NaN; the final mask keeps lanes "not <= -87", NaN included).
   Vec exp() const {
-    const __m256 x = _mm256_max_ps(v, _mm256_set1_ps(-87.0f));
+    const __m256 x = _mm256_max_ps(_mm256_set1_ps(-87.0f), v);
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
@@ -81,7 +82,7 @@ struct Vec {
     const __m256i pow2n = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
-    return {_mm256_and_ps(e, _mm256_cmp_ps(v, _mm256_set1_ps(-87.0f), _CMP_GT_OQ))};
+    return {_mm256_and_ps(e, _mm256_cmp_ps(v, _mm256_set1_ps(-87.0f), _CMP_NLE_UQ))};
   }
   Vec tanh() const {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);

@@ -71,9 +71,11 @@ struct Vec {
   // e^x to ~2 ulp: x = n ln2 + r, |r| <= ln2/2, e^r by its degree-6 Taylor polynomial, times 2^n
   // with scalef. Results below FLT_MIN (x < -87.33, -inf included) are exactly 0: denormal weights
   // would add nothing to a softmax and, as FMA inputs, slowed the attention kernels 4-5x (measured
-  // by the generate() benchmark without flush-to-zero).
+  // by the generate() benchmark without flush-to-zero). NaN gives NaN: vmaxps returns its second
+  // operand when either is NaN, so x is the clamp of v with v second, and the "normal" mask is
+  // "not below -87.33" (true for NaN). (e^+inf is NaN, never asked for: arguments are <= 0.)
   Vec exp() const {
-    const __m512 x = _mm512_max_ps(v, _mm512_set1_ps(-104.0f));
+    const __m512 x = _mm512_max_ps(_mm512_set1_ps(-104.0f), v);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
@@ -85,7 +87,7 @@ struct Vec {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    const __mmask16 normal = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.33f), _CMP_GE_OQ);
+    const __mmask16 normal = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.33f), _CMP_NLT_UQ);
     return {_mm512_maskz_scalef_ps(normal, p, n)};
   }
   // tanh(x) = sign(x) (1 - e^-2|x|) / (1 + e^-2|x|).

@@ -27,6 +27,7 @@
 #include <type_traits>
 
 #include "kvkernels/params.h"
+#include "kvkernels/softmax.h"
 
 namespace kvkernels::attn_cuda {
 
@@ -553,24 +554,65 @@ __device__ __forceinline__ void load_q8(const QT* src, int c, int d, bool aligne
 // Epilogue: combine the per-warp states of each row, then write out/lse or the split partial
 // ---------------------------------------------------------------------------------------------
 
-// Log2-unit lse of the attention over the keys plus the sink logit s2 (log2 units), and the factor
-// that rescales an output normalized without the sink.
-__device__ __forceinline__ void add_sink(float lse2, float s2, float* lse_out, float* factor) {
-  if (s2 != s2) {  // NaN sink: NaN results, as in the reference
-    *lse_out = s2;
-    *factor = s2;
-  } else if (s2 == -INFINITY) {  // a -inf sink adds nothing
-    *lse_out = lse2;
-    *factor = 1.0f;
-  } else if (s2 == INFINITY) {
-    *lse_out = INFINITY;
-    *factor = 0.0f;
-  } else {
-    const float mx = fmaxf(lse2, s2);
-    const float tot = exp2f(lse2 - mx) + exp2f(s2 - mx);  // lse2 = -inf gives 0
-    *lse_out = mx + log2f(tot);
-    *factor = exp2f(lse2 - *lse_out);
+// A v_scale that is NaN or inf makes every output of the rows it applies to NaN (docs/ops.md): the
+// kernels apply it after the sum, where inf would not give the per-element result of dequantizing
+// first.
+__device__ __forceinline__ float checked_v_mul(float v_mul) { return fabsf(v_mul) < INFINITY ? v_mul : NAN; }
+
+// Whether the rows of a (token, head) row index have any visible key: every varlen row sees its
+// own position; a decode row (token = sequence) iff its sequence is not empty.
+__device__ __forceinline__ bool row_has_keys(const AttentionParams& p, int64_t token) {
+  return p.query_start_loc != nullptr || p.kv.seq_lens[token] > 0;
+}
+
+// ---- keys some rows of a CTA see and others do not ------------------------------------------------
+// In prefill a key tile may hold keys that some rows of the CTA see and others do not (the causal
+// diagonal, a window's edge). Their probability is 0 for the rows that do not see them, but a tensor-
+// core P V still multiplies that 0 by the key's value, and 0 times an inf or NaN value is NaN
+// (docs/ops.md: keys a row does not see never influence it). Such tiles are scanned for non-finite
+// values (16-bit tiles in shared memory); when there is one, each row adds the non-finite values of
+// the keys it sees itself (a few scalar products) and they are zeroed before the tile product.
+
+// Mask of the 16-bit lanes of w (two halves / bfloat16s) that are inf or NaN: 0xffff per lane.
+template <typename T>
+__device__ __forceinline__ uint32_t nonfinite2(uint32_t w) {
+  const uint32_t e = std::is_same_v<T, __half> ? 0x7C007C00u : 0x7F807F80u;
+  return __vcmpeq2(w & e, e);
+}
+
+// Whether any of `n16` 16-byte chunks at `tile` (shared memory, 16-bit elements of type T) holds an
+// inf or NaN; the whole CTA calls it (a barrier).
+template <typename T, int NT>
+__device__ __forceinline__ bool tile_has_nonfinite(const char* tile, int n16) {
+  uint32_t any = 0u;
+  for (int i = threadIdx.x; i < n16; i += NT) {
+    const uint4 u = reinterpret_cast<const uint4*>(tile)[i];
+    any |= nonfinite2<T>(u.x) | nonfinite2<T>(u.y) | nonfinite2<T>(u.z) | nonfinite2<T>(u.w);
   }
+  return __syncthreads_or(any != 0u) != 0;
+}
+
+// Zeroes the inf / NaN elements of `n16` 16-byte chunks at `tile` (16-bit elements of type T).
+template <typename T, int NT>
+__device__ __forceinline__ void zero_nonfinite(char* tile, int n16) {
+  for (int i = threadIdx.x; i < n16; i += NT) {
+    uint4 u = reinterpret_cast<uint4*>(tile)[i];
+    u.x &= ~nonfinite2<T>(u.x), u.y &= ~nonfinite2<T>(u.y);
+    u.z &= ~nonfinite2<T>(u.z), u.w &= ~nonfinite2<T>(u.w);
+    reinterpret_cast<uint4*>(tile)[i] = u;
+  }
+}
+
+// A 16-bit element (bits in the low half) as float.
+template <typename T>
+__device__ __forceinline__ float bits16_to_float(uint32_t h) {
+  return std::is_same_v<T, __half> ? unpack2_half(h).x : __uint_as_float(h << 16);
+}
+
+// The value of a probability p after the rounding to T that the tensor-core P V applies.
+template <typename T>
+__device__ __forceinline__ float round_p(float p) {
+  return std::is_same_v<T, __half> ? __half2float(__float2half_rn(p)) : __bfloat162float(__float2bfloat16_rn(p));
 }
 
 template <typename OT>
@@ -598,44 +640,48 @@ __device__ __forceinline__ void finalize_rows(const AttnArgs& a, const Work& w, 
   constexpr int STRIDE = DPAD + 4;
   const AttentionParams& p = a.p;
   const int d = p.kv.head_dim;
+  v_mul = checked_v_mul(v_mul);
   for (int idx = threadIdx.x; idx < ROWS * C8; idx += NT) {
     const int r = idx / C8, c = (idx - r * C8) * 8;
     if (c >= d) continue;
     const RowId id = row_id(a, w, r);
     if (!id.valid) continue;
+    // Every warp slice is read with weight 2^(m_s - M) (1 while every slice's max is -inf): a NaN
+    // denominator or output of a slice (a NaN logit) reaches the row; an empty slice has d = 0 and
+    // o = 0.
     float M = -INFINITY;
 #pragma unroll
     for (int s = 0; s < WN; ++s) M = fmaxf(M, em[s * ROWS + r]);
     float D = 0.0f, acc[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-    if (M > -INFINITY) {
 #pragma unroll
-      for (int s = 0; s < WN; ++s) {
-        const float ms = em[s * ROWS + r];
-        if (!(ms > -INFINITY)) continue;
-        const float e = exp2f(ms - M);
-        D += ed[s * ROWS + r] * e;
-        const float* o = eo + (s * ROWS + r) * STRIDE + c;
-        const float4 o0 = *reinterpret_cast<const float4*>(o);
-        const float4 o1 = *reinterpret_cast<const float4*>(o + 4);
-        acc[0] += e * o0.x, acc[1] += e * o0.y, acc[2] += e * o0.z, acc[3] += e * o0.w;
-        acc[4] += e * o1.x, acc[5] += e * o1.y, acc[6] += e * o1.z, acc[7] += e * o1.w;
-      }
+    for (int s = 0; s < WN; ++s) {
+      const float e = M == -INFINITY ? 1.0f : exp2f(em[s * ROWS + r] - M);
+      D += ed[s * ROWS + r] * e;
+      const float* o = eo + (s * ROWS + r) * STRIDE + c;
+      const float4 o0 = *reinterpret_cast<const float4*>(o);
+      const float4 o1 = *reinterpret_cast<const float4*>(o + 4);
+      acc[0] += e * o0.x, acc[1] += e * o0.y, acc[2] += e * o0.z, acc[3] += e * o0.w;
+      acc[4] += e * o1.x, acc[5] += e * o1.y, acc[6] += e * o1.z, acc[7] += e * o1.w;
     }
-    const float lse2 = D > 0.0f ? M + log2f(D) : -INFINITY;
-    float mul = D > 0.0f ? v_mul / D : 0.0f;
     const int64_t row = id.token * p.num_heads + id.head;
     if (a.num_splits == 1) {
-      float lse_out = lse2, factor = 1.0f;
-      if (p.sinks) add_sink(lse2, p.sinks[id.head] * kLog2e, &lse_out, &factor);
-      mul *= factor;
+      // kvkernels/softmax.h: NaN / +inf logits or sink -> NaN row; no key -> 0 / -inf.
+      float mul;
+      const float lse2 = finish_row<true>(M, D, w.seq_len > 0,
+                                          p.sinks ? p.sinks[id.head] * kLog2e : -INFINITY, &mul);
+      mul *= v_mul;
       float x[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) x[i] = acc[i] * mul;
       store8(static_cast<OT*>(p.out) + row * d + c, x);
-      if (c == 0) p.lse[row] = lse_out * kLn2;
+      if (c == 0) p.lse[row] = lse2 * kLn2;
     } else {
+      // The normalized partial of this split: D = 0 (no finite logit here) gives lse -inf and is
+      // not read by the merge; a NaN D gives a NaN lse and output.
+      const float lse2 = D == 0.0f ? -INFINITY : M + log2f(D);
+      const float mul = D == 0.0f ? 0.0f : v_mul / D;
       const int64_t prow = int64_t(w.split) * p.num_tokens * p.num_heads + row;
       float x[8];
 #pragma unroll

@@ -1,8 +1,10 @@
 // Exact merge of the split-K partials of paged attention (the math of merge_attention_states and
 // kvkernels/softmax.h, generalized to num_splits states): for each (token, head) row,
 //   lse = log2 sum_s 2^lse_s,  out = sum_s 2^(lse_s - lse) out_s,
-// then the sink joins the denominator (once, here) and out is written in the query dtype.
-// A split that saw no key has lse_s = -inf and is not read (its out_s may be garbage).
+// then the sink joins the denominator (once, here, through finish_row) and out is written in the
+// query dtype. A split that saw no finite logit has lse_s = -inf and is not read (its out_s may be
+// garbage); a NaN lse_s (a NaN or +inf logit in that split) makes the row NaN; every split -inf
+// with visible keys (all logits -inf) is 0 / 0, NaN as well (docs/ops.md).
 // One warp per row, 8 columns per lane (head_dim <= 256).
 #pragma once
 
@@ -29,26 +31,24 @@ __global__ void __launch_bounds__(kMergeThreads)
   float D = 0.0f, acc[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-  if (M > -INFINITY) {
-    for (int s = 0; s < a.num_splits; ++s) {
-      const float l = a.part_lse[int64_t(s) * rows + row];
-      if (!(l > -INFINITY)) continue;
-      const float e = exp2f(l - M);
-      D += e;
-      if (c < d) {
-        const float* src = a.part_o + (int64_t(s) * rows + row) * d + c;
-        const float4 x0 = *reinterpret_cast<const float4*>(src);
-        const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
-        acc[0] += e * x0.x, acc[1] += e * x0.y, acc[2] += e * x0.z, acc[3] += e * x0.w;
-        acc[4] += e * x1.x, acc[5] += e * x1.y, acc[6] += e * x1.z, acc[7] += e * x1.w;
-      }
+  for (int s = 0; s < a.num_splits; ++s) {
+    const float l = a.part_lse[int64_t(s) * rows + row];
+    if (l == -INFINITY) continue;
+    const float e = exp2f(l - M);  // NaN for a NaN l (M skips it), which makes D and the row NaN
+    D += e;
+    if (c < d) {
+      const float* src = a.part_o + (int64_t(s) * rows + row) * d + c;
+      const float4 x0 = *reinterpret_cast<const float4*>(src);
+      const float4 x1 = *reinterpret_cast<const float4*>(src + 4);
+      acc[0] += e * x0.x, acc[1] += e * x0.y, acc[2] += e * x0.z, acc[3] += e * x0.w;
+      acc[4] += e * x1.x, acc[5] += e * x1.y, acc[6] += e * x1.z, acc[7] += e * x1.w;
     }
   }
-  const float lse2 = D > 0.0f ? M + log2f(D) : -INFINITY;
-  float mul = D > 0.0f ? 1.0f / D : 0.0f;
-  float lse_out = lse2, factor = 1.0f;
-  if (p.sinks) add_sink(lse2, p.sinks[head] * kLog2e, &lse_out, &factor);
-  mul *= factor;
+  float mul;
+  const float lse_out = finish_row<true>(M, D, row_has_keys(p, row / p.num_heads),
+                                         p.sinks ? p.sinks[head] * kLog2e : -INFINITY, &mul);
+  // The partials hold v_scale already; a non-finite one must also reach rows without keys.
+  if (!(fabsf(p.kv.v_scale_of(head / a.group)) < INFINITY)) mul = NAN;
   if (c < d) {
     float x[8];
 #pragma unroll

@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, 1)
       }
       cp_async_commit();
     }
-    const char* tk = stage_k(it % STAGES);
+    char* tk = stage_k(it % STAGES);
     if constexpr (C::FP8) {
       char* cvt = smain + STAGES * C::STAGE_BYTES;
       convert_fp8_stage<T, CF, KT, DPAD, NT>(tk, cvt);
@@ -188,7 +188,13 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, 1)
       tk = cvt;
     }
     const uint32_t tk_u32 = smem_u32(tk);
-    const uint32_t tv_u32 = tk_u32 + (C::FP8 ? C::CVT_TILE : C::RAW_TILE);
+    char* const tv = tk + (C::FP8 ? C::CVT_TILE : C::RAW_TILE);  // V tile, 16-bit, swizzled
+    const uint32_t tv_u32 = smem_u32(tv);
+    const int k0 = (w.tile_begin + it) * KT;
+    const bool need_mask = tile_needs_mask(w, k0, KT, ops.window);
+    // A tile whose keys some rows see and others do not (prefill: diagonal, window edge) with an
+    // inf / NaN value: see attention_common.cuh ("keys some rows of a CTA see").
+    const bool fix_nonfinite = w.nq > 1 && need_mask && tile_has_nonfinite<T, NT>(tv, KT * DPAD / 8);
 
     // S = Q K^T for this warp's 16 rows x KW keys.
     float s[KW / 8][4];
@@ -214,8 +220,6 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, 1)
     }
 
     // Logits (log2 units, masked) and the online-softmax update of both rows.
-    const int k0 = (w.tile_begin + it) * KT;
-    const bool need_mask = tile_needs_mask(w, k0, KT, ops.window);
 #pragma unroll
     for (int i = 0; i < KW / 8; ++i) {
 #pragma unroll
@@ -253,6 +257,48 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, 1)
       dsum[h] = dsum[h] * alpha + sum;  // per-thread partial; the quad is summed at the end
 #pragma unroll
       for (int i = 0; i < DPAD / 8; ++i) o[i][2 * h] *= alpha, o[i][2 * h + 1] *= alpha;
+    }
+
+    if (fix_nonfinite) {
+      // Each thread adds, to its output elements (rows ra / rb, columns i * 8 + 2 t4 + {0, 1}), the
+      // non-finite values of the keys its rows see, times their probability rounded as the tile
+      // product rounds it; then the non-finite values are zeroed for the tile product. P of key
+      // i2 * 8 + 2 tq + b of this warp's slice sits in lane (g, tq), s[i2][b] (row ra) and
+      // s[i2][2 + b] (row rb).
+#pragma unroll
+      for (int i2 = 0; i2 < KW / 8; ++i2) {
+        for (int tq = 0; tq < 4; ++tq) {
+#pragma unroll
+          for (int b = 0; b < 2; ++b) {
+            const int src = (lane & ~3) | tq;
+            const float pa = round_p<T>(__shfl_sync(0xffffffffu, s[i2][b], src));
+            const float pb = round_p<T>(__shfl_sync(0xffffffffu, s[i2][2 + b], src));
+            const int kl = wn * KW + i2 * 8 + 2 * tq + b;
+            const bool va = ra.valid && key_visible(k0 + kl, ra.pos, ops.window);
+            const bool vb = rb.valid && key_visible(k0 + kl, rb.pos, ops.window);
+            if (!va && !vb) continue;
+#pragma unroll
+            for (int i = 0; i < DPAD / 8; ++i) {
+              if (i * 8 >= d) continue;
+              const uint32_t v2 = *reinterpret_cast<const uint32_t*>(tv + swz<CPR16>(kl, i) + 4 * t4);
+              const uint32_t bad = nonfinite2<T>(v2);
+              if (bad == 0u) continue;
+              const float v0 = bits16_to_float<T>(v2 & 0xffffu), v1 = bits16_to_float<T>(v2 >> 16);
+              if (bad & 0xffffu) {
+                if (va) o[i][0] += pa * v0;
+                if (vb) o[i][2] += pb * v0;
+              }
+              if (bad >> 16) {
+                if (va) o[i][1] += pa * v1;
+                if (vb) o[i][3] += pb * v1;
+              }
+            }
+          }
+        }
+      }
+      __syncthreads();  // every warp has read the values it needed
+      zero_nonfinite<T, NT>(tv, KT * DPAD / 8);
+      __syncthreads();
     }
 
     // O += P V: the S accumulators of two adjacent n8 tiles are the A fragment of one k16 step.

@@ -253,23 +253,40 @@ __global__ void __launch_bounds__(128, 1)
     }
     __syncthreads();
 
-    // 4. O = alpha O + P V on this thread's column chunk.
+    // 4. O = alpha O + P V on this thread's column chunk. In a tile whose keys some rows see and
+    // others do not (prefill: the causal diagonal, a window's edge), each row adds only the keys
+    // it sees: its probability of the others is 0, but 0 times an inf or NaN value would be NaN.
     if (cc * 4 < d) {
 #pragma unroll
       for (int i = 0; i < C::ORPT; ++i) {
         const float al = sA[orow0 + i * OSTEP];
         o[i][0] *= al, o[i][1] *= al, o[i][2] *= al, o[i][3] *= al;
       }
-#pragma unroll 4
-      for (int j = 0; j < KT; ++j) {
-        const float4 v = *reinterpret_cast<const float4*>(V + j * FSTRIDE + cc * 4);
+      if (w.nq > 1 && tile_needs_mask(w, k0, KT, ops.window)) {
+        for (int j = 0; j < KT; ++j) {
+          const float4 v = *reinterpret_cast<const float4*>(V + j * FSTRIDE + cc * 4);
 #pragma unroll
-        for (int i = 0; i < C::ORPT; ++i) {
-          const float pr = sS[(orow0 + i * OSTEP) * KT + j];
-          o[i][0] = fmaf(pr, v.x, o[i][0]);
-          o[i][1] = fmaf(pr, v.y, o[i][1]);
-          o[i][2] = fmaf(pr, v.z, o[i][2]);
-          o[i][3] = fmaf(pr, v.w, o[i][3]);
+          for (int i = 0; i < C::ORPT; ++i) {
+            if (!key_visible(k0 + j, sPos[orow0 + i * OSTEP], ops.window)) continue;
+            const float pr = sS[(orow0 + i * OSTEP) * KT + j];
+            o[i][0] = fmaf(pr, v.x, o[i][0]);
+            o[i][1] = fmaf(pr, v.y, o[i][1]);
+            o[i][2] = fmaf(pr, v.z, o[i][2]);
+            o[i][3] = fmaf(pr, v.w, o[i][3]);
+          }
+        }
+      } else {
+#pragma unroll 4
+        for (int j = 0; j < KT; ++j) {
+          const float4 v = *reinterpret_cast<const float4*>(V + j * FSTRIDE + cc * 4);
+#pragma unroll
+          for (int i = 0; i < C::ORPT; ++i) {
+            const float pr = sS[(orow0 + i * OSTEP) * KT + j];
+            o[i][0] = fmaf(pr, v.x, o[i][0]);
+            o[i][1] = fmaf(pr, v.y, o[i][1]);
+            o[i][2] = fmaf(pr, v.z, o[i][2]);
+            o[i][3] = fmaf(pr, v.w, o[i][3]);
+          }
         }
       }
     }

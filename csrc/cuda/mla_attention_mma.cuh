@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(mla_threads(PATH), 1)
                                        sstage + (nx % stages) * L.stage_bytes, raw_off);
       ac::cp_async_commit();
     }
-    const char* tile = sstage + (it % stages) * L.stage_bytes;
+    char* tile = sstage + (it % stages) * L.stage_bytes;
     if constexpr (C::FP8) {
       char* cvt = reinterpret_cast<char*>(smem) + L.cvt_off;
       convert_fp8_tile<T, CF, KT, NT>(tile, cvt, dp);
@@ -159,6 +159,11 @@ __global__ void __launch_bounds__(mla_threads(PATH), 1)
       tile = cvt;
     }
     const uint32_t tk_u32 = ac::smem_u32(tile);
+    const int k0 = (w.tile_begin + it) * KT;
+    // A tile past the first query's position (prefill) with an inf / NaN value: see
+    // attention_common.cuh ("keys some rows of a CTA see").
+    const bool fix_nonfinite =
+        w.nq > 1 && k0 + KT - 1 > w.pos0 && ac::tile_has_nonfinite<T, NT>(tile, KT * dp / 8);
 
     // 1. S = Q K^T for this warp's 16 rows x NPW * 8 keys.
     float s[NPW][4];
@@ -181,7 +186,6 @@ __global__ void __launch_bounds__(mla_threads(PATH), 1)
       }
     }
     // 2a. Scaled, causally masked logits (log2 units) -> shared memory.
-    const int k0 = (w.tile_begin + it) * KT;
 #pragma unroll
     for (int i = 0; i < NPW; ++i) {
 #pragma unroll
@@ -228,6 +232,33 @@ __global__ void __launch_bounds__(mla_threads(PATH), 1)
 #pragma unroll
       for (int n = 0; n < NB; ++n) o[mi][n][0] *= al, o[mi][n][1] *= al, o[mi][n][2] *= bl, o[mi][n][3] *= bl;
     }
+    if (fix_nonfinite) {
+      // Each thread adds, to its output elements, the non-finite values of the keys their rows
+      // see times P (as rounded in sP); then those values are zeroed for the tile product.
+      for (int kl = 0; kl < KT; ++kl) {
+#pragma unroll
+        for (int mi = 0; mi < WM; ++mi) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = mi * 16 + g + 8 * h;
+            if (k0 + kl > ac::row_id(a, w, r).pos) continue;
+            const float pr = ac::bits16_to_float<T>(*reinterpret_cast<const uint16_t*>(sP + r * kPRowBytes + kl * 2));
+#pragma unroll
+            for (int n = 0; n < NB; ++n) {
+              const int col = col0 + n * 8 + 2 * t4;
+              if (col >= R) continue;
+              const uint32_t v2 = *reinterpret_cast<const uint32_t*>(tile + swz_rt(kl, col / 8, cpr16) + 4 * t4);
+              const uint32_t bad = ac::nonfinite2<T>(v2);
+              if (bad & 0xffffu) o[mi][n][2 * h] += pr * ac::bits16_to_float<T>(v2 & 0xffffu);
+              if (bad >> 16) o[mi][n][2 * h + 1] += pr * ac::bits16_to_float<T>(v2 >> 16);
+            }
+          }
+        }
+      }
+      __syncthreads();  // every warp has read the values it needed
+      ac::zero_nonfinite<T, NT>(tile, KT * dp / 8);
+      __syncthreads();
+    }
 #pragma unroll
     for (int kk = 0; kk < KT / 16; ++kk) {
       uint32_t pa[WM][4];
@@ -255,6 +286,7 @@ __global__ void __launch_bounds__(mla_threads(PATH), 1)
   if (tid % TPR == 0) sM[srow] = m_run, sD[srow] = d_run;
   __syncthreads();
   const int64_t rows_total = p.num_tokens * p.num_heads;
+  const float vm = ac::checked_v_mul(v_mul);
 #pragma unroll
   for (int mi = 0; mi < WM; ++mi) {
 #pragma unroll
@@ -263,8 +295,13 @@ __global__ void __launch_bounds__(mla_threads(PATH), 1)
       const ac::RowId id = ac::row_id(a, w, r);
       if (!id.valid) continue;
       const float M = sM[r], Dn = sD[r];
-      const float lse2 = Dn > 0.0f ? M + log2f(Dn) : -INFINITY;
-      const float mul = Dn > 0.0f ? v_mul / Dn : 0.0f;
+      // One split: finish_row (NaN / +inf logits -> NaN, no key -> 0 / -inf); several: the
+      // normalized partial, lse -inf when this split saw no finite logit.
+      float mul;
+      const float lse2 = a.num_splits == 1 ? finish_row<true>(M, Dn, w.seq_len > 0, -INFINITY, &mul)
+                                           : (Dn == 0.0f ? -INFINITY : M + log2f(Dn));
+      if (a.num_splits != 1) mul = Dn == 0.0f ? 0.0f : 1.0f / Dn;
+      mul *= vm;
       const int64_t row = id.token * p.num_heads + id.head;
 #pragma unroll
       for (int n = 0; n < NB; ++n) {

@@ -156,23 +156,40 @@ __global__ void __launch_bounds__(kSimtThreads, 1)
       if (skey == 0) sAlpha[srow] = alpha;
     }
     __syncthreads();
-    // 3. O = alpha O + P V for this thread's 4 columns.
+    // 3. O = alpha O + P V for this thread's 4 columns. In a tile past the first query's position
+    // (prefill) each row adds only the keys it sees: 0 times an inf or NaN value would be NaN.
     if (c4 < R) {
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
         const float al = sAlpha[r];
         o[r][0] *= al, o[r][1] *= al, o[r][2] *= al, o[r][3] *= al;
       }
+      const int k0 = (w.tile_begin + it) * KT;
+      if (w.nq > 1 && k0 + KT - 1 > w.pos0) {
+        for (int k = 0; k < KT; ++k) {
+          const float4 v = load4_raw<CF>(tile + k * srow_bytes, c4);
 #pragma unroll
-      for (int k = 0; k < KT; ++k) {
-        const float4 v = load4_raw<CF>(tile + k * srow_bytes, c4);
+          for (int r = 0; r < ROWS; ++r) {
+            if (k0 + k > ac::row_id(a, w, r).pos) continue;
+            const float pr = sP[r * KT + k];
+            o[r][0] = fmaf(pr, v.x, o[r][0]);
+            o[r][1] = fmaf(pr, v.y, o[r][1]);
+            o[r][2] = fmaf(pr, v.z, o[r][2]);
+            o[r][3] = fmaf(pr, v.w, o[r][3]);
+          }
+        }
+      } else {
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-          const float pr = sP[r * KT + k];
-          o[r][0] = fmaf(pr, v.x, o[r][0]);
-          o[r][1] = fmaf(pr, v.y, o[r][1]);
-          o[r][2] = fmaf(pr, v.z, o[r][2]);
-          o[r][3] = fmaf(pr, v.w, o[r][3]);
+        for (int k = 0; k < KT; ++k) {
+          const float4 v = load4_raw<CF>(tile + k * srow_bytes, c4);
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) {
+            const float pr = sP[r * KT + k];
+            o[r][0] = fmaf(pr, v.x, o[r][0]);
+            o[r][1] = fmaf(pr, v.y, o[r][1]);
+            o[r][2] = fmaf(pr, v.z, o[r][2]);
+            o[r][3] = fmaf(pr, v.w, o[r][3]);
+          }
         }
       }
     }
@@ -182,12 +199,19 @@ __global__ void __launch_bounds__(kSimtThreads, 1)
   if (skey == 0) sM[srow] = m_run, sD[srow] = d_run;
   __syncthreads();
   const int64_t rows_total = p.num_tokens * p.num_heads;
+  const float vm = ac::checked_v_mul(v_mul);
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const ac::RowId id = ac::row_id(a, w, r);
     if (!id.valid) continue;
     const float M = sM[r], Dn = sD[r];
-    const float mul = Dn > 0.0f ? v_mul / Dn : 0.0f;
+    // One split: kvkernels/softmax.h finish_row (NaN / +inf logits -> NaN, no key -> 0 / -inf).
+    // Several: the normalized partial, lse -inf when this split saw no finite logit.
+    float mul;
+    const float lse2 = a.num_splits == 1 ? finish_row<true>(M, Dn, w.seq_len > 0, -INFINITY, &mul)
+                                         : (Dn == 0.0f ? -INFINITY : M + log2f(Dn));
+    if (a.num_splits != 1) mul = Dn == 0.0f ? 0.0f : 1.0f / Dn;
+    mul *= vm;
     const int64_t row = id.token * p.num_heads + id.head;
     const int64_t prow = int64_t(w.split) * rows_total + row;
     if (c4 < R) {
@@ -198,7 +222,6 @@ __global__ void __launch_bounds__(kSimtThreads, 1)
         store4(a.part_o + prow * R + c4, o[r][0] * mul, o[r][1] * mul, o[r][2] * mul, o[r][3] * mul);
     }
     if (tid == 0) {
-      const float lse2 = Dn > 0.0f ? M + log2f(Dn) : -INFINITY;
       if (a.num_splits == 1) p.lse[row] = lse2 * ac::kLn2;
       else a.part_lse[prow] = lse2;
     }

@@ -476,6 +476,15 @@ def targets(rows: list[dict]) -> list[str]:
     return lines
 
 
+def row_text(r: dict) -> tuple[str, str]:
+    """A result row's time (or why it was skipped) and its rate, as the benchmarks print them."""
+    extra = (f"{r['gbps']:.0f} GB/s ({r['fraction_of_copy_bw']:.2f} of copy)" if r.get("fraction_of_copy_bw")
+             else f"{r['tflops']:.0f} TFLOP/s" if r.get("tflops")
+             else f"{r['gbps']:.0f} GB/s" if r.get("gbps") else "")
+    ms = f"{r['ms']:.4f} ms" if r.get("ms") else f"skipped: {r['skipped']}" if r.get("skipped") else ""
+    return ms, extra
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="CUDA paged-attention benchmark (kvkernels issue 6)")
     add_arguments(parser)
@@ -486,12 +495,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     def emit(new_rows: list[dict]) -> None:
         done.extend(new_rows)
         for r in new_rows:
-            extra = (f"{r['gbps']:.0f} GB/s ({r['fraction_of_copy_bw']:.2f} of copy)"
-                     if r.get("fraction_of_copy_bw")
-                     else f"{r['tflops']:.0f} TFLOP/s" if r.get("tflops")
-                     else f"{r['gbps']:.0f} GB/s" if r.get("gbps") else "")
-            ms = (f"{r['ms']:.4f} ms" if r.get("ms") else f"skipped: {r['skipped']}" if r.get("skipped")
-                  else "")
+            ms, extra = row_text(r)
             print(f"{r['case']:<36} {r['impl']:<24} {ms:<18} {extra} {r.get('speedup_vs') or ''}", flush=True)
         if args.json:
             with open(args.json, "w") as f:

@@ -34,7 +34,7 @@ from typing import Callable, Optional
 import torch
 
 from kvkernels import ops
-from kvkernels.bench.cuda_attention import _ints, _row, attempt, copy_bandwidth, rotation_copies
+from kvkernels.bench.cuda_attention import _ints, _row, attempt, copy_bandwidth, rotation_copies, row_text
 
 RANK, ROPE, BLOCK = 512, 64, 64
 NOPE, VDIM = 128, 128
@@ -234,12 +234,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     def emit(new_rows: list[dict]) -> None:
         done.extend(new_rows)
         for r in new_rows:
-            extra = (f"{r['gbps']:.0f} GB/s ({r['fraction_of_copy_bw']:.2f} of copy)"
-                     if r.get("fraction_of_copy_bw")
-                     else f"{r['tflops']:.0f} TFLOP/s" if r.get("tflops")
-                     else f"{r['gbps']:.0f} GB/s" if r.get("gbps") else "")
-            ms = (f"{r['ms']:.4f} ms" if r.get("ms") else f"skipped: {r['skipped']}" if r.get("skipped")
-                  else "")
+            ms, extra = row_text(r)
             check = ("" if r.get("checked") is None
                      else "ok" if r["checked"] else f"MISMATCH {r['max_abs_diff']:.3g}")
             print(f"{r['case']:<44} {r['impl']:<14} {ms:<18} {extra} {r.get('speedup_vs') or ''} {check}",

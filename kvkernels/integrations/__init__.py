@@ -2,6 +2,7 @@
 
 ``kvkernels.integrations.transformers``: Hugging Face ``transformers`` (5.x) — an attention function
 registered as ``"kvkernels"`` and ``PagedCache``, a ``transformers`` ``Cache`` backed by
-``kvkernels.PagedKVCache``. Nothing is imported here, so ``kvkernels`` itself never needs
-``transformers``.
+``kvkernels.PagedKVCache``. ``kvkernels.integrations.vllm``: a vLLM attention backend
+(``attention_backend="KVKERNELS"``), registered by the ``vllm.general_plugins`` entry point; only vLLM
+imports it. Nothing is imported here, so ``kvkernels`` itself never needs ``transformers`` or ``vllm``.
 """

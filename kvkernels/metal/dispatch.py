@@ -17,6 +17,7 @@ the kernels skip ids outside the cache either way instead of reading or writing 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Optional
 
@@ -494,6 +495,9 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
                    f"expected float32 [{hq}], got {x.dtype} {tuple(x.shape)}")
     ks_head = _check_scale(op, "k_scale", k_scale, key_cache, hkv)
     vs_head = _check_scale(op, "v_scale", v_scale, value_cache, hkv)
+    # Host scalars are checked as on the CPU / CUDA (docs/ops.md, "Non-finite values").
+    _check(scale is None or math.isfinite(scale), op, "scale", "must be finite")
+    _check(soft_cap >= 0.0 and math.isfinite(soft_cap), op, "soft_cap", f"must be >= 0 (0 = off), got {soft_cap}")
     out = _empty(op, "query", (t, hq, d), dtype=query.dtype, device=dev)
     lse = _empty(op, "query", (t, hq), dtype=torch.float32, device=dev)
     if t == 0 or hq == 0:
@@ -663,6 +667,7 @@ def mla_paged_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_l
     _check(kv_cache.dtype in FP8 or kv_cache.dtype == q.dtype, op, "kv_cache",
            f"dtype {kv_cache.dtype} must equal q's {q.dtype} or be an fp8 type")
     _check_mla_scale(op, "kv_scale", kv_scale, kv_cache)
+    _check(math.isfinite(scale), op, "scale", "must be finite")
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     _check_paged(op, dev, block_tables, seq_lens, n, b)
     if query_start_loc is None:

@@ -292,7 +292,27 @@ T __shfl_xor_sync(unsigned /*mask*/, T x, int lane_mask, int width = 32) {
   return emu::shuffle(x, [lane_mask](int lane) { return lane ^ (lane_mask & 31); });
 }
 
+// Any source lane of the same warp (width 32 only).
+template <typename T>
+T __shfl_sync(unsigned /*mask*/, T x, int src_lane, int width = 32) {
+  if (width != 32) throw std::logic_error("emu: __shfl_sync with width != 32");
+  return emu::shuffle(x, [src_lane](int) { return src_lane & 31; });
+}
+
 inline void __syncwarp(unsigned /*mask*/ = 0xffffffffu) { emu::wait_at(emu::kAtWarpBarrier); }
+
+// __syncthreads that also ORs a predicate over the CTA's live threads: publish, barrier, read every
+// thread's slot, barrier (so no thread overwrites its slot before all have read it).
+inline int __syncthreads_or(int pred) {
+  const int me = static_cast<int>(emu::threadIdx_.x);
+  emu::put(me, emu::kSlots - 1, pred != 0 ? 1 : 0);
+  emu::wait_at(emu::kAtBlockBarrier);
+  int any = 0;
+  for (int t = 0; t < static_cast<int>(emu::blockDim_.x); ++t)
+    if (emu::sched.state[t] != emu::kDone && emu::get<int>(t, emu::kSlots - 1) != 0) any = 1;
+  emu::wait_at(emu::kAtBlockBarrier);
+  return any;
+}
 
 // Integer / bit intrinsics of the device math library the kernels use.
 inline float __uint_as_float(unsigned u) {

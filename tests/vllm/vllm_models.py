@@ -1,0 +1,86 @@
+"""Tiny random-weight models saved with ``save_pretrained`` for the vLLM tests (nothing downloaded).
+
+``save_model(kind, dest, dtype)`` writes a checkpoint vLLM can load (``LLM(model=dest,
+skip_tokenizer_init=True)``, token-id prompts) and returns its directory; ``transformers_greedy``
+generates from the same checkpoint with transformers (eager attention, the stock cache) for the
+reference tokens. Head size 32 everywhere: vLLM's CPU backend (the other reference) takes 32 and not 16.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers as tf
+
+VOCAB = 256
+COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0, tie_word_embeddings=False, initializer_range=0.1)
+
+
+def _gpt_oss_sinks(model) -> None:
+    # The default init leaves the sinks near 0, where they barely move the softmax: make them count.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(-2.0, 3.0, layer.self_attn.sinks.numel()))
+
+
+# kind -> (config class, settings beyond COMMON, weight fix-up). Windows of 8 (vLLM's sliding_window W:
+# a query sees itself and the W - 1 keys before it) are far shorter than the prompts, so a backend that
+# ignored the window would produce other tokens.
+MODELS = {
+    "llama": (tf.LlamaConfig, {}, None),
+    "mistral": (tf.MistralConfig, dict(sliding_window=8), None),
+    # vLLM 0.32's Qwen2 takes one layer type for all layers (it asserts max_window_layers == layers).
+    "qwen2": (tf.Qwen2Config, dict(use_sliding_window=True, sliding_window=8, max_window_layers=2,
+                                   layer_types=["sliding_attention", "sliding_attention"]), None),
+    # vLLM's Gemma2 always ties its output embedding to the input one.
+    "gemma2": (tf.Gemma2Config, dict(tie_word_embeddings=True, attn_logit_softcapping=0.5, sliding_window=8,
+                                     final_logit_softcapping=30.0, query_pre_attn_scalar=32), None),
+    "gpt_oss": (tf.GptOssConfig, dict(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+                                      sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+                _gpt_oss_sinks),
+}
+
+
+def build_model(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    cls, extra, fixup = MODELS[kind]
+    config = cls(**{**COMMON, **extra, **overrides})
+    config.torch_dtype = dtype
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    if fixup is not None:
+        fixup(model)
+    return model.to(dtype)
+
+
+def save_model(kind: str, dest: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> str:
+    """Save the tiny ``kind`` model (weights in ``dtype``) to ``dest`` (once: reused when present)."""
+    if not os.path.exists(os.path.join(dest, "config.json")):
+        build_model(kind, dtype, seed, **overrides).save_pretrained(dest)
+    return dest
+
+
+@torch.no_grad()
+def transformers_greedy(path: str, prompts: list[list[int]], max_new_tokens: int,
+                        dtype: torch.dtype = torch.float32) -> list[list[int]]:
+    """Greedy continuations of each prompt (one at a time: no padding) with transformers."""
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+    # vLLM runs with ignore_eos: no end-of-sequence token here either (min_new_tokens would instead
+    # forbid the eos token, which vLLM may pick).
+    model.generation_config.eos_token_id = None
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0)
+        outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+def prompts(n: int, length: int, seed: int = 1, shared: int = 0) -> list[list[int]]:
+    """``n`` random prompts of ``length`` token ids in [3, VOCAB); the first ``shared`` ids common to all."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randint(3, VOCAB, (shared,), generator=g).tolist()
+    return [common + torch.randint(3, VOCAB, (length - shared,), generator=g).tolist() for _ in range(n)]
