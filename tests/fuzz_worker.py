@@ -630,12 +630,12 @@ def p_index(op, kw, k, v):
 SCALARS = {
     "paged_attention": {
         "scale": [(float("nan"), "E"), (float("inf"), "E"), (float("-inf"), "E"), (0.0, "V"), ("neg", "V"),
-                  (1e30, "V"), (1e-30, "V"), (None, "V")],
+                  (1e30, "huge"), (1e-30, "V"), (None, "V")],
         "soft_cap": [(-1.0, "E"), (float("nan"), "E"), (float("inf"), "E"), (1e-30, "V"), (1e30, "V"), (0.0, "V")],
         "window_left": [(2**31, "E"), (2**62, "E"), (2**31 - 1, "V"), (-2, "V"), (-(2**40), "V"), (0, "V")],
     },
     "mla_paged_attention": {
-        "scale": [(float("nan"), "E"), (float("inf"), "E"), (0.0, "V"), ("neg", "V"), (1e30, "V")],
+        "scale": [(float("nan"), "E"), (float("inf"), "E"), (0.0, "V"), ("neg", "V"), (1e30, "huge")],
         "kv_lora_rank": [(0, "E"), (-8, "E"), (7, "E"), (513, "E"), (520, "E"), (2**31, "E"), (2**63 - 1, "E"),
                          ("r-8", "rank"), ("r+8", "rank")],
     },
@@ -684,6 +684,9 @@ def p_scalar(op, kw, k, v):
     if outcome == "rank":  # another split of the same rows: valid while it is a multiple of 8 within the row
         ok = 0 < val <= min(512, kw["kv_cache"].shape[-1]) and val % 8 == 0
         return V if ok else E("kv_lora_rank", "kv_cache")
+    if outcome == "huge":  # logits of ~1e30: float32 rounding of the dot products (1e-5 relative where they
+        # cancel) is 1e24 absolute; no tolerance of helpers.TOLERANCES applies, so only the shapes are checked
+        return Expect("valid", why="shape-only (scale 1e30: outside the tolerances' regime)")
     if outcome == "rank-w":  # w_kv_b's width no longer matches (or the rank is invalid)
         return E("kv_lora_rank", "w_kv_b", "kv_cache")
     return {"E": E(arg), "V": V, "R": Expect("ref")}[outcome]
@@ -922,7 +925,7 @@ def finite(*ts):
     return all(bool(torch.isfinite(t).all()) for t in ts if t.dtype.is_floating_point)
 
 
-def compare(op, kw, result, ref_result, undefined_inputs):
+def compare(op, kw, result, ref_result, undefined_inputs, shape_only=None):
     if op in ("reshape_and_cache", "copy_blocks", "swap_blocks", "concat_and_cache_mla"):
         return "compared"  # the storages are compared by check_same_storages
     if op == "gather_kv":
@@ -940,6 +943,8 @@ def compare(op, kw, result, ref_result, undefined_inputs):
     # -inf lse (a row that sees no key) is a defined result; anything else non-finite is not, yet.
     defined = finite(*[w for n, w in zip(names, ref_result) if n != "lse"]) and all(
         not bool(torch.isnan(w).any() or torch.isposinf(w).any()) for n, w in zip(names, ref_result) if n == "lse")
+    if shape_only:
+        return shape_only
     if not COMPARE_NONFINITE and (undefined_inputs or not defined):
         return "shape-only (non-finite)"
     if pending:  # the kernel rounds the latent to a 16-bit w_kv_b's dtype, this reference does not
@@ -1046,7 +1051,8 @@ def run_spec(spec):
         check_same_storages(op, kw, ref_storage_kw)
     else:
         check_untouched(kw, before, "inputs after a valid call")
-    how = compare(op, kw, result, ref_result, undefined_inputs)
+    how = compare(op, kw, result, ref_result, undefined_inputs, expect.why if expect.why.startswith("shape-only")
+                  else None)
     return dict(outcome="valid", kind=kind, how=how)
 
 
