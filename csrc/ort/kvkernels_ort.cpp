@@ -409,9 +409,15 @@ struct CopyOp : Ort::CustomOpBase<CopyOp, CopyKernel, true> {
 
 // ---------------------------------------------------------------------------------------------
 // GatherKV(key_cache, value_cache, block_tables, seq_lens, [k_scale], [v_scale]) -> (key, value)
-// [sum(seq_lens), H, D], in the cache's type (float32 for fp8 caches: ONNX Runtime's CPU ops
-// compute little in bfloat16, so the contiguous K/V a graph goes on with is float32).
+// [sum(seq_lens), H, D]; attribute out_dtype (an ONNX element type: float, float16 or bfloat16;
+// default: the cache's type, bfloat16 for fp8 caches, as kvkernels.gather_kv).
+ONNXTensorElementDataType gather_type(ONNXTensorElementDataType cache, int64_t out_dtype) {
+  if (out_dtype != 0) return static_cast<ONNXTensorElementDataType>(out_dtype);
+  return is_fp8(cache) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 : cache;
+}
+
 struct GatherKernel {
+  int64_t out_dtype = 0;  // 0: default
   OrtStatus* ComputeV2(OrtKernelContext* raw) try {
     Ort::KernelContext ctx(raw);
     const Check c("GatherKV");
@@ -420,11 +426,14 @@ struct GatherKernel {
              k_scale = input(ctx, 4, "k_scale"), v_scale = input(ctx, 5, "v_scale");
     GatherParams p;
     p.kv = paged_kv(c, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale);
+    const ONNXTensorElementDataType out_type = gather_type(key_cache.type, out_dtype);
+    c.expect(is_float(out_type), "out_dtype", "must be float32, float16 or bfloat16, got ",
+             type_name(out_type));
     const std::vector<int64_t> starts = token_starts(p.kv);
     const cpu::RowKernels& kernels = cpu::row_kernels();
     p.num_tokens = starts.back();
     p.token_start = starts.data();
-    p.out_format = is_fp8(key_cache.type) ? FloatFormat::kFloat32 : float_format(key_cache.type);
+    p.out_format = float_format(out_type);
     const std::vector<int64_t> shape = {p.num_tokens, p.kv.num_kv_heads, p.kv.head_dim};
     p.key = ctx.GetOutput(0, shape).GetTensorMutableRawData();
     p.value = ctx.GetOutput(1, shape).GetTensorMutableRawData();
@@ -444,8 +453,10 @@ struct GatherKernel {
 
 struct GatherOp : Ort::CustomOpBase<GatherOp, GatherKernel, true> {
   GatherOp() { install_inference(this); }
-  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo*, void** kernel) const {
-    *kernel = new GatherKernel;
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
+    auto* k = new GatherKernel;
+    k->out_dtype = attribute<int64_t>(info, "out_dtype").value_or(0);
+    *kernel = k;
     return nullptr;
   }
   const char* GetName() const { return "GatherKV"; }
@@ -461,7 +472,16 @@ struct GatherOp : Ort::CustomOpBase<GatherOp, GatherKernel, true> {
   ONNXTensorElementDataType GetOutputType(size_t) const { return kAny; }
   static void infer(OrtShapeInferContext* ctx) {
     ShapeOf s = input_shape(ctx, 0);
-    if (is_fp8(s.type)) s.type = kF32;
+    int64_t out_dtype = 0;
+    const OrtOpAttr* attr = nullptr;
+    const OrtApi& api = Ort::GetApi();
+    if (OrtStatus* st = api.ShapeInferContext_GetAttribute(ctx, "out_dtype", &attr)) {
+      api.ReleaseStatus(st);
+    } else if (attr != nullptr) {
+      size_t len = 0;
+      Ort::ThrowOnError(api.ReadOpAttr(attr, ORT_OP_ATTR_INT, &out_dtype, sizeof(out_dtype), &len));
+    }
+    s.type = gather_type(s.type, out_dtype);
     s.dims.erase(s.dims.begin());  // [N, B, H, D] -> [num_tokens, H, D]
     s.syms.erase(s.syms.begin());
     s.dims[0] = -1;

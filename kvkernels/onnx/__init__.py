@@ -145,12 +145,14 @@ def _schemas():
         attributes=[attr("block_dim", OpSchema.AttrType.INT, "dimension that indexes blocks (0)")])
     gather = OpSchema(
         "GatherKV", DOMAIN, VERSION,
-        doc="Paged -> contiguous K/V [sum(seq_lens), H, D]; fp8 caches give float32.",
+        doc="Paged -> contiguous K/V [sum(seq_lens), H, D], as kvkernels.gather_kv.",
         inputs=[inp("key_cache", "C", "[N, B, H, D]"), inp("value_cache", "C", "[N, B, H, D]"),
                 inp("block_tables", "tensor(int32)", "[S, M]"), inp("seq_lens", "tensor(int32)", "[S]"),
                 inp("k_scale", f32, "fp8", True), inp("v_scale", f32, "fp8", True)],
         outputs=[inp("key", "T", "[sum(seq_lens), H, D]"), inp("value", "T", "[sum(seq_lens), H, D]")],
-        type_constraints=[("C", _CACHE, "caches"), ("T", _FLOAT, "outputs")])
+        type_constraints=[("C", _CACHE, "caches"), ("T", _FLOAT, "outputs")],
+        attributes=[attr("out_dtype", OpSchema.AttrType.INT,
+                         "ONNX element type of the outputs (default: the cache's, bfloat16 for fp8)")])
     return [attention, write, copy, gather]
 
 
@@ -219,12 +221,19 @@ def translation_table() -> dict:
 
     def gather(key_cache, value_cache, block_tables, seq_lens, k_scale=None, v_scale=None, num_tokens=None,
                out_dtype=None):
-        return kv.GatherKV(key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, _outputs=2)
+        attrs = {} if out_dtype is None else {"out_dtype": int(_onnx_type(out_dtype))}
+        return kv.GatherKV(key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, _outputs=2, **attrs)
 
     return {torch.ops.kvkernels.paged_attention.default: paged_attention,
             torch.ops.kvkernels_onnx.write_cache.default: write,
             torch.ops.kvkernels_onnx.copy_cache_blocks.default: copy,
             torch.ops.kvkernels.gather_kv.default: gather}
+
+
+def _onnx_type(dtype: torch.dtype) -> int:
+    import onnx
+    return {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
+            torch.bfloat16: onnx.TensorProto.BFLOAT16}[dtype]
 
 
 def export(module: torch.nn.Module, args: tuple, path: Optional[os.PathLike] = None, *,
