@@ -236,6 +236,34 @@ def _onnx_type(dtype: torch.dtype) -> int:
             torch.bfloat16: onnx.TensorProto.BFLOAT16}[dtype]
 
 
+def _type_outputs(model, exported_program) -> None:
+    """Gives untyped graph outputs the element type torch traced for them. The exporter leaves outputs
+    whose shape has a data-dependent size (GatherKV's sum(seq_lens)) without a type, which
+    onnx.checker rejects (ONNX Runtime would infer it)."""
+    import onnx
+    out_node = next(n for n in exported_program.graph.nodes if n.op == "output")
+    vals = [getattr(a, "meta", {}).get("val") for a in out_node.args[0]]
+    if len(vals) != len(model.graph.output):
+        return
+    types = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
+             torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.int64: onnx.TensorProto.INT64,
+             torch.int32: onnx.TensorProto.INT32, torch.float8_e4m3fn: onnx.TensorProto.FLOAT8E4M3FN,
+             torch.float8_e5m2: onnx.TensorProto.FLOAT8E5M2}
+    for out, val in zip(model.graph.output, vals):
+        if not out.type.HasField("tensor_type") and val is not None and val.dtype in types:
+            out.type.tensor_type.elem_type = types[val.dtype]
+            out.type.tensor_type.shape.dim.add().dim_param = "num_tokens"
+            for size in val.shape[1:]:
+                dim = out.type.tensor_type.shape.dim.add()
+                if isinstance(size, int):
+                    dim.dim_value = size
+                else:
+                    dim.dim_param = str(size)
+    untyped = [vi for vi in model.graph.value_info if not vi.type.HasField("tensor_type")]
+    for vi in untyped:
+        model.graph.value_info.remove(vi)
+
+
 def export(module: torch.nn.Module, args: tuple, path: Optional[os.PathLike] = None, *,
            input_names=None, output_names=None, dynamic_shapes=None, optimize: bool = True):
     """``torch.onnx.export(dynamo=True)`` with the kvkernels translation table and schemas; returns
@@ -247,6 +275,7 @@ def export(module: torch.nn.Module, args: tuple, path: Optional[os.PathLike] = N
                                 dynamic_shapes=dynamic_shapes, optimize=optimize, verbose=False,
                                 report=False)
     model = program.model_proto
+    _type_outputs(model, program.exported_program)
     if path is not None:
         import onnx
         onnx.save(model, str(path))
