@@ -155,3 +155,17 @@ def test_seq2seq_cache_is_bound_not_copied(seq2seq):
     blocks = sorted({s // c.block_size for s in slots})
     diff = (cache.kv != before).any(-1).any(-1)  # [layers, 2, blocks, slots]
     assert diff.nonzero()[:, 2].unique().tolist() == blocks, "only the new tokens' blocks change"
+
+
+def test_functional_write_ops_opcheck():
+    """The export forms of the cache writes are torch custom ops too: schema, fake kernel, no aliasing."""
+    gen = generator(9)
+    kc, vc = randn(6, 4, 2, 16, gen=gen), randn(6, 4, 2, 16, gen=gen)
+    key, value = randn(3, 2, 16, gen=gen), randn(3, 2, 16, gen=gen)
+    slots = torch.tensor([0, 13, -1])
+    torch.library.opcheck(torch.ops.kvkernels_onnx.write_cache.default, (key, value, kc, vc, slots))
+    torch.library.opcheck(torch.ops.kvkernels_onnx.copy_cache_blocks.default, (kc, torch.tensor([[1, 4]]), 0))
+    new_k, new_v = konnx.write_cache(key, value, kc, vc, slots)
+    expected = kc.clone()
+    torch.ops.kvkernels.reshape_and_cache(key, value, expected, vc.clone(), slots)
+    assert torch.equal(new_k, expected) and not torch.equal(kc, expected), "eager form returns a new cache"
