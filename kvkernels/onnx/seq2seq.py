@@ -123,16 +123,19 @@ class _DecoderLayer(nn.Module):
             ops.reshape_and_cache(k, v, kc, vc, slots)
         a, _ = torch.ops.kvkernels.paged_attention(q, kc, vc, tables, lens)
         x = x + self.o(a.reshape(b, -1))
-        q = self.cq(self.ln2(x)).view(b, h, d)
+        # Cross-attention: every beam attends to the same source, so the beams' queries go in as the query
+        # heads of ONE sequence whose kv head h serves query heads h * b ... h * b + b - 1 (GQA with the
+        # beams as the group): each cached key/value row is read once for all beams, not once per beam.
+        q = self.cq(self.ln2(x)).view(b, h, d).transpose(0, 1).reshape(1, h * b, d)
         a, _ = torch.ops.kvkernels.paged_attention(q, ck, cv, cross_tables, cross_lens)
-        x = x + self.co(a.reshape(b, -1))
+        x = x + self.co(a.view(h, b, d).transpose(0, 1).reshape(b, -1))
         return x + self.ff2(F.gelu(self.ff1(self.ln3(x))))
 
 
 class DecoderStep(nn.Module):
     """One token per beam -> log-probabilities. Inputs: ``tokens`` int64 [B], ``slot_mapping`` int64 [B],
     ``block_tables`` int32 [B, M], ``seq_lens`` int32 [B] (the new token included), ``cross_block_tables``
-    int32 [B, 1], ``cross_seq_lens`` int32 [B], then per layer the self-attention key and value caches
+    int32 [1, 1] (the source's one block: 0), ``cross_seq_lens`` int32 [1] (the source length), then per layer the self-attention key and value caches
     ``[N, block_size, H, D]``, then per layer the cross-attention key and value blocks ``[1, S, H, D]``."""
 
     def __init__(self, c: Seq2SeqConfig):
@@ -236,7 +239,7 @@ class TorchStepper:
         b, c = len(tokens), self.config
         caches = [t for layer in range(c.layers) for t in (self.cache.key_cache(layer), self.cache.value_cache(layer))]
         out = self.model.decoder(torch.as_tensor(tokens), step.slot_mapping, step.block_tables, step.seq_lens,
-                                 torch.zeros(b, 1, dtype=torch.int32), torch.full((b,), c.src_len, dtype=torch.int32),
+                                 torch.zeros(1, 1, dtype=torch.int32), torch.full((1,), c.src_len, dtype=torch.int32),
                                  *caches, *self.cross)
         return out.numpy()
 
@@ -260,11 +263,11 @@ def export(model: Seq2Seq, directory) -> dict:
     caches = [t for i in range(c.layers) for t in (cache.key_cache(i), cache.value_cache(i))]
     cross = [t.detach() for t in model.cross_kv(memory)]
     args = (torch.full((beams,), c.bos), step.slot_mapping, step.block_tables, step.seq_lens,
-            torch.zeros(beams, 1, dtype=torch.int32), torch.full((beams,), c.src_len, dtype=torch.int32),
+            torch.zeros(1, 1, dtype=torch.int32), torch.full((1,), c.src_len, dtype=torch.int32),
             *caches, *cross)
     b, m, n = torch.export.Dim("beams"), torch.export.Dim("max_blocks"), torch.export.Dim("num_blocks")
     # The varargs `*caches` are one entry of the signature: their dims go in one tuple.
-    dyn = ({0: b}, {0: b}, {0: b, 1: m}, {0: b}, {0: b}, {0: b},
+    dyn = ({0: b}, {0: b}, {0: b, 1: m}, {0: b}, None, None,
            ({0: n},) * (2 * c.layers) + (None,) * (2 * c.layers))
     names = ["tokens", "slot_mapping", "block_tables", "seq_lens", "cross_block_tables", "cross_seq_lens"]
     names += [f"{kind}_cache_{i}" for i in range(c.layers) for kind in ("key", "value")] + cross_names
@@ -313,8 +316,8 @@ class OrtStepper:
                  "slot_mapping": step.slot_mapping.numpy(),
                  "block_tables": np.ascontiguousarray(step.block_tables.numpy()),
                  "seq_lens": step.seq_lens.numpy(),
-                 "cross_block_tables": np.zeros((b, 1), dtype=np.int32),  # every beam: the one shared block
-                 "cross_seq_lens": np.full(b, c.src_len, dtype=np.int32)}
+                 "cross_block_tables": np.zeros((1, 1), dtype=np.int32),  # the source: one block, all beams
+                 "cross_seq_lens": np.full(1, c.src_len, dtype=np.int32)}
         for name, array in feeds.items():  # `feeds` keeps the arrays alive through the run
             io.bind_cpu_input(name, array)
         io.bind_output("logprobs")  # ORT allocates it: its shape follows the beam count
