@@ -96,6 +96,15 @@ def test_reshape_and_cache(case):
     check_reshape_and_cache(case, op=ort_ops.reshape_and_cache)
 
 
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_cache_ops_isa_paths(isa, monkeypatch):
+    """The row kernels (cache writes with fp8 quantization, gathers with dequantization) of every ISA."""
+    use_isa(monkeypatch, isa)
+    check_reshape_and_cache((bf16, "e4m3", True, "NHD"), op=ort_ops.reshape_and_cache)
+    check_reshape_and_cache((f32, None, False, "stacked"), op=ort_ops.reshape_and_cache)
+    check_gather_kv((f16, "e5m2", True, "NHD", 3, f32, False), op=ort_ops.gather_kv)
+
+
 def test_reshape_and_cache_in_place():
     """The updated caches are the input buffers (the op's alias map): nothing is copied."""
     kc, vc = poison(torch.empty(6, 4, 2, 16)), poison(torch.empty(6, 4, 2, 16))

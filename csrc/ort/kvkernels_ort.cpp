@@ -499,8 +499,12 @@ struct GatherOp : Ort::CustomOpBase<GatherOp, GatherKernel, true> {
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
 RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
-  if (api == nullptr)
-    return nullptr;  // cannot even report: this ORT is older than the headers (API 21)
+  if (api == nullptr) {  // an ORT older than the headers (API 21): report it through API 1
+    const OrtApi* v1 = api_base->GetApi(1);
+    return v1 == nullptr ? nullptr
+                         : v1->CreateStatus(ORT_FAIL, "libkvkernels_ort.so needs ONNX Runtime 1.21 or "
+                                                      "newer (ORT API 21)");
+  }
   Ort::InitApi(api);
   static kvkernels::ort::AttentionOp attention;
   static kvkernels::ort::WriteOp write;
