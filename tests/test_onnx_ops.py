@@ -262,3 +262,17 @@ def test_gather_kv_errors():
     kv.block_tables[1, 2] = 77
     _expect_error(lambda: ort_ops.gather_kv(kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens),
                   "GatherKV", "block_tables", r"entry \[1, 2\] = 77")
+
+
+def test_library_links_neither_torch_nor_onnxruntime(ort_library_path):
+    """ORT passes its API table at load time; the kernels need no libtorch: the library's only
+    dependencies are the C/C++ runtime, and it exports one symbol, RegisterCustomOps."""
+    import subprocess
+    dynamic = subprocess.run(["readelf", "-d", str(ort_library_path)], capture_output=True, text=True,
+                             check=True).stdout
+    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic)
+    assert needed and not [n for n in needed if "torch" in n or "onnxruntime" in n or "c10" in n], needed
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(ort_library_path)], capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert "RegisterCustomOps" in symbols
+    assert not [s for s in symbols if "kvkernels" in s], "kernel symbols must stay hidden"
