@@ -7,9 +7,10 @@
 
 #include "../index_checks.h"
 #include "../prepare.h"
-#include "attention_run.h"
+#include "attention_plan.h"
 #include "convert.h"
 #include "isa.h"
+#include "attention_run.h"
 
 namespace kvkernels::cpu {
 namespace {
