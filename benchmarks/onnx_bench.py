@@ -19,8 +19,9 @@ Writes benchmarks/results/onnx-<cpu>-<date>.json and .txt. Measured, all float32
 * memory: a full beam search (20 steps), bytes of the self-attention blocks the final beams hold and of
   the cross-attention K/V, against the origin document's estimate (1.4 MB per beam, 11.2 MB for 8).
 
-Each time is the median (and the minimum) of ``--reps`` runs after a warm-up; the machine's load
-average is recorded, as the runs share the CPU with whatever else runs.
+Each time is the median (and the minimum) of ``--reps`` runs after a warm-up, the variants of a row
+interleaved run by run; the machine's load average is recorded, as the runs share the CPU with whatever
+else runs (on a loaded machine the minimum is the steadier figure).
 """
 
 from __future__ import annotations
@@ -76,15 +77,19 @@ class ContiguousStep(nn.Module):
         return (torch.log_softmax(self.dec.out(self.dec.ln(x)).float(), dim=-1), *present)
 
 
-def timed(fn, reps):
-    fn()
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
+def timed(fns: dict, reps: int) -> dict:
+    """Median and minimum of each function's time, the functions interleaved (ABCABC...): on a shared
+    machine a load change then hits every variant alike instead of whichever ran at the time."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t)
-    return {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3}
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: {"median_ms": statistics.median(x) * 1e3, "min_ms": min(x) * 1e3} for name, x in times.items()}
 
 
 def paged_state(c, beams, pos, num_blocks=None, seed=0):
@@ -134,27 +139,33 @@ def main():
     for pos in (1, 10, 19):
         cache, _, tokens, step = paged_state(c, beams, pos)
         ort_step.start(src, cache)
-        r = {"pos": pos, "ort_paged": timed(lambda: ort_step.step(tokens, step), args.reps)}
-        torch_step.start(src, cache)
-        r["torch_eager"] = timed(lambda: torch_step.step(tokens, step), args.reps)
+        torch_cache, _, _, torch_step_args = paged_state(c, beams, pos)
+        torch_step.start(src, torch_cache)
         feeds = dict(zip(names, [tokens.astype(np.int64), np.full(beams, pos, np.int64)] +
                          [x.numpy() for x in cross_hsd] +
                          [np.random.default_rng(pos).standard_normal((beams, c.heads, pos, c.head_dim),
                                                                      dtype=np.float32)
                           for _ in range(2 * c.layers)]))
-        r["ort_contiguous"] = timed(lambda: contiguous.run(None, feeds), args.reps)
         src_beam = np.random.default_rng(pos).integers(0, beams, beams)
         pasts = [feeds[n] for n in names[2 + len(cross_hsd):]]
-        r["ort_contiguous"]["reorder_ms"] = timed(lambda: [p[src_beam] for p in pasts], args.reps)["median_ms"]
+        r = {"pos": pos, **timed({"ort_paged": lambda: ort_step.step(tokens, step),
+                                  "torch_eager": lambda: torch_step.step(tokens, torch_step_args),
+                                  "ort_contiguous": lambda: contiguous.run(None, feeds),
+                                  "reorder": lambda: [p[src_beam] for p in pasts]}, args.reps)}
+        r["ort_contiguous"]["reorder_ms"] = r.pop("reorder")["median_ms"]
         rows.append(r)
 
-    sweep = []
-    for blocks in (64, 512, 4096, 8192):
-        cache, _, tokens, step = paged_state(c, beams, 10, num_blocks=blocks)
-        ort_step.start(src, cache)
-        sweep.append({"num_blocks": blocks, "cache_bytes": cache.kv.numel() * 4,
-                      **timed(lambda: ort_step.step(tokens, step), args.reps)})
-        del cache
+    # One stepper per cache size, timed interleaved (each binds its own cache).
+    sizes = (64, 512, 4096, 8192)
+    steppers, states = {}, {}
+    for blocks in sizes:
+        states[blocks] = paged_state(c, beams, 10, num_blocks=blocks)
+        steppers[blocks] = s2s.OrtStepper(c, paths, threads=args.threads)
+        steppers[blocks].start(src, states[blocks][0])
+    times = timed({blocks: (lambda b=blocks: steppers[b].step(states[b][2], states[b][3])) for blocks in sizes},
+                  args.reps)
+    sweep = [{"num_blocks": b, "cache_bytes": states[b][0].kv.numel() * 4, **times[b]} for b in sizes]
+    del steppers, states
 
     result = s2s.beam_search(ort_step, src, num_beams=beams)
     per_beam = (result.self_bytes + result.cross_bytes) / beams
