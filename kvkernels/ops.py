@@ -237,15 +237,16 @@ def _(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, query_start_loc=
 # first (shapes, dtypes), so a traced call with a wrong out fails at trace time as it would eagerly.
 
 
-def _check_given(op, out, lse, shape, dtype):
+def _check_given(op, like_arg, like, out, lse, shape):
     # One torch._check per size: with symbolic sizes each becomes a runtime assert, not a guard.
-    for name, t, want, want_dtype in (("out", out, tuple(shape), dtype),
+    for name, t, want, want_dtype in (("out", out, tuple(shape), like.dtype),
                                       ("lse", lse, tuple(shape[:2]), torch.float32)):
         if t is None:
             continue
-        torch._check(t.dim() == len(want) and t.dtype == want_dtype,
-                     lambda: f"kvkernels.{op}: {name}: expected {want_dtype} with {len(want)} dims, got "
-                             f"{t.dtype} {tuple(t.shape)} (outputs are not resized)")
+        torch._check(t.device == like.device, lambda: f"kvkernels.{op}: {name}: must be on the device of {like_arg}")
+        torch._check(t.dtype == want_dtype, lambda: f"kvkernels.{op}: {name}: dtype {t.dtype} must be {want_dtype}")
+        torch._check(t.dim() == len(want), lambda: f"kvkernels.{op}: {name}: shape {tuple(t.shape)} must be {want} "
+                                                   "(outputs are not resized)")
         for have, size in zip(t.shape, want):
             torch._check(have == size, lambda: f"kvkernels.{op}: {name}: shape {tuple(t.shape)} must be "
                                                f"{want} (outputs are not resized)")
@@ -255,16 +256,16 @@ def _check_given(op, out, lse, shape, dtype):
 def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, scale=None,
       window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None, *,
       out, lse=None):
-    _check_given("paged_attention", out, lse, query.shape, query.dtype)
+    _check_given("paged_attention", "query", query, out, lse, query.shape)
 
 
 @torch.library.register_fake("kvkernels::merge_attention_states_out")
 def _(out_a, lse_a, out_b, lse_b, *, out, lse=None):
-    _check_given("merge_attention_states", out, lse, out_a.shape, out_a.dtype)
+    _check_given("merge_attention_states", "out_a", out_a, out, lse, out_a.shape)
 
 
 @torch.library.register_fake("kvkernels::mla_paged_attention_out")
 def _(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, query_start_loc=None,
       kv_scale=None, *, out, lse=None):
     t, h, _ = q.shape
-    _check_given("mla_paged_attention", out, lse, (t, h, kv_lora_rank), q.dtype)
+    _check_given("mla_paged_attention", "q", q, out, lse, (t, h, kv_lora_rank))
