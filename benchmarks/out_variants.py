@@ -31,7 +31,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLE_SECONDS = 0.01  # timed calls per sample: about this long
+# Timed calls per sample: about this long. Short samples, many rounds: on a shared machine most short
+# samples run undisturbed, so the minimum over rounds is the cost of the call itself and the median shows
+# what the neighbours added.
+SAMPLE_SECONDS = 0.002
 
 
 def cases():
@@ -118,6 +121,10 @@ def worker(args) -> None:
     print(json.dumps({"kvkernels_file": kvkernels.__file__, "results": measure(["allocating"], args.rounds)}))
 
 
+def summary(seconds):
+    return {"median_us": statistics.median(seconds) * 1e6, "min_us": min(seconds) * 1e6}
+
+
 def ratio_stats(num, den):
     """Median and quartiles of per-round ratios num[i] / den[i]."""
     r = sorted(a / b for a, b in zip(num, den))
@@ -129,7 +136,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--baseline-tree", type=Path, help="directory whose kvkernels package is the baseline build")
     p.add_argument("--pairs", type=int, default=4, help="baseline/this-build process pairs (A B B A order)")
-    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=100)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in every process")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -145,6 +152,7 @@ def main() -> int:
     from kvkernels.bench import machine
 
     names = ["allocating", "out+lse", "out"]
+    load_before = os.getloadavg()
     in_process = measure(names, args.rounds)
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -154,8 +162,9 @@ def main() -> int:
         "kvkernels_file": kvkernels.__file__,
         "sample_seconds": SAMPLE_SECONDS,
         "rounds": args.rounds,
-        "in_process": {c: {"median_us": {n: statistics.median(v) * 1e6 for n, v in per.items()},
-                           "ratio_vs_allocating": {n: ratio_stats(per[n], per["allocating"]) for n in names[1:]}}
+        "in_process": {c: {"per_call": {n: summary(v) for n, v in per.items()},
+                           "ratio_vs_allocating": {n: ratio_stats(per[n], per["allocating"]) for n in names[1:]},
+                           "min_ratio_vs_allocating": {n: min(per[n]) / min(per["allocating"]) for n in names[1:]}}
                        for c, per in in_process.items()},
     }
 
@@ -172,16 +181,20 @@ def main() -> int:
                                  cwd=tree, check=True, capture_output=True, text=True).stdout
             data = json.loads(out.strip().splitlines()[-1])
             files[who] = data["kvkernels_file"]
-            runs[who].append({c: statistics.median(v["allocating"]) for c, v in data["results"].items()})
+            runs[who].append({c: v["allocating"] for c, v in data["results"].items()})
         report["across_builds"] = {
             "order": order, "kvkernels_files": files,
-            "cases": {c: {"baseline_us": [r[c] * 1e6 for r in runs["baseline"]],
-                          "this_us": [r[c] * 1e6 for r in runs["this"]],
-                          "ratio_this_vs_baseline": ratio_stats([r[c] for r in runs["this"]],
-                                                                [r[c] for r in runs["baseline"]])}
+            # Per process: median and min seconds per call; pairs are adjacent processes (A B, B A, ...).
+            "cases": {c: {"baseline": [summary(r[c]) for r in runs["baseline"]],
+                          "this": [summary(r[c]) for r in runs["this"]],
+                          "min_ratio_this_vs_baseline": [min(t[c]) / min(b[c]) for t, b in
+                                                         zip(runs["this"], runs["baseline"])],
+                          "median_ratio_this_vs_baseline": [statistics.median(t[c]) / statistics.median(b[c])
+                                                            for t, b in zip(runs["this"], runs["baseline"])]}
                       for c in runs["this"][0]},
         }
 
+    report["load_average_1_5_15min"] = {"start": load_before, "end": os.getloadavg()}
     text = render(report)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -197,28 +210,34 @@ def render(report) -> str:
     lines = [f"kvkernels out= / lse= (CPU), {report['date']}: {m['cpu_model']}, {m['usable_cpus']} CPUs, "
              f"{m['threads']} threads, torch {report['torch']}, ISA {m['kvkernels_cpu_isa']}",
              f"command: {report['command']}",
-             f"{report['rounds']} rounds per case, each a sample of ~{report['sample_seconds'] * 1e3:.0f} ms of calls; "
-             "medians; ratio = median of per-round ratios [quartiles]", "",
-             "1. this build, one process, variants interleaved (order alternating by round)",
-             f"{'case':52s} {'alloc us':>9s} {'out+lse us':>11s} {'out us':>8s}  {'out+lse/alloc':>22s}  "
-             f"{'out/alloc':>22s}"]
+             f"load average (1, 5, 15 min) at start {report['load_average_1_5_15min']['start']}, at end "
+             f"{report['load_average_1_5_15min']['end']} (a machine shared with other work: compare within a run)",
+             f"{report['rounds']} rounds per case, each a sample of ~{report['sample_seconds'] * 1e3:.0f} ms of calls. "
+             "us = microseconds per call, min / median over rounds.", "",
+             "1. this build, one process, the three variants interleaved (order alternating by round);",
+             "   ratio = median of per-round ratios to the allocating call [quartiles]; min ratio = min / min",
+             f"{'case':50s} {'allocating us':>15s} {'out+lse us':>15s} {'out us':>15s}  "
+             f"{'out+lse/alloc':>21s} {'min':>5s}  {'out/alloc':>21s} {'min':>5s}"]
+    fmt = lambda s: f"{s['median']:.3f} [{s['q1']:.3f}, {s['q3']:.3f}]"  # noqa: E731
+    us = lambda s: f"{s['min_us']:.1f} / {s['median_us']:.1f}"  # noqa: E731
     for c, r in report["in_process"].items():
-        med, rat = r["median_us"], r["ratio_vs_allocating"]
-        fmt = lambda s: f"{s['median']:.3f} [{s['q1']:.3f}, {s['q3']:.3f}]"  # noqa: E731
-        lines.append(f"{c:52s} {med['allocating']:9.1f} {med['out+lse']:11.1f} {med['out']:8.1f}  "
-                     f"{fmt(rat['out+lse']):>22s}  {fmt(rat['out']):>22s}")
+        pc, rat, mr = r["per_call"], r["ratio_vs_allocating"], r["min_ratio_vs_allocating"]
+        lines.append(f"{c:50s} {us(pc['allocating']):>15s} {us(pc['out+lse']):>15s} {us(pc['out']):>15s}  "
+                     f"{fmt(rat['out+lse']):>21s} {mr['out+lse']:5.3f}  {fmt(rat['out']):>21s} {mr['out']:5.3f}")
     if "across_builds" in report:
         a = report["across_builds"]
-        lines += ["", "2. allocating call: baseline build vs this build, separate processes in the order "
-                  + " ".join(a["order"]),
-                  f"   baseline: {a['kvkernels_files']['baseline']}", f"   this:     {a['kvkernels_files']['this']}",
-                  f"{'case':52s} {'baseline us (per process)':>34s} {'this us (per process)':>34s}  "
-                  f"{'this/baseline':>22s}"]
+        lines += ["", "2. the allocating call (the default path): baseline build vs this build, one process each, in the order",
+                  "   " + " ".join(a["order"]) + "; per process min / median us; ratios this / baseline of the",
+                  "   adjacent pairs (of mins, and of medians)",
+                  f"   baseline: {a['kvkernels_files']['baseline']}", f"   this:     {a['kvkernels_files']['this']}"]
         for c, r in a["cases"].items():
-            s = r["ratio_this_vs_baseline"]
-            lines.append(f"{c:52s} {' '.join(f'{x:.1f}' for x in r['baseline_us']):>34s} "
-                         f"{' '.join(f'{x:.1f}' for x in r['this_us']):>34s}  "
-                         f"{s['median']:.3f} [{s['q1']:.3f}, {s['q3']:.3f}]")
+            lines.append(f"{c}")
+            lines.append("   baseline " + "  ".join(us(x) for x in r["baseline"]))
+            lines.append("   this     " + "  ".join(us(x) for x in r["this"]))
+            lines.append("   min ratios " + " ".join(f"{x:.3f}" for x in r["min_ratio_this_vs_baseline"])
+                         + f"  (median {statistics.median(r['min_ratio_this_vs_baseline']):.3f});  median ratios "
+                         + " ".join(f"{x:.3f}" for x in r["median_ratio_this_vs_baseline"])
+                         + f"  (median {statistics.median(r['median_ratio_this_vs_baseline']):.3f})")
     return "\n".join(lines)
 
 
