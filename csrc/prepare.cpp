@@ -332,8 +332,9 @@ PreparedAttention prepare_paged_attention(
   check_given_outputs(c, given, query, "query", {p.num_tokens, p.num_heads, d},
                       {{&query, "query"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"},
                        {&block_tables, "block_tables"}, {&seq_lens, "seq_lens"},
-                       {opt(query_start_loc), "query_start_loc"}, {opt(alibi_slopes), "alibi_slopes"},
-                       {opt(sinks), "sinks"}, {opt(k_scale), "k_scale"}, {opt(v_scale), "v_scale"}});
+                       {opt(query_start_loc), "query_start_loc"},
+                       {opt(alibi_slopes), "alibi_slopes"}, {opt(sinks), "sinks"},
+                       {opt(k_scale), "k_scale"}, {opt(v_scale), "v_scale"}});
   finish_attention(c, r, query, "query", d, check_indices, given);
   return r;
 }

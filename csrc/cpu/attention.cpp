@@ -164,9 +164,12 @@ void run_attention(const AttentionParams& p) {
   }
 }
 
+// Runs a prepared call: out= without lse= gets the per-thread lse buffer; given outputs the kernels
+// could not write directly are filled from their temporaries.
 void run_prepared(PreparedAttention& r) {
-  if (r.params.lse == nullptr) r.params.lse = discarded_lse(r.params.num_tokens * r.params.num_heads);
-  run_attention(r.params);
+  AttentionParams& p = r.params;
+  if (p.lse == nullptr) p.lse = discarded_lse(p.num_tokens * p.num_heads);
+  run_attention(p);
   r.finish();
 }
 

@@ -248,5 +248,6 @@ STABLE_TORCH_LIBRARY_IMPL(kvkernels, CUDA, m) {
   m.impl("swap_blocks", TORCH_BOX(&kvkernels::cuda::swap_blocks_cuda));
   m.impl("gather_kv", TORCH_BOX(&kvkernels::cuda::gather_kv_cuda));
   m.impl("merge_attention_states", TORCH_BOX(&kvkernels::cuda::merge_attention_states_cuda));
-  m.impl("merge_attention_states_out", TORCH_BOX(&kvkernels::cuda::merge_attention_states_out_cuda));
+  m.impl("merge_attention_states_out",
+         TORCH_BOX(&kvkernels::cuda::merge_attention_states_out_cuda));
 }
