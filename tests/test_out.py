@@ -324,6 +324,29 @@ def test_compiled_decode_step_into_buffers(backend):
     assert_bytes_equal(key_cache, eager_kv[0], "key cache")
 
 
+def test_inductor_writes_into_the_callers_buffer():
+    """Inductor re-inplaces the functionalized *_out call: the generated code passes a view of the graph input
+    (the caller's buffer) as out, with no clone of it and no copy back."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    kv = make_paged_kv(seq_lens=[5, 9], num_kv_heads=2, head_dim=16, block_size=4, seed=12)
+    buf = torch.full((4, 4, 16), float("nan"))
+
+    def step(q, lens):
+        ops.paged_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, lens, out=buf[:2])
+        return buf[:2].sum()
+
+    q = make_query(2, 4, 16, f32, generator(13))
+    _, code = run_and_get_code(torch.compile(step, fullgraph=True), q, kv.seq_lens)
+    calls = [line for line in "\n".join(code).splitlines() if "kvkernels.paged_attention_out.default(" in line]
+    assert len(calls) == 1 and "out=reinterpret_tensor(arg" in calls[0], calls
+    src = "\n".join(code)
+    assert ".clone(" not in src and "copy_(" not in src
+    want, _ = ops.paged_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens)
+    assert_bytes_equal(buf[:2], want, "buffer after the compiled call")
+
+
 # ---- docs/ops.md, "Conventions": ALiBi after the soft cap ------------------------------------------------
 
 
