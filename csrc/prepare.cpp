@@ -173,11 +173,76 @@ void fill_query(const ArgCheck& c, PreparedAttention& r, const Tensor& query_in,
   }
 }
 
+// One tensor argument of a call, for the overlap checks of caller-provided outputs (t is null for
+// an optional argument not given).
+struct Input {
+  const Tensor* t;
+  const char* name;
+};
+
+const Tensor* opt(const std::optional<Tensor>& t) { return t.has_value() ? &*t : nullptr; }
+
+// A caller-provided output: exactly `shape` (never resized), `dtype`, on `like`'s device.
+void check_output(const ArgCheck& c, const Tensor& t, const char* arg,
+                  const std::vector<int64_t>& shape, ScalarType dtype, const Tensor& like,
+                  const char* like_arg) {
+  c.same_device(t, arg, like, like_arg);
+  c.expect(t.scalar_type() == dtype, arg, "dtype ", torch::headeronly::toString(t.scalar_type()),
+           " must be ", torch::headeronly::toString(dtype));
+  bool same = t.dim() == static_cast<int64_t>(shape.size());
+  for (size_t d = 0; same && d < shape.size(); ++d) same = t.size(int64_t(d)) == shape[d];
+  if (same) return;
+  std::ostringstream want;
+  want << "[";
+  for (size_t d = 0; d < shape.size(); ++d) want << (d ? ", " : "") << shape[d];
+  want << "]";
+  c.fail(arg, "shape ", shape_str(t), " must be ", want.str(),
+         " (outputs are not resized)");
+}
+
+// The caller's outputs of an attention or merge call, checked with the inputs (before any index
+// check, allocation or write): shapes, dtypes, device, every element its own memory, and no memory
+// shared with each other or with any input (the kernels read inputs while writing outputs).
+void check_given_outputs(const ArgCheck& c, const GivenOutputs& g, const Tensor& like,
+                         const char* like_arg, const std::vector<int64_t>& out_shape,
+                         std::initializer_list<Input> inputs) {
+  if (!g.out.has_value()) {
+    c.expect(!g.lse.has_value(), "lse", "given without out");
+    return;
+  }
+  check_output(c, *g.out, "out", out_shape, like.scalar_type(), like, like_arg);
+  const Layout out_l(*g.out);
+  c.writable(out_l, "out");
+  for (const Input& in : inputs)
+    if (in.t != nullptr) c.disjoint(Layout(*in.t), in.name, out_l, "out");
+  if (!g.lse.has_value()) return;
+  check_output(c, *g.lse, "lse", {out_shape[0], out_shape[1]}, ScalarType::Float, like, like_arg);
+  const Layout lse_l(*g.lse);
+  c.writable(lse_l, "lse");
+  c.disjoint(lse_l, "lse", out_l, "out");
+  for (const Input& in : inputs)
+    if (in.t != nullptr) c.disjoint(Layout(*in.t), in.name, lse_l, "lse");
+}
+
+// What the kernel writes for one output: the caller's tensor when the kernels can index it
+// (contiguous), else a contiguous temporary copied into it by Prepared::finish(); without a given
+// tensor, a fresh one. Called after every check.
+Tensor output_for(const ArgCheck& c, Prepared& r, const std::optional<Tensor>& given,
+                  const char* arg, const Tensor& like, std::vector<int64_t> shape,
+                  std::optional<ScalarType> dtype = std::nullopt) {
+  if (given.has_value() && given->is_contiguous()) return *given;
+  Tensor t = new_output(c, arg, like, std::move(shape), dtype);
+  if (given.has_value()) r.copy_back.emplace_back(t, *given);
+  return t;
+}
+
 // The query (copied when its last stride is not 1) and the outputs of an attention call, after every
 // check (the index checks included: query_start_loc's last entry must equal the query's length
-// before a query of that length is copied).
+// before a query of that length is copied). With out= and no lse=, p.lse stays nullptr (the backend
+// supplies scratch).
 void finish_attention(const ArgCheck& c, PreparedAttention& r, const Tensor& query_in,
-                      const char* q_arg, int64_t out_dim, const IndexCheck& check_indices) {
+                      const char* q_arg, int64_t out_dim, const IndexCheck& check_indices,
+                      const GivenOutputs& given) {
   AttentionParams& p = r.params;
   if (check_indices) check_indices(p);
   Tensor query = with_unit_last_stride(c, query_in, q_arg, r);
@@ -185,9 +250,10 @@ void finish_attention(const ArgCheck& c, PreparedAttention& r, const Tensor& que
   p.q_stride_token = query.stride(0);
   p.q_stride_head = query.stride(1);
   p.q_format = float_format(query.scalar_type());
-  r.out = new_output(c, q_arg, query, {p.num_tokens, p.num_heads, out_dim});
-  r.lse = new_output(c, q_arg, query, {p.num_tokens, p.num_heads}, ScalarType::Float);
+  r.out = output_for(c, r, given.out, q_arg, query, {p.num_tokens, p.num_heads, out_dim});
   p.out = r.out.mutable_data_ptr();
+  if (given.out.has_value() && !given.lse.has_value()) return;
+  r.lse = output_for(c, r, given.lse, q_arg, query, {p.num_tokens, p.num_heads}, ScalarType::Float);
   p.lse = static_cast<float*>(r.lse.mutable_data_ptr());
 }
 
@@ -216,13 +282,28 @@ Tensor with_unit_last_stride(const ArgCheck& c, const Tensor& t, const char* arg
   return contiguous_or_copy(c, t, arg, keep);
 }
 
+void Prepared::finish() const {
+  for (const auto& [from, to] : copy_back) {
+    Tensor dst = to;
+    torch::stable::copy_(dst, from);
+  }
+}
+
+void ensure_lse(const ArgCheck& c, Prepared& r, float*& lse, const Tensor& like,
+                int64_t num_tokens, int64_t num_heads) {
+  if (lse != nullptr) return;
+  Tensor t = new_output(c, "lse", like, {num_tokens, num_heads}, ScalarType::Float);
+  r.keep_alive.push_back(t);
+  lse = static_cast<float*>(t.mutable_data_ptr());
+}
+
 PreparedAttention prepare_paged_attention(
     const ArgCheck& c, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
     const Tensor& block_tables, const Tensor& seq_lens,
     const std::optional<Tensor>& query_start_loc, std::optional<double> scale, int64_t window_left,
     double soft_cap, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
     const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
-    const IndexCheck& check_indices) {
+    const IndexCheck& check_indices, const GivenOutputs& given) {
   PreparedAttention r;
   AttentionParams& p = r.params;
   p.kv = make_paged_kv(c, key_cache, "key_cache", value_cache, "value_cache", block_tables,
@@ -248,7 +329,13 @@ PreparedAttention prepare_paged_attention(
   p.window_left = window_left < 0 ? -1 : static_cast<int>(window_left);
   p.alibi_slopes = per_head_vector(c, alibi_slopes, "alibi_slopes", p.num_heads, query, r);
   p.sinks = per_head_vector(c, sinks, "sinks", p.num_heads, query, r);
-  finish_attention(c, r, query, "query", d, check_indices);
+  check_given_outputs(c, given, query, "query", {p.num_tokens, p.num_heads, d},
+                      {{&query, "query"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"},
+                       {&block_tables, "block_tables"}, {&seq_lens, "seq_lens"},
+                       {opt(query_start_loc), "query_start_loc"},
+                       {opt(alibi_slopes), "alibi_slopes"}, {opt(sinks), "sinks"},
+                       {opt(k_scale), "k_scale"}, {opt(v_scale), "v_scale"}});
+  finish_attention(c, r, query, "query", d, check_indices, given);
   return r;
 }
 
@@ -256,7 +343,7 @@ PreparedAttention prepare_mla_attention(
     const ArgCheck& c, const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables,
     const Tensor& seq_lens, int64_t kv_lora_rank, double scale,
     const std::optional<Tensor>& query_start_loc, const std::optional<Tensor>& kv_scale,
-    const IndexCheck& check_indices) {
+    const IndexCheck& check_indices, const GivenOutputs& given) {
   PreparedAttention r;
   AttentionParams& p = r.params;
   c.dim(kv_cache, "kv_cache", 3);
@@ -278,12 +365,17 @@ PreparedAttention prepare_mla_attention(
   fill_query(c, r, q, "q", kv_cache, "kv_cache", kv_lora_rank, query_start_loc);
   c.expect(std::isfinite(scale), "scale", "must be finite");
   p.scale = static_cast<float>(scale);
-  finish_attention(c, r, q, "q", kv_lora_rank, check_indices);
+  check_given_outputs(c, given, q, "q", {p.num_tokens, p.num_heads, kv_lora_rank},
+                      {{&q, "q"}, {&kv_cache, "kv_cache"}, {&block_tables, "block_tables"},
+                       {&seq_lens, "seq_lens"}, {opt(query_start_loc), "query_start_loc"},
+                       {opt(kv_scale), "kv_scale"}});
+  finish_attention(c, r, q, "q", kv_lora_rank, check_indices, given);
   return r;
 }
 
 PreparedMerge prepare_merge(const ArgCheck& c, const Tensor& out_a_in, const Tensor& lse_a,
-                            const Tensor& out_b_in, const Tensor& lse_b) {
+                            const Tensor& out_b_in, const Tensor& lse_b,
+                            const GivenOutputs& given) {
   PreparedMerge r;
   MergeParams& p = r.params;
   c.dim(out_a_in, "out_a", 3);
@@ -300,6 +392,11 @@ PreparedMerge prepare_merge(const ArgCheck& c, const Tensor& out_a_in, const Ten
   }
   p.num_heads = c.to_int(out_a_in.size(1), "out_a", "num_heads (dimension 1)");
   p.head_dim = c.to_int(out_a_in.size(2), "out_a", "head_dim (dimension 2)");
+  // out = out_a (merging in place) is an overlap too: rejected like every other.
+  check_given_outputs(c, given, out_a_in, "out_a",
+                      {out_a_in.size(0), out_a_in.size(1), out_a_in.size(2)},
+                      {{&out_a_in, "out_a"}, {&lse_a, "lse_a"}, {&out_b_in, "out_b"},
+                       {&lse_b, "lse_b"}});
   Tensor out_a = with_unit_last_stride(c, out_a_in, "out_a", r);
   Tensor out_b = with_unit_last_stride(c, out_b_in, "out_b", r);
   p.out_a = out_a.const_data_ptr();
@@ -316,9 +413,11 @@ PreparedMerge prepare_merge(const ArgCheck& c, const Tensor& out_a_in, const Ten
   p.lse_b_stride_head = lse_b.stride(1);
   p.format = float_format(out_a.scalar_type());
   p.num_tokens = out_a.size(0);
-  r.out = new_output(c, "out_a", out_a, {p.num_tokens, p.num_heads, p.head_dim});
-  r.lse = new_output(c, "out_a", out_a, {p.num_tokens, p.num_heads}, ScalarType::Float);
+  r.out = output_for(c, r, given.out, "out_a", out_a, {p.num_tokens, p.num_heads, p.head_dim});
   p.out = r.out.mutable_data_ptr();
+  if (given.out.has_value() && !given.lse.has_value()) return r;  // p.lse: the backend's scratch
+  r.lse = output_for(c, r, given.lse, "out_a", out_a, {p.num_tokens, p.num_heads},
+                     ScalarType::Float);
   p.lse = static_cast<float*>(r.lse.mutable_data_ptr());
   return r;
 }

@@ -869,3 +869,41 @@ def test_merge_attention_states_nonfinite(emu):
     ref_out, ref_lse = reference.merge_attention_states(upcast(out_a), lse_a, upcast(out_b), lse_b)
     assert_close(out, ref_out, bf16, msg="out")
     assert_close(lse, ref_lse, f32, msg="lse")
+
+
+# ---------------------------------------------------------------------------------------------------
+# caller-provided outputs (the *_out ops): the CUDA bindings' out= path (ensure_lse, finish) on the emulator
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["f16-decode-mma", "bf16-varlen-mma", "f32-decode-simt", "mla-bf16", "merge-f16"])
+def test_out_variants(emu, case):
+    """out= + lse= (contiguous: written directly) and out= alone into a padded view (through a temporary, with
+    a scratch lse): the bytes of the allocating emulated call, and nothing around the view written."""
+    if case == "mla-bf16":
+        mla, q, _ = make_mla_case("decode", [37, 0, 70], bf16, None, 512, 64, 16, 64)
+        args, kw = (q, mla.kv_cache, mla.block_tables, mla.seq_lens), dict(kv_lora_rank=512, scale=0.1)
+        fn, fn_out, width = emu.mla_paged_attention, emu.mla_paged_attention_out, 512
+    elif case == "merge-f16":
+        gen = generator(31)
+        args = (randn(9, 4, 64, gen=gen, dtype=f16), randn(9, 4, gen=gen), randn(9, 4, 64, gen=gen, dtype=f16),
+                randn(9, 4, gen=gen))
+        kw, fn, fn_out, width = {}, emu.merge_attention_states, emu.merge_attention_states_out, 64
+    else:
+        dtype = {"f16": f16, "bf16": bf16, "f32": f32}[case.split("-")[0]]
+        mode = case.split("-")[1]
+        kv, query, qsl = make_case(mode, [17, 0, 40, 1], dtype=dtype, num_heads=8, num_kv_heads=2, head_dim=64,
+                                   block_size=16)
+        args, kw = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl), dict(kv.scales)
+        fn, fn_out, width = emu.paged_attention, emu.paged_attention_out, 64
+    want, want_lse = fn(*args, **kw)
+    out, lse = torch.full_like(want, float("nan")), torch.full_like(want_lse, 7.0)
+    fn_out(*args, **kw, out=out, lse=lse)
+    assert_bytes_equal(out, want, "out")
+    assert_bytes_equal(lse, want_lse, "lse")
+    t, h = want.shape[:2]
+    buf = torch.full((t, h, width + 8), 3.0, dtype=want.dtype)
+    fn_out(*args, **kw, out=buf[..., 4:4 + width])
+    expect = torch.full_like(buf, 3.0)
+    expect[..., 4:4 + width] = want
+    assert_bytes_equal(buf, expect, "padded out")

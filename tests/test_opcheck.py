@@ -157,6 +157,22 @@ def mp_sample(dtype, fp8=None, varlen=False, strided=None):
     return build
 
 
+def with_out(build, out_dim=None, strided=False, lse=True):
+    """A sample of an allocating op turned into one of its *_out twin: the given out (a padded view when
+    ``strided``) and lse (or none), NaN-filled; the written tensors are compared after the call."""
+    def build_out():
+        args, kwargs = build()
+        first = args[0]
+        t, h, d = first.shape
+        d = out_dim or d
+        out = torch.full((t, h, d + 8) if strided else (t, h, d), float("nan"), dtype=first.dtype)
+        out = out[..., 4:4 + d] if strided else out
+        given = torch.full((h, t), float("nan")).t() if lse and strided else (
+            torch.full((t, h), float("nan")) if lse else None)
+        return args, dict(kwargs, out=out, lse=given)
+    return build_out
+
+
 SAMPLES = {
     "reshape_and_cache": {
         "f32-NHD": rc_sample(f32, "NHD"),
@@ -172,6 +188,24 @@ SAMPLES = {
                                                       alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
                                                       sinks=torch.tensor([0.1, -0.2, 0.3, 1.0])),
         "e5m2-varlen-f32-scale": pa_sample(f32, "NHD", "e5m2", varlen=True, scale=0.3),
+    },
+    "paged_attention_out": {
+        "f32-decode-NHD": with_out(pa_sample(f32, "NHD")),
+        "bf16-varlen-HND-strided-out-no-lse": with_out(pa_sample(bf16, "HND", varlen=True, soft_cap=2.0),
+                                                       strided=True, lse=False),
+        "e4m3-head-f16-stacked-strided-out-and-lse": with_out(pa_sample(f16, "stacked", "e4m3", per_head=True,
+                                                                        sinks=torch.tensor([0.1, -0.2, 0.3, 1.0])),
+                                                              strided=True),
+    },
+    "merge_attention_states_out": {
+        "f32": with_out(merge_sample(f32)),
+        "bf16-transposed-strided-out": with_out(merge_sample(bf16, transposed=True), strided=True),
+        "f16-inf-no-lse": with_out(merge_sample(f16, with_inf=True), lse=False),
+    },
+    "mla_paged_attention_out": {
+        "f32-decode": with_out(mp_sample(f32), out_dim=64),
+        "bf16-varlen-strided-out": with_out(mp_sample(bf16, varlen=True, strided="fused"), out_dim=64, strided=True),
+        "e4m3-decode-no-lse": with_out(mp_sample(bf16, "e4m3"), out_dim=64, lse=False),
     },
     "merge_attention_states": {
         "f32": merge_sample(f32),
@@ -225,7 +259,8 @@ def test_opcheck(op, build):
 
 # Which arguments each op writes (docs/ops.md); every other argument must be read-only in the schema.
 WRITES = {"reshape_and_cache": {"key_cache", "value_cache"}, "copy_blocks": {"cache"}, "swap_blocks": {"dst"},
-          "concat_and_cache_mla": {"kv_cache"}}
+          "concat_and_cache_mla": {"kv_cache"}, "paged_attention_out": {"out", "lse"},
+          "merge_attention_states_out": {"out", "lse"}, "mla_paged_attention_out": {"out", "lse"}}
 
 
 @pytest.mark.parametrize("op", SAMPLES)
@@ -244,4 +279,9 @@ def test_schema_mutation_annotations(op):
 def test_every_op_is_sampled():
     assert set(SAMPLES) == {"reshape_and_cache", "paged_attention", "merge_attention_states", "copy_blocks",
                             "swap_blocks", "gather_kv", "concat_and_cache_mla", "mla_decompress",
-                            "mla_paged_attention"}
+                            "mla_paged_attention", "paged_attention_out", "merge_attention_states_out",
+                            "mla_paged_attention_out"}
+    registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith("kvkernels::")}
+    assert "paged_attention_out" in registered
+    assert registered <= set(SAMPLES), f"ops without opcheck samples: {registered - set(SAMPLES)}"

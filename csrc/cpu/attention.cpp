@@ -7,6 +7,7 @@
 
 #include "../index_checks.h"
 #include "../prepare.h"
+#include "discarded_lse.h"
 #include "attention_plan.h"
 #include "convert.h"
 #include "isa.h"
@@ -33,18 +34,62 @@ struct TorchHost {
 
 void run_attention(const AttentionParams& p) { run_attention_on(p, TorchHost{}); }
 
+// Runs a prepared call: out= without lse= gets the per-thread lse buffer; given outputs the kernels
+// could not write directly are filled from their temporaries.
+void run_prepared(PreparedAttention& r) {
+  AttentionParams& p = r.params;
+  if (p.lse == nullptr) p.lse = discarded_lse(p.num_tokens * p.num_heads);
+  run_attention(p);
+  r.finish();
+}
+
+// paged_attention and paged_attention_out: one path, the functional op with no given outputs.
+std::tuple<Tensor, Tensor> paged_attention_impl(
+    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+    const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
+    std::optional<double> scale, int64_t window_left, double soft_cap,
+    std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
+    std::optional<Tensor> v_scale, const GivenOutputs& given) {
+  const ArgCheck c("paged_attention");
+  PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables,
+                                                seq_lens, query_start_loc, scale, window_left,
+                                                soft_cap, alibi_slopes, sinks, k_scale, v_scale,
+                                                index_checks(c), given);
+  run_prepared(r);
+  return {r.out, r.lse};
+}
+
 std::tuple<Tensor, Tensor> paged_attention_cpu(
     const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
     const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
     std::optional<double> scale, int64_t window_left, double soft_cap,
     std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
     std::optional<Tensor> v_scale) {
-  const ArgCheck c("paged_attention");
-  PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables,
-                                                seq_lens, query_start_loc, scale, window_left,
-                                                soft_cap, alibi_slopes, sinks, k_scale, v_scale,
-                                                index_checks(c));
-  run_attention(r.params);
+  return paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens,
+                              query_start_loc, scale, window_left, soft_cap, alibi_slopes, sinks,
+                              k_scale, v_scale, {});
+}
+
+void paged_attention_out_cpu(
+    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+    const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
+    std::optional<double> scale, int64_t window_left, double soft_cap,
+    std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
+    std::optional<Tensor> v_scale, Tensor out, std::optional<Tensor> lse) {
+  paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                       scale, window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale,
+                       {out, lse});
+}
+
+std::tuple<Tensor, Tensor> mla_paged_attention_impl(
+    const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables, const Tensor& seq_lens,
+    int64_t kv_lora_rank, double scale, std::optional<Tensor> query_start_loc,
+    std::optional<Tensor> kv_scale, const GivenOutputs& given) {
+  const ArgCheck c("mla_paged_attention");
+  PreparedAttention r = prepare_mla_attention(c, q, kv_cache, block_tables, seq_lens, kv_lora_rank,
+                                              scale, query_start_loc, kv_scale, index_checks(c),
+                                              given);
+  run_prepared(r);
   return {r.out, r.lse};
 }
 
@@ -54,11 +99,18 @@ std::tuple<Tensor, Tensor> mla_paged_attention_cpu(const Tensor& q, const Tensor
                                                    double scale,
                                                    std::optional<Tensor> query_start_loc,
                                                    std::optional<Tensor> kv_scale) {
-  const ArgCheck c("mla_paged_attention");
-  PreparedAttention r = prepare_mla_attention(c, q, kv_cache, block_tables, seq_lens, kv_lora_rank,
-                                              scale, query_start_loc, kv_scale, index_checks(c));
-  run_attention(r.params);
-  return {r.out, r.lse};
+  return mla_paged_attention_impl(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale,
+                                  query_start_loc, kv_scale, {});
+}
+
+void mla_paged_attention_out_cpu(const Tensor& q, const Tensor& kv_cache,
+                                 const Tensor& block_tables, const Tensor& seq_lens,
+                                 int64_t kv_lora_rank, double scale,
+                                 std::optional<Tensor> query_start_loc,
+                                 std::optional<Tensor> kv_scale, Tensor out,
+                                 std::optional<Tensor> lse) {
+  mla_paged_attention_impl(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale,
+                           query_start_loc, kv_scale, {out, lse});
 }
 
 }  // namespace
@@ -67,4 +119,6 @@ std::tuple<Tensor, Tensor> mla_paged_attention_cpu(const Tensor& q, const Tensor
 STABLE_TORCH_LIBRARY_IMPL(kvkernels, CPU, m) {
   m.impl("paged_attention", TORCH_BOX(&kvkernels::cpu::paged_attention_cpu));
   m.impl("mla_paged_attention", TORCH_BOX(&kvkernels::cpu::mla_paged_attention_cpu));
+  m.impl("paged_attention_out", TORCH_BOX(&kvkernels::cpu::paged_attention_out_cpu));
+  m.impl("mla_paged_attention_out", TORCH_BOX(&kvkernels::cpu::mla_paged_attention_out_cpu));
 }

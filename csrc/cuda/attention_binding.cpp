@@ -40,12 +40,13 @@ void check_indices_on_host(const ArgCheck& c, const AttentionParams& params, cud
   }
 }
 
-std::tuple<Tensor, Tensor> paged_attention_cuda(
+// paged_attention and paged_attention_out: one path, the functional op with no given outputs.
+std::tuple<Tensor, Tensor> paged_attention_impl(
     const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
     const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
     std::optional<double> scale, int64_t window_left, double soft_cap,
     std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-    std::optional<Tensor> v_scale) {
+    std::optional<Tensor> v_scale, const GivenOutputs& given) {
   const ArgCheck c("paged_attention");
   const DeviceScope scope(c, query, "query");
   // Debug mode: the index checks on host copies, before the outputs are allocated.
@@ -55,8 +56,10 @@ std::tuple<Tensor, Tensor> paged_attention_cuda(
   PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables,
                                                 seq_lens, query_start_loc, scale, window_left,
                                                 soft_cap, alibi_slopes, sinks, k_scale, v_scale,
-                                                host_checks);
+                                                host_checks, given);
   if (r.params.num_tokens == 0 || r.params.kv.num_seqs == 0) return {r.out, r.lse};
+  // out= without lse=: the kernels write lse anyway; scratch from the caching allocator.
+  ensure_lse(c, r, r.params.lse, query, r.params.num_tokens, r.params.num_heads);
 
   const LaunchPlan plan = plan_paged_attention(r.params, scope.device());
   Tensor workspace;
@@ -66,9 +69,32 @@ std::tuple<Tensor, Tensor> paged_attention_cuda(
     ws = static_cast<float*>(workspace.mutable_data_ptr());
   }
   launch_paged_attention(r.params, plan, ws, scope.stream());
+  r.finish();  // non-contiguous given outputs: copied from their temporaries on this stream
   // The workspace tensor goes back to the caching allocator when this function returns; the
   // allocator reuses it only for work ordered after the kernels on this stream.
   return {r.out, r.lse};
+}
+
+std::tuple<Tensor, Tensor> paged_attention_cuda(
+    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+    const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
+    std::optional<double> scale, int64_t window_left, double soft_cap,
+    std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
+    std::optional<Tensor> v_scale) {
+  return paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens,
+                              query_start_loc, scale, window_left, soft_cap, alibi_slopes, sinks,
+                              k_scale, v_scale, {});
+}
+
+void paged_attention_out_cuda(
+    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+    const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
+    std::optional<double> scale, int64_t window_left, double soft_cap,
+    std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
+    std::optional<Tensor> v_scale, Tensor out, std::optional<Tensor> lse) {
+  paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                       scale, window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale,
+                       {out, lse});
 }
 
 }  // namespace
@@ -76,4 +102,5 @@ std::tuple<Tensor, Tensor> paged_attention_cuda(
 
 STABLE_TORCH_LIBRARY_IMPL(kvkernels, CUDA, m) {
   m.impl("paged_attention", TORCH_BOX(&kvkernels::attn_cuda::paged_attention_cuda));
+  m.impl("paged_attention_out", TORCH_BOX(&kvkernels::attn_cuda::paged_attention_out_cuda));
 }

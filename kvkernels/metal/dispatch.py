@@ -151,6 +151,46 @@ def _empty(op, name, shape, **kwargs):
         raise RuntimeError(f"kvkernels.{op}: {name}: allocating the output {list(shape)} failed: {e}") from e
 
 
+def _outputs(op, like_arg, like, shape, out, lse, inputs):
+    """The (out, lse) the kernel writes and the copies to make after it. Without ``out``: fresh
+    tensors. With it (the *_out ops): the caller's tensors, checked like csrc/prepare.cpp checks them
+    (exact shape, dtype, device, own memory, no overlap with each other or any input); a
+    non-contiguous one is written through a contiguous temporary; ``out`` without ``lse``: a scratch
+    lse. Call after every other check: nothing is allocated before it."""
+    lse_shape = tuple(shape[:2])
+    if out is None:
+        _check(lse is None, op, "lse", "given without out")
+        return (_empty(op, like_arg, shape, dtype=like.dtype, device=like.device),
+                _empty(op, like_arg, lse_shape, dtype=torch.float32, device=like.device), [])
+    given = [("out", out, tuple(shape), like.dtype)] + ([("lse", lse, lse_shape, torch.float32)] if lse is not None
+                                                         else [])
+    for name, t, want, dtype in given:
+        _check(t.device == like.device, op, name, f"must be on the device of {like_arg}")
+        _check(t.dtype == dtype, op, name, f"dtype {t.dtype} must be {dtype}")
+        _check(tuple(t.shape) == want, op, name, f"shape {list(t.shape)} must be {list(want)} (outputs are not resized)")
+        _check_writable(op, name, t)
+        for arg, x in inputs.items():
+            _check_disjoint(op, arg, x, name, t)
+    if lse is not None:
+        _check_disjoint(op, "lse", lse, "out", out)
+    kernel, copies = [], []
+    for name, t, want, dtype in given:
+        if t.is_contiguous():
+            kernel.append(t)
+        else:
+            tmp = _empty(op, name, want, dtype=dtype, device=like.device)
+            kernel.append(tmp)
+            copies.append((tmp, t))
+    if lse is None:
+        kernel.append(_empty(op, "lse", lse_shape, dtype=torch.float32, device=like.device))
+    return kernel[0], kernel[1], copies
+
+
+def _copy_back(copies):
+    for tmp, t in copies:
+        t.copy_(tmp)
+
+
 def _check_float(op, name, t):
     _check(t.dtype in FLOATS, op, name, f"expected float32, float16 or bfloat16, got {t.dtype}")
 
@@ -404,6 +444,15 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor, block_dim: int 
 
 
 def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor):
+    return _merge_attention_states(out_a, lse_a, out_b, lse_b, None, None)
+
+
+def merge_attention_states_out(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, *, out: Tensor,
+                               lse: Optional[Tensor] = None) -> None:
+    _merge_attention_states(out_a, lse_a, out_b, lse_b, out, lse)
+
+
+def _merge_attention_states(out_a, lse_a, out_b, lse_b, given_out, given_lse):
     op = "merge_attention_states"
     dev = out_a.device
     _check_device(op, dev, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
@@ -417,11 +466,12 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: T
     _check_int(op, "out_a", "num_heads (dimension 1)", h)
     _check_int(op, "out_a", "head_dim (dimension 2)", d)
     _check_int(op, "out_a", "num_tokens (dimension 0)", t)
-    out = _empty(op, "out_a", (t, h, d), dtype=out_a.dtype, device=dev)
-    lse = _empty(op, "out_a", (t, h), dtype=torch.float32, device=dev)
+    out, lse, copies = _outputs(op, "out_a", out_a, (t, h, d), given_out, given_lse,
+                                dict(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b))
     if out.numel() == 0:
         if d == 0 and t * h:
             lse.copy_(torch.logaddexp(lse_a, lse_b))
+        _copy_back(copies)
         return out, lse
     lib = library(dev, "merge", OUT_T=source.msl_type(out_a.dtype))
     p = _params("merge", "MergeParams", num_tokens=t, num_heads=h, head_dim=d,
@@ -431,6 +481,7 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: T
                 lb_stride_t=lse_b.stride(0), lb_stride_h=lse_b.stride(1))
     lib.merge_attention_states(out_a, lse_a, out_b, lse_b, out, lse, p, threads=[d, h, t],
                                group_size=[_group(d), 1, 1], arg_casts={6: "uint8"})
+    _copy_back(copies)
     return out, lse
 
 
@@ -461,6 +512,21 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
                     query_start_loc: Optional[Tensor] = None, scale: Optional[float] = None, window_left: int = -1,
                     soft_cap: float = 0.0, alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
                     k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None):
+    return _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window_left,
+                            soft_cap, alibi_slopes, sinks, k_scale, v_scale, out=None, lse=None)
+
+
+def paged_attention_out(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
+                        seq_lens: Tensor, query_start_loc: Optional[Tensor] = None, scale: Optional[float] = None,
+                        window_left: int = -1, soft_cap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+                        sinks: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
+                        v_scale: Optional[Tensor] = None, *, out: Tensor, lse: Optional[Tensor] = None) -> None:
+    _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window_left,
+                     soft_cap, alibi_slopes, sinks, k_scale, v_scale, out=out, lse=lse)
+
+
+def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window_left,
+                     soft_cap, alibi_slopes, sinks, k_scale, v_scale, *, out, lse):
     op = "paged_attention"
     dev = query.device
     _check_device(op, dev, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
@@ -498,8 +564,9 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
     # Host scalars are checked as on the CPU / CUDA (docs/ops.md, "Non-finite values").
     _check(scale is None or math.isfinite(scale), op, "scale", "must be finite")
     _check(soft_cap >= 0.0 and math.isfinite(soft_cap), op, "soft_cap", f"must be >= 0 (0 = off), got {soft_cap}")
-    out = _empty(op, "query", (t, hq, d), dtype=query.dtype, device=dev)
-    lse = _empty(op, "query", (t, hq), dtype=torch.float32, device=dev)
+    out, lse, copies = _outputs(op, "query", query, (t, hq, d), out, lse, dict(
+        query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens,
+        query_start_loc=query_start_loc, alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale))
     if t == 0 or hq == 0:
         return out, lse
     fp8 = key_cache.dtype in FP8
@@ -521,6 +588,7 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
                         _scale_or_dummy(k_scale, dummy), _scale_or_dummy(v_scale, dummy), out, lse, p,
                         threads=[32 * PA_SIMD_GROUPS, hq, t], group_size=[32 * PA_SIMD_GROUPS, 1, 1],
                         arg_casts={12: "uint8"})
+    _copy_back(copies)
     return out, lse
 
 
@@ -651,6 +719,19 @@ def mla_decompress(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, w_k
 
 def mla_paged_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, kv_lora_rank: int,
                         scale: float, query_start_loc: Optional[Tensor] = None, kv_scale: Optional[Tensor] = None):
+    return _mla_paged_attention(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, query_start_loc, kv_scale,
+                                out=None, lse=None)
+
+
+def mla_paged_attention_out(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, kv_lora_rank: int,
+                            scale: float, query_start_loc: Optional[Tensor] = None, kv_scale: Optional[Tensor] = None,
+                            *, out: Tensor, lse: Optional[Tensor] = None) -> None:
+    _mla_paged_attention(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, query_start_loc, kv_scale,
+                         out=out, lse=lse)
+
+
+def _mla_paged_attention(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, query_start_loc, kv_scale, *,
+                         out, lse):
     op = "mla_paged_attention"
     dev = q.device
     _check_device(op, dev, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens,
@@ -676,8 +757,9 @@ def mla_paged_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_l
         _check_rows(op, dev, query_start_loc, t, num_seqs, seq_lens)
     _check_int(op, "q", "num_heads (dimension 1)", hq)
     _check_int(op, "q", "num_tokens (dimension 0)", t)
-    out = _empty(op, "q", (t, hq, r), dtype=q.dtype, device=dev)
-    lse = _empty(op, "q", (t, hq), dtype=torch.float32, device=dev)
+    out, lse, copies = _outputs(op, "q", q, (t, hq, r), out, lse, dict(
+        q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
+        kv_scale=kv_scale))
     if t == 0 or hq == 0:
         return out, lse
     fp8 = kv_cache.dtype in FP8
@@ -693,4 +775,5 @@ def mla_paged_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_l
                             _scale_or_dummy(kv_scale, dummy), out, lse, p,
                             threads=[32 * MLA_HEADS, -(-hq // MLA_HEADS), t], group_size=[32 * MLA_HEADS, 1, 1],
                             arg_casts={8: "uint8"})
+    _copy_back(copies)
     return out, lse
