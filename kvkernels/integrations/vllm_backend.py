@@ -311,7 +311,8 @@ class KVKernelsImpl(AttentionImpl[KVKernelsMetadata]):
             query[:n], k_cache, v_cache, md.block_table, md.seq_lens,
             None if md.decode_only else md.query_start_loc,
             scale=self.scale, window_left=self.window_left, soft_cap=self.soft_cap, alibi_slopes=alibi,
-            sinks=self._sinks(), k_scale=k_scale, v_scale=v_scale, out=output[:n].view(n, query.shape[1], -1))
+            sinks=self._sinks(), k_scale=k_scale, v_scale=v_scale,
+            out=output[:n].view(n, self.num_heads, self.head_size))
         log = _CALL_LOG.enabled()
         if log:
             q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
