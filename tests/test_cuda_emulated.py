@@ -467,6 +467,16 @@ def test_paged_attention_nonfinite_values_past_dk(emu, dtype):
     assert out[:20].isfinite().all() and out[20:70, :, 40].isnan().any() and out[41:70, :, 95].isinf().any()
 
 
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+def test_paged_attention_value_cache_a_prefix_view(emu, mode):
+    """value_cache = key_cache[..., :64]: the same first byte as the key cache (read-only ops may take
+    overlapping views); the planner takes it like any two caches."""
+    kv, query, qsl = dv_case(mode, [40, 0, 17, 33], bf16, None, "NHD", 8, 2, 128, 128, 16, seed=61)
+    kv = dataclasses.replace(kv, value_cache=kv.key_cache[..., :64])
+    out, _, plan = run_emu_attention(emu, kv, query, qsl)
+    assert out.shape[-1] == 64 and plan["dpad"] == 128
+
+
 @pytest.mark.parametrize("fp8", [None, "e4m3"])
 @pytest.mark.parametrize("dk,dv", [(192, 128), (24, 64)])
 def test_gather_kv_value_head_dim(emu, dk, dv, fp8):

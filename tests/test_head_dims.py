@@ -147,6 +147,20 @@ def test_nonfinite_values_in_columns_past_dk(isa, mode):
     assert torch.isfinite(out[..., :dk]).all()
 
 
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+def test_value_cache_a_prefix_view_of_the_key_cache(isa, mode):
+    """value_cache = key_cache[..., :Dv] (one allocation, the same first byte; read-only ops may take
+    overlapping views): the kernels that treat such a V as the prefix of each K row (MLA's layout) and
+    those that read it on its own give the same answer."""
+    kv, query, qsl = dv_case(mode, [40, 0, 17, 33], dtype=bf16, hq=8, hkv=2, dk=128, dv=128, b=16, seed=60)
+    value_cache = kv.key_cache[..., :64]
+    out, lse = ops.paged_attention(query, kv.key_cache, value_cache, kv.block_tables, kv.seq_lens, qsl)
+    ref_out, ref_lse = reference.paged_attention(upcast(query), upcast(kv.key_cache), upcast(value_cache),
+                                                 kv.block_tables, kv.seq_lens, qsl)
+    assert_close(out, ref_out, bf16, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
+
+
 # ----------------------------------------------------------------------------------------------------
 # the cache writer and reader
 # ----------------------------------------------------------------------------------------------------

@@ -83,11 +83,9 @@ int64_t floats_aligned8(int64_t n) { return (n + 7) / 8 * 8; }
 }  // namespace
 
 LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
-  // K and V are separate caches (MLA has its own kernels); their head dims may differ, and the
-  // kernels run on the padding of the larger (attention_common.cuh: dpad_of).
-  if (p.kv.k == p.kv.v && p.kv.head_dim_v != p.kv.head_dim)
-    throw std::runtime_error("kvkernels.paged_attention (CUDA): MLA-shaped parameters are not "
-                             "supported by this kernel");
+  // K and V are read through their own pointers and strides (even views of one allocation); their
+  // head dims may differ, and the kernels run on the padding of the larger (attention_common.cuh:
+  // dpad_of). MLA has kernels of its own.
   const int d = p.kv.head_dim, dv = p.kv.head_dim_v;
   if (d <= 0 || d % 8 != 0 || d > 256 || dv <= 0 || dv % 8 != 0 || dv > 256)
     throw std::runtime_error("kvkernels.paged_attention (CUDA): head_dim and head_dim_v must be "
