@@ -79,14 +79,17 @@ def worker(args) -> None:
     fn()
     one = max(time.perf_counter() - t0, 1e-6)
     reps = max(1, int(args.min_time / one))
-    rounds = []
+    # Wall time, and the CPU time of the process (with one thread: the time the calls ran on a core;
+    # on a machine shared with other jobs it leaves out the time the process waited for a core).
+    rounds, cpu_rounds = [], []
     for _ in range(args.rounds):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(reps):
             fn()
         rounds.append((time.perf_counter() - t0) / reps)
+        cpu_rounds.append((time.process_time() - c0) / reps)
     print(json.dumps({"median_s": statistics.median(rounds), "min_s": min(rounds), "rounds": rounds,
-                      "reps": reps, "isa": kvkernels.cpu_isa()}))
+                      "cpu_rounds": cpu_rounds, "reps": reps, "isa": kvkernels.cpu_isa()}))
 
 
 def run_worker(tree: str, spec, args) -> dict:
@@ -143,8 +146,11 @@ def main() -> int:
                 new = statistics.median(b1["rounds"] + b2["rounds"])
                 # Also the best rounds: on a shared machine the minimum is the least disturbed time.
                 base_min, new_min = min(a1["min_s"], a2["min_s"]), min(b1["min_s"], b2["min_s"])
+                base_cpu = statistics.median(a1["cpu_rounds"] + a2["cpu_rounds"])
+                new_cpu = statistics.median(b1["cpu_rounds"] + b2["cpu_rounds"])
                 pairs.append(dict(base_s=base, new_s=new, ratio=new / base, base_min_s=base_min,
-                                  new_min_s=new_min, ratio_of_mins=new_min / base_min, isa=b1["isa"]))
+                                  new_min_s=new_min, ratio_of_mins=new_min / base_min, base_cpu_s=base_cpu,
+                                  new_cpu_s=new_cpu, cpu_ratio=new_cpu / base_cpu, isa=b1["isa"]))
             else:
                 b1 = run_worker(TREE, spec, args)
                 pairs.append(dict(base_s=None, new_s=statistics.median(b1["rounds"]), ratio=None,
@@ -160,7 +166,10 @@ def main() -> int:
             ratios = [x["ratio"] for x in pairs]
             row.update(ratio_median=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
                        base_median_s=statistics.median(x["base_s"] for x in pairs),
-                       ratio_of_mins_median=statistics.median(x["ratio_of_mins"] for x in pairs))
+                       ratio_of_mins_median=statistics.median(x["ratio_of_mins"] for x in pairs),
+                       cpu_ratio_median=statistics.median(x["cpu_ratio"] for x in pairs),
+                       cpu_ratio_min=min(x["cpu_ratio"] for x in pairs),
+                       cpu_ratio_max=max(x["cpu_ratio"] for x in pairs))
         rows.append(row)
     stamp = datetime.datetime.now(datetime.timezone.utc)
     meta = dict(cpu=cpu_model(), torch=torch.__version__, python=platform.python_version(),
@@ -172,16 +181,19 @@ def main() -> int:
              f"{args.threads} thread(s), {args.pairs} pair(s) x 2 x {args.rounds} rounds",
              f"# {meta['command']}",
              "# new/base: median over pairs of (median new / median base); range: its min-max over pairs;",
-             "# mins: median over pairs of (best new round / best base round)",
+             "# mins: median over pairs of (best new round / best base round); cpu: the same as new/base on the",
+             "# process CPU time (one thread: leaves out waits for a core), and its min-max over pairs",
              f"{'case':40s} {'new ms':>9s} {'base ms':>9s} {'new/base':>9s} {'range':>13s} {'mins':>6s} "
-             f"{'K+V GB/s':>9s}"]
+             f"{'cpu':>6s} {'cpu range':>13s} {'K+V GB/s':>9s}"]
     for r in rows:
         base = f"{r['base_median_s'] * 1e3:9.3f}" if "ratio_median" in r else f"{'-':>9s}"
         ratio = f"{r['ratio_median']:9.3f}" if "ratio_median" in r else f"{'-':>9s}"
         rng = f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}" if "ratio_median" in r else "-"
         mins = f"{r['ratio_of_mins_median']:6.3f}" if "ratio_median" in r else f"{'-':>6s}"
+        cpu = f"{r['cpu_ratio_median']:6.3f}" if "cpu_ratio_median" in r else f"{'-':>6s}"
+        crng = f"{r['cpu_ratio_min']:.3f}-{r['cpu_ratio_max']:.3f}" if "cpu_ratio_median" in r else "-"
         lines.append(f"{r['case']:40s} {r['new_median_s'] * 1e3:9.3f} {base} {ratio} {rng:>13s} {mins} "
-                     f"{r['kv_gbps']:9.2f}")
+                     f"{cpu} {crng:>13s} {r['kv_gbps']:9.2f}")
     text = "\n".join(lines)
     print(text)
     if not args.quick:
