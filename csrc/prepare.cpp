@@ -11,7 +11,9 @@ namespace kvkernels {
 
 namespace {
 
-constexpr int kMaxHeadDim = 256;
+// Head dims of paged_attention (key and value alike): multiples of 8 up to 512 here; the CUDA
+// binding allows 256 (its kernels keep a 16-row output tile in registers, docs/ops.md).
+constexpr int kMaxHeadDim = 512;
 constexpr int kMaxMlaLatent = 512;
 constexpr int kMaxMlaRow = 576;
 constexpr int kMaxBlockSize = 256;
@@ -95,6 +97,17 @@ void check_block_size(const ArgCheck& c, const Tensor& cache, const char* arg) {
            kMaxBlockSize, "], got ", b);
 }
 
+// MLA latent caches are [num_blocks, block_size, R + P]: one latent head that every query head
+// reads. A cache with several latent heads ([N, B, h_kv, R + P], as FlashMLA's tests allow) is not
+// supported (docs/ops.md says why); it gets its own message rather than a bare dimension count.
+void check_mla_cache_dims(const ArgCheck& c, const Tensor& kv_cache, const char* arg) {
+  c.expect(kv_cache.dim() != 4, arg, "latent caches with several kv heads ([num_blocks, ",
+           "block_size, num_kv_heads, kv_lora_rank + rope_dim]) are not supported: pass one latent ",
+           "head [num_blocks, block_size, kv_lora_rank + rope_dim] (got shape ", shape_str(kv_cache),
+           ")");
+  c.dim(kv_cache, arg, 3);
+}
+
 // The cache-side half of every paged read: caches, block tables, sequence lengths, fp8 scales.
 paged_kv_t make_paged_kv(const ArgCheck& c, const Tensor& key_cache, const char* k_arg,
                          const Tensor& value_cache, const char* v_arg, const Tensor& block_tables,
@@ -107,10 +120,15 @@ paged_kv_t make_paged_kv(const ArgCheck& c, const Tensor& key_cache, const char*
   check_block_size(c, key_cache, k_arg);
   c.dim(value_cache, v_arg, 4);
   c.like(value_cache, v_arg, key_cache, k_arg);
-  for (int64_t d = 0; d < 4; ++d) c.size(value_cache, v_arg, d, key_cache.size(d), k_arg);
+  // The value's head dim (dimension 3) may differ from the key's (DeepSeek-style prefill over
+  // decompressed K/V: qk 192, v 128); blocks, slots and heads must match.
+  const std::string k_shape = std::string("num_blocks, block_size, num_kv_heads of ") + k_arg;
+  for (int64_t d = 0; d < 3; ++d)
+    c.size(value_cache, v_arg, d, key_cache.size(d), k_shape.c_str());
   c.last_dim_contiguous(value_cache, v_arg);
   const int num_kv_heads = c.to_int(key_cache.size(2), k_arg, "num_kv_heads (dimension 2)");
   const int head_dim = c.to_int(key_cache.size(3), k_arg, "head_dim (dimension 3)");
+  const int head_dim_v = c.to_int(value_cache.size(3), v_arg, "head_dim (dimension 3)");
 
   // Kernels number sequences with an int; checked before a contiguous copy is made.
   c.dim(block_tables, "block_tables", 2);
@@ -133,7 +151,7 @@ paged_kv_t make_paged_kv(const ArgCheck& c, const Tensor& key_cache, const char*
   kv.block_size = static_cast<int>(key_cache.size(1));
   kv.num_kv_heads = num_kv_heads;
   kv.head_dim = head_dim;
-  kv.head_dim_v = kv.head_dim;
+  kv.head_dim_v = head_dim_v;
   kv.format = cache_format(key_cache.scalar_type());
   if (is_fp8(key_cache.scalar_type())) {
     const int64_t per_head = per_head_scales ? kv.num_kv_heads : 0;
@@ -308,9 +326,11 @@ PreparedAttention prepare_paged_attention(
   AttentionParams& p = r.params;
   p.kv = make_paged_kv(c, key_cache, "key_cache", value_cache, "value_cache", block_tables,
                        seq_lens, k_scale, "k_scale", v_scale, "v_scale", r);
-  const int d = p.kv.head_dim;
+  const int d = p.kv.head_dim, dv = p.kv.head_dim_v;
   c.expect(d % 8 == 0 && d > 0 && d <= kMaxHeadDim, "key_cache",
            "head_dim must be a positive multiple of 8 up to ", kMaxHeadDim, ", got ", d);
+  c.expect(dv % 8 == 0 && dv > 0 && dv <= kMaxHeadDim, "value_cache",
+           "head_dim must be a positive multiple of 8 up to ", kMaxHeadDim, ", got ", dv);
   c.dim(query, "query", 3);
   c.size(query, "query", 2, d, "head_dim of key_cache");
   // num_kv_heads divides the query heads: 0 would be a division by zero.
@@ -329,13 +349,13 @@ PreparedAttention prepare_paged_attention(
   p.window_left = window_left < 0 ? -1 : static_cast<int>(window_left);
   p.alibi_slopes = per_head_vector(c, alibi_slopes, "alibi_slopes", p.num_heads, query, r);
   p.sinks = per_head_vector(c, sinks, "sinks", p.num_heads, query, r);
-  check_given_outputs(c, given, query, "query", {p.num_tokens, p.num_heads, d},
+  check_given_outputs(c, given, query, "query", {p.num_tokens, p.num_heads, dv},
                       {{&query, "query"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"},
                        {&block_tables, "block_tables"}, {&seq_lens, "seq_lens"},
                        {opt(query_start_loc), "query_start_loc"},
                        {opt(alibi_slopes), "alibi_slopes"}, {opt(sinks), "sinks"},
                        {opt(k_scale), "k_scale"}, {opt(v_scale), "v_scale"}});
-  finish_attention(c, r, query, "query", d, check_indices, given);
+  finish_attention(c, r, query, "query", dv, check_indices, given);
   return r;
 }
 
@@ -346,7 +366,7 @@ PreparedAttention prepare_mla_attention(
     const IndexCheck& check_indices, const GivenOutputs& given) {
   PreparedAttention r;
   AttentionParams& p = r.params;
-  c.dim(kv_cache, "kv_cache", 3);
+  check_mla_cache_dims(c, kv_cache, "kv_cache");
   const int64_t row = kv_cache.size(2);
   c.expect(kv_lora_rank > 0 && kv_lora_rank % 8 == 0 && kv_lora_rank <= kMaxMlaLatent,
            "kv_lora_rank", "must be a positive multiple of 8 up to ", kMaxMlaLatent, ", got ",
@@ -468,7 +488,9 @@ PreparedCacheWrite prepare_reshape_and_cache(const ArgCheck& c, const Tensor& ke
   c.dtype(key, "key", kFloatTypes);
   c.dim(value, "value", 3);
   c.like(value, "value", key, "key");
-  for (int64_t d = 0; d < 3; ++d) c.size(value, "value", d, key.size(d), "key's shape");
+  // value's head dim (dimension 2) may differ from key's: it is value_cache's.
+  for (int64_t d = 0; d < 2; ++d)
+    c.size(value, "value", d, key.size(d), "num_tokens, num_kv_heads of key");
   // The caches among themselves first: they fix num_kv_heads and head_dim, which the new tokens
   // must match.
   for (auto [cache, arg] :
@@ -480,13 +502,16 @@ PreparedCacheWrite prepare_reshape_and_cache(const ArgCheck& c, const Tensor& ke
     check_block_size(c, *cache, arg);
   }
   c.like(value_cache, "value_cache", key_cache, "key_cache");
-  for (int64_t d = 0; d < 4; ++d)
-    c.size(value_cache, "value_cache", d, key_cache.size(d), "key_cache's shape");
+  for (int64_t d = 0; d < 3; ++d)
+    c.size(value_cache, "value_cache", d, key_cache.size(d),
+           "num_blocks, block_size, num_kv_heads of key_cache");
   c.size(key, "key", 1, key_cache.size(2), "num_kv_heads of key_cache");
   c.size(key, "key", 2, key_cache.size(3), "head_dim of key_cache");
+  c.size(value, "value", 2, value_cache.size(3), "head_dim of value_cache");
   c.cache_dtype(key_cache, "key_cache", key, "key");
   c.to_int(key.size(1), "key", "num_kv_heads (dimension 1)");
   c.to_int(key.size(2), "key", "head_dim (dimension 2)");
+  c.to_int(value.size(2), "value", "head_dim (dimension 2)");
   c.dtype(slot_mapping, "slot_mapping", {ScalarType::Long});
   c.dim(slot_mapping, "slot_mapping", 1);
   c.size(slot_mapping, "slot_mapping", 0, key.size(0), "num_tokens of key");
@@ -524,7 +549,7 @@ PreparedCacheWrite prepare_concat_and_cache_mla(const ArgCheck& c, const Tensor&
   c.dim(k_pe, "k_pe", 2);
   c.like(k_pe, "k_pe", kv_c, "kv_c");
   c.size(k_pe, "k_pe", 0, kv_c.size(0), "num_tokens of kv_c");
-  c.dim(kv_cache, "kv_cache", 3);
+  check_mla_cache_dims(c, kv_cache, "kv_cache");
   c.dtype(kv_cache, "kv_cache", kCacheTypes);
   c.same_device(kv_cache, "kv_cache", kv_c, "kv_c");
   c.last_dim_contiguous(kv_cache, "kv_cache");
@@ -660,7 +685,7 @@ PreparedGather prepare_gather_kv(const ArgCheck& c, const Tensor& key_cache,
   p.num_tokens = num_tokens;
   r.key = new_output(c, length_arg, key_cache, {num_tokens, p.kv.num_kv_heads, p.kv.head_dim}, out);
   r.value =
-      new_output(c, length_arg, key_cache, {num_tokens, p.kv.num_kv_heads, p.kv.head_dim}, out);
+      new_output(c, length_arg, key_cache, {num_tokens, p.kv.num_kv_heads, p.kv.head_dim_v}, out);
   p.key = r.key.mutable_data_ptr();
   p.value = r.value.mutable_data_ptr();
   return r;
@@ -674,7 +699,7 @@ PreparedDecompress prepare_mla_decompress(
     const TokenCounter& count) {
   PreparedDecompress r;
   MlaDecompressParams& p = r.params;
-  c.dim(kv_cache, "kv_cache", 3);
+  check_mla_cache_dims(c, kv_cache, "kv_cache");
   c.expect(kv_lora_rank > 0 && kv_lora_rank % 8 == 0 && kv_lora_rank <= kMaxMlaLatent,
            "kv_lora_rank", "must be a positive multiple of 8 up to ", kMaxMlaLatent, ", got ",
            kv_lora_rank);

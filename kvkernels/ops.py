@@ -23,8 +23,9 @@ def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache
                       v_scale: Optional[Tensor] = None) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the paged caches
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` at ``slot_mapping`` (int64; slot =
-    block * block_size + offset; negative = skip). fp8 caches quantize with ``k_scale``/``v_scale``
-    (float32, 1 or num_kv_heads elements)."""
+    block * block_size + offset; negative = skip). The value's head dim may differ from the key's
+    (each matches its own cache). fp8 caches quantize with ``k_scale``/``v_scale`` (float32, 1 or
+    num_kv_heads elements)."""
     _ops.reshape_and_cache.default(key, value, key_cache, value_cache, slot_mapping, k_scale,
                                    v_scale)
 
@@ -46,7 +47,8 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
     """Attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over each sequence's paged
     keys/values. ``query_start_loc=None``: decode, one query per sequence; else int32
     ``[num_seqs + 1]`` cumulative query counts (chunked prefill, bottom-right causal).
-    Returns ``(out [num_tokens, num_heads, head_dim] in the query dtype, lse float32
+    ``value_cache`` may have its own head dim ``head_dim_v`` (e.g. qk 192 / v 128).
+    Returns ``(out [num_tokens, num_heads, head_dim_v] in the query dtype, lse float32
     [num_tokens, num_heads])``. Options: GQA/MQA, ``window_left``, ``soft_cap``, ALiBi, sinks,
     fp8 caches with scales. Logit order: ``scale * <q, k>``, then the soft cap, then ALiBi
     (FlashInfer adds ALiBi before the cap; docs/ops.md, "Conventions").
@@ -104,8 +106,8 @@ def gather_kv(key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_
               k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
               num_tokens: Optional[int] = None,
               out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
-    """Paged -> contiguous ``[sum(seq_lens), num_kv_heads, head_dim]`` keys and values, sequences
-    in order. fp8 caches are dequantized to ``out_dtype`` (default bfloat16). Passing
+    """Paged -> contiguous ``[sum(seq_lens), num_kv_heads, head_dim]`` keys and values (each the
+    head dim of its own cache), sequences in order. fp8 caches are dequantized to ``out_dtype`` (default bfloat16). Passing
     ``num_tokens`` (= sum of seq_lens) spares a device sync and a dynamic shape."""
     return _ops.gather_kv.default(key_cache, value_cache, block_tables, seq_lens, k_scale,
                                   v_scale, num_tokens, out_dtype)
@@ -160,8 +162,9 @@ def _num_tokens(num_tokens):
 
 @torch.library.register_fake("kvkernels::reshape_and_cache")
 def _(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None):
-    torch._check(key.dim() == 3 and key.shape == value.shape,
-                 lambda: "kvkernels.reshape_and_cache: key/value must be [T, H, D] and equal")
+    torch._check(key.dim() == 3 and value.dim() == 3 and key.shape[:2] == value.shape[:2],
+                 lambda: "kvkernels.reshape_and_cache: value: key/value must be [T, H, D] with the "
+                         "same T and H")
     torch._check(slot_mapping.shape[0] == key.shape[0],
                  lambda: "kvkernels.reshape_and_cache: slot_mapping: one slot per token")
 
@@ -174,8 +177,10 @@ def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=Non
                  lambda: "kvkernels.paged_attention: query: head_dim differs from key_cache's")
     torch._check(key_cache.shape[2] > 0,
                  lambda: "kvkernels.paged_attention: key_cache: num_kv_heads must be positive")
-    t, h, d = query.shape
-    return query.new_empty((t, h, d)), query.new_empty((t, h), dtype=torch.float32)
+    t, h, _ = query.shape
+    # out takes the value's head dim, which may differ from the key's.
+    return (query.new_empty((t, h, value_cache.shape[3])),
+            query.new_empty((t, h), dtype=torch.float32))
 
 
 @torch.library.register_fake("kvkernels::merge_attention_states")
@@ -201,9 +206,9 @@ def _(key_cache, value_cache, block_tables, seq_lens, k_scale=None, v_scale=None
       num_tokens=None, out_dtype=None):
     if out_dtype is None:
         out_dtype = torch.bfloat16 if key_cache.dtype in _FP8 else key_cache.dtype
-    shape = (_num_tokens(num_tokens), key_cache.shape[2], key_cache.shape[3])
-    return (key_cache.new_empty(shape, dtype=out_dtype),
-            key_cache.new_empty(shape, dtype=out_dtype))
+    t = _num_tokens(num_tokens)
+    return (key_cache.new_empty((t, key_cache.shape[2], key_cache.shape[3]), dtype=out_dtype),
+            key_cache.new_empty((t, key_cache.shape[2], value_cache.shape[3]), dtype=out_dtype))
 
 
 @torch.library.register_fake("kvkernels::concat_and_cache_mla")
@@ -256,7 +261,8 @@ def _check_given(op, like_arg, like, out, lse, shape):
 def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, scale=None,
       window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None, *,
       out, lse=None):
-    _check_given("paged_attention", "query", query, out, lse, query.shape)
+    t, h, _ = query.shape
+    _check_given("paged_attention", "query", query, out, lse, (t, h, value_cache.shape[3]))
 
 
 @torch.library.register_fake("kvkernels::merge_attention_states_out")

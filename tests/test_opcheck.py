@@ -21,9 +21,10 @@ def finite_(t):
     return t
 
 
-def paged(dtype=f32, layout="NHD", fp8=None, per_head=False, b=4, hkv=2, d=16, seq_lens=(5, 0, 9), seed=0):
+def paged(dtype=f32, layout="NHD", fp8=None, per_head=False, b=4, hkv=2, d=16, seq_lens=(5, 0, 9), seed=0,
+          dv=None):
     kv = make_paged_kv(seq_lens=list(seq_lens), num_kv_heads=hkv, head_dim=d, block_size=b, dtype=dtype,
-                       layout=layout, fp8=fp8, per_head_scale=per_head, seed=seed)
+                       layout=layout, fp8=fp8, per_head_scale=per_head, seed=seed, head_dim_v=dv)
     for t in kv.storage:
         finite_(t)
     return kv
@@ -50,21 +51,22 @@ def slots(kv, t, gen, skip=True):
 
 # Each sample: () -> (args, kwargs). Tensors are built fresh for every test.
 
-def rc_sample(dtype, layout, fp8=None, per_head=False, strided=False):
+def rc_sample(dtype, layout, fp8=None, per_head=False, strided=False, dv=16):
     def build():
         gen = generator(2)
-        kv = paged(dtype, layout, fp8, per_head)
+        kv = paged(dtype, layout, fp8, per_head, dv=dv)
         if strided:
-            key, value = (x.reshape(6, 2, 16) for x in fused_pair(6, 32, 32, dtype, gen))
+            key, value = fused_pair(6, 32, 2 * dv, dtype, gen)
+            key, value = key.reshape(6, 2, 16), value.reshape(6, 2, dv)
         else:
-            key, value = randn(6, 2, 16, gen=gen, dtype=dtype), randn(6, 2, 16, gen=gen, dtype=dtype)
+            key, value = randn(6, 2, 16, gen=gen, dtype=dtype), randn(6, 2, dv, gen=gen, dtype=dtype)
         return (key, value, kv.key_cache, kv.value_cache, slots(kv, 6, gen)), kv.scales
     return build
 
 
-def pa_sample(dtype, layout, fp8=None, per_head=False, varlen=False, strided=None, **opts):
+def pa_sample(dtype, layout, fp8=None, per_head=False, varlen=False, strided=None, dv=None, **opts):
     def build():
-        kv = paged(dtype, layout, fp8, per_head, hkv=2)
+        kv = paged(dtype, layout, fp8, per_head, hkv=2, dv=dv)
         q_lens = [3, 0, 4] if varlen else [1, 1, 1]
         q = make_query(sum(q_lens), 4, 16, dtype, generator(3), strided=strided)
         qsl = query_start_loc(q_lens) if varlen else None
@@ -115,9 +117,9 @@ def sb_sample(kind):
     return build
 
 
-def gk_sample(dtype, layout, fp8=None, per_head=False, num_tokens=False, out_dtype=None):
+def gk_sample(dtype, layout, fp8=None, per_head=False, num_tokens=False, out_dtype=None, dv=None):
     def build():
-        kv = paged(dtype, layout, fp8, per_head)
+        kv = paged(dtype, layout, fp8, per_head, dv=dv)
         opts = dict(kv.scales, out_dtype=out_dtype, num_tokens=int(kv.seq_lens.sum()) if num_tokens else None)
         return (kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens), opts
     return build
@@ -179,6 +181,8 @@ SAMPLES = {
         "bf16-HND-strided-key": rc_sample(bf16, "HND", strided=True),
         "e4m3-head-stacked": rc_sample(f32, "stacked", "e4m3", per_head=True),
         "e5m2-tensor-f16-HND": rc_sample(f16, "HND", "e5m2"),
+        "dv8-bf16-stacked-strided": rc_sample(bf16, "stacked", strided=True, dv=8),
+        "dv40-e4m3-NHD": rc_sample(f32, "NHD", "e4m3", dv=40),
     },
     "paged_attention": {
         "f32-decode-NHD": pa_sample(f32, "NHD"),
@@ -188,6 +192,9 @@ SAMPLES = {
                                                       alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
                                                       sinks=torch.tensor([0.1, -0.2, 0.3, 1.0])),
         "e5m2-varlen-f32-scale": pa_sample(f32, "NHD", "e5m2", varlen=True, scale=0.3),
+        "dv8-f32-varlen-HND": pa_sample(f32, "HND", varlen=True, dv=8),
+        "dv48-bf16-stacked-strided-q": pa_sample(bf16, "stacked", strided="fused", dv=48),
+        "dv32-e4m3-f16-decode": pa_sample(f16, "NHD", "e4m3", dv=32, window_left=2),
     },
     "paged_attention_out": {
         "f32-decode-NHD": with_out(pa_sample(f32, "NHD")),
@@ -219,6 +226,8 @@ SAMPLES = {
         "f32-NHD": gk_sample(f32, "NHD"),
         "e4m3-HND-default-dtype": gk_sample(bf16, "HND", "e4m3", per_head=True),
         "bf16-stacked-num_tokens-f32": gk_sample(bf16, "stacked", num_tokens=True, out_dtype=f32),
+        "dv24-f32-NHD": gk_sample(f32, "NHD", dv=24),
+        "dv8-e5m2-stacked-num_tokens": gk_sample(f16, "stacked", "e5m2", num_tokens=True, dv=8),
     },
     "concat_and_cache_mla": {
         "f32": cm_sample(f32),

@@ -32,13 +32,14 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // The tile kernels (attention_tiles.h) run on AVX-512 builds for calls with at least one tile of
 // 16 rows per kv head: prefill, and MLA decode (16+ query heads over one latent head). GQA decode
 // stays on the vector kernel, which reads each block once for several kv heads. Key and value rows
-// must be whole vectors (multiples of 16 wide) and of one width, or for MLA the value a prefix of
-// the key row. The AMX form further needs bf16 queries over bf16 or fp8 caches (both exact as bf16
-// tile operands) and widths that are multiples of 32 (tile rows).
+// must be whole vectors (multiples of 16 wide); their widths may differ (the kernels size keys and
+// values separately), except that for MLA the value is a prefix of the key row. The AMX form
+// further needs bf16 queries over bf16 or fp8 caches (both exact as bf16 tile operands) and widths
+// that are multiples of 32 (tile rows).
 inline TileKernel tile_kernel(const AttentionParams& p, Isa isa, int64_t max_q_len, int group) {
   const int Dk = p.kv.head_dim, Dv = p.kv.head_dim_v;
-  const bool same_width = p.kv.k == p.kv.v ? Dv <= Dk : Dv == Dk;
-  if (isa < Isa::kAvx512 || max_q_len * group < 16 || group > kTileRows || !same_width ||
+  const bool v_fits = p.kv.k != p.kv.v || Dv <= Dk;
+  if (isa < Isa::kAvx512 || max_q_len * group < 16 || group > kTileRows || !v_fits ||
       Dk % 16 != 0 || Dv % 16 != 0 || Dk > 1024)
     return TileKernel::kNone;
   const CacheFormat f = p.kv.format;

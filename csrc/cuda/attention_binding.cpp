@@ -14,6 +14,7 @@
 
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "../index_checks.h"
 #include "../prepare.h"
@@ -24,6 +25,8 @@ namespace kvkernels::attn_cuda {
 namespace {
 
 using kvkernels::cuda::DeviceScope;
+
+constexpr int64_t kMaxCudaHeadDim = 256;
 
 // Debug mode: the host-side range checks of the CPU backend, on host copies of the index tensors
 // (this synchronizes the device; it is off by default).
@@ -49,6 +52,14 @@ std::tuple<Tensor, Tensor> paged_attention_impl(
     std::optional<Tensor> v_scale, const GivenOutputs& given) {
   const ArgCheck c("paged_attention");
   const DeviceScope scope(c, query, "query");
+  // Head dims above 256 (prepare allows 512, the CPU and Metal kernels run it) are not supported
+  // here: the tensor-core kernels keep a 16-row output tile of the padded head dim in registers
+  // (128 floats per thread at 256; 512 would spill), and the K/V stages outgrow shared memory.
+  // Checked before prepare allocates anything.
+  for (auto [cache, arg] : {std::pair{&key_cache, "key_cache"}, std::pair{&value_cache, "value_cache"}})
+    c.expect(cache->dim() != 4 || cache->size(3) <= kMaxCudaHeadDim, arg, "head_dim ",
+             cache->dim() == 4 ? cache->size(3) : 0, " is not supported on CUDA (at most ",
+             kMaxCudaHeadDim, "; docs/ops.md)");
   // Debug mode: the index checks on host copies, before the outputs are allocated.
   IndexCheck host_checks;
   if (kvkernels::cuda::debug_mode())

@@ -233,23 +233,29 @@ def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache
     _check_device(op, dev, key=key, value=value, value_cache=value_cache, slot_mapping=slot_mapping,
                   k_scale=k_scale, v_scale=v_scale)
     _check(key.dim() == 3, op, "key", f"expected [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)}")
-    _check(value.shape == key.shape, op, "value", f"shape {tuple(value.shape)} differs from key's {tuple(key.shape)}")
+    # The value's head dim (dimension 2) may differ from the key's: it is value_cache's.
+    _check(value.dim() == 3 and value.shape[:2] == key.shape[:2], op, "value",
+           f"[num_tokens, num_kv_heads] of shape {tuple(value.shape)} differ from key's {tuple(key.shape[:2])}")
     _check_float(op, "key", key)
     _check(value.dtype == key.dtype, op, "value", f"dtype {value.dtype} differs from key's {key.dtype}")
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         _check_kv_cache(op, name, cache)
         _check(cache.dtype in FP8 or cache.dtype == key.dtype, op, name,
                f"dtype {cache.dtype} must equal key's {key.dtype} or be an fp8 type")
-    _check(value_cache.shape == key_cache.shape and value_cache.dtype == key_cache.dtype, op, "value_cache",
-           "shape and dtype must equal key_cache's")
-    # The caches fix num_kv_heads and head_dim; the new tokens must match them.
+    _check(value_cache.shape[:3] == key_cache.shape[:3] and value_cache.dtype == key_cache.dtype, op,
+           "value_cache", "[num_blocks, block_size, num_kv_heads] and dtype must equal key_cache's")
+    # The caches fix num_kv_heads and the head dims; the new tokens must match them.
     _check(key.shape[1:] == key_cache.shape[2:], op, "key",
            f"[num_kv_heads, head_dim] = {tuple(key.shape[1:])} differ from key_cache's {tuple(key_cache.shape[2:])}")
+    _check(value.shape[2] == value_cache.shape[3], op, "value",
+           f"head_dim {value.shape[2]} differs from value_cache's {value_cache.shape[3]}")
     _check(slot_mapping.dtype == torch.int64 and slot_mapping.shape == key.shape[:1], op, "slot_mapping",
            f"expected int64 [{key.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     t, h, d = key.shape
+    dv = value.shape[2]
     _check_int(op, "key", "num_kv_heads (dimension 1)", h)
     _check_int(op, "key", "head_dim (dimension 2)", d)
+    _check_int(op, "value", "head_dim (dimension 2)", dv)
     _check_int(op, "key", "num_tokens (dimension 0)", t)
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         _check_writable(op, name, cache)
@@ -262,12 +268,14 @@ def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache
     n, b = key_cache.shape[:2]
     if _debug_checks(dev) and t:
         _check(int(slot_mapping.max()) < n * b, op, "slot_mapping", f"slot out of range [0, {n * b})")
-    if t == 0 or h == 0 or d == 0:
+    width = max(d, dv)  # threads along the head dim: each writes the key and / or value element
+    if t == 0 or h == 0 or width == 0:
         return
     fp8 = key_cache.dtype in FP8
     lib = library(dev, "cache_ops", WRITE_SRC_T=source.msl_type(key.dtype),
                   WRITE_CACHE_T=source.msl_type(key_cache.dtype), WRITE_FP8=int(fp8))
-    p = _params("cache_ops", "WriteParams", num_tokens=t, num_heads=h, head_dim=d, num_slots=n * b, block_size=b,
+    p = _params("cache_ops", "WriteParams", num_tokens=t, num_heads=h, head_dim=d, head_dim_v=dv, num_slots=n * b,
+                block_size=b,
                 k_stride_t=key.stride(0), k_stride_h=key.stride(1), k_stride_d=key.stride(2),
                 v_stride_t=value.stride(0), v_stride_h=value.stride(1), v_stride_d=value.stride(2),
                 kc_stride_b=key_cache.stride(0), kc_stride_s=key_cache.stride(1), kc_stride_h=key_cache.stride(2),
@@ -275,8 +283,8 @@ def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache
                 vc_stride_h=value_cache.stride(2), k_scale_per_head=ks_head, v_scale_per_head=vs_head)
     slots = slot_mapping.contiguous()
     lib.reshape_and_cache(key, value, key_cache, value_cache, slots, _scale_or_dummy(k_scale, slots),
-                          _scale_or_dummy(v_scale, slots), p, threads=[d, h, t], group_size=[_group(d), 1, 1],
-                          arg_casts={7: "uint8"})
+                          _scale_or_dummy(v_scale, slots), p, threads=[width, h, t],
+                          group_size=[_group(width), 1, 1], arg_casts={7: "uint8"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,12 +326,14 @@ def gather_kv(key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_
                   v_scale=v_scale)
     _check_kv_cache(op, "key_cache", key_cache)
     _check_kv_cache(op, "value_cache", value_cache)
-    _check(value_cache.shape == key_cache.shape and value_cache.dtype == key_cache.dtype, op, "value_cache",
-           "shape and dtype must equal key_cache's")
+    _check(value_cache.shape[:3] == key_cache.shape[:3] and value_cache.dtype == key_cache.dtype, op,
+           "value_cache", "[num_blocks, block_size, num_kv_heads] and dtype must equal key_cache's")
     _check(key_cache.dtype in FLOATS + FP8, op, "key_cache", f"unsupported dtype {key_cache.dtype}")
     n, b, h, d = key_cache.shape
+    dv = value_cache.shape[3]  # may differ from the key's head dim
     _check_int(op, "key_cache", "num_kv_heads (dimension 2)", h)
     _check_int(op, "key_cache", "head_dim (dimension 3)", d)
+    _check_int(op, "value_cache", "head_dim (dimension 3)", dv)
     _check_paged(op, dev, block_tables, seq_lens, n, b)
     ks_head = _check_scale(op, "k_scale", k_scale, key_cache, h)
     vs_head = _check_scale(op, "v_scale", v_scale, value_cache, h)
@@ -341,19 +351,20 @@ def gather_kv(key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_
     t = int(num_tokens)
     _check_int(op, length_arg, "num_tokens", t)
     key = _empty(op, length_arg, (t, h, d), dtype=out_dtype, device=dev)
-    value = _empty(op, length_arg, (t, h, d), dtype=out_dtype, device=dev)
-    if t == 0 or h == 0 or d == 0:
+    value = _empty(op, length_arg, (t, h, dv), dtype=out_dtype, device=dev)
+    width = max(d, dv)  # threads along the head dim: each writes the key and / or value element
+    if t == 0 or h == 0 or width == 0:
         return key, value
     fp8 = key_cache.dtype in FP8
     lib = library(dev, "cache_ops", GATHER_CACHE_T=source.msl_type(key_cache.dtype),
                   GATHER_OUT_T=source.msl_type(out_dtype), GATHER_FP8=int(fp8))
     p = _params("cache_ops", "GatherParams", num_tokens=t, num_seqs=seq_lens.shape[0], num_heads=h, head_dim=d,
-                block_size=b, num_blocks=n, table_stride=block_tables.stride(0),
+                head_dim_v=dv, block_size=b, num_blocks=n, table_stride=block_tables.stride(0),
                 kc_stride_b=key_cache.stride(0), kc_stride_s=key_cache.stride(1), kc_stride_h=key_cache.stride(2),
                 vc_stride_b=value_cache.stride(0), vc_stride_s=value_cache.stride(1),
                 vc_stride_h=value_cache.stride(2), k_scale_per_head=ks_head, v_scale_per_head=vs_head)
     lib.gather_kv(key_cache, value_cache, block_tables, cu, _scale_or_dummy(k_scale, cu), _scale_or_dummy(v_scale, cu),
-                  key, value, p, threads=[d, h, t], group_size=[_group(d), 1, 1], arg_casts={8: "uint8"})
+                  key, value, p, threads=[width, h, t], group_size=[_group(width), 1, 1], arg_casts={8: "uint8"})
     return key, value
 
 
@@ -490,7 +501,7 @@ def _merge_attention_states(out_a, lse_a, out_b, lse_b, given_out, given_lse):
 # ---------------------------------------------------------------------------------------------
 
 PA_SIMD_GROUPS = 4  # metal/paged_attention.metal: threads per threadgroup = 32 * PA_SIMD_GROUPS
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512  # key and value head dims; above 256 the PA_MAX_EPL=16 variant
 
 
 def _check_rows(op, dev, query_start_loc, num_tokens, num_seqs, seq_lens):
@@ -538,13 +549,17 @@ def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
         _check_kv_cache(op, name, cache)
         _check(cache.dtype in FP8 or cache.dtype == query.dtype, op, name,
                f"dtype {cache.dtype} must equal query's {query.dtype} or be an fp8 type")
-    _check(value_cache.shape == key_cache.shape and value_cache.dtype == key_cache.dtype, op, "value_cache",
-           "shape and dtype must equal key_cache's")
+    # The value's head dim (dimension 3) may differ from the key's; blocks, slots and heads may not.
+    _check(value_cache.shape[:3] == key_cache.shape[:3] and value_cache.dtype == key_cache.dtype, op,
+           "value_cache", "[num_blocks, block_size, num_kv_heads] and dtype must equal key_cache's")
     t, hq, d = query.shape
     n, b, hkv, dk = key_cache.shape
-    _check(dk == d, op, "key_cache", f"head_dim {dk} differs from query's {d}")
-    _check(d % 8 == 0 and 0 < d <= MAX_HEAD_DIM, op, "query", f"head_dim must be a multiple of 8 in [8, "
-           f"{MAX_HEAD_DIM}], got {d}")
+    dv = value_cache.shape[3]
+    _check(dk % 8 == 0 and 0 < dk <= MAX_HEAD_DIM, op, "key_cache", f"head_dim must be a positive multiple of 8 "
+           f"up to {MAX_HEAD_DIM}, got {dk}")
+    _check(dv % 8 == 0 and 0 < dv <= MAX_HEAD_DIM, op, "value_cache", f"head_dim must be a positive multiple of 8 "
+           f"up to {MAX_HEAD_DIM}, got {dv}")
+    _check(dk == d, op, "query", f"head_dim {d} differs from key_cache's {dk}")
     _check(hkv > 0, op, "key_cache", f"num_kv_heads (dimension 2) must be positive, got shape {list(key_cache.shape)}")
     _check(hq > 0 and hq % hkv == 0, op, "query", f"num_heads {hq} is not a positive multiple of num_kv_heads {hkv}")
     _check_int(op, "query", "num_heads (dimension 1)", hq)
@@ -564,16 +579,17 @@ def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
     # Host scalars are checked as on the CPU / CUDA (docs/ops.md, "Non-finite values").
     _check(scale is None or math.isfinite(scale), op, "scale", "must be finite")
     _check(soft_cap >= 0.0 and math.isfinite(soft_cap), op, "soft_cap", f"must be >= 0 (0 = off), got {soft_cap}")
-    out, lse, copies = _outputs(op, "query", query, (t, hq, d), out, lse, dict(
+    out, lse, copies = _outputs(op, "query", query, (t, hq, dv), out, lse, dict(
         query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens,
         query_start_loc=query_start_loc, alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale))
     if t == 0 or hq == 0:
         return out, lse
     fp8 = key_cache.dtype in FP8
+    wide = {"PA_MAX_EPL": 16} if max(d, dv) > 256 else {}  # paged_attention.metal: elements per lane
     lib = library(dev, "paged_attention", Q_T=source.msl_type(query.dtype), KV_T=source.msl_type(key_cache.dtype),
-                  KV_FP8=int(fp8))
+                  KV_FP8=int(fp8), **wide)
     p = _params("paged_attention", "AttentionParams", num_tokens=t, num_heads=hq, num_kv_heads=hkv, head_dim=d,
-                num_seqs=num_seqs, block_size=b, num_blocks=n, table_stride=block_tables.stride(0),
+                head_dim_v=dv, num_seqs=num_seqs, block_size=b, num_blocks=n, table_stride=block_tables.stride(0),
                 q_stride_t=query.stride(0), q_stride_h=query.stride(1), q_stride_d=query.stride(2),
                 kc_stride_b=key_cache.stride(0), kc_stride_s=key_cache.stride(1), kc_stride_h=key_cache.stride(2),
                 vc_stride_b=value_cache.stride(0), vc_stride_s=value_cache.stride(1),
@@ -600,6 +616,10 @@ MLA_MAX_RANK, MLA_MAX_ROW, MLA_HEADS = 512, 576, 4  # metal/mla.metal
 
 
 def _check_mla_cache(op, cache, name="kv_cache"):
+    # docs/ops.md: one latent head shared by every query head; several latent heads are not supported.
+    _check(cache.dim() != 4, op, name, "latent caches with several kv heads ([num_blocks, block_size, num_kv_heads, "
+           "kv_lora_rank + rope_dim]) are not supported: pass one latent head [num_blocks, block_size, kv_lora_rank "
+           f"+ rope_dim] (got shape {list(cache.shape)})")
     _check(cache.dim() == 3, op, name, f"expected [num_blocks, block_size, kv_lora_rank + rope_dim], got "
            f"{tuple(cache.shape)}")
     _check(cache.stride(2) == 1 or cache.shape[2] <= 1, op, name, "the last dimension must have stride 1")
