@@ -263,7 +263,10 @@ def ops_bench(args) -> list[dict]:
 
 def table(result: dict) -> str:
     lines = [f"vLLM on kvkernels vs vLLM CPU_ATTN — {result['machine']['cpu_model']}, "
-             f"{result['date']}, torch {result['versions']['torch']}, vllm {result['versions']['vllm']}", ""]
+             f"{result['date']}, torch {result['versions']['torch']}, vllm {result['versions']['vllm']}, "
+             f"load average {result['machine']['load_average_at_start'][0]:.1f} at start, "
+             f"{result['machine'].get('load_average_at_end', [float('nan')])[0]:.1f} at end "
+             f"({result['machine']['cores']} CPUs)", ""]
     e = result.get("e2e")
     if e:
         s = result["settings"]
@@ -350,7 +353,8 @@ def main() -> int:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
         "machine": {"cpu_model": machine.cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-                    "kvkernels_cpu_isa": kvkernels.cpu_isa(), "platform": platform.platform()},
+                    "kvkernels_cpu_isa": kvkernels.cpu_isa(), "platform": platform.platform(),
+                    "load_average_at_start": os.getloadavg()},
         "versions": {"torch": torch.__version__, "vllm": vllm.__version__, "kvkernels": kvkernels.__version__,
                      "python": platform.python_version()},
         "settings": {k: v for k, v in vars(args).items() if k not in ("child", "backend", "model_dir", "out")},
@@ -371,6 +375,7 @@ def main() -> int:
         before = bw()
         result["ops"] = ops_bench(args)
         result["bandwidth_gb_s"] = {"read_before": before, "read_after": bw()}
+    result["machine"]["load_average_at_end"] = os.getloadavg()
     text = table(result)
     print(text)
     if not args.quick:
