@@ -43,7 +43,7 @@ STABLE_TORCH_LIBRARY(kvkernels, m) {
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor? query_start_loc=None, float? scale=None, int window_left=-1, "
       "float soft_cap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? k_scale=None, "
-      "Tensor? v_scale=None) -> (Tensor out, Tensor lse)");
+      "Tensor? v_scale=None, bool causal=True) -> (Tensor out, Tensor lse)");
   m.def(
       "merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) "
       "-> (Tensor out, Tensor lse)");

@@ -228,10 +228,10 @@ def plan_of(emu, kv, query, qsl):
 
 def emulated_paged_attention(emu, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
                              scale=None, window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None,
-                             v_scale=None):
+                             v_scale=None, causal=True):
     """``kvkernels_emu::paged_attention`` (positional schema) with ``ops.paged_attention``'s signature."""
     return emu.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                               window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale)
+                               window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal)
 
 
 def check_plan(plan, path, splits) -> None:

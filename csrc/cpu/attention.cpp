@@ -168,12 +168,12 @@ std::tuple<Tensor, Tensor> paged_attention_cpu(
     const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
     std::optional<double> scale, int64_t window_left, double soft_cap,
     std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-    std::optional<Tensor> v_scale) {
+    std::optional<Tensor> v_scale, bool causal) {
   const ArgCheck c("paged_attention");
   PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables,
                                                 seq_lens, query_start_loc, scale, window_left,
                                                 soft_cap, alibi_slopes, sinks, k_scale, v_scale,
-                                                index_checks(c));
+                                                causal, index_checks(c));
   run_attention(r.params);
   return {r.out, r.lse};
 }

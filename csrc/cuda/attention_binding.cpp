@@ -45,7 +45,7 @@ std::tuple<Tensor, Tensor> paged_attention_cuda(
     const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
     std::optional<double> scale, int64_t window_left, double soft_cap,
     std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-    std::optional<Tensor> v_scale) {
+    std::optional<Tensor> v_scale, bool causal) {
   const ArgCheck c("paged_attention");
   const DeviceScope scope(c, query, "query");
   // Debug mode: the index checks on host copies, before the outputs are allocated.
@@ -55,7 +55,7 @@ std::tuple<Tensor, Tensor> paged_attention_cuda(
   PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables,
                                                 seq_lens, query_start_loc, scale, window_left,
                                                 soft_cap, alibi_slopes, sinks, k_scale, v_scale,
-                                                host_checks);
+                                                causal, host_checks);
   if (r.params.num_tokens == 0 || r.params.kv.num_seqs == 0) return {r.out, r.lse};
 
   const LaunchPlan plan = plan_paged_attention(r.params, scope.device());

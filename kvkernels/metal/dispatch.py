@@ -443,7 +443,8 @@ MAX_HEAD_DIM = 256
 
 
 def _check_rows(op, dev, query_start_loc, num_tokens, num_seqs, seq_lens):
-    """Varlen rows: int32 [S + 1], first 0, non-decreasing, last = T, q_len <= seq_len."""
+    """Varlen rows: int32 [S + 1], first 0, non-decreasing, last = T (q_len > seq_len is allowed:
+    the leading rows of such a sequence see no key when causal)."""
     _check(query_start_loc.dtype == torch.int32 and query_start_loc.shape == (num_seqs + 1,), op,
            "query_start_loc", f"expected int32 [{num_seqs + 1}], got {query_start_loc.dtype} "
            f"{tuple(query_start_loc.shape)}")
@@ -453,14 +454,12 @@ def _check_rows(op, dev, query_start_loc, num_tokens, num_seqs, seq_lens):
                f"must start at 0 and end at num_tokens = {num_tokens}")
         q_lens = qsl[1:] - qsl[:-1]
         _check(bool((q_lens >= 0).all()), op, "query_start_loc", "must be non-decreasing")
-        _check(bool((q_lens <= seq_lens.cpu().to(torch.int64)).all()), op, "query_start_loc",
-               "a sequence has more queries than keys (q_len > seq_len)")
 
 
 def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                     query_start_loc: Optional[Tensor] = None, scale: Optional[float] = None, window_left: int = -1,
                     soft_cap: float = 0.0, alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-                    k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None):
+                    k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None, causal: bool = True):
     op = "paged_attention"
     dev = query.device
     _check_device(op, dev, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
@@ -511,7 +510,7 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
                 kc_stride_b=key_cache.stride(0), kc_stride_s=key_cache.stride(1), kc_stride_h=key_cache.stride(2),
                 vc_stride_b=value_cache.stride(0), vc_stride_s=value_cache.stride(1),
                 vc_stride_h=value_cache.stride(2), varlen=int(query_start_loc is not None),
-                window_left=int(window_left), has_alibi=int(alibi_slopes is not None),
+                window_left=int(window_left), causal=int(bool(causal)), has_alibi=int(alibi_slopes is not None),
                 has_sinks=int(sinks is not None), k_scale_per_head=ks_head, v_scale_per_head=vs_head,
                 scale=float(d ** -0.5 if scale is None else scale), soft_cap=float(soft_cap))
     dummy = seq_lens

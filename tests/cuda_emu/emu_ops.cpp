@@ -100,11 +100,11 @@ std::tuple<Tensor, Tensor> paged_attention(const Tensor& query, const Tensor& ke
                                            std::optional<Tensor> query_start_loc, std::optional<double> scale,
                                            int64_t window_left, double soft_cap, std::optional<Tensor> alibi_slopes,
                                            std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-                                           std::optional<Tensor> v_scale) {
+                                           std::optional<Tensor> v_scale, bool causal) {
   const ArgCheck c("paged_attention");
   PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables, seq_lens,
                                                 query_start_loc, scale, window_left, soft_cap, alibi_slopes, sinks,
-                                                k_scale, v_scale);
+                                                k_scale, v_scale, causal);
   if (r.params.num_tokens == 0 || r.params.kv.num_seqs == 0) return {r.out, r.lse};
   // Outputs poisoned (NaN in every float format) before the launch: a row the kernels leave
   // unwritten shows as NaN.
@@ -130,7 +130,7 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> attent
   const ArgCheck c("paged_attention");
   PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables, seq_lens,
                                                 query_start_loc, std::nullopt, -1, 0.0, std::nullopt, std::nullopt,
-                                                k_scale, v_scale);
+                                                k_scale, v_scale, /*causal=*/true);
   const attn_cuda::LaunchPlan p = attn_cuda::plan_paged_attention(r.params, 0);
   return {p.path, p.dpad, p.num_splits, p.heads_per_cta, p.q_tile, p.grid_x, p.grid_y};
 }
@@ -213,7 +213,7 @@ STABLE_TORCH_LIBRARY(kvkernels_emu, m) {
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor? query_start_loc=None, float? scale=None, int window_left=-1, "
         "float soft_cap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? k_scale=None, "
-        "Tensor? v_scale=None) -> (Tensor out, Tensor lse)");
+        "Tensor? v_scale=None, bool causal=True) -> (Tensor out, Tensor lse)");
   m.def("mla_paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int kv_lora_rank, "
         "float scale, Tensor? query_start_loc=None, Tensor? kv_scale=None) -> (Tensor out, Tensor lse)");
   m.def("mla_attention_plan(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int kv_lora_rank, "
