@@ -385,6 +385,49 @@ def test_forced_splits(emu, dtype, splits, monkeypatch):
         run_emu_attention(emu, kv, query, qsl, splits=lambda n: n > 1, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))
 
 
+# id: dtype, Hq, Hkv, D, B, forced path (None: the planner's), forced splits
+NONCAUSAL_CONFIGS = {
+    "f32-simt-gqa2": (f32, 4, 2, 64, 16, None, None),
+    "f16-mma-gqa4": (f16, 8, 2, 128, 16, None, None),
+    "bf16-mma-mqa-b5": (bf16, 4, 1, 64, 5, None, None),
+    "bf16-simt-split3": (bf16, 4, 2, 64, 16, "simt", 3),
+    "f16-mma-split3": (f16, 8, 2, 64, 16, None, 3),
+}
+
+
+@pytest.mark.parametrize("opts", [{}, dict(window_left=9), dict(alibi_slopes=torch.linspace(-0.2, 0.3, 8)[:4],
+                                                                 sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))],
+                         ids=["plain", "window9", "alibi-sinks"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("config", NONCAUSAL_CONFIGS.values(), ids=NONCAUSAL_CONFIGS.keys())
+def test_noncausal_and_more_queries_than_keys(emu, config, causal, opts, monkeypatch):
+    """causal=False (a window keeps its lower bound; keys past seq_len in a sequence's last tile masked) and
+    sequences with more queries than keys (causal: leading rows see no key), on the SIMT and tensor-core
+    kernels, with forced splits (the merge kernel finds each row's sequence to tell 'no key' from NaN)."""
+    dtype, hq, hkv, d, b, path, splits = config
+    force_cuda_plan(monkeypatch, "ATTN", path, splits)
+    if "alibi_slopes" in opts and hq != 4:
+        opts = dict(opts, alibi_slopes=torch.linspace(-0.2, 0.3, hq), sinks=torch.linspace(-1.0, 1.0, hq))
+    seq_lens, q_lens = [b + 1, 0, 70, 3, 40, 9], [b + 1, 3, 33, 7, 1, 70]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=d, block_size=b, dtype=dtype, seed=13)
+    query = make_query(sum(q_lens), hq, d, dtype, generator(14))
+    qsl = query_start_loc(q_lens)
+    out, lse, _ = run_emu_attention(emu, kv, query, qsl, splits=(lambda n: n > 1) if splits else None,
+                                    causal=causal, **opts)
+    starts = qsl.tolist()
+    empty = list(range(starts[1], starts[2]))  # seq_len 0
+    if causal:  # 4 of the 7 queries over 3 keys, 61 of the 70 over 9
+        empty += list(range(starts[3], starts[3] + 4)) + list(range(starts[5], starts[5] + 61))
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    # decode with causal=False: the same numbers as causal
+    kv_d, query_d, _ = make_case("decode", seq_lens, dtype=dtype, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                 block_size=b, seed=15)
+    if not causal:
+        a = run_emu_attention(emu, kv_d, query_d, None, causal=False, **opts)[:2]
+        c = run_emu_attention(emu, kv_d, query_d, None, **opts)[:2]
+        assert torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
+
+
 @pytest.mark.parametrize("opts", [{}, dict(window_left=37)], ids=["causal", "window"])
 @pytest.mark.parametrize("dtype,hq,hkv,b", [(f32, 2, 2, 16), (f16, 2, 2, 16), (bf16, 8, 2, 5)],
                          ids=["f32-mha-b16", "f16-mha-b16", "bf16-gqa4-b5"])
@@ -569,6 +612,19 @@ def test_mla_empty_sequences_and_batch(emu, mode, dtype, mla_path):
     qsl0 = None if mode == "decode" else torch.zeros(1, dtype=torch.int32)
     out, lse = emu.mla_paged_attention(q0, mla.kv_cache, table, lens, 64, 0.1, qsl0, None)
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_mla_more_queries_than_keys(emu, dtype, mla_path):
+    """FlashMLA's empty-context prefill: more queries than keys (seq_len 0 included); the leading rows
+    see no key (out 0, lse -inf), also through split partials and the merge."""
+    if mla_path[0] in ("mma16", "mma64") and dtype == f32:
+        pytest.skip("float32 q has only the SIMT kernel")
+    seq_lens, q_lens = [3, 0, 40, 17], [7, 2, 40, 20]
+    mla, q, qsl = make_mla_case("varlen", seq_lens, dtype, None, 64, 16, 16, 16, q_lens=q_lens, seed=7)
+    out, lse, _ = run_emu_mla_attention(emu, mla, q, qsl, 0.1)
+    empty = [0, 1, 2, 3, 7, 8, 49, 50, 51]
+    assert torch.equal(out[empty], torch.zeros_like(out[empty])) and torch.isneginf(lse[empty]).all()
 
 
 @pytest.mark.parametrize("mode", ["decode", "varlen"])

@@ -378,6 +378,24 @@ def test_mla_paged_attention(case, mode, lane_order):
         assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
 
 
+def test_mla_paged_attention_more_queries_than_keys(lane_order):
+    """FlashMLA's empty-context prefill: sequences with more queries than keys (seq_len 0 included); the
+    leading rows see no key: out 0, lse -inf."""
+    r, p, h, b = 40, 8, 3, 4
+    seq_lens, q_lens = [3, 0, 9], [5, 2, 9]
+    mla = make_paged_mla(seq_lens, r, p, b, dtype=f32, seed=6)
+    qsl = query_start_loc(q_lens)
+    q = make_query(sum(q_lens), h, r + p, f32, generator(7))
+    kwargs = dict(kv_lora_rank=r, scale=0.2, query_start_loc=qsl, kv_scale=None)
+    out, lse = dispatch.mla_paged_attention(q, mla.kv_cache, mla.block_tables, mla.seq_lens, **kwargs)
+    ref_out, ref_lse = reference.mla_paged_attention(upcast(q), mla.ref_cache(), mla.block_tables, mla.seq_lens,
+                                                     **kwargs)
+    assert_close(out, ref_out, f32, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
+    empty = [0, 1, 5, 6]
+    assert torch.equal(out[empty], torch.zeros_like(out[empty])) and torch.isneginf(lse[empty]).all()
+
+
 def test_mla_decompress_rounds_the_latent(lane_order):
     """docs/ops.md: the normalised latent is rounded to w_kv_b's dtype before the product."""
     from test_mla import check_decompress_rounding
