@@ -7,7 +7,7 @@ alternates worker processes in ABBA order (`--rounds` times), each worker buildi
 from fixed seeds and timing every case (median and minimum of repeated calls after warm-up). Reported per case: the
 median over rounds of each side's median, and the ratios B / A of the paired rounds' medians and of
 their minimums (the minimum is the estimate least disturbed by other jobs on a shared machine), as
-the median over rounds with the range.
+the median over rounds with the range, and "best": B's fastest call over all rounds / A's.
 
     python benchmarks/causal_ab.py --base /tmp/base_tree --rounds 3 --threads 1 --out benchmarks/results
 
@@ -56,7 +56,7 @@ def worker(args) -> None:
     assert os.path.dirname(kvkernels.__file__) == os.path.join(args.tree, "kvkernels"), kvkernels.__file__
     torch.set_num_threads(args.threads)
     results = {}
-    for name, (kind, dtype, batch, q_len, ctx, hq, hkv, d, causal) in CASES.items():
+    for name, (kind, dtype, batch, q_len, ctx, hq, hkv, d, causal) in selected(args).items():
         if not causal and not args.noncausal:
             continue
         dt = getattr(torch, dtype)
@@ -87,9 +87,19 @@ def worker(args) -> None:
     json.dump({"isa": kvkernels.cpu_isa(), "results": results}, sys.stdout)
 
 
+def selected(args) -> dict:
+    names = args.cases.split(",") if args.cases else list(CASES)
+    unknown = set(names) - set(CASES)
+    if unknown:
+        raise SystemExit(f"unknown cases {sorted(unknown)}; known: {', '.join(CASES)}")
+    return {n: CASES[n] for n in names}
+
+
 def run_worker(tree: str, args, noncausal: bool) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--tree", tree, "--threads", str(args.threads),
            "--min-time", str(args.min_time)] + (["--noncausal"] if noncausal else [])
+    if args.cases:
+        cmd += ["--cases", args.cases]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=""))
     return json.loads(out.stdout)
 
@@ -124,9 +134,9 @@ def driver(args) -> None:
              f"{min(loads):.1f}..{max(loads):.1f} (2 cores shared with other jobs)",
              f"A = {args.base_label}; B = this tree (causal=True default path; causal=False rows B only)", "",
              f"{'case':34s} {'A med ms':>9s} {'B med ms':>9s} {'A min ms':>9s} {'B min ms':>9s} "
-             f"{'B/A med':>8s} {'range':>13s} {'B/A min':>8s} {'range':>13s}"]
+             f"{'B/A med':>8s} {'range':>13s} {'B/A min':>8s} {'range':>13s} {'B/A best':>8s}"]
     summary = {}
-    for name, case in CASES.items():
+    for name, case in selected(args).items():
         b_times = [run["results"][name]["median_s"] for run in runs["B"]]
         b_mins = [run["results"][name]["min_s"] for run in runs["B"]]
         if case[-1]:
@@ -140,7 +150,8 @@ def driver(args) -> None:
             lines.append(f"{name:34s} {statistics.median(a_times) * 1e3:9.2f} {statistics.median(b_times) * 1e3:9.2f} "
                          f"{statistics.median(a_mins) * 1e3:9.2f} {statistics.median(b_mins) * 1e3:9.2f} "
                          f"{statistics.median(ratios):8.3f} {min(ratios):6.3f}..{max(ratios):.3f} "
-                         f"{statistics.median(min_ratios):8.3f} {min(min_ratios):6.3f}..{max(min_ratios):.3f}")
+                         f"{statistics.median(min_ratios):8.3f} {min(min_ratios):6.3f}..{max(min_ratios):.3f} "
+                         f"{min(b_mins) / min(a_mins):8.3f}")
         else:
             summary[name] = {"B_median_s": b_times, "B_min_s": b_mins}
             lines.append(f"{name:34s} {'-':>9s} {statistics.median(b_times) * 1e3:9.2f} {'-':>9s} "
@@ -158,7 +169,7 @@ def driver(args) -> None:
             json.dump({"cpu": cpu_model(), "torch": torch.__version__, "date": stamp, "rounds": args.rounds,
                        "threads": args.threads, "min_time": args.min_time, "base": args.base_label,
                        "cases": {k: dict(zip(("kind", "dtype", "batch", "q_len", "context", "Hq", "Hkv", "D",
-                                                 "causal"), v)) for k, v in CASES.items()},
+                                                 "causal"), v)) for k, v in selected(args).items()},
                        "summary": summary, "load_average": loads}, f, indent=1)
         print(f"wrote {base}.txt / .json", file=sys.stderr)
 
@@ -174,6 +185,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--min-time", type=float, default=1.0)
     p.add_argument("--out", help="directory for the .txt / .json results (default: print only)")
+    p.add_argument("--cases", help="comma-separated case names (default: all)")
     args = p.parse_args()
     if args.worker:
         worker(args)
