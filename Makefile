@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine (README):
 #   make demo   - create .venv from requirements/lock.txt (torch too, unless one is present), build, run the demo
 #   make test   - the same set-up, then the test suite
-# Other targets: build, info, bench, fuzz, sanitize, test-compat, test-abi, test-vllm, bench-vllm, lock, cuda-check,
+# Other targets: ort, build, info, bench, fuzz, sanitize, test-compat, test-abi, test-vllm, bench-vllm, lock, cuda-check,
 # cuda-emu-test, metal-check, metal-test, clean.
 
 PYTHON ?= python3
@@ -9,7 +9,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') setup.py
 
-.PHONY: demo test test-compat test-abi test-vllm bench-vllm lock build info bench fuzz sanitize cuda-check \
+ORT_LIB := build-ort/libkvkernels_ort.so
+
+.PHONY: ort demo test test-compat test-abi test-vllm bench-vllm lock build info bench fuzz sanitize cuda-check \
         cuda-emu-test metal-check metal-test clean
 
 # Versions come from requirements/lock.txt (pip constraints), so a fresh machine gets exactly the
@@ -36,13 +38,19 @@ kvkernels/.built: $(VENV)/.ready $(SOURCES)
 
 build: kvkernels/.built
 
+# The ONNX Runtime custom-op library (csrc/ort/, docs/onnx.md): scripts/build_ort.sh fetches the pinned
+# ORT headers (Debian's libonnxruntime-dev .deb, sha256-checked) into build-ort/ and compiles the CPU
+# kernel sources with them. Incremental (make -f scripts/ort.mk).
+ort: $(VENV)/.ready
+	PY=$(abspath $(PY)) MAX_JOBS=$${MAX_JOBS:-2} scripts/build_ort.sh
+
 demo: build
 	$(PY) -m kvkernels demo
 
 info: build
 	$(PY) -m kvkernels info
 
-test: build
+test: build ort
 	$(PY) -m pytest -q tests
 
 # The op fuzzer (tests/test_fuzz.py) for SECONDS seconds: random calls of every op in turn, valid ones against
@@ -120,7 +128,7 @@ metal-check:
 	$(PYTHON) scripts/check_metal.py
 
 # Only the Metal tests: the emulator's own tests and every kernel against the reference, emulated.
-metal-test: build
+metal-test: build ort
 	$(PY) -m pytest -q tests/test_metal_emulator.py tests/test_metal_ops.py
 
 # Stable-ABI check: a wheel built against the venv's torch runs on torch 2.10 (the oldest supported)

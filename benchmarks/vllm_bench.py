@@ -235,7 +235,9 @@ def op_case(name: str, dtype: torch.dtype, batch: int, context: int, q_len: int,
         t_theirs.append(_time_calls(theirs, args.op_calls))
         t_ours.append(_time_calls(ours, args.op_calls))
     a, b = statistics.median(t_ours), statistics.median(t_theirs)
-    return {"case": name, "dtype": str(dtype).replace("torch.", ""), "batch": batch, "context": context,
+    # Bytes a call must move: every visible key and value once, the query read and the output written.
+    moved = 2 * batch * context * KVH * D * dtype.itemsize + 2 * q.numel() * q.element_size()
+    return {"case": name, "bytes_per_call": moved, "kvkernels_gb_s": moved / a / 1e9, "vllm_gb_s": moved / b / 1e9, "dtype": str(dtype).replace("torch.", ""), "batch": batch, "context": context,
             "q_len": q_len, "block_size": B, "vllm_isa": isa, "cache_copies": copies,
             "kvkernels_s": a, "vllm_cpu_attn_s": b, "time_ratio": a / b, "max_abs_diff": diff}
 
@@ -284,12 +286,18 @@ def table(result: dict) -> str:
     ops = result.get("ops")
     if ops:
         lines.append("Op level (same data, one process, ABBA, caches rotated from DRAM): kvkernels time / vLLM time")
+        bw = result.get("bandwidth_gb_s")
+        if bw:
+            lines.append(f"memory read bandwidth in this run: {bw['read_before']:.1f} GB/s before the ops, "
+                         f"{bw['read_after']:.1f} after (GB/s below: K/V bytes a call must read, per second)")
         lines.append(f"{'case':<9}{'dtype':<10}{'batch x ctx':>14}{'q':>5}{'kvkernels ms':>14}{'vLLM ms':>10}"
-                     f"{'ratio':>8}{'max diff':>11}")
+                     f"{'ratio':>8}{'ours GB/s':>11}{'vLLM GB/s':>11}{'max diff':>11}")
         for r in ops:
+            gbs = (f"{r['kvkernels_gb_s']:>11.1f}{r['vllm_gb_s']:>11.1f}" if "kvkernels_gb_s" in r
+                   else f"{'-':>11}{'-':>11}")
             lines.append(f"{r['case']:<9}{r['dtype']:<10}{str(r['batch']) + ' x ' + str(r['context']):>14}"
                          f"{r['q_len']:>5}{r['kvkernels_s'] * 1e3:>14.3f}{r['vllm_cpu_attn_s'] * 1e3:>10.3f}"
-                         f"{r['time_ratio']:>8.2f}{r['max_abs_diff']:>11.2e}")
+                         f"{r['time_ratio']:>8.2f}{gbs}{r['max_abs_diff']:>11.2e}")
     return "\n".join(lines) + "\n"
 
 
@@ -357,7 +365,12 @@ def main() -> int:
             "decode_speedup": med("KVKERNELS", "decode_tokens_per_s") / med("CPU_ATTN", "decode_tokens_per_s"),
         }
     if not args.skip_ops:
+        # The machine's read bandwidth in this run (same threads as the ops), before and after: the
+        # ops' GB/s are read against it, and a noisy neighbour shows as a gap between the two.
+        bw = lambda: machine.measure_bandwidth(args.dram_bytes, 0.5 if not args.quick else 0.01)["read"]
+        before = bw()
         result["ops"] = ops_bench(args)
+        result["bandwidth_gb_s"] = {"read_before": before, "read_after": bw()}
     text = table(result)
     print(text)
     if not args.quick:

@@ -18,10 +18,6 @@ bool is_fp8(ScalarType t) {
   return t == ScalarType::Float8_e4m3fn || t == ScalarType::Float8_e5m2;
 }
 
-std::string plural(int64_t n, const char* noun) {
-  return std::to_string(n) + " " + noun + (n == 1 ? "" : "s");
-}
-
 Layout::Layout(const Tensor& t)
     : ptr(reinterpret_cast<uintptr_t>(t.const_data_ptr())),
       elem(static_cast<uint64_t>(t.element_size())),

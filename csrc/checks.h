@@ -8,9 +8,9 @@
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
-#include <sstream>
-#include <stdexcept>
 #include <string>
+
+#include "arg_error.h"
 
 namespace kvkernels {
 
@@ -31,22 +31,10 @@ struct Layout {
   bool empty() const;  // no elements
 };
 
-class ArgCheck {
+// ArgError (arg_error.h) plus the checks that read torch tensors.
+class ArgCheck : public ArgError {
  public:
-  explicit ArgCheck(const char* op) : op_(op) {}
-
-  template <typename... Args>
-  [[noreturn]] void fail(const char* arg, const Args&... what) const {
-    std::ostringstream ss;
-    ss << "kvkernels." << op_ << ": " << arg << ": ";
-    (ss << ... << what);
-    throw std::runtime_error(ss.str());
-  }
-
-  template <typename... Args>
-  void expect(bool ok, const char* arg, const Args&... what) const {
-    if (!ok) fail(arg, what...);
-  }
+  using ArgError::ArgError;
 
   void dtype(const Tensor& t, const char* arg, std::initializer_list<ScalarType> allowed) const;
   void dim(const Tensor& t, const char* arg, int64_t ndim) const;
@@ -76,11 +64,6 @@ class ArgCheck {
   // whether it is per head.
   bool scale(const std::optional<Tensor>& t, const char* arg, const Tensor& ref, const char* ref_arg,
              int64_t per_head) const;
-
-  const char* op() const { return op_; }
-
- private:
-  const char* op_;
 };
 
 bool is_fp8(ScalarType t);
@@ -94,8 +77,6 @@ bool has_internal_overlap(const Layout& t);
 // bytes the inner dims reach fall into disjoint residue intervals mod M (how interleaved K/V
 // views of one allocation are told apart). Tensors on different devices never overlap.
 bool may_overlap(const Layout& a, const Layout& b);
-// "1 block" / "4 blocks".
-std::string plural(int64_t n, const char* noun);
 bool is_float(ScalarType t);  // float32 / float16 / bfloat16
 
 }  // namespace kvkernels

@@ -4,7 +4,7 @@
 
 namespace kvkernels {
 
-void check_paged_kv_indices(const ArgCheck& c, const paged_kv_t& kv) {
+void check_paged_kv_indices(const ArgError& c, const paged_kv_t& kv) {
   const int64_t capacity = kv.max_blocks_per_seq * kv.block_size;
   for (int64_t s = 0; s < kv.num_seqs; ++s) {
     const int64_t len = kv.seq_lens[s];
@@ -21,7 +21,7 @@ void check_paged_kv_indices(const ArgCheck& c, const paged_kv_t& kv) {
   }
 }
 
-void check_query_start_loc(const ArgCheck& c, const AttentionParams& p) {
+void check_query_start_loc(const ArgError& c, const AttentionParams& p) {
   if (!p.query_start_loc) return;
   const int32_t* q = p.query_start_loc;
   c.expect(q[0] == 0, "query_start_loc", "must start at 0, got ", q[0]);
@@ -34,13 +34,13 @@ void check_query_start_loc(const ArgCheck& c, const AttentionParams& p) {
            p.num_tokens, ", got ", q[p.kv.num_seqs]);
 }
 
-void check_slots(const ArgCheck& c, const int64_t* slots, int64_t num_tokens, int64_t num_slots) {
+void check_slots(const ArgError& c, const int64_t* slots, int64_t num_tokens, int64_t num_slots) {
   for (int64_t t = 0; t < num_tokens; ++t)
     c.expect(slots[t] < num_slots, "slot_mapping", "slot ", slots[t], " of token ", t,
              " is out of range for a cache of ", num_slots, " slots");
 }
 
-void check_block_mapping(const ArgCheck& c, const int64_t* mapping, int64_t num_pairs,
+void check_block_mapping(const ArgError& c, const int64_t* mapping, int64_t num_pairs,
                          int64_t src_num_blocks, int64_t dst_num_blocks, bool same_tensor) {
   for (int64_t i = 0; i < num_pairs; ++i) {
     const int64_t s = mapping[2 * i], d = mapping[2 * i + 1];
@@ -70,7 +70,7 @@ std::vector<int64_t> token_starts(const paged_kv_t& kv) {
   return starts;
 }
 
-std::vector<int64_t> checked_token_starts(const ArgCheck& c, const paged_kv_t& kv,
+std::vector<int64_t> checked_token_starts(const ArgError& c, const paged_kv_t& kv,
                                           std::optional<int64_t> num_tokens) {
   check_paged_kv_indices(c, kv);
   std::vector<int64_t> starts = token_starts(kv);

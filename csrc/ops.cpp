@@ -35,18 +35,28 @@ PyMODINIT_FUNC PyInit__C(void) {
   return PyModule_Create(&module);
 }
 
+// The arguments of the attention and merge ops, shared by the allocating op and its *_out twin,
+// which takes the same arguments and then `*, Tensor(a!) out, Tensor(b!)? lse=None` (written
+// outputs, returns ()). An argument added here reaches both schemas.
+#define KVK_PAGED_ATTENTION_ARGS                                                                \
+  "Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "  \
+  "Tensor? query_start_loc=None, float? scale=None, int window_left=-1, float soft_cap=0.0, "   \
+  "Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None, " \
+  "bool causal=True"
+#define KVK_MLA_PAGED_ATTENTION_ARGS                                                          \
+  "Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int kv_lora_rank, "       \
+  "float scale, Tensor? query_start_loc=None, Tensor? kv_scale=None"
+#define KVK_MERGE_ARGS "Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b"
+#define KVK_OUT_ARGS ", *, Tensor(a!) out, Tensor(b!)? lse=None) -> ()"
+
 STABLE_TORCH_LIBRARY(kvkernels, m) {
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
-  m.def(
-      "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor? query_start_loc=None, float? scale=None, int window_left=-1, "
-      "float soft_cap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? k_scale=None, "
-      "Tensor? v_scale=None, bool causal=True) -> (Tensor out, Tensor lse)");
-  m.def(
-      "merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) "
-      "-> (Tensor out, Tensor lse)");
+  m.def("paged_attention(" KVK_PAGED_ATTENTION_ARGS ") -> (Tensor out, Tensor lse)");
+  m.def("paged_attention_out(" KVK_PAGED_ATTENTION_ARGS KVK_OUT_ARGS);
+  m.def("merge_attention_states(" KVK_MERGE_ARGS ") -> (Tensor out, Tensor lse)");
+  m.def("merge_attention_states_out(" KVK_MERGE_ARGS KVK_OUT_ARGS);
   m.def("copy_blocks(Tensor(a!) cache, Tensor block_mapping, int block_dim=0) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping, int block_dim=0) -> ()");
   m.def(
@@ -61,8 +71,6 @@ STABLE_TORCH_LIBRARY(kvkernels, m) {
       "int kv_lora_rank, int qk_nope_head_dim, int v_head_dim, Tensor? norm_weight=None, "
       "float norm_eps=1e-6, Tensor? scale=None, SymInt? num_tokens=None) "
       "-> (Tensor key, Tensor value)");
-  m.def(
-      "mla_paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-      "int kv_lora_rank, float scale, Tensor? query_start_loc=None, Tensor? kv_scale=None) "
-      "-> (Tensor out, Tensor lse)");
+  m.def("mla_paged_attention(" KVK_MLA_PAGED_ATTENTION_ARGS ") -> (Tensor out, Tensor lse)");
+  m.def("mla_paged_attention_out(" KVK_MLA_PAGED_ATTENTION_ARGS KVK_OUT_ARGS);
 }

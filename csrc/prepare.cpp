@@ -11,7 +11,9 @@ namespace kvkernels {
 
 namespace {
 
-constexpr int kMaxHeadDim = 256;
+// Head dims of paged_attention (key and value alike): multiples of 8 up to 512 here; the CUDA
+// binding allows 256 (its kernels keep a 16-row output tile in registers, docs/ops.md).
+constexpr int kMaxHeadDim = 512;
 constexpr int kMaxMlaLatent = 512;
 constexpr int kMaxMlaRow = 576;
 constexpr int kMaxBlockSize = 256;
@@ -95,6 +97,17 @@ void check_block_size(const ArgCheck& c, const Tensor& cache, const char* arg) {
            kMaxBlockSize, "], got ", b);
 }
 
+// MLA latent caches are [num_blocks, block_size, R + P]: one latent head that every query head
+// reads. A cache with several latent heads ([N, B, h_kv, R + P], as FlashMLA's tests allow) is not
+// supported (docs/ops.md says why); it gets its own message rather than a bare dimension count.
+void check_mla_cache_dims(const ArgCheck& c, const Tensor& kv_cache, const char* arg) {
+  c.expect(kv_cache.dim() != 4, arg, "latent caches with several kv heads ([num_blocks, ",
+           "block_size, num_kv_heads, kv_lora_rank + rope_dim]) are not supported: pass one latent ",
+           "head [num_blocks, block_size, kv_lora_rank + rope_dim] (got shape ", shape_str(kv_cache),
+           ")");
+  c.dim(kv_cache, arg, 3);
+}
+
 // The cache-side half of every paged read: caches, block tables, sequence lengths, fp8 scales.
 paged_kv_t make_paged_kv(const ArgCheck& c, const Tensor& key_cache, const char* k_arg,
                          const Tensor& value_cache, const char* v_arg, const Tensor& block_tables,
@@ -107,10 +120,15 @@ paged_kv_t make_paged_kv(const ArgCheck& c, const Tensor& key_cache, const char*
   check_block_size(c, key_cache, k_arg);
   c.dim(value_cache, v_arg, 4);
   c.like(value_cache, v_arg, key_cache, k_arg);
-  for (int64_t d = 0; d < 4; ++d) c.size(value_cache, v_arg, d, key_cache.size(d), k_arg);
+  // The value's head dim (dimension 3) may differ from the key's (DeepSeek-style prefill over
+  // decompressed K/V: qk 192, v 128); blocks, slots and heads must match.
+  const std::string k_shape = std::string("num_blocks, block_size, num_kv_heads of ") + k_arg;
+  for (int64_t d = 0; d < 3; ++d)
+    c.size(value_cache, v_arg, d, key_cache.size(d), k_shape.c_str());
   c.last_dim_contiguous(value_cache, v_arg);
   const int num_kv_heads = c.to_int(key_cache.size(2), k_arg, "num_kv_heads (dimension 2)");
   const int head_dim = c.to_int(key_cache.size(3), k_arg, "head_dim (dimension 3)");
+  const int head_dim_v = c.to_int(value_cache.size(3), v_arg, "head_dim (dimension 3)");
 
   // Kernels number sequences with an int; checked before a contiguous copy is made.
   c.dim(block_tables, "block_tables", 2);
@@ -133,7 +151,7 @@ paged_kv_t make_paged_kv(const ArgCheck& c, const Tensor& key_cache, const char*
   kv.block_size = static_cast<int>(key_cache.size(1));
   kv.num_kv_heads = num_kv_heads;
   kv.head_dim = head_dim;
-  kv.head_dim_v = kv.head_dim;
+  kv.head_dim_v = head_dim_v;
   kv.format = cache_format(key_cache.scalar_type());
   if (is_fp8(key_cache.scalar_type())) {
     const int64_t per_head = per_head_scales ? kv.num_kv_heads : 0;
@@ -162,14 +180,9 @@ void fill_query(const ArgCheck& c, PreparedAttention& r, const Tensor& query_in,
   c.cache_dtype(cache, cache_arg, query_in, q_arg);
   AttentionParams& p = r.params;
   p.num_heads = c.to_int(query_in.size(1), q_arg, "num_heads (dimension 1)");
-  Tensor query = with_unit_last_stride(query_in, r);
-  p.q = query.const_data_ptr();
-  p.q_stride_token = query.stride(0);
-  p.q_stride_head = query.stride(1);
-  p.q_format = float_format(query.scalar_type());
-  p.num_tokens = query.size(0);
+  p.num_tokens = query_in.size(0);  // the query itself is set up by finish_attention, after the checks
   if (query_start_loc.has_value()) {
-    Tensor qsl = index_tensor(c, *query_start_loc, "query_start_loc", ScalarType::Int, 1, query,
+    Tensor qsl = index_tensor(c, *query_start_loc, "query_start_loc", ScalarType::Int, 1, query_in,
                               q_arg, r, p.kv.num_seqs + 1, "num_seqs + 1");
     p.query_start_loc = static_cast<const int32_t*>(qsl.const_data_ptr());
   } else {
@@ -178,14 +191,87 @@ void fill_query(const ArgCheck& c, PreparedAttention& r, const Tensor& query_in,
   }
 }
 
-// The outputs of an attention call, allocated after every check (the index checks included).
-void finish_attention(const ArgCheck& c, PreparedAttention& r, const Tensor& query,
-                      const char* q_arg, int64_t out_dim, const IndexCheck& check_indices) {
+// One tensor argument of a call, for the overlap checks of caller-provided outputs (t is null for
+// an optional argument not given).
+struct Input {
+  const Tensor* t;
+  const char* name;
+};
+
+const Tensor* opt(const std::optional<Tensor>& t) { return t.has_value() ? &*t : nullptr; }
+
+// A caller-provided output: exactly `shape` (never resized), `dtype`, on `like`'s device.
+void check_output(const ArgCheck& c, const Tensor& t, const char* arg,
+                  const std::vector<int64_t>& shape, ScalarType dtype, const Tensor& like,
+                  const char* like_arg) {
+  c.same_device(t, arg, like, like_arg);
+  c.expect(t.scalar_type() == dtype, arg, "dtype ", torch::headeronly::toString(t.scalar_type()),
+           " must be ", torch::headeronly::toString(dtype));
+  bool same = t.dim() == static_cast<int64_t>(shape.size());
+  for (size_t d = 0; same && d < shape.size(); ++d) same = t.size(int64_t(d)) == shape[d];
+  if (same) return;
+  std::ostringstream want;
+  want << "[";
+  for (size_t d = 0; d < shape.size(); ++d) want << (d ? ", " : "") << shape[d];
+  want << "]";
+  c.fail(arg, "shape ", shape_str(t), " must be ", want.str(),
+         " (outputs are not resized)");
+}
+
+// The caller's outputs of an attention or merge call, checked with the inputs (before any index
+// check, allocation or write): shapes, dtypes, device, every element its own memory, and no memory
+// shared with each other or with any input (the kernels read inputs while writing outputs).
+void check_given_outputs(const ArgCheck& c, const GivenOutputs& g, const Tensor& like,
+                         const char* like_arg, const std::vector<int64_t>& out_shape,
+                         std::initializer_list<Input> inputs) {
+  if (!g.out.has_value()) {
+    c.expect(!g.lse.has_value(), "lse", "given without out");
+    return;
+  }
+  check_output(c, *g.out, "out", out_shape, like.scalar_type(), like, like_arg);
+  const Layout out_l(*g.out);
+  c.writable(out_l, "out");
+  for (const Input& in : inputs)
+    if (in.t != nullptr) c.disjoint(Layout(*in.t), in.name, out_l, "out");
+  if (!g.lse.has_value()) return;
+  check_output(c, *g.lse, "lse", {out_shape[0], out_shape[1]}, ScalarType::Float, like, like_arg);
+  const Layout lse_l(*g.lse);
+  c.writable(lse_l, "lse");
+  c.disjoint(lse_l, "lse", out_l, "out");
+  for (const Input& in : inputs)
+    if (in.t != nullptr) c.disjoint(Layout(*in.t), in.name, lse_l, "lse");
+}
+
+// What the kernel writes for one output: the caller's tensor when the kernels can index it
+// (contiguous), else a contiguous temporary copied into it by Prepared::finish(); without a given
+// tensor, a fresh one. Called after every check.
+Tensor output_for(const ArgCheck& c, Prepared& r, const std::optional<Tensor>& given,
+                  const char* arg, const Tensor& like, std::vector<int64_t> shape,
+                  std::optional<ScalarType> dtype = std::nullopt) {
+  if (given.has_value() && given->is_contiguous()) return *given;
+  Tensor t = new_output(c, arg, like, std::move(shape), dtype);
+  if (given.has_value()) r.copy_back.emplace_back(t, *given);
+  return t;
+}
+
+// The query (copied when its last stride is not 1) and the outputs of an attention call, after every
+// check (the index checks included: query_start_loc's last entry must equal the query's length
+// before a query of that length is copied). With out= and no lse=, p.lse stays nullptr (the backend
+// supplies scratch).
+void finish_attention(const ArgCheck& c, PreparedAttention& r, const Tensor& query_in,
+                      const char* q_arg, int64_t out_dim, const IndexCheck& check_indices,
+                      const GivenOutputs& given) {
   AttentionParams& p = r.params;
   if (check_indices) check_indices(p);
-  r.out = new_output(c, q_arg, query, {p.num_tokens, p.num_heads, out_dim});
-  r.lse = new_output(c, q_arg, query, {p.num_tokens, p.num_heads}, ScalarType::Float);
+  Tensor query = with_unit_last_stride(c, query_in, q_arg, r);
+  p.q = query.const_data_ptr();
+  p.q_stride_token = query.stride(0);
+  p.q_stride_head = query.stride(1);
+  p.q_format = float_format(query.scalar_type());
+  r.out = output_for(c, r, given.out, q_arg, query, {p.num_tokens, p.num_heads, out_dim});
   p.out = r.out.mutable_data_ptr();
+  if (given.out.has_value() && !given.lse.has_value()) return;
+  r.lse = output_for(c, r, given.lse, q_arg, query, {p.num_tokens, p.num_heads}, ScalarType::Float);
   p.lse = static_cast<float*>(r.lse.mutable_data_ptr());
 }
 
@@ -209,11 +295,24 @@ CacheFormat cache_format(ScalarType t) {
   }
 }
 
-Tensor with_unit_last_stride(const Tensor& t, Prepared& keep) {
+Tensor with_unit_last_stride(const ArgCheck& c, const Tensor& t, const char* arg, Prepared& keep) {
   if (t.dim() == 0 || t.size(t.dim() - 1) <= 1 || t.stride(t.dim() - 1) == 1) return t;
-  Tensor copy = torch::stable::contiguous(t);
-  keep.keep_alive.push_back(copy);
-  return copy;
+  return contiguous_or_copy(c, t, arg, keep);
+}
+
+void Prepared::finish() const {
+  for (const auto& [from, to] : copy_back) {
+    Tensor dst = to;
+    torch::stable::copy_(dst, from);
+  }
+}
+
+void ensure_lse(const ArgCheck& c, Prepared& r, float*& lse, const Tensor& like,
+                int64_t num_tokens, int64_t num_heads) {
+  if (lse != nullptr) return;
+  Tensor t = new_output(c, "lse", like, {num_tokens, num_heads}, ScalarType::Float);
+  r.keep_alive.push_back(t);
+  lse = static_cast<float*>(t.mutable_data_ptr());
 }
 
 PreparedAttention prepare_paged_attention(
@@ -222,14 +321,16 @@ PreparedAttention prepare_paged_attention(
     const std::optional<Tensor>& query_start_loc, std::optional<double> scale, int64_t window_left,
     double soft_cap, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
     const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale, bool causal,
-    const IndexCheck& check_indices) {
+    const IndexCheck& check_indices, const GivenOutputs& given) {
   PreparedAttention r;
   AttentionParams& p = r.params;
   p.kv = make_paged_kv(c, key_cache, "key_cache", value_cache, "value_cache", block_tables,
                        seq_lens, k_scale, "k_scale", v_scale, "v_scale", r);
-  const int d = p.kv.head_dim;
+  const int d = p.kv.head_dim, dv = p.kv.head_dim_v;
   c.expect(d % 8 == 0 && d > 0 && d <= kMaxHeadDim, "key_cache",
            "head_dim must be a positive multiple of 8 up to ", kMaxHeadDim, ", got ", d);
+  c.expect(dv % 8 == 0 && dv > 0 && dv <= kMaxHeadDim, "value_cache",
+           "head_dim must be a positive multiple of 8 up to ", kMaxHeadDim, ", got ", dv);
   c.dim(query, "query", 3);
   c.size(query, "query", 2, d, "head_dim of key_cache");
   // num_kv_heads divides the query heads: 0 would be a division by zero.
@@ -249,7 +350,13 @@ PreparedAttention prepare_paged_attention(
   p.causal = causal;
   p.alibi_slopes = per_head_vector(c, alibi_slopes, "alibi_slopes", p.num_heads, query, r);
   p.sinks = per_head_vector(c, sinks, "sinks", p.num_heads, query, r);
-  finish_attention(c, r, query, "query", d, check_indices);
+  check_given_outputs(c, given, query, "query", {p.num_tokens, p.num_heads, dv},
+                      {{&query, "query"}, {&key_cache, "key_cache"}, {&value_cache, "value_cache"},
+                       {&block_tables, "block_tables"}, {&seq_lens, "seq_lens"},
+                       {opt(query_start_loc), "query_start_loc"},
+                       {opt(alibi_slopes), "alibi_slopes"}, {opt(sinks), "sinks"},
+                       {opt(k_scale), "k_scale"}, {opt(v_scale), "v_scale"}});
+  finish_attention(c, r, query, "query", dv, check_indices, given);
   return r;
 }
 
@@ -257,10 +364,10 @@ PreparedAttention prepare_mla_attention(
     const ArgCheck& c, const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables,
     const Tensor& seq_lens, int64_t kv_lora_rank, double scale,
     const std::optional<Tensor>& query_start_loc, const std::optional<Tensor>& kv_scale,
-    const IndexCheck& check_indices) {
+    const IndexCheck& check_indices, const GivenOutputs& given) {
   PreparedAttention r;
   AttentionParams& p = r.params;
-  c.dim(kv_cache, "kv_cache", 3);
+  check_mla_cache_dims(c, kv_cache, "kv_cache");
   const int64_t row = kv_cache.size(2);
   c.expect(kv_lora_rank > 0 && kv_lora_rank % 8 == 0 && kv_lora_rank <= kMaxMlaLatent,
            "kv_lora_rank", "must be a positive multiple of 8 up to ", kMaxMlaLatent, ", got ",
@@ -279,12 +386,17 @@ PreparedAttention prepare_mla_attention(
   fill_query(c, r, q, "q", kv_cache, "kv_cache", kv_lora_rank, query_start_loc);
   c.expect(std::isfinite(scale), "scale", "must be finite");
   p.scale = static_cast<float>(scale);
-  finish_attention(c, r, q, "q", kv_lora_rank, check_indices);
+  check_given_outputs(c, given, q, "q", {p.num_tokens, p.num_heads, kv_lora_rank},
+                      {{&q, "q"}, {&kv_cache, "kv_cache"}, {&block_tables, "block_tables"},
+                       {&seq_lens, "seq_lens"}, {opt(query_start_loc), "query_start_loc"},
+                       {opt(kv_scale), "kv_scale"}});
+  finish_attention(c, r, q, "q", kv_lora_rank, check_indices, given);
   return r;
 }
 
 PreparedMerge prepare_merge(const ArgCheck& c, const Tensor& out_a_in, const Tensor& lse_a,
-                            const Tensor& out_b_in, const Tensor& lse_b) {
+                            const Tensor& out_b_in, const Tensor& lse_b,
+                            const GivenOutputs& given) {
   PreparedMerge r;
   MergeParams& p = r.params;
   c.dim(out_a_in, "out_a", 3);
@@ -301,8 +413,13 @@ PreparedMerge prepare_merge(const ArgCheck& c, const Tensor& out_a_in, const Ten
   }
   p.num_heads = c.to_int(out_a_in.size(1), "out_a", "num_heads (dimension 1)");
   p.head_dim = c.to_int(out_a_in.size(2), "out_a", "head_dim (dimension 2)");
-  Tensor out_a = with_unit_last_stride(out_a_in, r);
-  Tensor out_b = with_unit_last_stride(out_b_in, r);
+  // out = out_a (merging in place) is an overlap too: rejected like every other.
+  check_given_outputs(c, given, out_a_in, "out_a",
+                      {out_a_in.size(0), out_a_in.size(1), out_a_in.size(2)},
+                      {{&out_a_in, "out_a"}, {&lse_a, "lse_a"}, {&out_b_in, "out_b"},
+                       {&lse_b, "lse_b"}});
+  Tensor out_a = with_unit_last_stride(c, out_a_in, "out_a", r);
+  Tensor out_b = with_unit_last_stride(c, out_b_in, "out_b", r);
   p.out_a = out_a.const_data_ptr();
   p.out_b = out_b.const_data_ptr();
   p.a_stride_token = out_a.stride(0);
@@ -317,9 +434,11 @@ PreparedMerge prepare_merge(const ArgCheck& c, const Tensor& out_a_in, const Ten
   p.lse_b_stride_head = lse_b.stride(1);
   p.format = float_format(out_a.scalar_type());
   p.num_tokens = out_a.size(0);
-  r.out = new_output(c, "out_a", out_a, {p.num_tokens, p.num_heads, p.head_dim});
-  r.lse = new_output(c, "out_a", out_a, {p.num_tokens, p.num_heads}, ScalarType::Float);
+  r.out = output_for(c, r, given.out, "out_a", out_a, {p.num_tokens, p.num_heads, p.head_dim});
   p.out = r.out.mutable_data_ptr();
+  if (given.out.has_value() && !given.lse.has_value()) return r;  // p.lse: the backend's scratch
+  r.lse = output_for(c, r, given.lse, "out_a", out_a, {p.num_tokens, p.num_heads},
+                     ScalarType::Float);
   p.lse = static_cast<float*>(r.lse.mutable_data_ptr());
   return r;
 }
@@ -331,7 +450,7 @@ CacheWriteParams make_write(const ArgCheck& c, PreparedCacheWrite& r, const Tens
                             const char* src_arg, const Tensor& cache, const char* cache_arg,
                             int64_t col, const Tensor& slots, const std::optional<Tensor>& scale,
                             const char* scale_arg, bool per_head_scale_allowed) {
-  Tensor src = with_unit_last_stride(src_in, r);
+  Tensor src = with_unit_last_stride(c, src_in, src_arg, r);
   CacheWriteParams w;
   w.src = src.const_data_ptr();
   w.src_stride_token = src.stride(0);
@@ -370,7 +489,9 @@ PreparedCacheWrite prepare_reshape_and_cache(const ArgCheck& c, const Tensor& ke
   c.dtype(key, "key", kFloatTypes);
   c.dim(value, "value", 3);
   c.like(value, "value", key, "key");
-  for (int64_t d = 0; d < 3; ++d) c.size(value, "value", d, key.size(d), "key's shape");
+  // value's head dim (dimension 2) may differ from key's: it is value_cache's.
+  for (int64_t d = 0; d < 2; ++d)
+    c.size(value, "value", d, key.size(d), "num_tokens, num_kv_heads of key");
   // The caches among themselves first: they fix num_kv_heads and head_dim, which the new tokens
   // must match.
   for (auto [cache, arg] :
@@ -382,13 +503,16 @@ PreparedCacheWrite prepare_reshape_and_cache(const ArgCheck& c, const Tensor& ke
     check_block_size(c, *cache, arg);
   }
   c.like(value_cache, "value_cache", key_cache, "key_cache");
-  for (int64_t d = 0; d < 4; ++d)
-    c.size(value_cache, "value_cache", d, key_cache.size(d), "key_cache's shape");
+  for (int64_t d = 0; d < 3; ++d)
+    c.size(value_cache, "value_cache", d, key_cache.size(d),
+           "num_blocks, block_size, num_kv_heads of key_cache");
   c.size(key, "key", 1, key_cache.size(2), "num_kv_heads of key_cache");
   c.size(key, "key", 2, key_cache.size(3), "head_dim of key_cache");
+  c.size(value, "value", 2, value_cache.size(3), "head_dim of value_cache");
   c.cache_dtype(key_cache, "key_cache", key, "key");
   c.to_int(key.size(1), "key", "num_kv_heads (dimension 1)");
   c.to_int(key.size(2), "key", "head_dim (dimension 2)");
+  c.to_int(value.size(2), "value", "head_dim (dimension 2)");
   c.dtype(slot_mapping, "slot_mapping", {ScalarType::Long});
   c.dim(slot_mapping, "slot_mapping", 1);
   c.size(slot_mapping, "slot_mapping", 0, key.size(0), "num_tokens of key");
@@ -426,7 +550,7 @@ PreparedCacheWrite prepare_concat_and_cache_mla(const ArgCheck& c, const Tensor&
   c.dim(k_pe, "k_pe", 2);
   c.like(k_pe, "k_pe", kv_c, "kv_c");
   c.size(k_pe, "k_pe", 0, kv_c.size(0), "num_tokens of kv_c");
-  c.dim(kv_cache, "kv_cache", 3);
+  check_mla_cache_dims(c, kv_cache, "kv_cache");
   c.dtype(kv_cache, "kv_cache", kCacheTypes);
   c.same_device(kv_cache, "kv_cache", kv_c, "kv_c");
   c.last_dim_contiguous(kv_cache, "kv_cache");
@@ -562,7 +686,7 @@ PreparedGather prepare_gather_kv(const ArgCheck& c, const Tensor& key_cache,
   p.num_tokens = num_tokens;
   r.key = new_output(c, length_arg, key_cache, {num_tokens, p.kv.num_kv_heads, p.kv.head_dim}, out);
   r.value =
-      new_output(c, length_arg, key_cache, {num_tokens, p.kv.num_kv_heads, p.kv.head_dim}, out);
+      new_output(c, length_arg, key_cache, {num_tokens, p.kv.num_kv_heads, p.kv.head_dim_v}, out);
   p.key = r.key.mutable_data_ptr();
   p.value = r.value.mutable_data_ptr();
   return r;
@@ -576,7 +700,7 @@ PreparedDecompress prepare_mla_decompress(
     const TokenCounter& count) {
   PreparedDecompress r;
   MlaDecompressParams& p = r.params;
-  c.dim(kv_cache, "kv_cache", 3);
+  check_mla_cache_dims(c, kv_cache, "kv_cache");
   c.expect(kv_lora_rank > 0 && kv_lora_rank % 8 == 0 && kv_lora_rank <= kMaxMlaLatent,
            "kv_lora_rank", "must be a positive multiple of 8 up to ", kMaxMlaLatent, ", got ",
            kv_lora_rank);

@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "checks.h"
@@ -18,6 +19,18 @@ namespace kvkernels {
 // Tensors created while preparing (contiguous copies of inputs, outputs) must outlive the kernel.
 struct Prepared {
   std::vector<Tensor> keep_alive;
+  // Caller-provided outputs the kernels cannot write directly (not contiguous): the kernel writes
+  // a contiguous temporary (first), which finish() copies into the caller's tensor (second).
+  std::vector<std::pair<Tensor, Tensor>> copy_back;
+  // Call after the kernel (on a device: after its launch, same stream).
+  void finish() const;
+};
+
+// The outputs a caller passes to an *_out op (docs/ops.md, "Caller-provided outputs"). Neither:
+// the op allocates both. `out` without `lse`: lse is computed but not returned (p.lse is nullptr
+// after preparing; the backend points it at scratch, see ensure_lse). `lse` needs `out`.
+struct GivenOutputs {
+  std::optional<Tensor> out, lse;
 };
 
 struct PreparedAttention : Prepared {
@@ -36,13 +49,13 @@ PreparedAttention prepare_paged_attention(
     const std::optional<Tensor>& query_start_loc, std::optional<double> scale, int64_t window_left,
     double soft_cap, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
     const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale, bool causal,
-    const IndexCheck& check_indices = {});
+    const IndexCheck& check_indices = {}, const GivenOutputs& given = {});
 
 PreparedAttention prepare_mla_attention(
     const ArgCheck& check, const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables,
     const Tensor& seq_lens, int64_t kv_lora_rank, double scale,
     const std::optional<Tensor>& query_start_loc, const std::optional<Tensor>& kv_scale,
-    const IndexCheck& check_indices = {});
+    const IndexCheck& check_indices = {}, const GivenOutputs& given = {});
 
 struct PreparedMerge : Prepared {
   MergeParams params;
@@ -50,7 +63,13 @@ struct PreparedMerge : Prepared {
 };
 
 PreparedMerge prepare_merge(const ArgCheck& check, const Tensor& out_a, const Tensor& lse_a,
-                            const Tensor& out_b, const Tensor& lse_b);
+                            const Tensor& out_b, const Tensor& lse_b,
+                            const GivenOutputs& given = {});
+
+// Device backends: allocates the lse an out= call without lse= leaves unset (p.lse == nullptr),
+// as scratch the caller never sees. (The CPU backend uses a reused per-thread buffer instead.)
+void ensure_lse(const ArgCheck& check, Prepared& r, float*& lse, const Tensor& like,
+                int64_t num_tokens, int64_t num_heads);
 
 struct PreparedCacheWrite : Prepared {
   std::vector<CacheWriteParams> writes;  // one per (source, cache) pair
@@ -113,7 +132,8 @@ PreparedDecompress prepare_mla_decompress(
 // Helpers also used by backends.
 FloatFormat float_format(ScalarType t);
 CacheFormat cache_format(ScalarType t);
-// t itself if its last dimension has stride 1, else a contiguous copy (kept alive by `keep`).
-Tensor with_unit_last_stride(const Tensor& t, Prepared& keep);
+// t itself if its last dimension has stride 1, else a contiguous copy (kept alive by `keep`); a copy
+// that cannot be allocated is an error naming `arg`.
+Tensor with_unit_last_stride(const ArgCheck& check, const Tensor& t, const char* arg, Prepared& keep);
 
 }  // namespace kvkernels

@@ -10,7 +10,8 @@ import torch
 import kvkernels
 
 OPS = ("reshape_and_cache", "paged_attention", "merge_attention_states", "copy_blocks",
-       "swap_blocks", "gather_kv", "concat_and_cache_mla", "mla_decompress", "mla_paged_attention")
+       "swap_blocks", "gather_kv", "concat_and_cache_mla", "mla_decompress", "mla_paged_attention",
+       "paged_attention_out", "merge_attention_states_out", "mla_paged_attention_out")
 
 
 def backends() -> dict[str, list[str]]:

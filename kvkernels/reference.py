@@ -305,6 +305,34 @@ def _nan_rows_of_bad_scale(out, scale, stored_dtype, group):
 # ---------------------------------------------------------------------------------------------
 
 
+def _check_given(op: str, out, lse, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    """Caller-provided outputs (out= / lse=): the exact shape (never resized), dtype and device."""
+    if out is None:
+        if lse is not None:
+            _fail(op, "lse", "given without out")
+        return
+    for arg, t, want, want_dtype in (("out", out, shape, dtype), ("lse", lse, shape[:2], torch.float32)):
+        if t is None:
+            continue
+        if t.device != device:
+            _fail(op, arg, f"must be on {device}, got {t.device}")
+        if t.dtype != want_dtype:
+            _fail(op, arg, f"dtype {t.dtype} must be {want_dtype}")
+        if tuple(t.shape) != tuple(want):
+            _fail(op, arg, f"shape {list(t.shape)} must be {list(want)} (outputs are not resized)")
+
+
+def _returned(out, lse, given_out, given_lse):
+    """(out, lse) of an op call: the fresh results, or the given tensors holding them (out= without
+    lse=: (out, None))."""
+    if given_out is None:
+        return out, lse
+    given_out.copy_(out)
+    if given_lse is not None:
+        given_lse.copy_(lse)
+    return given_out, given_lse
+
+
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None) -> None:
     """Write key/value [T, H, D] into their slots of the paged caches (quantizing for fp8)."""
     _check_slots("reshape_and_cache", slot_mapping, key.shape[0], key_cache)
@@ -314,10 +342,13 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, k_sca
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *, scale=None,
                     window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None,
-                    causal=True):
+                    causal=True, out=None, lse=None):
     """Attention of query [T, Hq, D] over each sequence's paged keys/values -> (out, lse); causal
-    (bottom-right aligned) unless causal=False."""
+    (bottom-right aligned) unless causal=False (written into out= / lse= when given)."""
     num_tokens, num_heads, head_dim = query.shape
+    given_out, given_lse = out, lse
+    _check_given("paged_attention", out, lse, (num_tokens, num_heads, value_cache.shape[-1]), query.dtype,
+                 query.device)
     num_kv_heads = key_cache.shape[2]
     if num_kv_heads == 0:
         _fail("paged_attention", "key_cache", "num_kv_heads (dimension 2) must be positive")
@@ -342,14 +373,17 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
         out[start:end], lse[start:end] = _attend_one_sequence(
             q, k, v, scale, window_left, soft_cap, alibi_slopes, sinks, causal)
     out = _nan_rows_of_bad_scale(out, v_scale, value_cache.dtype, group)
-    return out.to(query.dtype), lse.to(torch.float32)
+    return _returned(out.to(query.dtype), lse.to(torch.float32), given_out, given_lse)
 
 
-def merge_attention_states(out_a, lse_a, out_b, lse_b):
-    """Exact merge of two attention states over disjoint key sets -> (out, lse).
+def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
+    """Exact merge of two attention states over disjoint key sets -> (out, lse) (written into out= /
+    lse= when given).
 
     A side whose lse is -inf or +inf saw no key (+inf: FlashAttention-2's mark of an empty row) and
     is not read, even if its out holds NaN; a NaN lse on either side makes the row NaN."""
+    given_out, given_lse = out, lse
+    _check_given("merge_attention_states", out, lse, tuple(out_a.shape), out_a.dtype, out_a.device)
     la, lb = lse_a.to(torch.float64), lse_b.to(torch.float64)
     read_a, read_b = ~torch.isinf(la), ~torch.isinf(lb)
     la = torch.where(read_a, la, float("-inf"))
@@ -362,7 +396,7 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     # Masked by emptiness, not by weight: a finite-lse side whose weight underflows is still read.
     out = (torch.where(read_a[..., None], wa * out_a.to(torch.float64), 0.0)
            + torch.where(read_b[..., None], wb * out_b.to(torch.float64), 0.0))
-    return out.to(out_a.dtype), lse.to(torch.float32)
+    return _returned(out.to(out_a.dtype), lse.to(torch.float32), given_out, given_lse)
 
 
 def copy_blocks(cache, block_mapping, *, block_dim=0) -> None:
@@ -446,9 +480,12 @@ def mla_decompress(kv_cache, block_tables, seq_lens, w_kv_b, *, kv_lora_rank, qk
 
 
 def mla_paged_attention(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, scale, query_start_loc=None,
-                        kv_scale=None):
-    """Absorbed-weight MLA attention of q [T, Hq, R + P] over the latent cache -> (out [T, Hq, R], lse)."""
+                        kv_scale=None, out=None, lse=None):
+    """Absorbed-weight MLA attention of q [T, Hq, R + P] over the latent cache -> (out [T, Hq, R], lse)
+    (written into out= / lse= when given)."""
     num_tokens, num_heads, _ = q.shape
+    given_out, given_lse = out, lse
+    _check_given("mla_paged_attention", out, lse, (num_tokens, num_heads, kv_lora_rank), q.dtype, q.device)
     seq_lens_list = _check_paged("mla_paged_attention", kv_cache, block_tables, seq_lens)
     _check_queries("mla_paged_attention", "q", num_tokens, query_start_loc, seq_lens_list)
     out = torch.zeros(num_tokens, num_heads, kv_lora_rank, dtype=torch.float64, device=q.device)
@@ -461,4 +498,4 @@ def mla_paged_attention(q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, sc
         v = rows[:, None, :kv_lora_rank].expand(-1, num_heads, -1)
         out[start:end], lse[start:end] = _attend_one_sequence(q[start:end].to(torch.float64), k, v, scale)
     out = _nan_rows_of_bad_scale(out, kv_scale, kv_cache.dtype, num_heads)
-    return out.to(q.dtype), lse.to(torch.float32)
+    return _returned(out.to(q.dtype), lse.to(torch.float32), given_out, given_lse)

@@ -24,7 +24,8 @@
 struct WriteParams {
   long num_tokens;
   long num_heads;
-  long head_dim;
+  long head_dim;    // key's
+  long head_dim_v;  // value's (may differ from the key's)
   long num_slots;  // num_blocks * block_size
   long block_size;
   long k_stride_t, k_stride_h, k_stride_d;  // key [T, H, D]
@@ -35,7 +36,7 @@ struct WriteParams {
   long v_scale_per_head;
 };
 
-// One thread per (d, h, token): threads [head_dim, num_heads, num_tokens].
+// One thread per (d, h, token): threads [max(head_dim, head_dim_v), num_heads, num_tokens].
 kernel void reshape_and_cache(device const WRITE_SRC_T* key [[buffer(0)]],
                               device const WRITE_SRC_T* value [[buffer(1)]],
                               device WRITE_CACHE_T* key_cache [[buffer(2)]],
@@ -51,22 +52,30 @@ kernel void reshape_and_cache(device const WRITE_SRC_T* key [[buffer(0)]],
   const long blk = slot / p.block_size, off = slot % p.block_size;
   const long kdst = blk * p.kc_stride_b + off * p.kc_stride_s + h * p.kc_stride_h + d;
   const long vdst = blk * p.vc_stride_b + off * p.vc_stride_s + h * p.vc_stride_h + d;
-  const WRITE_SRC_T k = key[t * p.k_stride_t + h * p.k_stride_h + d * p.k_stride_d];
-  const WRITE_SRC_T v = value[t * p.v_stride_t + h * p.v_stride_h + d * p.v_stride_d];
+  if (d < p.head_dim) {
+    const WRITE_SRC_T k = key[t * p.k_stride_t + h * p.k_stride_h + d * p.k_stride_d];
 #if WRITE_FP8
-  key_cache[kdst] = quantize<WRITE_CACHE_T>(to_float(k), head_scale(k_scale, p.k_scale_per_head, h));
-  value_cache[vdst] = quantize<WRITE_CACHE_T>(to_float(v), head_scale(v_scale, p.v_scale_per_head, h));
+    key_cache[kdst] = quantize<WRITE_CACHE_T>(to_float(k), head_scale(k_scale, p.k_scale_per_head, h));
 #else
-  key_cache[kdst] = k;  // same type: the bits are copied
-  value_cache[vdst] = v;
+    key_cache[kdst] = k;  // same type: the bits are copied
 #endif
+  }
+  if (d < p.head_dim_v) {
+    const WRITE_SRC_T v = value[t * p.v_stride_t + h * p.v_stride_h + d * p.v_stride_d];
+#if WRITE_FP8
+    value_cache[vdst] = quantize<WRITE_CACHE_T>(to_float(v), head_scale(v_scale, p.v_scale_per_head, h));
+#else
+    value_cache[vdst] = v;
+#endif
+  }
 }
 
 struct GatherParams {
   long num_tokens;
   long num_seqs;
   long num_heads;
-  long head_dim;
+  long head_dim;    // key's
+  long head_dim_v;  // value's (may differ from the key's)
   long block_size;
   long num_blocks;
   long table_stride;  // block_tables row stride
@@ -86,7 +95,8 @@ inline long find_sequence(device const long* cu, long num_seqs, long t) {
   return lo;
 }
 
-// One thread per (d, h, token) of the output: threads [head_dim, num_heads, num_tokens].
+// One thread per (d, h, token) of the output: threads [max(head_dim, head_dim_v), num_heads,
+// num_tokens].
 kernel void gather_kv(device const GATHER_CACHE_T* key_cache [[buffer(0)]],
                       device const GATHER_CACHE_T* value_cache [[buffer(1)]],
                       device const int* block_tables [[buffer(2)]],
@@ -102,21 +112,29 @@ kernel void gather_kv(device const GATHER_CACHE_T* key_cache [[buffer(0)]],
   const long pos = t - cu_seq_lens[s];
   const long blk = block_tables[s * p.table_stride + pos / p.block_size];
   const long off = pos % p.block_size;
-  const long out = (t * p.num_heads + h) * p.head_dim + d;
-  if (blk < 0 || blk >= p.num_blocks) {
-    key_out[out] = from_float<GATHER_OUT_T>(0.0f);
-    value_out[out] = from_float<GATHER_OUT_T>(0.0f);
-    return;
-  }
-  const GATHER_CACHE_T k = key_cache[blk * p.kc_stride_b + off * p.kc_stride_s + h * p.kc_stride_h + d];
-  const GATHER_CACHE_T v = value_cache[blk * p.vc_stride_b + off * p.vc_stride_s + h * p.vc_stride_h + d];
+  const long kout = (t * p.num_heads + h) * p.head_dim + d;
+  const long vout = (t * p.num_heads + h) * p.head_dim_v + d;
+  const bool valid = blk >= 0 && blk < p.num_blocks;
+  if (d < p.head_dim) {
+    float k = 0.0f;
+    if (valid) {
+      k = to_float(key_cache[blk * p.kc_stride_b + off * p.kc_stride_s + h * p.kc_stride_h + d]);
 #if GATHER_FP8
-  key_out[out] = from_float<GATHER_OUT_T>(to_float(k) * head_scale(k_scale, p.k_scale_per_head, h));
-  value_out[out] = from_float<GATHER_OUT_T>(to_float(v) * head_scale(v_scale, p.v_scale_per_head, h));
-#else
-  key_out[out] = from_float<GATHER_OUT_T>(to_float(k));
-  value_out[out] = from_float<GATHER_OUT_T>(to_float(v));
+      k *= head_scale(k_scale, p.k_scale_per_head, h);
 #endif
+    }
+    key_out[kout] = from_float<GATHER_OUT_T>(k);
+  }
+  if (d < p.head_dim_v) {
+    float v = 0.0f;
+    if (valid) {
+      v = to_float(value_cache[blk * p.vc_stride_b + off * p.vc_stride_s + h * p.vc_stride_h + d]);
+#if GATHER_FP8
+      v *= head_scale(v_scale, p.v_scale_per_head, h);
+#endif
+    }
+    value_out[vout] = from_float<GATHER_OUT_T>(v);
+  }
 }
 
 struct CopyParams {

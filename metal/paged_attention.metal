@@ -4,8 +4,10 @@
 // Compiled after common.h with Q_T (float, half, bf16_t), KV_T (Q_T or e4m3_t / e5m2_t) and KV_FP8.
 //
 // One threadgroup per (query token, query head): threads [32 * PA_SIMD_GROUPS, num_heads,
-// num_tokens], group [32 * PA_SIMD_GROUPS, 1, 1]. Each lane holds head_dim / 32 (at most
-// PA_MAX_EPL) elements of the query and of the output accumulator. The SIMD groups take the
+// num_tokens], group [32 * PA_SIMD_GROUPS, 1, 1]. Each lane holds head_dim / 32 elements of the
+// query and head_dim_v / 32 of the output accumulator (the value's head dim may differ from the
+// key's), at most PA_MAX_EPL each: 8 (head dims up to 256) or 16 (up to 512, a variant of its own,
+// so the common case keeps its short loops; 8 KiB of threadgroup memory for part_o). The SIMD groups take the
 // visible keys in turn (key j goes to SIMD group (j - first) % PA_SIMD_GROUPS); each runs an
 // online softmax with simd_sum for the dot products, starting from a finite maximum so that no
 // inf - inf ever happens. The partial states (max, sum, accumulator) meet in threadgroup memory and
@@ -26,13 +28,16 @@
 #endif
 
 #define PA_SIMD_GROUPS 4
-#define PA_MAX_EPL 8  // head_dim <= 256
+#ifndef PA_MAX_EPL
+#define PA_MAX_EPL 8  // head dims <= 256 (16: <= 512)
+#endif
 
 struct AttentionParams {
   long num_tokens;
   long num_heads;
   long num_kv_heads;
-  long head_dim;
+  long head_dim;    // key's (and query's)
+  long head_dim_v;  // value's (and out's)
   long num_seqs;
   long block_size;
   long num_blocks;
@@ -71,7 +76,7 @@ kernel void paged_attention(device const Q_T* query [[buffer(0)]],        // [T,
                             device const float* sinks [[buffer(7)]],          // [Hq] (has_sinks)
                             device const float* k_scale [[buffer(8)]],        // fp8: [1] or [Hkv]
                             device const float* v_scale [[buffer(9)]],
-                            device Q_T* out [[buffer(10)]],   // [T, Hq, D] contiguous
+                            device Q_T* out [[buffer(10)]],   // [T, Hq, Dv] contiguous
                             device float* lse [[buffer(11)]],  // [T, Hq] contiguous
                             constant AttentionParams& p [[buffer(12)]],
                             uint3 tg [[threadgroup_position_in_grid]],
@@ -84,8 +89,8 @@ kernel void paged_attention(device const Q_T* query [[buffer(0)]],        // [T,
   threadgroup float part_o[PA_SIMD_GROUPS][PA_MAX_EPL * 32];
 
   const long h = tg.y, t = tg.z;
-  const long D = p.head_dim;
-  const long epl = (D + 31) / 32;
+  const long D = p.head_dim, Dv = p.head_dim_v;
+  const long epl = (D + 31) / 32, epl_v = (Dv + 31) / 32;
   const long s = p.varlen ? row_sequence(query_start_loc, p.num_seqs, t) : t;
   const long seq_len = seq_lens[s];
   const long q_len = p.varlen ? long(query_start_loc[s + 1] - query_start_loc[s]) : 1;
@@ -129,7 +134,7 @@ kernel void paged_attention(device const Q_T* query [[buffer(0)]],        // [T,
     l = l * corr + w;
     for (int e = 0; e < PA_MAX_EPL; ++e) {
       const long d = lane + 32 * e;
-      const float v = (e < epl && d < D) ? to_float(vrow[d]) * vs : 0.0f;
+      const float v = (e < epl_v && d < Dv) ? to_float(vrow[d]) * vs : 0.0f;
       acc[e] = acc[e] * corr + w * v;
     }
     m = m_new;
@@ -142,7 +147,7 @@ kernel void paged_attention(device const Q_T* query [[buffer(0)]],        // [T,
   }
   for (int e = 0; e < PA_MAX_EPL; ++e) {
     const long d = lane + 32 * e;
-    if (e < epl && d < D) part_o[sg][d] = acc[e];
+    if (e < epl_v && d < Dv) part_o[sg][d] = acc[e];
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -163,7 +168,7 @@ kernel void paged_attention(device const Q_T* query [[buffer(0)]],        // [T,
   const bool nan_row = bits_nan(total) || (total == 0.0f && last >= first);
   const bool v_ok = bits_finite(vs);
   const long row = t * p.num_heads + h;
-  for (long d = tid; d < D; d += group_threads) {
+  for (long d = tid; d < Dv; d += group_threads) {
     float o = 0.0f;
     if (nan_row || !v_ok) {
       o = quiet_nan();
@@ -173,7 +178,7 @@ kernel void paged_attention(device const Q_T* query [[buffer(0)]],        // [T,
       }
       o /= total;
     }
-    out[row * D + d] = from_float<Q_T>(o);
+    out[row * Dv + d] = from_float<Q_T>(o);
   }
   if (tid == 0) lse[row] = nan_row ? quiet_nan() : total > 0.0f ? gm + log(total) : -INFINITY;
 }

@@ -1,6 +1,8 @@
 import collections
 import os
 
+import pytest
+
 # The CPU attention kernels reuse per-thread scratch across calls; poisoned with NaN on every call
 # here, a kernel that reads scratch it did not write in the same call fails the tests instead of
 # silently using a stale value.
@@ -44,3 +46,11 @@ def fuzz_summary(terminalreporter):
     if fuzz is not None and fuzz.STATS:
         terminalreporter.write_sep("-", "kvkernels fuzz: calls per op")
         terminalreporter.write_line(fuzz.summary())
+
+
+@pytest.fixture(scope="session")
+def ort_library_path():
+    """libkvkernels_ort.so, built (incrementally) by scripts/build_ort.sh for the ONNX Runtime tests
+    (tests/test_onnx*.py). A failed build fails those tests: they never skip."""
+    import kvkernels.onnx
+    return kvkernels.onnx.build_library()

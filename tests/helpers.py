@@ -235,19 +235,22 @@ def upcast(t):
 
 
 def alloc_kv_cache(layout: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+                   dtype: torch.dtype, head_dim_v: int | None = None) -> tuple[torch.Tensor, ...]:
     """NaN-filled storage for one layer's K/V cache; ``kv_views`` turns it into the kernel's views.
 
     NHD: two [N, B, H, D] tensors. HND: two [N, H, B, D] tensors (passed as ``.transpose(1, 2)``).
     stacked: one [L, 2, N, B, H, D] tensor (passed as ``kv[L - 1, 0]``, ``kv[L - 1, 1]``).
+    ``head_dim_v`` (default ``head_dim``): the value cache's head dim; stacked storage is then
+    max(D, Dv) wide and each view a slice ``[..., :D]`` / ``[..., :Dv]`` of it.
     """
     n, b, h, d = num_blocks, block_size, num_kv_heads, head_dim
+    dv = head_dim if head_dim_v is None else head_dim_v
     if layout == "NHD":
-        storage = (torch.empty(n, b, h, d, dtype=dtype), torch.empty(n, b, h, d, dtype=dtype))
+        storage = (torch.empty(n, b, h, d, dtype=dtype), torch.empty(n, b, h, dv, dtype=dtype))
     elif layout == "HND":
-        storage = (torch.empty(n, h, b, d, dtype=dtype), torch.empty(n, h, b, d, dtype=dtype))
+        storage = (torch.empty(n, h, b, d, dtype=dtype), torch.empty(n, h, b, dv, dtype=dtype))
     elif layout == "stacked":
-        storage = (torch.empty(STACKED_LAYERS, 2, n, b, h, d, dtype=dtype),)
+        storage = (torch.empty(STACKED_LAYERS, 2, n, b, h, max(d, dv), dtype=dtype),)
     else:
         raise ValueError(layout)
     for t in storage:
@@ -255,14 +258,17 @@ def alloc_kv_cache(layout: str, num_blocks: int, block_size: int, num_kv_heads: 
     return storage
 
 
-def kv_views(storage: tuple[torch.Tensor, ...], layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(key_cache, value_cache) views [N, B, H, D] of storage made by ``alloc_kv_cache``."""
+def kv_views(storage: tuple[torch.Tensor, ...], layout: str, head_dims: tuple[int, int] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key_cache, value_cache) views [N, B, H, D] of storage made by ``alloc_kv_cache``; stacked
+    storage with ``head_dims`` (D, Dv) gives the views ``[..., :D]`` and ``[..., :Dv]``."""
     if layout == "NHD":
         return storage[0], storage[1]
     if layout == "HND":
         return storage[0].transpose(1, 2), storage[1].transpose(1, 2)
     kv = storage[0]
-    return kv[STACKED_LAYERS - 1, 0], kv[STACKED_LAYERS - 1, 1]
+    d, dv = head_dims or (kv.shape[-1], kv.shape[-1])
+    return kv[STACKED_LAYERS - 1, 0, ..., :d], kv[STACKED_LAYERS - 1, 1, ..., :dv]
 
 
 def clone_storage(storage):
@@ -372,7 +378,8 @@ class PagedKV:
         if torch.device(device) == self.key_cache.device:
             return self
         storage = tuple(t.to(device) for t in self.storage)
-        key_cache, value_cache = kv_views(storage, self.layout)
+        key_cache, value_cache = kv_views(storage, self.layout,
+                                          (self.key_cache.shape[-1], self.value_cache.shape[-1]))
         return PagedKV(self.layout, storage, key_cache, value_cache, self.block_tables.to(device),
                        self.seq_lens.to(device), self.blocks, to_device(self.k_scale, device),
                        to_device(self.v_scale, device), self.keys, self.values)
@@ -381,8 +388,10 @@ class PagedKV:
 def make_paged_kv(num_seqs: int | None = None, seq_lens=(), num_kv_heads: int = 2, head_dim: int = 64,
                   block_size: int = 16, dtype: torch.dtype = torch.float32, layout: str = "NHD",
                   fp8: str | None = None, per_head_scale: bool | tuple = False, seed: int = 0,
-                  extra_blocks: int = 3, extra_cols: int = 2) -> PagedKV:
+                  extra_blocks: int = 3, extra_cols: int = 2, head_dim_v: int | None = None) -> PagedKV:
     """A paged K/V cache holding ``seq_lens[i]`` random tokens for each sequence.
+
+    ``head_dim_v`` (default ``head_dim``): the value cache's own head dim.
 
     ``dtype`` is the float dtype of the data; with ``fp8`` ('e4m3' | 'e5m2') the cache stores it
     quantized with random per-tensor or per-head scales (``per_head_scale``: one flag for both, or a
@@ -394,8 +403,9 @@ def make_paged_kv(num_seqs: int | None = None, seq_lens=(), num_kv_heads: int = 
     table, num_blocks, blocks = make_block_tables(seq_lens, block_size, gen, extra_blocks=extra_blocks,
                                                   extra_cols=extra_cols)
     cache_dtype = FP8_DTYPES[fp8] if fp8 else dtype
-    storage = alloc_kv_cache(layout, num_blocks, block_size, num_kv_heads, head_dim, cache_dtype)
-    key_cache, value_cache = kv_views(storage, layout)
+    dv = head_dim if head_dim_v is None else head_dim_v
+    storage = alloc_kv_cache(layout, num_blocks, block_size, num_kv_heads, head_dim, cache_dtype, dv)
+    key_cache, value_cache = kv_views(storage, layout, (head_dim, dv))
     k_per_head, v_per_head = per_head_scale if isinstance(per_head_scale, tuple) else (per_head_scale,) * 2
     k_scale = make_scale(num_kv_heads, k_per_head, gen) if fp8 else None
     v_scale = make_scale(num_kv_heads, v_per_head, gen) if fp8 else None
@@ -404,7 +414,7 @@ def make_paged_kv(num_seqs: int | None = None, seq_lens=(), num_kv_heads: int = 
     for i, n in enumerate(seq_lens):
         slots = token_slots(blocks[i], n, block_size)
         for cache, scale, truth in ((key_cache, k_scale, kv.keys), (value_cache, v_scale, kv.values)):
-            x = randn(n, num_kv_heads, head_dim, gen=gen, dtype=dtype)
+            x = randn(n, num_kv_heads, cache.shape[-1], gen=gen, dtype=dtype)
             stored = quantize(x, scale, cache_dtype) if fp8 else x
             cache[slots // block_size, slots % block_size] = stored  # writes through the view
             truth.append(dequantize64(stored, scale))

@@ -44,8 +44,9 @@ def run_paged_attention(kv, query, qsl=None, op=ops.paged_attention, **kwargs):
     kr, vr = kv.ref_caches()
     ref_out, ref_lse = reference.paged_attention(upcast(query), kr, vr, kv.block_tables, kv.seq_lens, qsl,
                                                  **kwargs, **kv.scales)
-    t, hq, d = query.shape
-    assert out.dtype == query.dtype and out.shape == (t, hq, d) and out.is_contiguous()
+    t, hq, _ = query.shape
+    dv = kv.value_cache.shape[-1]  # out has the value's head dim
+    assert out.dtype == query.dtype and out.shape == (t, hq, dv) and out.is_contiguous()
     assert lse.dtype == torch.float32 and lse.shape == (t, hq) and lse.is_contiguous()
     assert_close(out, ref_out, query.dtype, msg="out")
     assert_close(lse, ref_lse, f32, msg="lse")  # float32, accumulated in float32 for every query dtype

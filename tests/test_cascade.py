@@ -79,6 +79,12 @@ def test_cascade_equals_reference(device, dtype, prefix_blocks, group_size, kv_h
     assert out.dtype == dtype
     assert_close(out, expected, dtype)
     assert_close(lse, expected_lse, torch.float32, rtol=1e-4, atol=1e-4)
+    # out= / lse=: the same bytes, written into the caller's (NaN-poisoned) tensors.
+    given, given_lse = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    got = cascade_attention(query.to(device), key.to(device), value.to(device), plan, soft_cap=soft_cap, out=given,
+                            lse=given_lse)
+    assert got[0] is given and got[1] is given_lse
+    assert torch.equal(given, out) and torch.equal(given_lse, lse)
 
 
 def test_plan_groups_and_limits():

@@ -75,6 +75,16 @@ def test_every_isa_features(isa, feature):
         run_paged_attention(kv, query, qsl, **features(b, d)[feature])
 
 
+# Soft caps far above the logits: s / cap is tiny, where tanh's (1 - e^-2x) / (1 + e^-2x) cancels. The
+# SIMD paths returned tanh = 0 for caps >= ~1e8 (every logit 0) and ~1e-4 relative errors at 1e4;
+# found by tests/test_fuzz.py (issue 22). The capped result must equal the reference, i.e. ~no cap.
+@pytest.mark.parametrize("soft_cap", [1e4, 1e8, 1e30])
+def test_large_soft_cap(isa, soft_cap):
+    kv, query, qsl = make_case("varlen", [40, 3, 17], dtype=torch.float32, num_heads=4, num_kv_heads=2,
+                               head_dim=16, block_size=16, seed=31)
+    run_paged_attention(kv, query * 4, qsl, soft_cap=soft_cap, alibi_slopes=torch.linspace(0.1, 1, 4))
+
+
 # Split-K: one sequence and one kv head give a single item, fewer than two per thread, so the
 # keys are split (at most len / 128 ways) and merged; 1 thread -> 2 splits, 3 threads -> 6.
 @pytest.mark.parametrize("threads", [1, 3], indirect=True)

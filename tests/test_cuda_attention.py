@@ -81,7 +81,8 @@ def run_cuda(kv, query, qsl=None, **kwargs):
     bt, sl = kv.block_tables.to(DEV), kv.seq_lens.to(DEV)
     qsl_d = qsl.to(DEV) if qsl is not None else None
     kw = {name: opt_on(x) for name, x in {**kwargs, **kv.scales}.items()}
-    t, hq, d = query.shape
+    t, hq, _ = query.shape
+    d = kv.value_cache.shape[-1]  # out has the value's head dim
     poison_allocator(8 * t * hq * d * 4)
     out, lse = ops.paged_attention(q, k, v, bt, sl, qsl_d, **kw)
     torch.cuda.synchronize()
@@ -361,6 +362,14 @@ BAD = [
     ("decode-tokens-ne-seqs", "query|seq_lens", lambda a: a.update(query=a["query"][:2])),
     ("alibi-size", "alibi_slopes", lambda a: a.update(alibi_slopes=torch.ones(2, device=DEV))),
     ("sinks-on-cpu", "sinks", lambda a: a.update(sinks=torch.ones(4))),
+    ("value_cache-heads", "value_cache", lambda a: a.update(value_cache=a["value_cache"][:, :, :1])),
+    ("value_cache-head_dim-12", "value_cache", lambda a: a.update(value_cache=a["value_cache"][..., :12])),
+    # Head dims above 256: supported on the CPU and Metal, refused on CUDA (docs/ops.md) before any
+    # output is allocated.
+    ("key_cache-head_dim-512", "key_cache", lambda a: a.update(
+        query=torch.zeros(3, 4, 512, dtype=f16, device=DEV), key_cache=torch.zeros(16, 4, 2, 512, dtype=f16, device=DEV))),
+    ("value_cache-head_dim-264", "value_cache", lambda a: a.update(
+        value_cache=torch.zeros(16, 4, 2, 264, dtype=f16, device=DEV))),
 ]
 
 
@@ -458,3 +467,29 @@ def test_cuda_graph_decode_step(dtype, fp8):
     graph.replay()
     torch.cuda.synchronize()
     check(lens_b, table_b)
+
+
+# ----------------------------------------------------------------------------------------------------
+# a value head dim different from the key's (tests/test_head_dims.py on the CPU)
+# ----------------------------------------------------------------------------------------------------
+
+# id: dtype, fp8, layout, Hq, Hkv, Dk, Dv, B
+DV_CONFIGS = {
+    "f32-NHD-k64-v32-b16": (f32, None, "NHD", 4, 2, 64, 32, 16),
+    "bf16-NHD-k192-v128-b16": (bf16, None, "NHD", 8, 2, 192, 128, 16),
+    "f16-stacked-k32-v96-b16": (f16, None, "stacked", 4, 1, 32, 96, 16),
+    "bf16-HND-k128-v40-b7": (bf16, None, "HND", 8, 2, 128, 40, 7),
+    "e4m3-bf16-NHD-k192-v128-b16": (bf16, "e4m3", "NHD", 8, 2, 192, 128, 16),
+    "e5m2-f32-NHD-k64-v256-b16": (f32, "e5m2", "NHD", 4, 2, 64, 256, 16),
+}
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("config", DV_CONFIGS.values(), ids=DV_CONFIGS.keys())
+def test_value_head_dim(config, mode, path):
+    from test_head_dims import dv_case
+
+    dtype, fp8, layout, hq, hkv, dk, dv, b = config
+    kv, query, qsl = dv_case(mode, [b + 1, 0, max(3 * b - 1, 37), 1, b], dtype=dtype, hq=hq, hkv=hkv, dk=dk, dv=dv,
+                             b=b, layout=layout, fp8=fp8)
+    run_cuda(kv, query, qsl, **(features(b, dk)["all"] if hq == 8 else {}))

@@ -29,7 +29,7 @@ import kvkernels  # noqa: F401
 import test_cache_ops as cache_tests
 from helpers import (assert_bytes_equal, assert_close, force_cuda_plan, generator, make_paged_kv, make_query,
                      query_start_loc, randn, unaligned_copy, upcast)
-from test_attention import FEATURE_NAMES, check_features, make_case, run_paged_attention
+from test_attention import FEATURE_NAMES, check_features, features, make_case, run_paged_attention
 from test_cuda_mla import ATTN_CASES as CUDA_MLA_ATTN_CASES
 from test_mla import DECOMPRESS_CASES, make_mla_case, varlen_q_lens
 from kvkernels import ops, reference
@@ -440,6 +440,112 @@ def test_full_prefill_many_tiles(emu, dtype, hq, hkv, b, opts):
     qsl = query_start_loc(seq_lens)
     _, _, plan = run_emu_attention(emu, kv, query, qsl, **opts)
     assert plan["grid"][0] > len(seq_lens), plan
+
+
+# ---------------------------------------------------------------------------------------------------
+# a value head dim different from the key's (docs/ops.md; tests/test_head_dims.py on the CPU): the
+# kernels run on the padding of max(Dk, Dv), K zero-filled past Dk and V past Dv
+# ---------------------------------------------------------------------------------------------------
+
+# id: dtype, fp8, layout, Hq, Hkv, Dk, Dv, B, expected (decode, varlen) paths, expected padded dim.
+# The stacked layout's views are slices of a max(Dk, Dv)-wide NaN-filled allocation: a read past either
+# head dim shows as NaN.
+DV_CONFIGS = {
+    "f32-NHD-k64-v32-b16": (f32, None, "NHD", 4, 2, 64, 32, 16, (SIMT, SIMT), 64),
+    "f32-HND-k64-v128-b5": (f32, None, "HND", 4, 1, 64, 128, 5, (SIMT, SIMT), 128),
+    "bf16-NHD-k192-v128-b16": (bf16, None, "NHD", 8, 2, 192, 128, 16, (MMA_DECODE, MMA_PREFILL), 256),
+    "f16-stacked-k32-v96-b16": (f16, None, "stacked", 4, 1, 32, 96, 16, (MMA_DECODE, MMA_PREFILL), 128),
+    "bf16-stacked-k128-v40-b7": (bf16, None, "stacked", 8, 2, 128, 40, 7, (MMA_DECODE, MMA_PREFILL), 128),
+    "e4m3-head-bf16-NHD-k192-v128-b16": (bf16, "e4m3", "NHD", 8, 2, 192, 128, 16, (MMA_DECODE, MMA_PREFILL), 256),
+    "e5m2-f32-NHD-k64-v192-b16": (f32, "e5m2", "NHD", 4, 2, 64, 192, 16, (SIMT, SIMT), 256),
+}
+
+
+def dv_case(mode, seq_lens, dtype, fp8, layout, hq, hkv, dk, dv, b, seed=0):
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=dk, head_dim_v=dv, block_size=b,
+                       dtype=dtype, layout=layout, fp8=fp8, per_head_scale=(True, False), seed=seed)
+    q_lens = [1] * len(seq_lens) if mode == "decode" else varlen_q_lens(seq_lens)
+    qsl = None if mode == "decode" else query_start_loc(q_lens)
+    return kv, make_query(sum(q_lens), hq, dk, dtype, generator(seed + 1)), qsl
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("config", DV_CONFIGS.values(), ids=DV_CONFIGS.keys())
+def test_paged_attention_value_head_dim(emu, config, mode):
+    dtype, fp8, layout, hq, hkv, dk, dv, b, paths, dpad = config
+    seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b]
+    kv, query, qsl = dv_case(mode, seq_lens, dtype, fp8, layout, hq, hkv, dk, dv, b)
+    out, lse, plan = run_emu_attention(emu, kv, query, qsl, path=paths[mode == "varlen"])
+    assert plan["dpad"] == dpad and out.shape[-1] == dv
+    if mode == "decode":
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+@pytest.mark.parametrize("variant", ["simt", "splits3", "all-features"])
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+def test_paged_attention_value_head_dim_variants(emu, variant, mode, monkeypatch):
+    """The SIMT kernel for 16-bit queries, forced KV splits (partials and merge Dv wide) and every logit
+    option, with Dk 192 / Dv 128 and Dk 64 / Dv 128."""
+    force_cuda_plan(monkeypatch, "ATTN", "simt" if variant == "simt" else None, 3 if variant == "splits3" else None)
+    kwargs = features(16, 192)["all"] if variant == "all-features" else {}
+    for dk, dv in ((192, 128), (64, 128)):
+        kv, query, qsl = dv_case(mode, [40, 0, 17, 1], bf16, None, "NHD", 8, 2, dk, dv, 16, seed=dk)
+        run_emu_attention(emu, kv, query, qsl, path=SIMT if variant == "simt" else None,
+                          splits=(lambda n: n > 1) if variant == "splits3" else None, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [f32, f16])
+def test_paged_attention_nonfinite_values_past_dk(emu, dtype):
+    """Prefill, Dk 32 / Dv 96: NaN / inf in value columns past Dk, on the causal diagonal of a tile (the
+    tensor-core kernel's fix-up of keys some rows do not see covers every V column), reach exactly the
+    output columns of the rows that see them."""
+    seq_lens = [70, 5]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=2, head_dim=32, head_dim_v=96, block_size=16,
+                       dtype=dtype, seed=33)
+    qsl = query_start_loc(seq_lens)
+    query = make_query(sum(seq_lens), 4, 32, dtype, generator(34))
+    _poke(kv.value_cache, kv.blocks[0], 70, 20, 0, 40, "nan")
+    _poke(kv.value_cache, kv.blocks[0], 70, 41, 1, 95, "+inf")
+    out, _, _ = run_emu_attention(emu, kv, query, qsl, path=SIMT if dtype == f32 else MMA_PREFILL)
+    assert out[:20].isfinite().all() and out[20:70, :, 40].isnan().any() and out[41:70, :, 95].isinf().any()
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+def test_paged_attention_value_cache_a_prefix_view(emu, mode):
+    """value_cache = key_cache[..., :64]: the same first byte as the key cache (read-only ops may take
+    overlapping views); the planner takes it like any two caches."""
+    kv, query, qsl = dv_case(mode, [40, 0, 17, 33], bf16, None, "NHD", 8, 2, 128, 128, 16, seed=61)
+    kv = dataclasses.replace(kv, value_cache=kv.key_cache[..., :64])
+    out, _, plan = run_emu_attention(emu, kv, query, qsl)
+    assert out.shape[-1] == 64 and plan["dpad"] == 128
+
+
+@pytest.mark.parametrize("fp8", [None, "e4m3"])
+@pytest.mark.parametrize("dk,dv", [(192, 128), (24, 64)])
+def test_gather_kv_value_head_dim(emu, dk, dv, fp8):
+    """K and V of different widths: one launch each (vector loads where the widths allow)."""
+    kv = make_paged_kv(seq_lens=[5, 0, 33, 16], num_kv_heads=2, head_dim=dk, head_dim_v=dv, block_size=16,
+                       dtype=bf16, fp8=fp8, per_head_scale=(False, True), seed=15)
+    for out_dtype in (None, f32):
+        key, value = emu.gather_kv(kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, kv.k_scale,
+                                   kv.v_scale, 54, out_dtype)
+        ref = reference.gather_kv(kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, **kv.scales,
+                                  out_dtype=out_dtype)
+        assert_bytes_equal(key, ref[0], "key")
+        assert_bytes_equal(value, ref[1], "value")
+
+
+def test_reshape_and_cache_value_head_dim(emu):
+    kv = make_paged_kv(seq_lens=[5, 9], num_kv_heads=2, head_dim=192, head_dim_v=128, block_size=4,
+                       dtype=f16, fp8="e5m2", per_head_scale=(True, False), seed=16)
+    gen = generator(17)
+    slots = torch.tensor([5 % 4 + kv.blocks[0][1] * 4, -1, (kv.num_blocks - 1) * 4 + 1])
+    key, value = randn(3, 2, 192, gen=gen, dtype=f16), randn(3, 2, 128, gen=gen, dtype=f16)
+    ref_k, ref_v = kv.key_cache.clone(), kv.value_cache.clone()
+    emu.reshape_and_cache(key, value, kv.key_cache, kv.value_cache, slots, kv.k_scale, kv.v_scale)
+    reference.reshape_and_cache(key, value, ref_k, ref_v, slots, **kv.scales)
+    assert_bytes_equal(kv.key_cache, ref_k, "key_cache")
+    assert_bytes_equal(kv.value_cache, ref_v, "value_cache")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -925,3 +1031,41 @@ def test_merge_attention_states_nonfinite(emu):
     ref_out, ref_lse = reference.merge_attention_states(upcast(out_a), lse_a, upcast(out_b), lse_b)
     assert_close(out, ref_out, bf16, msg="out")
     assert_close(lse, ref_lse, f32, msg="lse")
+
+
+# ---------------------------------------------------------------------------------------------------
+# caller-provided outputs (the *_out ops): the CUDA bindings' out= path (ensure_lse, finish) on the emulator
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["f16-decode-mma", "bf16-varlen-mma", "f32-decode-simt", "mla-bf16", "merge-f16"])
+def test_out_variants(emu, case):
+    """out= + lse= (contiguous: written directly) and out= alone into a padded view (through a temporary, with
+    a scratch lse): the bytes of the allocating emulated call, and nothing around the view written."""
+    if case == "mla-bf16":
+        mla, q, _ = make_mla_case("decode", [37, 0, 70], bf16, None, 512, 64, 16, 64)
+        args, kw = (q, mla.kv_cache, mla.block_tables, mla.seq_lens), dict(kv_lora_rank=512, scale=0.1)
+        fn, fn_out, width = emu.mla_paged_attention, emu.mla_paged_attention_out, 512
+    elif case == "merge-f16":
+        gen = generator(31)
+        args = (randn(9, 4, 64, gen=gen, dtype=f16), randn(9, 4, gen=gen), randn(9, 4, 64, gen=gen, dtype=f16),
+                randn(9, 4, gen=gen))
+        kw, fn, fn_out, width = {}, emu.merge_attention_states, emu.merge_attention_states_out, 64
+    else:
+        dtype = {"f16": f16, "bf16": bf16, "f32": f32}[case.split("-")[0]]
+        mode = case.split("-")[1]
+        kv, query, qsl = make_case(mode, [17, 0, 40, 1], dtype=dtype, num_heads=8, num_kv_heads=2, head_dim=64,
+                                   block_size=16)
+        args, kw = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl), dict(kv.scales)
+        fn, fn_out, width = emu.paged_attention, emu.paged_attention_out, 64
+    want, want_lse = fn(*args, **kw)
+    out, lse = torch.full_like(want, float("nan")), torch.full_like(want_lse, 7.0)
+    fn_out(*args, **kw, out=out, lse=lse)
+    assert_bytes_equal(out, want, "out")
+    assert_bytes_equal(lse, want_lse, "lse")
+    t, h = want.shape[:2]
+    buf = torch.full((t, h, width + 8), 3.0, dtype=want.dtype)
+    fn_out(*args, **kw, out=buf[..., 4:4 + width])
+    expect = torch.full_like(buf, 3.0)
+    expect[..., 4:4 + width] = want
+    assert_bytes_equal(buf, expect, "padded out")

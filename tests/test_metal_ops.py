@@ -508,7 +508,7 @@ def test_mps_kernels_registered():
                                             kv.seq_lens), "kvkernels.paged_attention: query: expected float32"),
     (lambda kv, q: dispatch.paged_attention(q[..., :12], kv.key_cache[..., :12], kv.value_cache[..., :12],
                                             kv.block_tables, kv.seq_lens),
-     "kvkernels.paged_attention: query: head_dim must be a multiple of 8"),
+     "kvkernels.paged_attention: key_cache: head_dim must be a positive multiple of 8"),  # as the CPU names it
     (lambda kv, q: dispatch.paged_attention(q, kv.key_cache, kv.value_cache, kv.block_tables.fill_(99), kv.seq_lens),
      "kvkernels.paged_attention: block_tables: block id out of range"),
     (lambda kv, q: dispatch.gather_kv(kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens + 100),

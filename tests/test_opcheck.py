@@ -21,9 +21,10 @@ def finite_(t):
     return t
 
 
-def paged(dtype=f32, layout="NHD", fp8=None, per_head=False, b=4, hkv=2, d=16, seq_lens=(5, 0, 9), seed=0):
+def paged(dtype=f32, layout="NHD", fp8=None, per_head=False, b=4, hkv=2, d=16, seq_lens=(5, 0, 9), seed=0,
+          dv=None):
     kv = make_paged_kv(seq_lens=list(seq_lens), num_kv_heads=hkv, head_dim=d, block_size=b, dtype=dtype,
-                       layout=layout, fp8=fp8, per_head_scale=per_head, seed=seed)
+                       layout=layout, fp8=fp8, per_head_scale=per_head, seed=seed, head_dim_v=dv)
     for t in kv.storage:
         finite_(t)
     return kv
@@ -50,21 +51,22 @@ def slots(kv, t, gen, skip=True):
 
 # Each sample: () -> (args, kwargs). Tensors are built fresh for every test.
 
-def rc_sample(dtype, layout, fp8=None, per_head=False, strided=False):
+def rc_sample(dtype, layout, fp8=None, per_head=False, strided=False, dv=16):
     def build():
         gen = generator(2)
-        kv = paged(dtype, layout, fp8, per_head)
+        kv = paged(dtype, layout, fp8, per_head, dv=dv)
         if strided:
-            key, value = (x.reshape(6, 2, 16) for x in fused_pair(6, 32, 32, dtype, gen))
+            key, value = fused_pair(6, 32, 2 * dv, dtype, gen)
+            key, value = key.reshape(6, 2, 16), value.reshape(6, 2, dv)
         else:
-            key, value = randn(6, 2, 16, gen=gen, dtype=dtype), randn(6, 2, 16, gen=gen, dtype=dtype)
+            key, value = randn(6, 2, 16, gen=gen, dtype=dtype), randn(6, 2, dv, gen=gen, dtype=dtype)
         return (key, value, kv.key_cache, kv.value_cache, slots(kv, 6, gen)), kv.scales
     return build
 
 
-def pa_sample(dtype, layout, fp8=None, per_head=False, varlen=False, strided=None, q_lens=None, **opts):
+def pa_sample(dtype, layout, fp8=None, per_head=False, varlen=False, strided=None, dv=None, q_lens=None, **opts):
     def build():
-        kv = paged(dtype, layout, fp8, per_head, hkv=2)
+        kv = paged(dtype, layout, fp8, per_head, hkv=2, dv=dv)
         nonlocal q_lens
         q_lens = q_lens or ([3, 0, 4] if varlen else [1, 1, 1])
         q = make_query(sum(q_lens), 4, 16, dtype, generator(3), strided=strided)
@@ -116,9 +118,9 @@ def sb_sample(kind):
     return build
 
 
-def gk_sample(dtype, layout, fp8=None, per_head=False, num_tokens=False, out_dtype=None):
+def gk_sample(dtype, layout, fp8=None, per_head=False, num_tokens=False, out_dtype=None, dv=None):
     def build():
-        kv = paged(dtype, layout, fp8, per_head)
+        kv = paged(dtype, layout, fp8, per_head, dv=dv)
         opts = dict(kv.scales, out_dtype=out_dtype, num_tokens=int(kv.seq_lens.sum()) if num_tokens else None)
         return (kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens), opts
     return build
@@ -159,12 +161,30 @@ def mp_sample(dtype, fp8=None, varlen=False, strided=None, q_lens=None):
     return build
 
 
+def with_out(build, out_dim=None, strided=False, lse=True):
+    """A sample of an allocating op turned into one of its *_out twin: the given out (a padded view when
+    ``strided``) and lse (or none), NaN-filled; the written tensors are compared after the call."""
+    def build_out():
+        args, kwargs = build()
+        first = args[0]
+        t, h, d = first.shape
+        d = out_dim or d
+        out = torch.full((t, h, d + 8) if strided else (t, h, d), float("nan"), dtype=first.dtype)
+        out = out[..., 4:4 + d] if strided else out
+        given = torch.full((h, t), float("nan")).t() if lse and strided else (
+            torch.full((t, h), float("nan")) if lse else None)
+        return args, dict(kwargs, out=out, lse=given)
+    return build_out
+
+
 SAMPLES = {
     "reshape_and_cache": {
         "f32-NHD": rc_sample(f32, "NHD"),
         "bf16-HND-strided-key": rc_sample(bf16, "HND", strided=True),
         "e4m3-head-stacked": rc_sample(f32, "stacked", "e4m3", per_head=True),
         "e5m2-tensor-f16-HND": rc_sample(f16, "HND", "e5m2"),
+        "dv8-bf16-stacked-strided": rc_sample(bf16, "stacked", strided=True, dv=8),
+        "dv40-e4m3-NHD": rc_sample(f32, "NHD", "e4m3", dv=40),
     },
     "paged_attention": {
         "f32-decode-NHD": pa_sample(f32, "NHD"),
@@ -179,6 +199,32 @@ SAMPLES = {
         "f16-more-queries-than-keys": pa_sample(f16, "NHD", varlen=True, q_lens=[9, 2, 30]),
         "e4m3-more-queries-than-keys-noncausal": pa_sample(f32, "stacked", "e4m3", varlen=True, q_lens=[9, 2, 30],
                                                            causal=False),
+        "dv8-f32-varlen-HND": pa_sample(f32, "HND", varlen=True, dv=8),
+        "dv48-bf16-stacked-strided-q": pa_sample(bf16, "stacked", strided="fused", dv=48),
+        "dv32-e4m3-f16-decode": pa_sample(f16, "NHD", "e4m3", dv=32, window_left=2),
+        "dv32-bf16-varlen-noncausal": pa_sample(bf16, "NHD", varlen=True, dv=32, causal=False),
+    },
+    "paged_attention_out": {
+        "f32-decode-NHD": with_out(pa_sample(f32, "NHD")),
+        "bf16-varlen-HND-strided-out-no-lse": with_out(pa_sample(bf16, "HND", varlen=True, soft_cap=2.0),
+                                                       strided=True, lse=False),
+        "e4m3-head-f16-stacked-strided-out-and-lse": with_out(pa_sample(f16, "stacked", "e4m3", per_head=True,
+                                                                        sinks=torch.tensor([0.1, -0.2, 0.3, 1.0])),
+                                                              strided=True),
+        "f32-varlen-noncausal-more-queries-than-keys": with_out(pa_sample(f32, "NHD", varlen=True, q_lens=[9, 2, 30],
+                                                                          causal=False)),
+        "dv32-bf16-varlen-noncausal-window-strided-out": with_out(
+            pa_sample(bf16, "HND", varlen=True, dv=32, causal=False, window_left=2), out_dim=32, strided=True),
+    },
+    "merge_attention_states_out": {
+        "f32": with_out(merge_sample(f32)),
+        "bf16-transposed-strided-out": with_out(merge_sample(bf16, transposed=True), strided=True),
+        "f16-inf-no-lse": with_out(merge_sample(f16, with_inf=True), lse=False),
+    },
+    "mla_paged_attention_out": {
+        "f32-decode": with_out(mp_sample(f32), out_dim=64),
+        "bf16-varlen-strided-out": with_out(mp_sample(bf16, varlen=True, strided="fused"), out_dim=64, strided=True),
+        "e4m3-decode-no-lse": with_out(mp_sample(bf16, "e4m3"), out_dim=64, lse=False),
     },
     "merge_attention_states": {
         "f32": merge_sample(f32),
@@ -192,6 +238,8 @@ SAMPLES = {
         "f32-NHD": gk_sample(f32, "NHD"),
         "e4m3-HND-default-dtype": gk_sample(bf16, "HND", "e4m3", per_head=True),
         "bf16-stacked-num_tokens-f32": gk_sample(bf16, "stacked", num_tokens=True, out_dtype=f32),
+        "dv24-f32-NHD": gk_sample(f32, "NHD", dv=24),
+        "dv8-e5m2-stacked-num_tokens": gk_sample(f16, "stacked", "e5m2", num_tokens=True, dv=8),
     },
     "concat_and_cache_mla": {
         "f32": cm_sample(f32),
@@ -233,7 +281,8 @@ def test_opcheck(op, build):
 
 # Which arguments each op writes (docs/ops.md); every other argument must be read-only in the schema.
 WRITES = {"reshape_and_cache": {"key_cache", "value_cache"}, "copy_blocks": {"cache"}, "swap_blocks": {"dst"},
-          "concat_and_cache_mla": {"kv_cache"}}
+          "concat_and_cache_mla": {"kv_cache"}, "paged_attention_out": {"out", "lse"},
+          "merge_attention_states_out": {"out", "lse"}, "mla_paged_attention_out": {"out", "lse"}}
 
 
 @pytest.mark.parametrize("op", SAMPLES)
@@ -252,4 +301,9 @@ def test_schema_mutation_annotations(op):
 def test_every_op_is_sampled():
     assert set(SAMPLES) == {"reshape_and_cache", "paged_attention", "merge_attention_states", "copy_blocks",
                             "swap_blocks", "gather_kv", "concat_and_cache_mla", "mla_decompress",
-                            "mla_paged_attention"}
+                            "mla_paged_attention", "paged_attention_out", "merge_attention_states_out",
+                            "mla_paged_attention_out"}
+    registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith("kvkernels::")}
+    assert "paged_attention_out" in registered
+    assert registered <= set(SAMPLES), f"ops without opcheck samples: {registered - set(SAMPLES)}"

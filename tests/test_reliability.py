@@ -581,3 +581,28 @@ def test_expanded_argument_checked_before_it_is_copied(op, arg, make, api):
     kwargs = make()
     keep = [t for t in kwargs.values() if isinstance(t, torch.Tensor) and t.numel() < 2**20]
     raises_named(impl(api, op), op, arg, kwargs, keep)
+
+
+def strided_huge(tokens, heads, width):
+    """[tokens, heads, width] of stride 0 along tokens and stride 2 along width: the op must copy it to read
+    it (a unit last stride), and the copy (>= 2^64 bytes) cannot be allocated."""
+    return torch.zeros(1, heads, 2 * width)[..., ::2].expand(tokens, heads, width)
+
+
+@pytest.mark.parametrize("api", ["ops", "torch.ops"])
+@pytest.mark.parametrize("op,arg,make", [
+    # query_start_loc says 2 tokens: checked before the query is copied (it was copied first: torch's error)
+    ("paged_attention", "query_start_loc", lambda: huge_paged(
+        "paged_attention", query=strided_huge(2**58, 2, 8),
+        query_start_loc=torch.tensor([0, 1, 2], dtype=I32))),
+    ("mla_paged_attention", "query_start_loc", lambda: huge_paged(
+        "mla_paged_attention", q=strided_huge(2**55, 2, 80), query_start_loc=torch.tensor([0, 1, 2], dtype=I32))),
+    # consistent shapes, a copy that cannot be allocated: named
+    ("merge_attention_states", "out_a", lambda: dict(
+        out_a=strided_huge(2**58, 2, 8), lse_a=torch.zeros(1, 2).expand(2**58, 2),
+        out_b=torch.zeros(1, 2, 8).expand(2**58, 2, 8), lse_b=torch.zeros(1, 2).expand(2**58, 2))),
+], ids=["paged-varlen-query", "mla-varlen-q", "merge-out_a"])
+def test_strided_input_checked_before_it_is_copied(op, arg, make, api):
+    kwargs = make()
+    keep = [t for t in kwargs.values() if isinstance(t, torch.Tensor) and t.numel() < 2**20]
+    raises_named(impl(api, op), op, arg, kwargs, keep)

@@ -182,24 +182,32 @@ inline void softmax_tile(const AttentionParams& p, float* s, float mul, float* m
 // presumably follow the strided tile loads within a block).
 struct ChunkPrefetch {
   const char* rows[2 * kTileChunk];
-  int n = 0, row_bytes = 0;  // rows, bytes per row
+  int n = 0;                 // rows: keys, or key and value alternating (!v_in_k)
+  int k_bytes = 0, v_bytes = 0;  // bytes of a key row and of a value row (head dims may differ)
   int row = 0, at = 0;       // next line to issue: rows[row] + at
+  bool v_in_k = true;
   template <typename C>
-  void start(const C* const* keys, const C* const* vals, int j0, int j1, int D, bool v_in_k) {
+  void start(const C* const* keys, const C* const* vals, int j0, int j1, int Dk, int Dv,
+             bool v_is_k) {
     n = row = at = 0;
-    row_bytes = D * int(sizeof(C));
+    k_bytes = Dk * int(sizeof(C)), v_bytes = Dv * int(sizeof(C));
+    v_in_k = v_is_k;
     for (int j = j0; j < j1; ++j) {
       rows[n++] = reinterpret_cast<const char*>(keys[j]);
       if (!v_in_k) rows[n++] = reinterpret_cast<const char*>(vals[j]);
     }
   }
+  int bytes_of(int r) const { return v_in_k || r % 2 == 0 ? k_bytes : v_bytes; }
   void issue(int lines) {
     for (; lines > 0 && row < n; --lines) {
       prefetch(rows[row] + at);
-      if ((at += 64) >= row_bytes) at = 0, ++row;
+      if ((at += 64) >= bytes_of(row)) at = 0, ++row;
     }
   }
-  int total() const { return n * ((row_bytes + 63) / 64); }
+  int total() const {
+    const int k_lines = (k_bytes + 63) / 64, v_lines = (v_bytes + 63) / 64;
+    return v_in_k ? n * k_lines : n / 2 * (k_lines + v_lines);
+  }
 };
 
 // ---- FMA form ----
@@ -362,7 +370,7 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
     if (c + 1 < cr.c_end) {
       const int nxt = (c + 1 - cr.c_begin) & 1;
       chunk_keys(c + 1, &nj0, &nj1, rows_k[nxt], rows_v[nxt]);
-      if constexpr (!kAmx) pf.start(rows_k[nxt], rows_v[nxt], nj0, nj1, Dk, v_in_k);
+      if constexpr (!kAmx) pf.start(rows_k[nxt], rows_v[nxt], nj0, nj1, Dk, Dv, v_in_k);
     }
     const int tiles = rows16 / 16;
 #if defined(KVK_AMX)

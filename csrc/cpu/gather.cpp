@@ -43,7 +43,8 @@ std::tuple<Tensor, Tensor> gather_kv_cpu(const Tensor& key_cache, const Tensor& 
                                        v_scale, num_tokens, out_dtype, count);
   GatherParams& p = r.params;
   p.token_start = starts.data();
-  if (p.num_tokens == 0 || p.kv.num_kv_heads == 0 || p.kv.head_dim == 0) return {r.key, r.value};
+  if (p.num_tokens == 0 || p.kv.num_kv_heads == 0 || (p.kv.head_dim == 0 && p.kv.head_dim_v == 0))
+    return {r.key, r.value};
   gather(p);
   return {r.key, r.value};
 }

@@ -6,21 +6,36 @@
 #include <torch/csrc/stable/ops.h>
 
 #include "../prepare.h"
+#include "discarded_lse.h"
 #include "rows.h"
 
 namespace kvkernels::cpu {
 namespace {
 
-std::tuple<Tensor, Tensor> merge_attention_states_cpu(const Tensor& out_a, const Tensor& lse_a,
-                                                      const Tensor& out_b, const Tensor& lse_b) {
+// merge_attention_states and merge_attention_states_out: one path.
+std::tuple<Tensor, Tensor> merge_impl(const Tensor& out_a, const Tensor& lse_a,
+                                      const Tensor& out_b, const Tensor& lse_b,
+                                      const GivenOutputs& given) {
   const ArgCheck c("merge_attention_states");
-  PreparedMerge r = prepare_merge(c, out_a, lse_a, out_b, lse_b);
-  const MergeParams& p = r.params;
+  PreparedMerge r = prepare_merge(c, out_a, lse_a, out_b, lse_b, given);
+  MergeParams& p = r.params;
+  if (p.lse == nullptr) p.lse = discarded_lse(p.num_tokens * p.num_heads);
   const RowKernels& kernels = row_kernels();
   torch::stable::parallel_for(0, p.num_tokens * p.num_heads, 64, [&](int64_t begin, int64_t end) {
     kernels.merge(p, begin, end);
   });
+  r.finish();
   return {r.out, r.lse};
+}
+
+std::tuple<Tensor, Tensor> merge_attention_states_cpu(const Tensor& out_a, const Tensor& lse_a,
+                                                      const Tensor& out_b, const Tensor& lse_b) {
+  return merge_impl(out_a, lse_a, out_b, lse_b, {});
+}
+
+void merge_attention_states_out_cpu(const Tensor& out_a, const Tensor& lse_a, const Tensor& out_b,
+                                    const Tensor& lse_b, Tensor out, std::optional<Tensor> lse) {
+  merge_impl(out_a, lse_a, out_b, lse_b, {out, lse});
 }
 
 }  // namespace
@@ -28,4 +43,5 @@ std::tuple<Tensor, Tensor> merge_attention_states_cpu(const Tensor& out_a, const
 
 STABLE_TORCH_LIBRARY_IMPL(kvkernels, CPU, m) {
   m.impl("merge_attention_states", TORCH_BOX(&kvkernels::cpu::merge_attention_states_cpu));
+  m.impl("merge_attention_states_out", TORCH_BOX(&kvkernels::cpu::merge_attention_states_out_cpu));
 }

@@ -109,19 +109,19 @@ inline void gather_block(const C* block, int64_t stride_slot, int64_t stride_hea
 template <typename C, typename O>
 void gather_as(const GatherParams& p, const GatherItem* items, int64_t begin, int64_t end) {
   const paged_kv_t& kv = p.kv;
-  const int H = kv.num_kv_heads, D = kv.head_dim;
+  const int H = kv.num_kv_heads, D = kv.head_dim, Dv = kv.head_dim_v;  // Dv may differ from D
   for (int64_t i = begin; i < end; ++i) {
     const int64_t s = items[i].seq, b = items[i].block;
     const int64_t block = kv.block_id(s, b);
     const int64_t first = b * kv.block_size;
     const int64_t n = std::min<int64_t>(kv.block_size, kv.seq_lens[s] - first);
-    const int64_t out = (p.token_start[s] + first) * H * D;
+    const int64_t row = (p.token_start[s] + first) * H;  // first output row (token x head)
     gather_block(static_cast<const C*>(kv.k) + kv.k_offset(block, 0, 0), kv.k_stride_slot,
                  kv.k_stride_head, kv.k_scale, kv.k_scale_per_head, n, H, D,
-                 static_cast<O*>(p.key) + out);
+                 static_cast<O*>(p.key) + row * D);
     gather_block(static_cast<const C*>(kv.v) + kv.v_offset(block, 0, 0), kv.v_stride_slot,
-                 kv.v_stride_head, kv.v_scale, kv.v_scale_per_head, n, H, D,
-                 static_cast<O*>(p.value) + out);
+                 kv.v_stride_head, kv.v_scale, kv.v_scale_per_head, n, H, Dv,
+                 static_cast<O*>(p.value) + row * Dv);
   }
 }
 

@@ -84,13 +84,22 @@ struct Vec {
     const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
     return {_mm256_and_ps(e, _mm256_cmp_ps(v, _mm256_set1_ps(-87.0f), _CMP_NLE_UQ))};
   }
+  // tanh as in vec_avx512.h: (1 - e^-2|x|) / (1 + e^-2|x|) for |x| >= 1/4, the odd Taylor polynomial
+  // to x^9 below (where the subtraction cancels: a soft cap of 1e8 gave tanh = 0).
   Vec tanh() const {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     const __m256 a = _mm256_andnot_ps(sign_bit, v);
     const __m256 e = Vec{_mm256_mul_ps(a, _mm256_set1_ps(-2.0f))}.exp().v;
     const __m256 t = _mm256_div_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), e),
                                    _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-    return {_mm256_or_ps(t, _mm256_and_ps(sign_bit, v))};
+    const __m256 a2 = _mm256_mul_ps(a, a);
+    __m256 p = _mm256_set1_ps(62.0f / 2835);
+    p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(-17.0f / 315));
+    p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(2.0f / 15));
+    p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(-1.0f / 3));
+    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(a, a2), p, a);
+    const __m256 r = _mm256_blendv_ps(t, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.25f), _CMP_LT_OQ));
+    return {_mm256_or_ps(r, _mm256_and_ps(sign_bit, v))};
   }
 };
 

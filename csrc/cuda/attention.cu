@@ -83,13 +83,13 @@ int64_t floats_aligned8(int64_t n) { return (n + 7) / 8 * 8; }
 }  // namespace
 
 LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
-  if (p.kv.head_dim_v != p.kv.head_dim || p.kv.k == p.kv.v)
-    throw std::runtime_error("kvkernels.paged_attention (CUDA): MLA-shaped parameters are not "
-                             "supported by this kernel");
-  const int d = p.kv.head_dim;
-  if (d <= 0 || d % 8 != 0 || d > 256)
-    throw std::runtime_error("kvkernels.paged_attention (CUDA): head_dim must be a positive "
-                             "multiple of 8 up to 256");
+  // K and V are read through their own pointers and strides (even views of one allocation); their
+  // head dims may differ, and the kernels run on the padding of the larger (attention_common.cuh:
+  // dpad_of). MLA has kernels of its own.
+  const int d = p.kv.head_dim, dv = p.kv.head_dim_v;
+  if (d <= 0 || d % 8 != 0 || d > 256 || dv <= 0 || dv % 8 != 0 || dv > 256)
+    throw std::runtime_error("kvkernels.paged_attention (CUDA): head_dim and head_dim_v must be "
+                             "positive multiples of 8 up to 256");
   const DeviceInfo dev = device_info(device);
   if (dev.major < 8)
     throw std::runtime_error("kvkernels.paged_attention (CUDA): needs compute capability 8.0 or "
@@ -97,7 +97,7 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
                              " has " + std::to_string(dev.major) + ".x");
 
   LaunchPlan plan;
-  plan.dpad = dpad_of(d);
+  plan.dpad = dpad_of(std::max(d, dv));
   plan.group = p.num_heads / p.kv.num_kv_heads;
   const bool decode = p.query_start_loc == nullptr;
   Path path;
@@ -144,7 +144,7 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
   plan.grid_z = plan.num_splits;
   if (plan.num_splits > 1) {
     const int64_t rows_total = int64_t(plan.num_splits) * p.num_tokens * p.num_heads;
-    plan.workspace_floats = floats_aligned8(rows_total * d) + floats_aligned8(rows_total);
+    plan.workspace_floats = floats_aligned8(rows_total * dv) + floats_aligned8(rows_total);
   }
   return plan;
 }
@@ -174,7 +174,7 @@ void launch_paged_attention(const AttentionParams& p, const LaunchPlan& plan, fl
       throw std::runtime_error("kvkernels.paged_attention (CUDA): split launch without workspace");
     const int64_t rows_total = int64_t(plan.num_splits) * p.num_tokens * p.num_heads;
     a.part_o = workspace;
-    a.part_lse = workspace + floats_aligned8(rows_total * p.kv.head_dim);
+    a.part_lse = workspace + floats_aligned8(rows_total * p.kv.head_dim_v);
   }
 
   const dim3 grid(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(plan.grid_y),

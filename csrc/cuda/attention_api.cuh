@@ -25,7 +25,7 @@ struct LaunchPlan {
 };
 
 // Throws std::runtime_error when the device or the shapes cannot run (compute capability < 8.0,
-// MLA-shaped params, grid limits). `device`: CUDA device index of the tensors. Environment
+// head dims outside [8, 256], grid limits). `device`: CUDA device index of the tensors. Environment
 // overrides, for tests and benchmarks: KVKERNELS_CUDA_ATTN_PATH=simt (the CUDA-core kernel for
 // every dtype) and KVKERNELS_CUDA_ATTN_SPLITS=<n> (that many KV splits, capped to 128).
 LaunchPlan plan_paged_attention(const AttentionParams& p, int device);

@@ -14,6 +14,7 @@
 
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "../index_checks.h"
 #include "../prepare.h"
@@ -24,6 +25,8 @@ namespace kvkernels::attn_cuda {
 namespace {
 
 using kvkernels::cuda::DeviceScope;
+
+constexpr int64_t kMaxCudaHeadDim = 256;
 
 // Debug mode: the host-side range checks of the CPU backend, on host copies of the index tensors
 // (this synchronizes the device; it is off by default).
@@ -40,14 +43,23 @@ void check_indices_on_host(const ArgCheck& c, const AttentionParams& params, cud
   }
 }
 
-std::tuple<Tensor, Tensor> paged_attention_cuda(
+// paged_attention and paged_attention_out: one path, the functional op with no given outputs.
+std::tuple<Tensor, Tensor> paged_attention_impl(
     const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
     const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
     std::optional<double> scale, int64_t window_left, double soft_cap,
     std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-    std::optional<Tensor> v_scale, bool causal) {
+    std::optional<Tensor> v_scale, bool causal, const GivenOutputs& given) {
   const ArgCheck c("paged_attention");
   const DeviceScope scope(c, query, "query");
+  // Head dims above 256 (prepare allows 512, the CPU and Metal kernels run it) are not supported
+  // here: the tensor-core kernels keep a 16-row output tile of the padded head dim in registers
+  // (128 floats per thread at 256; 512 would spill), and the K/V stages outgrow shared memory.
+  // Checked before prepare allocates anything.
+  for (auto [cache, arg] : {std::pair{&key_cache, "key_cache"}, std::pair{&value_cache, "value_cache"}})
+    c.expect(cache->dim() != 4 || cache->size(3) <= kMaxCudaHeadDim, arg, "head_dim ",
+             cache->dim() == 4 ? cache->size(3) : 0, " is not supported on CUDA (at most ",
+             kMaxCudaHeadDim, "; docs/ops.md)");
   // Debug mode: the index checks on host copies, before the outputs are allocated.
   IndexCheck host_checks;
   if (kvkernels::cuda::debug_mode())
@@ -55,8 +67,10 @@ std::tuple<Tensor, Tensor> paged_attention_cuda(
   PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables,
                                                 seq_lens, query_start_loc, scale, window_left,
                                                 soft_cap, alibi_slopes, sinks, k_scale, v_scale,
-                                                causal, host_checks);
+                                                causal, host_checks, given);
   if (r.params.num_tokens == 0 || r.params.kv.num_seqs == 0) return {r.out, r.lse};
+  // out= without lse=: the kernels write lse anyway; scratch from the caching allocator.
+  ensure_lse(c, r, r.params.lse, query, r.params.num_tokens, r.params.num_heads);
 
   const LaunchPlan plan = plan_paged_attention(r.params, scope.device());
   Tensor workspace;
@@ -66,9 +80,32 @@ std::tuple<Tensor, Tensor> paged_attention_cuda(
     ws = static_cast<float*>(workspace.mutable_data_ptr());
   }
   launch_paged_attention(r.params, plan, ws, scope.stream());
+  r.finish();  // non-contiguous given outputs: copied from their temporaries on this stream
   // The workspace tensor goes back to the caching allocator when this function returns; the
   // allocator reuses it only for work ordered after the kernels on this stream.
   return {r.out, r.lse};
+}
+
+std::tuple<Tensor, Tensor> paged_attention_cuda(
+    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+    const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
+    std::optional<double> scale, int64_t window_left, double soft_cap,
+    std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
+    std::optional<Tensor> v_scale, bool causal) {
+  return paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens,
+                              query_start_loc, scale, window_left, soft_cap, alibi_slopes, sinks,
+                              k_scale, v_scale, causal, {});
+}
+
+void paged_attention_out_cuda(
+    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+    const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
+    std::optional<double> scale, int64_t window_left, double soft_cap,
+    std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
+    std::optional<Tensor> v_scale, bool causal, Tensor out, std::optional<Tensor> lse) {
+  paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                       scale, window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal,
+                       {out, lse});
 }
 
 }  // namespace
@@ -76,4 +113,5 @@ std::tuple<Tensor, Tensor> paged_attention_cuda(
 
 STABLE_TORCH_LIBRARY_IMPL(kvkernels, CUDA, m) {
   m.impl("paged_attention", TORCH_BOX(&kvkernels::attn_cuda::paged_attention_cuda));
+  m.impl("paged_attention_out", TORCH_BOX(&kvkernels::attn_cuda::paged_attention_out_cuda));
 }

@@ -55,12 +55,13 @@ struct AttnArgs {
   int bs_shift = -1;      // log2(block_size) when it is a power of two, else -1
   int kv_aligned = 0;     // K/V rows 16-byte aligned: cp.async; else plain element loads
   int q_aligned = 0;      // query rows 16-byte aligned: 16-byte loads
-  float* part_o = nullptr;    // [num_splits, num_tokens, num_heads, head_dim] (num_splits > 1)
+  float* part_o = nullptr;    // [num_splits, num_tokens, num_heads, head_dim_v] (num_splits > 1)
   float* part_lse = nullptr;  // [num_splits, num_tokens, num_heads], log2 units
 };
 
 // Padded head dim the kernels are instantiated for: every head dim that is a multiple of 8 runs on
-// the smallest of 64 / 128 / 256 that holds it (columns past head_dim are zero-filled).
+// the smallest of 64 / 128 / 256 that holds it (columns past head_dim are zero-filled). With a
+// value head dim different from the key's, both run on the padding of the larger one.
 // log2(block_size) when it is a power of two, else -1 (AttnArgs::bs_shift: shifts instead of
 // divisions when locating a key's block and slot).
 __host__ __device__ constexpr int block_shift(int bs) {
@@ -435,7 +436,8 @@ __device__ __forceinline__ bool tile_needs_mask(const Work& w, int k0, int kt, c
 // Loads keys [tile * KT, tile * KT + KT) of one kv head into shared memory, K and V, as 16-byte
 // chunks of raw cache elements: chunk c (0 <= c < CPR) of tile row r goes to `off(r, c)` bytes
 // past the K / V destination. Rows whose key lies outside [w.lo, w.hi] or whose block id is out of
-// range, and bytes past head_dim, are zero-filled (never read from global memory), so NaN in
+// range, and bytes past head_dim (K) / head_dim_v (V), are zero-filled (never read from global
+// memory), so the padded columns add 0 to the logits and to the output, and NaN in
 // unused cache slots never reaches the math. Each thread owns one chunk column and RPT rows; the
 // block ids of the next tile are fetched one iteration ahead (fetch) so the cp.async issue (issue)
 // does not wait on the block table.
@@ -447,13 +449,14 @@ struct TileLoader {
   int col;
   int row0;
   int ids[RPT];
-  int col_bytes;  // valid bytes of this thread's chunk column (0..16)
+  int col_bytes, col_bytes_v;  // valid bytes of this thread's chunk column (0..16) in K / in V
 
   __device__ __forceinline__ void init(const AttentionParams& p) {
     col = threadIdx.x % CPR;
     row0 = threadIdx.x / CPR;
-    const int b = p.kv.head_dim * ESZ - col * 16;
+    const int b = p.kv.head_dim * ESZ - col * 16, bv = p.kv.head_dim_v * ESZ - col * 16;
     col_bytes = b < 0 ? 0 : (b > 16 ? 16 : b);
+    col_bytes_v = bv < 0 ? 0 : (bv > 16 ? 16 : bv);
   }
 
   __device__ __forceinline__ void fetch(const AttnArgs& a, const Work& w, int tile) {
@@ -486,9 +489,10 @@ struct TileLoader {
       const int r = row0 + i * RPP;
       if (r >= KT) continue;
       const int bytes = ids[i] >= 0 ? col_bytes : 0;
+      const int bytes_v = ids[i] >= 0 ? col_bytes_v : 0;
       const char* gk = kbase;
       const char* gv = vbase;
-      if (bytes > 0) {
+      if (ids[i] >= 0) {
         const int key = tile * KT + r;
         const int slot = a.bs_shift >= 0 ? key & ((1 << a.bs_shift) - 1) : key % kv.block_size;
         gk += (int64_t(ids[i]) * kv.k_stride_block + int64_t(slot) * kv.k_stride_slot + kh) * ESZ;
@@ -498,10 +502,10 @@ struct TileLoader {
       char* sv = dst_v + off(r, col);
       if (a.kv_aligned) {
         cp_async16(sk, gk, bytes);
-        cp_async16(sv, gv, bytes);
+        cp_async16(sv, gv, bytes_v);
       } else {
         copy_chunk(sk, gk, bytes);
-        copy_chunk(sv, gv, bytes);
+        copy_chunk(sv, gv, bytes_v);
       }
     }
   }
@@ -667,7 +671,7 @@ __device__ __forceinline__ void finalize_rows(const AttnArgs& a, const Work& w, 
   constexpr int C8 = DPAD / 8;
   constexpr int STRIDE = DPAD + 4;
   const AttentionParams& p = a.p;
-  const int d = p.kv.head_dim;
+  const int d = p.kv.head_dim_v;  // output columns: the value's head dim
   v_mul = checked_v_mul(v_mul);
   for (int idx = threadIdx.x; idx < ROWS * C8; idx += NT) {
     const int r = idx / C8, c = (idx - r * C8) * 8;

@@ -5,7 +5,7 @@
 // query dtype. A split that saw no finite logit has lse_s = -inf and is not read (its out_s may be
 // garbage); a NaN lse_s (a NaN or +inf logit in that split) makes the row NaN; every split -inf
 // with visible keys (all logits -inf) is 0 / 0, NaN as well (docs/ops.md).
-// One warp per row, 8 columns per lane (head_dim <= 256).
+// One warp per row, 8 columns per lane (head_dim_v <= 256).
 #pragma once
 
 #include "attention_common.cuh"
@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(kMergeThreads)
   const int64_t row = int64_t(blockIdx.x) * (kMergeThreads / 32) + (threadIdx.x >> 5);
   if (row >= rows) return;
   const int lane = threadIdx.x & 31;
-  const int d = p.kv.head_dim;
+  const int d = p.kv.head_dim_v;  // output columns: the value's head dim
   const int c = lane * 8;
   const int head = static_cast<int>(row % p.num_heads);
 

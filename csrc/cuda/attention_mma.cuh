@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp % C::WM, wn = warp / C::WM;
   const int g = lane >> 2, t4 = lane & 3;
-  const int d = p.kv.head_dim;
+  const int d = p.kv.head_dim, dv = p.kv.head_dim_v;  // K columns, V (output) columns
 
   char* sq = reinterpret_cast<char*>(smem) + C::Q_OFF;
   char* smain = reinterpret_cast<char*>(smem) + C::MAIN_OFF;
@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, 1)
             if (!va && !vb) continue;
 #pragma unroll
             for (int i = 0; i < DPAD / 8; ++i) {
-              if (i * 8 >= d) continue;
+              if (i * 8 >= dv) continue;
               const uint32_t v2 = *reinterpret_cast<const uint32_t*>(tv + swz<CPR16>(kl, i) + 4 * t4);
               const uint32_t bad = nonfinite2<T>(v2);
               if (bad == 0u) continue;
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, 1)
       pa[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
       for (int dn = 0; dn < DPAD / 16; ++dn) {
-        if (dn * 16 >= d) continue;
+        if (dn * 16 >= dv) continue;
         uint32_t b[4];
         const int key = wn * KW + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
         ldmatrix_x4_trans(tv_u32 + swz<CPR16>(key, 2 * dn + (lane >> 4)), b);

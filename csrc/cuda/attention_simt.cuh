@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(128, 1)
   if (!make_work<KT>(a, w)) return;
   const AttentionParams& p = a.p;
   const int tid = threadIdx.x;
-  const int d = p.kv.head_dim;
+  const int d = p.kv.head_dim, dv = p.kv.head_dim_v;  // K columns, V (output) columns
 
   float* sQ = reinterpret_cast<float*>(smem + C::Q_OFF);
   float* sS = reinterpret_cast<float*>(smem + C::S_OFF);
@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(128, 1)
     // 4. O = alpha O + P V on this thread's column chunk. In a tile whose keys some rows see and
     // others do not (prefill: the causal diagonal, a window's edge), each row adds only the keys
     // it sees: its probability of the others is 0, but 0 times an inf or NaN value would be NaN.
-    if (cc * 4 < d) {
+    if (cc * 4 < dv) {
 #pragma unroll
       for (int i = 0; i < C::ORPT; ++i) {
         const float al = sA[orow0 + i * OSTEP];

@@ -116,16 +116,11 @@ Status launch_gather(GatherLaunch g, cudaStream_t stream) {
 
 }  // namespace
 
-Status gather_kv(const GatherParams& p, int64_t* token_start_scratch, cudaStream_t stream) {
-  if (p.num_tokens == 0 || p.kv.num_kv_heads == 0 || p.kv.head_dim == 0) return Status{};
-  GatherLaunch g;
-  g.p = p;
-  g.p.token_start = token_start_scratch;
-  if (p.kv.num_seqs > 0) {
-    token_starts_kernel<<<1, kScanThreads, 0, stream>>>(p.kv.seq_lens, p.kv.num_seqs, token_start_scratch);
-    const Status s = launched();
-    if (!s.ok()) return s;
-  }
+namespace {
+
+// One gather launch over p's K and V, both head_dim wide (a null output is skipped).
+Status gather_same_width(const GatherParams& p, const GatherLaunch& g, cudaStream_t stream) {
+  if (p.kv.head_dim == 0) return Status{};
   return dispatch_cache(p.kv.format, [&](auto ct) {
     return dispatch_float(p.out_format, [&](auto ot) {
       using C = typename decltype(ct)::type;
@@ -138,6 +133,38 @@ Status gather_kv(const GatherParams& p, int64_t* token_start_scratch, cudaStream
       return vec ? launch_gather<C, O, kN>(g, stream) : launch_gather<C, O, 1>(g, stream);
     });
   });
+}
+
+}  // namespace
+
+Status gather_kv(const GatherParams& p, int64_t* token_start_scratch, cudaStream_t stream) {
+  if (p.num_tokens == 0 || p.kv.num_kv_heads == 0) return Status{};
+  GatherLaunch g;
+  g.p = p;
+  g.p.token_start = token_start_scratch;
+  if (p.kv.num_seqs > 0) {
+    token_starts_kernel<<<1, kScanThreads, 0, stream>>>(p.kv.seq_lens, p.kv.num_seqs, token_start_scratch);
+    const Status s = launched();
+    if (!s.ok()) return s;
+  }
+  if (p.kv.head_dim_v == p.kv.head_dim) return gather_same_width(g.p, g, stream);
+  // K and V of different head dims: one launch each, the other output null. The V launch sees
+  // the value cache as its "K" side too (head_dim := head_dim_v), so every width it derives is V's.
+  GatherLaunch gk = g, gv = g;
+  gk.p.value = nullptr;
+  gv.p.key = nullptr;
+  gv.p.kv.head_dim = p.kv.head_dim_v;
+  gv.p.kv.k = p.kv.v;
+  gv.p.kv.k_stride_block = p.kv.v_stride_block;
+  gv.p.kv.k_stride_slot = p.kv.v_stride_slot;
+  gv.p.kv.k_stride_head = p.kv.v_stride_head;
+  gk.p.kv.v = p.kv.k;
+  gk.p.kv.v_stride_block = p.kv.k_stride_block;
+  gk.p.kv.v_stride_slot = p.kv.k_stride_slot;
+  gk.p.kv.v_stride_head = p.kv.k_stride_head;
+  const Status s = gather_same_width(gk.p, gk, stream);
+  if (!s.ok()) return s;
+  return gather_same_width(gv.p, gv, stream);
 }
 
 // ---- merge_attention_states ------------------------------------------------------------------

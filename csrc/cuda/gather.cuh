@@ -142,8 +142,12 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const __grid_constant_
                                : static_cast<const C*>(p.kv.k) + k_rows[j] + h * p.kv.k_stride_head + col * N;
     const C* v = v_rows[j] < 0 ? nullptr
                                : static_cast<const C*>(p.kv.v) + v_rows[j] + h * p.kv.v_stride_head + col * N;
-    gather_vector<C, O, N>(k, static_cast<O*>(p.key) + out, p.kv.k_scale, p.kv.k_scale_per_head, h);
-    gather_vector<C, O, N>(v, static_cast<O*>(p.value) + out, p.kv.v_scale, p.kv.v_scale_per_head, h);
+    // A null output is skipped: gather_kv's launcher runs K and V as two launches when their head
+    // dims differ (cache_ops.cu).
+    if (p.key != nullptr)
+      gather_vector<C, O, N>(k, static_cast<O*>(p.key) + out, p.kv.k_scale, p.kv.k_scale_per_head, h);
+    if (p.value != nullptr)
+      gather_vector<C, O, N>(v, static_cast<O*>(p.value) + out, p.kv.v_scale, p.kv.v_scale_per_head, h);
   }
 }
 

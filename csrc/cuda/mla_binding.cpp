@@ -70,12 +70,14 @@ void check_indices_on_host(const ArgCheck& c, const AttentionParams& params, cud
   }
 }
 
-std::tuple<Tensor, Tensor> mla_paged_attention_cuda(const Tensor& q, const Tensor& kv_cache,
+// mla_paged_attention and mla_paged_attention_out: one path.
+std::tuple<Tensor, Tensor> mla_paged_attention_impl(const Tensor& q, const Tensor& kv_cache,
                                                     const Tensor& block_tables,
                                                     const Tensor& seq_lens, int64_t kv_lora_rank,
                                                     double scale,
                                                     std::optional<Tensor> query_start_loc,
-                                                    std::optional<Tensor> kv_scale) {
+                                                    std::optional<Tensor> kv_scale,
+                                                    const GivenOutputs& given) {
   const ArgCheck c("mla_paged_attention");
   const DeviceScope scope(c, q, "q");
   // Debug mode: the index checks on host copies, before the outputs are allocated.
@@ -83,8 +85,10 @@ std::tuple<Tensor, Tensor> mla_paged_attention_cuda(const Tensor& q, const Tenso
   if (debug_mode())
     host_checks = [&](const AttentionParams& p) { check_indices_on_host(c, p, scope.stream()); };
   PreparedAttention r = prepare_mla_attention(c, q, kv_cache, block_tables, seq_lens, kv_lora_rank,
-                                              scale, query_start_loc, kv_scale, host_checks);
+                                              scale, query_start_loc, kv_scale, host_checks, given);
   if (r.params.num_tokens == 0 || r.params.kv.num_seqs == 0) return {r.out, r.lse};
+  // out= without lse=: the kernels write lse anyway; scratch from the caching allocator.
+  ensure_lse(c, r, r.params.lse, q, r.params.num_tokens, r.params.num_heads);
 
   MlaPlan plan;
   check_launch(c, plan_mla_attention(r.params, scope.device(), &plan), "mla_paged_attention plan");
@@ -96,7 +100,28 @@ std::tuple<Tensor, Tensor> mla_paged_attention_cuda(const Tensor& q, const Tenso
   }
   check_launch(c, launch_mla_attention(r.params, plan, ws, scope.stream()),
                "mla_paged_attention kernel");
+  r.finish();  // non-contiguous given outputs: copied from their temporaries on this stream
   return {r.out, r.lse};
+}
+
+std::tuple<Tensor, Tensor> mla_paged_attention_cuda(const Tensor& q, const Tensor& kv_cache,
+                                                    const Tensor& block_tables,
+                                                    const Tensor& seq_lens, int64_t kv_lora_rank,
+                                                    double scale,
+                                                    std::optional<Tensor> query_start_loc,
+                                                    std::optional<Tensor> kv_scale) {
+  return mla_paged_attention_impl(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale,
+                                  query_start_loc, kv_scale, {});
+}
+
+void mla_paged_attention_out_cuda(const Tensor& q, const Tensor& kv_cache,
+                                  const Tensor& block_tables, const Tensor& seq_lens,
+                                  int64_t kv_lora_rank, double scale,
+                                  std::optional<Tensor> query_start_loc,
+                                  std::optional<Tensor> kv_scale, Tensor out,
+                                  std::optional<Tensor> lse) {
+  mla_paged_attention_impl(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale,
+                           query_start_loc, kv_scale, {out, lse});
 }
 
 }  // namespace
@@ -105,4 +130,5 @@ std::tuple<Tensor, Tensor> mla_paged_attention_cuda(const Tensor& q, const Tenso
 STABLE_TORCH_LIBRARY_IMPL(kvkernels, CUDA, m) {
   m.impl("mla_decompress", TORCH_BOX(&kvkernels::mla_cuda::mla_decompress_cuda));
   m.impl("mla_paged_attention", TORCH_BOX(&kvkernels::mla_cuda::mla_paged_attention_cuda));
+  m.impl("mla_paged_attention_out", TORCH_BOX(&kvkernels::mla_cuda::mla_paged_attention_out_cuda));
 }

@@ -103,10 +103,12 @@ def plan_cascade(tables: np.ndarray, lens: np.ndarray, block_size: int, device, 
 
 def cascade_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, plan: CascadePlan, *,
                       scale: Optional[float] = None, soft_cap: float = 0.0, k_scale: Optional[Tensor] = None,
-                      v_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                      v_scale: Optional[Tensor] = None, out: Optional[Tensor] = None,
+                      lse: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
     """Decode attention of ``query [rows, num_heads, head_dim]`` (one token per row) as
     ``ops.paged_attention`` would compute it over the rows' whole block tables, through ``plan``.
-    Returns ``(out [rows, num_heads, head_dim], lse float32 [rows, num_heads])``."""
+    Returns ``(out [rows, num_heads, head_dim], lse float32 [rows, num_heads])``; ``out=`` / ``lse=``
+    as in ``ops.paged_attention`` (the final merge writes them)."""
     rows = plan.groups * plan.group_size
     if query.dim() != 3 or query.shape[0] != rows:
         raise ValueError(f"kvkernels cascade_attention: query: expected [{rows}, num_heads, head_dim] (the "
@@ -128,4 +130,4 @@ def cascade_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, pla
         out_p, lse_p = out_p.index_select(0, plan.inverse), lse_p.index_select(0, plan.inverse)
     out_s, lse_s = ops.paged_attention(query, key_cache, value_cache, plan.suffix_tables, plan.suffix_lens,
                                        **common)
-    return ops.merge_attention_states(out_p, lse_p, out_s, lse_s)
+    return ops.merge_attention_states(out_p, lse_p, out_s, lse_s, out=out, lse=lse)

@@ -10,8 +10,8 @@ it. Per layer and step vLLM calls
 2. ``KVKernelsImpl.forward(layer, query, key, value, kv_cache, metadata, output)``: one
    ``ops.paged_attention`` call over the paged cache for every row of the batch — decode rows and
    chunked-prefill rows (prefix-cache hits included: their cached blocks are simply part of the block
-   table) in one varlen call, or the decode entry point when every row has one query — written into
-   vLLM's ``output`` buffer.
+   table) in one varlen call, or the decode entry point when every row has one query — written
+   straight into vLLM's ``output`` buffer (``out=``).
 
 KV cache layout. vLLM gives each layer a cache with the logical shape
 ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` whose physical order is the KV cache layout
@@ -306,12 +306,13 @@ class KVKernelsImpl(AttentionImpl[KVKernelsMetadata]):
         alibi = self.alibi_slopes
         if alibi is not None and alibi.device != query.device:
             alibi = self.alibi_slopes = alibi.to(query.device)
-        out, _ = ops.paged_attention(
+        # Written straight into vLLM's buffer (out=: no output allocated per call, no copy; lse not kept).
+        ops.paged_attention(
             query[:n], k_cache, v_cache, md.block_table, md.seq_lens,
             None if md.decode_only else md.query_start_loc,
             scale=self.scale, window_left=self.window_left, soft_cap=self.soft_cap, alibi_slopes=alibi,
-            sinks=self._sinks(), k_scale=k_scale, v_scale=v_scale)
-        output[:n].view(out.shape).copy_(out)
+            sinks=self._sinks(), k_scale=k_scale, v_scale=v_scale,
+            out=output[:n].view(n, self.num_heads, self.head_size))
         log = _CALL_LOG.enabled()
         if log:
             q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]

@@ -14,8 +14,9 @@ import torch
 from kvkernels.metal import dispatch
 
 # Every op with a Metal implementation (swap_blocks: torch copies, since it crosses devices).
-OPS = ("reshape_and_cache", "paged_attention", "merge_attention_states", "copy_blocks", "swap_blocks", "gather_kv",
-       "concat_and_cache_mla", "mla_decompress", "mla_paged_attention")
+OPS = ("reshape_and_cache", "paged_attention", "paged_attention_out", "merge_attention_states",
+       "merge_attention_states_out", "copy_blocks", "swap_blocks", "gather_kv", "concat_and_cache_mla", "mla_decompress",
+       "mla_paged_attention", "mla_paged_attention_out")
 
 _library = torch.library.Library("kvkernels", "IMPL")
 for _name in OPS:

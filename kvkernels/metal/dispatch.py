@@ -151,6 +151,46 @@ def _empty(op, name, shape, **kwargs):
         raise RuntimeError(f"kvkernels.{op}: {name}: allocating the output {list(shape)} failed: {e}") from e
 
 
+def _outputs(op, like_arg, like, shape, out, lse, inputs):
+    """The (out, lse) the kernel writes and the copies to make after it. Without ``out``: fresh
+    tensors. With it (the *_out ops): the caller's tensors, checked like csrc/prepare.cpp checks them
+    (exact shape, dtype, device, own memory, no overlap with each other or any input); a
+    non-contiguous one is written through a contiguous temporary; ``out`` without ``lse``: a scratch
+    lse. Call after every other check: nothing is allocated before it."""
+    lse_shape = tuple(shape[:2])
+    if out is None:
+        _check(lse is None, op, "lse", "given without out")
+        return (_empty(op, like_arg, shape, dtype=like.dtype, device=like.device),
+                _empty(op, like_arg, lse_shape, dtype=torch.float32, device=like.device), [])
+    given = [("out", out, tuple(shape), like.dtype)] + ([("lse", lse, lse_shape, torch.float32)] if lse is not None
+                                                         else [])
+    for name, t, want, dtype in given:
+        _check(t.device == like.device, op, name, f"must be on the device of {like_arg}")
+        _check(t.dtype == dtype, op, name, f"dtype {t.dtype} must be {dtype}")
+        _check(tuple(t.shape) == want, op, name, f"shape {list(t.shape)} must be {list(want)} (outputs are not resized)")
+        _check_writable(op, name, t)
+        for arg, x in inputs.items():
+            _check_disjoint(op, arg, x, name, t)
+    if lse is not None:
+        _check_disjoint(op, "lse", lse, "out", out)
+    kernel, copies = [], []
+    for name, t, want, dtype in given:
+        if t.is_contiguous():
+            kernel.append(t)
+        else:
+            tmp = _empty(op, name, want, dtype=dtype, device=like.device)
+            kernel.append(tmp)
+            copies.append((tmp, t))
+    if lse is None:
+        kernel.append(_empty(op, "lse", lse_shape, dtype=torch.float32, device=like.device))
+    return kernel[0], kernel[1], copies
+
+
+def _copy_back(copies):
+    for tmp, t in copies:
+        t.copy_(tmp)
+
+
 def _check_float(op, name, t):
     _check(t.dtype in FLOATS, op, name, f"expected float32, float16 or bfloat16, got {t.dtype}")
 
@@ -193,23 +233,29 @@ def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache
     _check_device(op, dev, key=key, value=value, value_cache=value_cache, slot_mapping=slot_mapping,
                   k_scale=k_scale, v_scale=v_scale)
     _check(key.dim() == 3, op, "key", f"expected [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)}")
-    _check(value.shape == key.shape, op, "value", f"shape {tuple(value.shape)} differs from key's {tuple(key.shape)}")
+    # The value's head dim (dimension 2) may differ from the key's: it is value_cache's.
+    _check(value.dim() == 3 and value.shape[:2] == key.shape[:2], op, "value",
+           f"[num_tokens, num_kv_heads] of shape {tuple(value.shape)} differ from key's {tuple(key.shape[:2])}")
     _check_float(op, "key", key)
     _check(value.dtype == key.dtype, op, "value", f"dtype {value.dtype} differs from key's {key.dtype}")
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         _check_kv_cache(op, name, cache)
         _check(cache.dtype in FP8 or cache.dtype == key.dtype, op, name,
                f"dtype {cache.dtype} must equal key's {key.dtype} or be an fp8 type")
-    _check(value_cache.shape == key_cache.shape and value_cache.dtype == key_cache.dtype, op, "value_cache",
-           "shape and dtype must equal key_cache's")
-    # The caches fix num_kv_heads and head_dim; the new tokens must match them.
+    _check(value_cache.shape[:3] == key_cache.shape[:3] and value_cache.dtype == key_cache.dtype, op,
+           "value_cache", "[num_blocks, block_size, num_kv_heads] and dtype must equal key_cache's")
+    # The caches fix num_kv_heads and the head dims; the new tokens must match them.
     _check(key.shape[1:] == key_cache.shape[2:], op, "key",
            f"[num_kv_heads, head_dim] = {tuple(key.shape[1:])} differ from key_cache's {tuple(key_cache.shape[2:])}")
+    _check(value.shape[2] == value_cache.shape[3], op, "value",
+           f"head_dim {value.shape[2]} differs from value_cache's {value_cache.shape[3]}")
     _check(slot_mapping.dtype == torch.int64 and slot_mapping.shape == key.shape[:1], op, "slot_mapping",
            f"expected int64 [{key.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     t, h, d = key.shape
+    dv = value.shape[2]
     _check_int(op, "key", "num_kv_heads (dimension 1)", h)
     _check_int(op, "key", "head_dim (dimension 2)", d)
+    _check_int(op, "value", "head_dim (dimension 2)", dv)
     _check_int(op, "key", "num_tokens (dimension 0)", t)
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         _check_writable(op, name, cache)
@@ -222,12 +268,14 @@ def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache
     n, b = key_cache.shape[:2]
     if _debug_checks(dev) and t:
         _check(int(slot_mapping.max()) < n * b, op, "slot_mapping", f"slot out of range [0, {n * b})")
-    if t == 0 or h == 0 or d == 0:
+    width = max(d, dv)  # threads along the head dim: each writes the key and / or value element
+    if t == 0 or h == 0 or width == 0:
         return
     fp8 = key_cache.dtype in FP8
     lib = library(dev, "cache_ops", WRITE_SRC_T=source.msl_type(key.dtype),
                   WRITE_CACHE_T=source.msl_type(key_cache.dtype), WRITE_FP8=int(fp8))
-    p = _params("cache_ops", "WriteParams", num_tokens=t, num_heads=h, head_dim=d, num_slots=n * b, block_size=b,
+    p = _params("cache_ops", "WriteParams", num_tokens=t, num_heads=h, head_dim=d, head_dim_v=dv, num_slots=n * b,
+                block_size=b,
                 k_stride_t=key.stride(0), k_stride_h=key.stride(1), k_stride_d=key.stride(2),
                 v_stride_t=value.stride(0), v_stride_h=value.stride(1), v_stride_d=value.stride(2),
                 kc_stride_b=key_cache.stride(0), kc_stride_s=key_cache.stride(1), kc_stride_h=key_cache.stride(2),
@@ -235,8 +283,8 @@ def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache
                 vc_stride_h=value_cache.stride(2), k_scale_per_head=ks_head, v_scale_per_head=vs_head)
     slots = slot_mapping.contiguous()
     lib.reshape_and_cache(key, value, key_cache, value_cache, slots, _scale_or_dummy(k_scale, slots),
-                          _scale_or_dummy(v_scale, slots), p, threads=[d, h, t], group_size=[_group(d), 1, 1],
-                          arg_casts={7: "uint8"})
+                          _scale_or_dummy(v_scale, slots), p, threads=[width, h, t],
+                          group_size=[_group(width), 1, 1], arg_casts={7: "uint8"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,12 +326,14 @@ def gather_kv(key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_
                   v_scale=v_scale)
     _check_kv_cache(op, "key_cache", key_cache)
     _check_kv_cache(op, "value_cache", value_cache)
-    _check(value_cache.shape == key_cache.shape and value_cache.dtype == key_cache.dtype, op, "value_cache",
-           "shape and dtype must equal key_cache's")
+    _check(value_cache.shape[:3] == key_cache.shape[:3] and value_cache.dtype == key_cache.dtype, op,
+           "value_cache", "[num_blocks, block_size, num_kv_heads] and dtype must equal key_cache's")
     _check(key_cache.dtype in FLOATS + FP8, op, "key_cache", f"unsupported dtype {key_cache.dtype}")
     n, b, h, d = key_cache.shape
+    dv = value_cache.shape[3]  # may differ from the key's head dim
     _check_int(op, "key_cache", "num_kv_heads (dimension 2)", h)
     _check_int(op, "key_cache", "head_dim (dimension 3)", d)
+    _check_int(op, "value_cache", "head_dim (dimension 3)", dv)
     _check_paged(op, dev, block_tables, seq_lens, n, b)
     ks_head = _check_scale(op, "k_scale", k_scale, key_cache, h)
     vs_head = _check_scale(op, "v_scale", v_scale, value_cache, h)
@@ -301,19 +351,20 @@ def gather_kv(key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_
     t = int(num_tokens)
     _check_int(op, length_arg, "num_tokens", t)
     key = _empty(op, length_arg, (t, h, d), dtype=out_dtype, device=dev)
-    value = _empty(op, length_arg, (t, h, d), dtype=out_dtype, device=dev)
-    if t == 0 or h == 0 or d == 0:
+    value = _empty(op, length_arg, (t, h, dv), dtype=out_dtype, device=dev)
+    width = max(d, dv)  # threads along the head dim: each writes the key and / or value element
+    if t == 0 or h == 0 or width == 0:
         return key, value
     fp8 = key_cache.dtype in FP8
     lib = library(dev, "cache_ops", GATHER_CACHE_T=source.msl_type(key_cache.dtype),
                   GATHER_OUT_T=source.msl_type(out_dtype), GATHER_FP8=int(fp8))
     p = _params("cache_ops", "GatherParams", num_tokens=t, num_seqs=seq_lens.shape[0], num_heads=h, head_dim=d,
-                block_size=b, num_blocks=n, table_stride=block_tables.stride(0),
+                head_dim_v=dv, block_size=b, num_blocks=n, table_stride=block_tables.stride(0),
                 kc_stride_b=key_cache.stride(0), kc_stride_s=key_cache.stride(1), kc_stride_h=key_cache.stride(2),
                 vc_stride_b=value_cache.stride(0), vc_stride_s=value_cache.stride(1),
                 vc_stride_h=value_cache.stride(2), k_scale_per_head=ks_head, v_scale_per_head=vs_head)
     lib.gather_kv(key_cache, value_cache, block_tables, cu, _scale_or_dummy(k_scale, cu), _scale_or_dummy(v_scale, cu),
-                  key, value, p, threads=[d, h, t], group_size=[_group(d), 1, 1], arg_casts={8: "uint8"})
+                  key, value, p, threads=[width, h, t], group_size=[_group(width), 1, 1], arg_casts={8: "uint8"})
     return key, value
 
 
@@ -404,6 +455,15 @@ def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor, block_dim: int 
 
 
 def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor):
+    return _merge_attention_states(out_a, lse_a, out_b, lse_b, None, None)
+
+
+def merge_attention_states_out(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, *, out: Tensor,
+                               lse: Optional[Tensor] = None) -> None:
+    _merge_attention_states(out_a, lse_a, out_b, lse_b, out, lse)
+
+
+def _merge_attention_states(out_a, lse_a, out_b, lse_b, given_out, given_lse):
     op = "merge_attention_states"
     dev = out_a.device
     _check_device(op, dev, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
@@ -417,11 +477,12 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: T
     _check_int(op, "out_a", "num_heads (dimension 1)", h)
     _check_int(op, "out_a", "head_dim (dimension 2)", d)
     _check_int(op, "out_a", "num_tokens (dimension 0)", t)
-    out = _empty(op, "out_a", (t, h, d), dtype=out_a.dtype, device=dev)
-    lse = _empty(op, "out_a", (t, h), dtype=torch.float32, device=dev)
+    out, lse, copies = _outputs(op, "out_a", out_a, (t, h, d), given_out, given_lse,
+                                dict(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b))
     if out.numel() == 0:
         if d == 0 and t * h:
             lse.copy_(torch.logaddexp(lse_a, lse_b))
+        _copy_back(copies)
         return out, lse
     lib = library(dev, "merge", OUT_T=source.msl_type(out_a.dtype))
     p = _params("merge", "MergeParams", num_tokens=t, num_heads=h, head_dim=d,
@@ -431,6 +492,7 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: T
                 lb_stride_t=lse_b.stride(0), lb_stride_h=lse_b.stride(1))
     lib.merge_attention_states(out_a, lse_a, out_b, lse_b, out, lse, p, threads=[d, h, t],
                                group_size=[_group(d), 1, 1], arg_casts={6: "uint8"})
+    _copy_back(copies)
     return out, lse
 
 
@@ -439,7 +501,7 @@ def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: T
 # ---------------------------------------------------------------------------------------------
 
 PA_SIMD_GROUPS = 4  # metal/paged_attention.metal: threads per threadgroup = 32 * PA_SIMD_GROUPS
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512  # key and value head dims; above 256 the PA_MAX_EPL=16 variant
 
 
 def _check_rows(op, dev, query_start_loc, num_tokens, num_seqs, seq_lens):
@@ -460,6 +522,22 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
                     query_start_loc: Optional[Tensor] = None, scale: Optional[float] = None, window_left: int = -1,
                     soft_cap: float = 0.0, alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
                     k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None, causal: bool = True):
+    return _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window_left,
+                            soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal, out=None, lse=None)
+
+
+def paged_attention_out(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
+                        seq_lens: Tensor, query_start_loc: Optional[Tensor] = None, scale: Optional[float] = None,
+                        window_left: int = -1, soft_cap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+                        sinks: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
+                        v_scale: Optional[Tensor] = None, causal: bool = True, *, out: Tensor,
+                        lse: Optional[Tensor] = None) -> None:
+    _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window_left,
+                     soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal, out=out, lse=lse)
+
+
+def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window_left,
+                     soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal, *, out, lse):
     op = "paged_attention"
     dev = query.device
     _check_device(op, dev, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
@@ -471,13 +549,17 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
         _check_kv_cache(op, name, cache)
         _check(cache.dtype in FP8 or cache.dtype == query.dtype, op, name,
                f"dtype {cache.dtype} must equal query's {query.dtype} or be an fp8 type")
-    _check(value_cache.shape == key_cache.shape and value_cache.dtype == key_cache.dtype, op, "value_cache",
-           "shape and dtype must equal key_cache's")
+    # The value's head dim (dimension 3) may differ from the key's; blocks, slots and heads may not.
+    _check(value_cache.shape[:3] == key_cache.shape[:3] and value_cache.dtype == key_cache.dtype, op,
+           "value_cache", "[num_blocks, block_size, num_kv_heads] and dtype must equal key_cache's")
     t, hq, d = query.shape
     n, b, hkv, dk = key_cache.shape
-    _check(dk == d, op, "key_cache", f"head_dim {dk} differs from query's {d}")
-    _check(d % 8 == 0 and 0 < d <= MAX_HEAD_DIM, op, "query", f"head_dim must be a multiple of 8 in [8, "
-           f"{MAX_HEAD_DIM}], got {d}")
+    dv = value_cache.shape[3]
+    _check(dk % 8 == 0 and 0 < dk <= MAX_HEAD_DIM, op, "key_cache", f"head_dim must be a positive multiple of 8 "
+           f"up to {MAX_HEAD_DIM}, got {dk}")
+    _check(dv % 8 == 0 and 0 < dv <= MAX_HEAD_DIM, op, "value_cache", f"head_dim must be a positive multiple of 8 "
+           f"up to {MAX_HEAD_DIM}, got {dv}")
+    _check(dk == d, op, "query", f"head_dim {d} differs from key_cache's {dk}")
     _check(hkv > 0, op, "key_cache", f"num_kv_heads (dimension 2) must be positive, got shape {list(key_cache.shape)}")
     _check(hq > 0 and hq % hkv == 0, op, "query", f"num_heads {hq} is not a positive multiple of num_kv_heads {hkv}")
     _check_int(op, "query", "num_heads (dimension 1)", hq)
@@ -497,15 +579,17 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
     # Host scalars are checked as on the CPU / CUDA (docs/ops.md, "Non-finite values").
     _check(scale is None or math.isfinite(scale), op, "scale", "must be finite")
     _check(soft_cap >= 0.0 and math.isfinite(soft_cap), op, "soft_cap", f"must be >= 0 (0 = off), got {soft_cap}")
-    out = _empty(op, "query", (t, hq, d), dtype=query.dtype, device=dev)
-    lse = _empty(op, "query", (t, hq), dtype=torch.float32, device=dev)
+    out, lse, copies = _outputs(op, "query", query, (t, hq, dv), out, lse, dict(
+        query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables, seq_lens=seq_lens,
+        query_start_loc=query_start_loc, alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale))
     if t == 0 or hq == 0:
         return out, lse
     fp8 = key_cache.dtype in FP8
+    wide = {"PA_MAX_EPL": 16} if max(d, dv) > 256 else {}  # paged_attention.metal: elements per lane
     lib = library(dev, "paged_attention", Q_T=source.msl_type(query.dtype), KV_T=source.msl_type(key_cache.dtype),
-                  KV_FP8=int(fp8))
+                  KV_FP8=int(fp8), **wide)
     p = _params("paged_attention", "AttentionParams", num_tokens=t, num_heads=hq, num_kv_heads=hkv, head_dim=d,
-                num_seqs=num_seqs, block_size=b, num_blocks=n, table_stride=block_tables.stride(0),
+                head_dim_v=dv, num_seqs=num_seqs, block_size=b, num_blocks=n, table_stride=block_tables.stride(0),
                 q_stride_t=query.stride(0), q_stride_h=query.stride(1), q_stride_d=query.stride(2),
                 kc_stride_b=key_cache.stride(0), kc_stride_s=key_cache.stride(1), kc_stride_h=key_cache.stride(2),
                 vc_stride_b=value_cache.stride(0), vc_stride_s=value_cache.stride(1),
@@ -520,6 +604,7 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
                         _scale_or_dummy(k_scale, dummy), _scale_or_dummy(v_scale, dummy), out, lse, p,
                         threads=[32 * PA_SIMD_GROUPS, hq, t], group_size=[32 * PA_SIMD_GROUPS, 1, 1],
                         arg_casts={12: "uint8"})
+    _copy_back(copies)
     return out, lse
 
 
@@ -531,6 +616,10 @@ MLA_MAX_RANK, MLA_MAX_ROW, MLA_HEADS = 512, 576, 4  # metal/mla.metal
 
 
 def _check_mla_cache(op, cache, name="kv_cache"):
+    # docs/ops.md: one latent head shared by every query head; several latent heads are not supported.
+    _check(cache.dim() != 4, op, name, "latent caches with several kv heads ([num_blocks, block_size, num_kv_heads, "
+           "kv_lora_rank + rope_dim]) are not supported: pass one latent head [num_blocks, block_size, kv_lora_rank "
+           f"+ rope_dim] (got shape {list(cache.shape)})")
     _check(cache.dim() == 3, op, name, f"expected [num_blocks, block_size, kv_lora_rank + rope_dim], got "
            f"{tuple(cache.shape)}")
     _check(cache.stride(2) == 1 or cache.shape[2] <= 1, op, name, "the last dimension must have stride 1")
@@ -650,6 +739,19 @@ def mla_decompress(kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, w_k
 
 def mla_paged_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, kv_lora_rank: int,
                         scale: float, query_start_loc: Optional[Tensor] = None, kv_scale: Optional[Tensor] = None):
+    return _mla_paged_attention(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, query_start_loc, kv_scale,
+                                out=None, lse=None)
+
+
+def mla_paged_attention_out(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_lens: Tensor, kv_lora_rank: int,
+                            scale: float, query_start_loc: Optional[Tensor] = None, kv_scale: Optional[Tensor] = None,
+                            *, out: Tensor, lse: Optional[Tensor] = None) -> None:
+    _mla_paged_attention(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, query_start_loc, kv_scale,
+                         out=out, lse=lse)
+
+
+def _mla_paged_attention(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, query_start_loc, kv_scale, *,
+                         out, lse):
     op = "mla_paged_attention"
     dev = q.device
     _check_device(op, dev, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens,
@@ -675,8 +777,9 @@ def mla_paged_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_l
         _check_rows(op, dev, query_start_loc, t, num_seqs, seq_lens)
     _check_int(op, "q", "num_heads (dimension 1)", hq)
     _check_int(op, "q", "num_tokens (dimension 0)", t)
-    out = _empty(op, "q", (t, hq, r), dtype=q.dtype, device=dev)
-    lse = _empty(op, "q", (t, hq), dtype=torch.float32, device=dev)
+    out, lse, copies = _outputs(op, "q", q, (t, hq, r), out, lse, dict(
+        q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
+        kv_scale=kv_scale))
     if t == 0 or hq == 0:
         return out, lse
     fp8 = kv_cache.dtype in FP8
@@ -692,4 +795,5 @@ def mla_paged_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, seq_l
                             _scale_or_dummy(kv_scale, dummy), out, lse, p,
                             threads=[32 * MLA_HEADS, -(-hq // MLA_HEADS), t], group_size=[32 * MLA_HEADS, 1, 1],
                             arg_casts={8: "uint8"})
+    _copy_back(copies)
     return out, lse

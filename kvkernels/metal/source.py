@@ -145,13 +145,15 @@ def _variants():
     attention = [dict(Q_T=q, KV_T=kv, KV_FP8=int(kv in FP8_TYPES))
                  for q, kv in itertools.product(FLOAT_TYPES, FLOAT_TYPES + FP8_TYPES)
                  if kv in FP8_TYPES or kv == q]
+    # Head dims above 256 (paged_attention.metal: PA_MAX_EPL 16) are variants of their own.
+    wide_attention = [dict(d, PA_MAX_EPL=16) for d in attention]
     mla = [{f"CONCAT_{k}": v for k, v in d.items()} for d in _cache_write_variants()]
     mla += [dict(DEC_W_T=d["SRC_T"], DEC_CACHE_T=d["CACHE_T"], DEC_FP8=d["FP8"]) for d in _cache_write_variants()]
     mla += [dict(MLA_Q_T=d["Q_T"], MLA_KV_T=d["KV_T"], MLA_FP8=d["KV_FP8"]) for d in attention]
     return {
         "cache_ops": cache_ops,
         "merge": [dict(OUT_T=t) for t in FLOAT_TYPES],
-        "paged_attention": attention,
+        "paged_attention": attention + wide_attention,
         "mla": mla,
     }
 

@@ -82,12 +82,32 @@ std::tuple<Tensor, Tensor> gather_kv(const Tensor& key_cache, const Tensor& valu
   return {r.key, r.value};
 }
 
+// Outputs poisoned before a launch (NaN in every float format): an element the kernels leave unwritten
+// shows. Given outputs are poisoned too (the temporaries of non-contiguous ones, or the tensors), and the
+// scratch lse of an out= call without lse= (ensure_lse, as the binding does).
+void poison(void* p, int64_t n, size_t elem) { std::memset(p, 0xff, size_t(n) * elem); }
+
+std::tuple<Tensor, Tensor> merge_impl(const Tensor& out_a, const Tensor& lse_a, const Tensor& out_b,
+                                      const Tensor& lse_b, const GivenOutputs& given) {
+  const ArgCheck c("merge_attention_states");
+  PreparedMerge r = prepare_merge(c, out_a, lse_a, out_b, lse_b, given);
+  ensure_lse(c, r, r.params.lse, out_a, r.params.num_tokens, r.params.num_heads);
+  poison(r.out.mutable_data_ptr(), r.out.numel(), r.out.element_size());
+  poison(r.params.lse, r.params.num_tokens * r.params.num_heads, sizeof(float));
+  check(c, cuda::merge_attention_states(r.params, nullptr));
+  r.finish();
+  return {r.out, r.lse};
+}
+
 std::tuple<Tensor, Tensor> merge_attention_states(const Tensor& out_a, const Tensor& lse_a, const Tensor& out_b,
                                                   const Tensor& lse_b) {
-  const ArgCheck c("merge_attention_states");
-  PreparedMerge r = prepare_merge(c, out_a, lse_a, out_b, lse_b);
-  check(c, cuda::merge_attention_states(r.params, nullptr));
-  return {r.out, r.lse};
+  return merge_impl(out_a, lse_a, out_b, lse_b, {});
+}
+
+// csrc/cuda/cache_ops_binding.cpp's merge_attention_states_out path (ensure_lse, finish) on host tensors.
+void merge_attention_states_out(const Tensor& out_a, const Tensor& lse_a, const Tensor& out_b, const Tensor& lse_b,
+                                Tensor out, std::optional<Tensor> lse) {
+  merge_impl(out_a, lse_a, out_b, lse_b, {out, lse});
 }
 
 // csrc/cuda/attention_binding.cpp's path with host tensors: the shared validation and output
@@ -95,21 +115,23 @@ std::tuple<Tensor, Tensor> merge_attention_states(const Tensor& out_a, const Ten
 // split workspace poisoned (NaN) so that a partial the merge reads before it is written shows.
 // The outputs are poisoned first (the real binding leaves them uninitialized). The binding's
 // debug-mode host index checks are not run (the index tensors play device memory).
-std::tuple<Tensor, Tensor> paged_attention(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-                                           const Tensor& block_tables, const Tensor& seq_lens,
-                                           std::optional<Tensor> query_start_loc, std::optional<double> scale,
-                                           int64_t window_left, double soft_cap, std::optional<Tensor> alibi_slopes,
-                                           std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-                                           std::optional<Tensor> v_scale, bool causal) {
+std::tuple<Tensor, Tensor> paged_attention_impl(const Tensor& query, const Tensor& key_cache,
+                                                const Tensor& value_cache, const Tensor& block_tables,
+                                                const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
+                                                std::optional<double> scale, int64_t window_left, double soft_cap,
+                                                std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks,
+                                                std::optional<Tensor> k_scale, std::optional<Tensor> v_scale,
+                                                bool causal, const GivenOutputs& given) {
   const ArgCheck c("paged_attention");
   PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables, seq_lens,
                                                 query_start_loc, scale, window_left, soft_cap, alibi_slopes, sinks,
-                                                k_scale, v_scale, causal);
+                                                k_scale, v_scale, causal, {}, given);
   if (r.params.num_tokens == 0 || r.params.kv.num_seqs == 0) return {r.out, r.lse};
+  ensure_lse(c, r, r.params.lse, query, r.params.num_tokens, r.params.num_heads);
   // Outputs poisoned (NaN in every float format) before the launch: a row the kernels leave
   // unwritten shows as NaN.
-  std::memset(r.out.mutable_data_ptr(), 0xff, size_t(r.out.numel()) * r.out.element_size());
-  std::memset(r.lse.mutable_data_ptr(), 0xff, size_t(r.lse.numel()) * r.lse.element_size());
+  poison(r.out.mutable_data_ptr(), r.out.numel(), r.out.element_size());
+  poison(r.params.lse, r.params.num_tokens * r.params.num_heads, sizeof(float));
   const attn_cuda::LaunchPlan plan = attn_cuda::plan_paged_attention(r.params, 0);
   Tensor workspace;
   float* ws = nullptr;
@@ -119,7 +141,29 @@ std::tuple<Tensor, Tensor> paged_attention(const Tensor& query, const Tensor& ke
     std::memset(ws, 0xff, size_t(plan.workspace_floats) * sizeof(float));
   }
   attn_cuda::launch_paged_attention(r.params, plan, ws, nullptr);
+  r.finish();
   return {r.out, r.lse};
+}
+
+std::tuple<Tensor, Tensor> paged_attention(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                                           const Tensor& block_tables, const Tensor& seq_lens,
+                                           std::optional<Tensor> query_start_loc, std::optional<double> scale,
+                                           int64_t window_left, double soft_cap, std::optional<Tensor> alibi_slopes,
+                                           std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
+                                           std::optional<Tensor> v_scale, bool causal) {
+  return paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                              window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal, {});
+}
+
+// csrc/cuda/attention_binding.cpp's paged_attention_out path (ensure_lse, finish) on host tensors.
+void paged_attention_out(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                         const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
+                         std::optional<double> scale, int64_t window_left, double soft_cap,
+                         std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks,
+                         std::optional<Tensor> k_scale, std::optional<Tensor> v_scale, bool causal, Tensor out,
+                         std::optional<Tensor> lse) {
+  paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window_left,
+                       soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal, {out, lse});
 }
 
 // The plan the launch above would use: (path, dpad, num_splits, heads_per_cta, q_tile, grid_x, grid_y).
@@ -138,16 +182,18 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> attent
 // csrc/cuda/mla_binding.cpp's mla_paged_attention with host tensors: the shared validation and
 // allocation, the real planner (device 0 of the emulator) and launcher; outputs and the split
 // workspace poisoned (NaN) before the launch. The debug-mode host index checks are not run.
-std::tuple<Tensor, Tensor> mla_paged_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables,
-                                               const Tensor& seq_lens, int64_t kv_lora_rank, double scale,
-                                               std::optional<Tensor> query_start_loc,
-                                               std::optional<Tensor> kv_scale) {
+std::tuple<Tensor, Tensor> mla_paged_attention_impl(const Tensor& q, const Tensor& kv_cache,
+                                                    const Tensor& block_tables, const Tensor& seq_lens,
+                                                    int64_t kv_lora_rank, double scale,
+                                                    std::optional<Tensor> query_start_loc,
+                                                    std::optional<Tensor> kv_scale, const GivenOutputs& given) {
   const ArgCheck c("mla_paged_attention");
   PreparedAttention r = prepare_mla_attention(c, q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale,
-                                              query_start_loc, kv_scale);
+                                              query_start_loc, kv_scale, {}, given);
   if (r.params.num_tokens == 0 || r.params.kv.num_seqs == 0) return {r.out, r.lse};
-  std::memset(r.out.mutable_data_ptr(), 0xff, size_t(r.out.numel()) * r.out.element_size());
-  std::memset(r.lse.mutable_data_ptr(), 0xff, size_t(r.lse.numel()) * r.lse.element_size());
+  ensure_lse(c, r, r.params.lse, q, r.params.num_tokens, r.params.num_heads);
+  poison(r.out.mutable_data_ptr(), r.out.numel(), r.out.element_size());
+  poison(r.params.lse, r.params.num_tokens * r.params.num_heads, sizeof(float));
   mla_cuda::MlaPlan plan;
   check(c, mla_cuda::plan_mla_attention(r.params, 0, &plan));
   Tensor workspace;
@@ -158,7 +204,25 @@ std::tuple<Tensor, Tensor> mla_paged_attention(const Tensor& q, const Tensor& kv
     std::memset(ws, 0xff, size_t(plan.workspace_floats) * sizeof(float));
   }
   check(c, mla_cuda::launch_mla_attention(r.params, plan, ws, nullptr));
+  r.finish();
   return {r.out, r.lse};
+}
+
+std::tuple<Tensor, Tensor> mla_paged_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables,
+                                               const Tensor& seq_lens, int64_t kv_lora_rank, double scale,
+                                               std::optional<Tensor> query_start_loc,
+                                               std::optional<Tensor> kv_scale) {
+  return mla_paged_attention_impl(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, query_start_loc,
+                                  kv_scale, {});
+}
+
+// csrc/cuda/mla_binding.cpp's mla_paged_attention_out path (ensure_lse, finish) on host tensors.
+void mla_paged_attention_out(const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables,
+                             const Tensor& seq_lens, int64_t kv_lora_rank, double scale,
+                             std::optional<Tensor> query_start_loc, std::optional<Tensor> kv_scale, Tensor out,
+                             std::optional<Tensor> lse) {
+  mla_paged_attention_impl(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, query_start_loc, kv_scale,
+                           {out, lse});
 }
 
 // The plan of the launch above: (path, dp, stages, smem, heads_per_cta, q_tile, num_splits, grid_x, grid_y).
@@ -216,6 +280,15 @@ STABLE_TORCH_LIBRARY(kvkernels_emu, m) {
         "Tensor? v_scale=None, bool causal=True) -> (Tensor out, Tensor lse)");
   m.def("mla_paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int kv_lora_rank, "
         "float scale, Tensor? query_start_loc=None, Tensor? kv_scale=None) -> (Tensor out, Tensor lse)");
+  m.def("paged_attention_out(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor? query_start_loc=None, float? scale=None, int window_left=-1, "
+        "float soft_cap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? k_scale=None, "
+        "Tensor? v_scale=None, bool causal=True, *, Tensor(a!) out, Tensor(b!)? lse=None) -> ()");
+  m.def("merge_attention_states_out(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, *, Tensor(a!) out, "
+        "Tensor(b!)? lse=None) -> ()");
+  m.def("mla_paged_attention_out(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+        "int kv_lora_rank, float scale, Tensor? query_start_loc=None, Tensor? kv_scale=None, *, Tensor(a!) out, "
+        "Tensor(b!)? lse=None) -> ()");
   m.def("mla_attention_plan(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int kv_lora_rank, "
         "Tensor? query_start_loc=None, Tensor? kv_scale=None) -> (int, int, int, int, int, int, int, int, int)");
   m.def("mla_decompress(Tensor kv_cache, Tensor block_tables, Tensor seq_lens, Tensor w_kv_b, int kv_lora_rank, "
@@ -234,6 +307,9 @@ STABLE_TORCH_LIBRARY_IMPL(kvkernels_emu, CPU, m) {
   m.impl("merge_attention_states", TORCH_BOX(&emu_ops::merge_attention_states));
   m.impl("paged_attention", TORCH_BOX(&emu_ops::paged_attention));
   m.impl("mla_paged_attention", TORCH_BOX(&emu_ops::mla_paged_attention));
+  m.impl("paged_attention_out", TORCH_BOX(&emu_ops::paged_attention_out));
+  m.impl("merge_attention_states_out", TORCH_BOX(&emu_ops::merge_attention_states_out));
+  m.impl("mla_paged_attention_out", TORCH_BOX(&emu_ops::mla_paged_attention_out));
   m.impl("mla_attention_plan", TORCH_BOX(&emu_ops::mla_attention_plan));
   m.impl("mla_decompress", TORCH_BOX(&emu_ops::mla_decompress));
   m.impl("attention_plan", TORCH_BOX(&emu_ops::attention_plan));
