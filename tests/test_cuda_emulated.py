@@ -1038,6 +1038,28 @@ def test_merge_attention_states_nonfinite(emu):
 # ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", [bf16, f32], ids=["bf16-mma", "f32-simt"])
+@pytest.mark.parametrize("dv", [64, 32], ids=["dv64", "dv32"])
+def test_out_noncausal(emu, dv, dtype):
+    """causal=False through paged_attention_out (the binding's out path passes causal to prepare), with more
+    queries than keys and Dv != Dk: the bytes of the allocating causal=False call, which is the reference's
+    non-causal answer and differs from the causal one."""
+    q_lens = [5, 2, 30, 9]
+    kv = make_paged_kv(seq_lens=[17, 0, 40, 3], num_kv_heads=2, head_dim=64, head_dim_v=dv, block_size=16,
+                       dtype=dtype, seed=41)
+    query = make_query(sum(q_lens), 8, 64, dtype, generator(42))
+    qsl = query_start_loc(q_lens)
+    want, want_lse = run_paged_attention(kv, query, qsl, op=functools.partial(emulated_paged_attention, emu),
+                                         causal=False, window_left=20)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl)
+    out, lse = torch.full_like(want, float("nan")), torch.full_like(want_lse, 7.0)
+    emu.paged_attention_out(*args, window_left=20, causal=False, **kv.scales, out=out, lse=lse)
+    assert_bytes_equal(out, want, "out")
+    assert_bytes_equal(lse, want_lse, "lse")
+    emu.paged_attention_out(*args, window_left=20, **kv.scales, out=out, lse=lse)  # causal=True by default
+    assert not torch.equal(out, want)
+
+
 @pytest.mark.parametrize("case", ["f16-decode-mma", "bf16-varlen-mma", "f32-decode-simt", "mla-bf16", "merge-f16"])
 def test_out_variants(emu, case):
     """out= + lse= (contiguous: written directly) and out= alone into a padded view (through a temporary, with
