@@ -361,6 +361,10 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     if scale is None:
         scale = head_dim ** -0.5
 
+    if k_scale is not None and _is_fp8(key_cache.dtype):
+        # A non-finite k_scale is NaN for the logits (docs/ops.md): every key it scales is NaN, so every
+        # row that sees one is NaN, also under a soft cap (which maps +-inf logits to +-soft_cap).
+        k_scale = torch.where(torch.isfinite(k_scale), k_scale, float("nan"))
     out = torch.zeros(num_tokens, num_heads, value_cache.shape[-1], dtype=torch.float64, device=query.device)
     lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float64, device=query.device)
     for i, (start, end) in enumerate(_query_ranges(query_start_loc, len(seq_lens_list))):

@@ -99,7 +99,8 @@ kernel void paged_attention(device const Q_T* query [[buffer(0)]],        // [T,
   const long last = p.causal ? pos : seq_len - 1;
   const long kvh = h / (p.num_heads / p.num_kv_heads);
 #if KV_FP8
-  const float ks = head_scale(k_scale, p.k_scale_per_head, kvh);
+  // A non-finite k_scale is NaN for the logits (docs/ops.md): the soft cap would map +-inf to +-cap.
+  const float ks0 = head_scale(k_scale, p.k_scale_per_head, kvh), ks = ks0 * 0.0f == 0.0f ? ks0 : ks0 * 0.0f;
   const float vs = head_scale(v_scale, p.v_scale_per_head, kvh);
 #else
   const float ks = 1.0f, vs = 1.0f;

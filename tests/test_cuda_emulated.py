@@ -992,6 +992,11 @@ def test_paged_attention_nonfinite(emu, config, monkeypatch):
         kv.k_scale[0] = float("nan")
         kv.v_scale[-1] = float("inf")
         run_emu_attention(emu, kv, query, qsl, path=path)
+        # An inf k_scale counts as NaN also under a soft cap (whose tanh would make +-inf logits finite).
+        kv.k_scale[0] = float("-inf")
+        out, lse, _ = run_emu_attention(emu, kv, query, qsl, path=path, soft_cap=5.0)
+        group = hq // hkv
+        assert out[:, :group].isnan().all() and lse[:, :group].isnan().all()
 
 
 @pytest.mark.parametrize("kind", ["mma16", "mma64", "simt", "mma64-split3"])

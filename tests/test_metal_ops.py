@@ -447,6 +447,10 @@ def test_paged_attention_nonfinite(mode, fp8):
         # Sequence 0's last query: heads of kv head 0 NaN through k_scale, of kv head 1 through v_scale.
         last = 0 if qsl is None else int(qsl[1]) - 1
         assert out[last].isnan().all() and lse[last, :2].isnan().all()
+        # An inf k_scale counts as NaN also under a soft cap (whose tanh would make +-inf logits finite).
+        kv.k_scale[0], kv.v_scale[1] = float("inf"), 1.0
+        out, lse = check_paged_attention(kv, query, qsl, soft_cap=5.0)
+        assert lse[last, :2].isnan().all() and out[last, :2].isnan().all()
 
 
 @pytest.mark.parametrize("mode", ["decode", "varlen"])

@@ -158,6 +158,22 @@ def test_nonfinite_parameter(isa, threads, mode, param):
             assert out[:, :hq // kv.key_cache.shape[2]].isnan().all() and not lse.isnan().any()
 
 
+# A +-inf k_scale is NaN for the logits: under a soft cap the +-inf logits would otherwise become
+# +-soft_cap, finite (found by tests/test_fuzz.py: the kernels returned finite rows, the reference NaN).
+@pytest.mark.parametrize("mode", MODES.keys())
+@pytest.mark.parametrize("value", ["+inf", "-inf", "nan"])
+def test_nonfinite_k_scale_under_soft_cap(isa, threads, mode, value):
+    threads(MODES[mode][4])
+    for cache in ["bf16-e4m3", "f16-e5m2"]:
+        kv, query, qsl = build(mode, cache)
+        group = query.shape[1] // kv.key_cache.shape[2]
+        kv.k_scale[0] = VALUES[value]
+        out, lse, _, _ = check(kv, query, qsl, soft_cap=5.0, alibi_slopes=torch.linspace(0.01, 0.2, query.shape[1]))
+        # Every row of these modes sees a key: kv head 0's rows are NaN, the other kv head's are not.
+        assert lse[:, :group].isnan().all() and out[:, :group].isnan().all()
+        assert not lse[:, group:].isnan().any() and not out[:, group:].isnan().any()
+
+
 @pytest.mark.parametrize("arg, value", [("scale", NAN), ("scale", INF), ("soft_cap", NAN), ("soft_cap", INF),
                                         ("soft_cap", -1.0)])
 def test_nonfinite_scalar_parameter_is_an_error(arg, value):

@@ -572,7 +572,7 @@ struct Head {
 template <typename Q>
 inline void load_queries(const AttentionParams& p, const AttentionPlan& plan, const Head& h,
                          int rows, int rows4, bool paired) {
-  const float qmul = p.scale * p.kv.k_scale_of(h.kv_head);
+  const float qmul = p.scale * p.kv.logit_k_scale_of(h.kv_head);
   for (int r = 0; r < rows4; ++r) {
     float* q = h.sc.q + size_t(r) * plan.dk;
     for (int i = 0; i < plan.dk; ++i) q[i] = 0.0f;

@@ -340,7 +340,7 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
   if constexpr (kAmx) amx_pack_queries(sc.q_bf16(), rows16, Dk, sc.qt_bf16(plan));
 #endif
 
-  const float mul = p.scale * kv.k_scale_of(it.kv_head);
+  const float mul = p.scale * kv.logit_k_scale_of(it.kv_head);
   const ChunkRange cr(p, plan, it, map, rows, kTileChunk);
   const RowMasks mk(kv);
   const C* kb = static_cast<const C*>(kv.k);

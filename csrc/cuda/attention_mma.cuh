@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, 1)
   const float slope_a = (p.alibi_slopes && ra.valid) ? p.alibi_slopes[ra.head] : 0.0f;
   const float slope_b = (p.alibi_slopes && rb.valid) ? p.alibi_slopes[rb.head] : 0.0f;
   constexpr float unit = C::FP8 ? fp8_unit<CF>() : 1.0f;
-  const float qk_mul = p.scale * p.kv.k_scale_of(w.kv_head) * unit;
+  const float qk_mul = p.scale * p.kv.logit_k_scale_of(w.kv_head) * unit;
   const float v_mul = p.kv.v_scale_of(w.kv_head) * unit;
   const float plain_mul = qk_mul * kLog2e;
   const LogitOps ops = logit_ops(p, w);

@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(128, 1)
   char* smain = reinterpret_cast<char*>(smem + C::MAIN_OFF);
 
   constexpr float unit = C::FP8 ? fp8_unit<CF>() : 1.0f;
-  const float qk_mul = p.scale * p.kv.k_scale_of(w.kv_head) * unit;
+  const float qk_mul = p.scale * p.kv.logit_k_scale_of(w.kv_head) * unit;
   const float v_mul = p.kv.v_scale_of(w.kv_head) * unit;
   const LogitOps ops = logit_ops(p, w);
 

@@ -49,6 +49,14 @@ struct paged_kv_t {
   KVK_HOST_DEVICE float v_scale_of(int head) const {
     return v_scale ? v_scale[v_scale_per_head ? head : 0] : 1.0f;
   }
+  // The k_scale that multiplies attention logits: a non-finite one (inf or NaN) is NaN, so every
+  // visible logit of that kv head is NaN and so are its rows (docs/ops.md "Non-finite values"). An inf
+  // alone could come out finite: the soft cap's tanh maps +-inf logits to +-soft_cap. (s * 0 is 0 for
+  // a finite s and NaN otherwise; no NaN constant needed on the host or the device.)
+  KVK_HOST_DEVICE float logit_k_scale_of(int head) const {
+    const float s = k_scale_of(head), z = s * 0.0f;
+    return z == 0.0f ? s : z;
+  }
 };
 
 // Element format of query / output / weight tensors (never fp8).
