@@ -13,8 +13,8 @@ namespace kvkernels {
 // seq_lens within [0, max_blocks_per_seq * block_size]; every block id a sequence uses in range.
 void check_paged_kv_indices(const ArgError& c, const paged_kv_t& kv);
 
-// query_start_loc starts at 0, never decreases, ends at num_tokens, and no sequence has more
-// queries than keys.
+// query_start_loc starts at 0, never decreases and ends at num_tokens. (A sequence may have more
+// queries than keys: with causal masking its leading rows see no key.)
 void check_query_start_loc(const ArgError& c, const AttentionParams& p);
 
 // Every slot < num_blocks * block_size (negative slots mean "skip").

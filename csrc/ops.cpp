@@ -41,7 +41,8 @@ PyMODINIT_FUNC PyInit__C(void) {
 #define KVK_PAGED_ATTENTION_ARGS                                                                \
   "Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "  \
   "Tensor? query_start_loc=None, float? scale=None, int window_left=-1, float soft_cap=0.0, "   \
-  "Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None"
+  "Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None, " \
+  "bool causal=True"
 #define KVK_MLA_PAGED_ATTENTION_ARGS                                                          \
   "Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int kv_lora_rank, "       \
   "float scale, Tensor? query_start_loc=None, Tensor? kv_scale=None"

@@ -42,11 +42,13 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
                     scale: Optional[float] = None, window_left: int = -1, soft_cap: float = 0.0,
                     alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
                     k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
-                    out: Optional[Tensor] = None,
+                    causal: bool = True, out: Optional[Tensor] = None,
                     lse: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
     """Attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over each sequence's paged
     keys/values. ``query_start_loc=None``: decode, one query per sequence; else int32
-    ``[num_seqs + 1]`` cumulative query counts (chunked prefill, bottom-right causal).
+    ``[num_seqs + 1]`` cumulative query counts (chunked prefill, bottom-right causal; a sequence
+    may have more queries than keys, its leading rows then see none). ``causal=False``: every
+    query of a sequence sees all of its keys (encoder self-attention, cross-attention).
     ``value_cache`` may have its own head dim ``head_dim_v`` (e.g. qk 192 / v 128).
     Returns ``(out [num_tokens, num_heads, head_dim_v] in the query dtype, lse float32
     [num_tokens, num_heads])``. Options: GQA/MQA, ``window_left``, ``soft_cap``, ALiBi, sinks,
@@ -61,11 +63,12 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
     if _out_call("paged_attention", out, lse):
         _ops.paged_attention_out.default(query, key_cache, value_cache, block_tables, seq_lens,
                                          query_start_loc, scale, window_left, soft_cap,
-                                         alibi_slopes, sinks, k_scale, v_scale, out=out, lse=lse)
+                                         alibi_slopes, sinks, k_scale, v_scale, causal, out=out,
+                                         lse=lse)
         return out, lse
     return _ops.paged_attention.default(query, key_cache, value_cache, block_tables, seq_lens,
                                         query_start_loc, scale, window_left, soft_cap,
-                                        alibi_slopes, sinks, k_scale, v_scale)
+                                        alibi_slopes, sinks, k_scale, v_scale, causal)
 
 
 def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, *,
@@ -171,7 +174,8 @@ def _(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=No
 
 @torch.library.register_fake("kvkernels::paged_attention")
 def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, scale=None,
-      window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None):
+      window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None,
+      causal=True):
     torch._check(query.dim() == 3, lambda: "kvkernels.paged_attention: query: expected 3 dims")
     torch._check(query.shape[2] == key_cache.shape[3],
                  lambda: "kvkernels.paged_attention: query: head_dim differs from key_cache's")
@@ -259,8 +263,8 @@ def _check_given(op, like_arg, like, out, lse, shape):
 
 @torch.library.register_fake("kvkernels::paged_attention_out")
 def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, scale=None,
-      window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None, *,
-      out, lse=None):
+      window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None,
+      causal=True, *, out, lse=None):
     t, h, _ = query.shape
     _check_given("paged_attention", "query", query, out, lse, (t, h, value_cache.shape[3]))
 

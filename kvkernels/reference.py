@@ -131,7 +131,8 @@ def _check_paged(op: str, cache, block_tables, seq_lens, num_tokens=None) -> lis
 
 def _check_queries(op: str, q_arg: str, num_tokens: int, query_start_loc, seq_lens: list[int]) -> None:
     """Decode: one query per sequence. Varlen: int32 [S + 1], from 0, non-decreasing, to
-    num_tokens, no sequence with more queries than keys."""
+    num_tokens. A sequence may have more queries than keys (its leading rows see no key when
+    causal)."""
     if query_start_loc is None:
         if num_tokens != len(seq_lens):
             _fail(op, q_arg, f"decode (query_start_loc=None) needs one query per sequence: got {num_tokens} "
@@ -144,8 +145,6 @@ def _check_queries(op: str, q_arg: str, num_tokens: int, query_start_loc, seq_le
     for s, n in enumerate(seq_lens):
         if qsl[s + 1] < qsl[s]:
             _fail(op, "query_start_loc", f"decreases at index {s + 1} ({qsl[s]} -> {qsl[s + 1]})")
-        if qsl[s + 1] - qsl[s] > n:
-            _fail(op, "query_start_loc", f"sequence {s} has {qsl[s + 1] - qsl[s]} queries but only {n} keys")
     if qsl[-1] != num_tokens:
         _fail(op, "query_start_loc", f"must end at num_tokens = {num_tokens}, got {qsl[-1]}")
 
@@ -212,9 +211,13 @@ def _query_ranges(query_start_loc, num_seqs: int) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _attend_one_sequence(q, k, v, scale, window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None):
+def _attend_one_sequence(q, k, v, scale, window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None,
+                         causal=True):
     """Attention of q [q_len, H, Dk] over k [S, H, Dk], v [S, H, Dv] (all float64, heads already
-    matched), with the last query at key position S - 1 (bottom-right causal alignment).
+    matched), with the last query at key position S - 1 (bottom-right alignment: query i sits at
+    pos = S - q_len + i, negative for the leading rows when q_len > S). Causal: query i sees keys
+    j <= pos; not causal: every key. The window (j >= pos - window_left) and ALiBi (j - pos) use
+    the same pos either way.
 
     Returns out [q_len, H, Dv] and lse [q_len, H], both float64. Non-finite inputs follow
     docs/ops.md ("Non-finite values"): the softmax of each row is evaluated as
@@ -237,7 +240,10 @@ def _attend_one_sequence(q, k, v, scale, window_left=-1, soft_cap=0.0, alibi_slo
         distance = key_pos[None, :] - pos[:, None]  # [q_len, S], <= 0 for visible keys
         logits = logits + alibi_slopes.to(device, torch.float64)[:, None, None] * distance
 
-    visible = key_pos[None, :] <= pos[:, None]  # [q_len, S]
+    if causal:
+        visible = key_pos[None, :] <= pos[:, None]  # [q_len, S]
+    else:
+        visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=device)
     if window_left >= 0:
         visible &= key_pos[None, :] >= pos[:, None] - window_left
     logits = logits.masked_fill(~visible, float("-inf"))
@@ -336,9 +342,9 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, k_sca
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *, scale=None,
                     window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None,
-                    out=None, lse=None):
-    """Causal attention of query [T, Hq, D] over each sequence's paged keys/values -> (out, lse)
-    (written into out= / lse= when given)."""
+                    causal=True, out=None, lse=None):
+    """Attention of query [T, Hq, D] over each sequence's paged keys/values -> (out, lse); causal
+    (bottom-right aligned) unless causal=False (written into out= / lse= when given)."""
     num_tokens, num_heads, head_dim = query.shape
     given_out, given_lse = out, lse
     _check_given("paged_attention", out, lse, (num_tokens, num_heads, value_cache.shape[-1]), query.dtype,
@@ -369,7 +375,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
         v = v.repeat_interleave(group, dim=1).to(query.device)
         q = query[start:end].to(torch.float64)
         out[start:end], lse[start:end] = _attend_one_sequence(
-            q, k, v, scale, window_left, soft_cap, alibi_slopes, sinks)
+            q, k, v, scale, window_left, soft_cap, alibi_slopes, sinks, causal)
     out = _nan_rows_of_bad_scale(out, v_scale, value_cache.dtype, group)
     return _returned(out.to(query.dtype), lse.to(torch.float32), given_out, given_lse)
 

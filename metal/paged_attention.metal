@@ -15,7 +15,9 @@
 // Non-finite values (docs/ops.md): a NaN or +inf logit or sink makes the row NaN (the state's sum
 // turns NaN), every visible logit -inf without a sink is 0 / 0 = NaN, a non-finite v_scale makes
 // out NaN; the tests are on the bits (fast math may fold isnan away).
-// Only visible keys are read: causal limit pos = seq_len - q_len + i, window [pos - window_left, pos].
+// Only visible keys are read: [first, last] with pos = seq_len - q_len + i, first = pos - window_left
+// (window) or 0, last = pos (causal) or seq_len - 1 (causal = 0). Leading rows of a sequence with
+// more queries than keys (pos < 0) see no key when causal: first > last.
 // Not tuned: no query tiling for prefill (each query row reads its keys itself), no split-K for
 // very long contexts.
 
@@ -45,6 +47,7 @@ struct AttentionParams {
   long vc_stride_b, vc_stride_s, vc_stride_h;
   long varlen;       // 0: decode (token t is sequence t); 1: query_start_loc gives the rows
   long window_left;  // < 0: no window
+  long causal;       // 0: every row sees all keys of its sequence (the window's lower bound applies)
   long has_alibi;
   long has_sinks;
   long k_scale_per_head;
@@ -93,6 +96,7 @@ kernel void paged_attention(device const Q_T* query [[buffer(0)]],        // [T,
   const long q_len = p.varlen ? long(query_start_loc[s + 1] - query_start_loc[s]) : 1;
   const long pos = seq_len - q_len + (p.varlen ? t - long(query_start_loc[s]) : 0);
   const long first = p.window_left >= 0 ? max(pos - p.window_left, 0l) : 0l;
+  const long last = p.causal ? pos : seq_len - 1;
   const long kvh = h / (p.num_heads / p.num_kv_heads);
 #if KV_FP8
   // A non-finite k_scale is NaN for the logits (docs/ops.md): the soft cap would map +-inf to +-cap.
@@ -111,7 +115,7 @@ kernel void paged_attention(device const Q_T* query [[buffer(0)]],        // [T,
   }
 
   float m = -FLT_MAX, l = 0.0f;
-  for (long j = first + sg; j <= pos; j += PA_SIMD_GROUPS) {
+  for (long j = first + sg; j <= last; j += PA_SIMD_GROUPS) {
     const long blk = block_tables[s * p.table_stride + j / p.block_size];
     if (blk < 0 || blk >= p.num_blocks) continue;  // invalid table entry: the host check reports it
     const long off = j % p.block_size;
@@ -162,7 +166,7 @@ kernel void paged_attention(device const Q_T* query [[buffer(0)]],        // [T,
     total += part_l[k] * weight[k];
   }
   // total = 0: no finite logit and no sink; a NaN row when the row has visible keys (all -inf).
-  const bool nan_row = bits_nan(total) || (total == 0.0f && pos >= first);
+  const bool nan_row = bits_nan(total) || (total == 0.0f && last >= first);
   const bool v_ok = bits_finite(vs);
   const long row = t * p.num_heads + h;
   for (long d = tid; d < Dv; d += group_threads) {

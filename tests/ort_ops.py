@@ -81,7 +81,8 @@ def _dense(t):
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *, scale=None,
-                    window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None):
+                    window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None,
+                    causal=True):
     t, hq, d = query.shape
     out = torch.full((t, hq, d), float("nan"), dtype=query.dtype)
     lse = torch.full((t, hq), float("nan"), dtype=torch.float32)
@@ -91,7 +92,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
            ("sinks", _dense(sinks)), ("k_scale", _dense(k_scale)), ("v_scale", _dense(v_scale))]
     return tuple(run("PagedAttention", ins, [("out", out, None), ("lse", lse, None)],
                      scale=None if scale is None else float(scale), window_left=int(window_left),
-                     soft_cap=float(soft_cap)))
+                     soft_cap=float(soft_cap), causal=int(causal)))
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, k_scale=None, v_scale=None):

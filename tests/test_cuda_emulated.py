@@ -228,10 +228,10 @@ def plan_of(emu, kv, query, qsl):
 
 def emulated_paged_attention(emu, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
                              scale=None, window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None,
-                             v_scale=None):
+                             v_scale=None, causal=True):
     """``kvkernels_emu::paged_attention`` (positional schema) with ``ops.paged_attention``'s signature."""
     return emu.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                               window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale)
+                               window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal)
 
 
 def check_plan(plan, path, splits) -> None:
@@ -383,6 +383,49 @@ def test_forced_splits(emu, dtype, splits, monkeypatch):
         kv, query, qsl = make_case(mode, [300, 0, 1, 77, 16], dtype=dtype, num_heads=4, num_kv_heads=2,
                                    head_dim=64, block_size=16, seed=5)
         run_emu_attention(emu, kv, query, qsl, splits=lambda n: n > 1, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))
+
+
+# id: dtype, Hq, Hkv, D, B, forced path (None: the planner's), forced splits
+NONCAUSAL_CONFIGS = {
+    "f32-simt-gqa2": (f32, 4, 2, 64, 16, None, None),
+    "f16-mma-gqa4": (f16, 8, 2, 128, 16, None, None),
+    "bf16-mma-mqa-b5": (bf16, 4, 1, 64, 5, None, None),
+    "bf16-simt-split3": (bf16, 4, 2, 64, 16, "simt", 3),
+    "f16-mma-split3": (f16, 8, 2, 64, 16, None, 3),
+}
+
+
+@pytest.mark.parametrize("opts", [{}, dict(window_left=9), dict(alibi_slopes=torch.linspace(-0.2, 0.3, 8)[:4],
+                                                                 sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))],
+                         ids=["plain", "window9", "alibi-sinks"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("config", NONCAUSAL_CONFIGS.values(), ids=NONCAUSAL_CONFIGS.keys())
+def test_noncausal_and_more_queries_than_keys(emu, config, causal, opts, monkeypatch):
+    """causal=False (a window keeps its lower bound; keys past seq_len in a sequence's last tile masked) and
+    sequences with more queries than keys (causal: leading rows see no key), on the SIMT and tensor-core
+    kernels, with forced splits (the merge kernel finds each row's sequence to tell 'no key' from NaN)."""
+    dtype, hq, hkv, d, b, path, splits = config
+    force_cuda_plan(monkeypatch, "ATTN", path, splits)
+    if "alibi_slopes" in opts and hq != 4:
+        opts = dict(opts, alibi_slopes=torch.linspace(-0.2, 0.3, hq), sinks=torch.linspace(-1.0, 1.0, hq))
+    seq_lens, q_lens = [b + 1, 0, 70, 3, 40, 9], [b + 1, 3, 33, 7, 1, 70]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=d, block_size=b, dtype=dtype, seed=13)
+    query = make_query(sum(q_lens), hq, d, dtype, generator(14))
+    qsl = query_start_loc(q_lens)
+    out, lse, _ = run_emu_attention(emu, kv, query, qsl, splits=(lambda n: n > 1) if splits else None,
+                                    causal=causal, **opts)
+    starts = qsl.tolist()
+    empty = list(range(starts[1], starts[2]))  # seq_len 0
+    if causal:  # 4 of the 7 queries over 3 keys, 61 of the 70 over 9
+        empty += list(range(starts[3], starts[3] + 4)) + list(range(starts[5], starts[5] + 61))
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    # decode with causal=False: the same numbers as causal
+    kv_d, query_d, _ = make_case("decode", seq_lens, dtype=dtype, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                 block_size=b, seed=15)
+    if not causal:
+        a = run_emu_attention(emu, kv_d, query_d, None, causal=False, **opts)[:2]
+        c = run_emu_attention(emu, kv_d, query_d, None, **opts)[:2]
+        assert torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
 
 
 @pytest.mark.parametrize("opts", [{}, dict(window_left=37)], ids=["causal", "window"])
@@ -675,6 +718,19 @@ def test_mla_empty_sequences_and_batch(emu, mode, dtype, mla_path):
     qsl0 = None if mode == "decode" else torch.zeros(1, dtype=torch.int32)
     out, lse = emu.mla_paged_attention(q0, mla.kv_cache, table, lens, 64, 0.1, qsl0, None)
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_mla_more_queries_than_keys(emu, dtype, mla_path):
+    """FlashMLA's empty-context prefill: more queries than keys (seq_len 0 included); the leading rows
+    see no key (out 0, lse -inf), also through split partials and the merge."""
+    if mla_path[0] in ("mma16", "mma64") and dtype == f32:
+        pytest.skip("float32 q has only the SIMT kernel")
+    seq_lens, q_lens = [3, 0, 40, 17], [7, 2, 40, 20]
+    mla, q, qsl = make_mla_case("varlen", seq_lens, dtype, None, 64, 16, 16, 16, q_lens=q_lens, seed=7)
+    out, lse, _ = run_emu_mla_attention(emu, mla, q, qsl, 0.1)
+    empty = [0, 1, 2, 3, 7, 8, 49, 50, 51]
+    assert torch.equal(out[empty], torch.zeros_like(out[empty])) and torch.isneginf(lse[empty]).all()
 
 
 @pytest.mark.parametrize("mode", ["decode", "varlen"])
@@ -985,6 +1041,28 @@ def test_merge_attention_states_nonfinite(emu):
 # ---------------------------------------------------------------------------------------------------
 # caller-provided outputs (the *_out ops): the CUDA bindings' out= path (ensure_lse, finish) on the emulator
 # ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [bf16, f32], ids=["bf16-mma", "f32-simt"])
+@pytest.mark.parametrize("dv", [64, 32], ids=["dv64", "dv32"])
+def test_out_noncausal(emu, dv, dtype):
+    """causal=False through paged_attention_out (the binding's out path passes causal to prepare), with more
+    queries than keys and Dv != Dk: the bytes of the allocating causal=False call, which is the reference's
+    non-causal answer and differs from the causal one."""
+    q_lens = [5, 2, 30, 9]
+    kv = make_paged_kv(seq_lens=[17, 0, 40, 3], num_kv_heads=2, head_dim=64, head_dim_v=dv, block_size=16,
+                       dtype=dtype, seed=41)
+    query = make_query(sum(q_lens), 8, 64, dtype, generator(42))
+    qsl = query_start_loc(q_lens)
+    want, want_lse = run_paged_attention(kv, query, qsl, op=functools.partial(emulated_paged_attention, emu),
+                                         causal=False, window_left=20)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl)
+    out, lse = torch.full_like(want, float("nan")), torch.full_like(want_lse, 7.0)
+    emu.paged_attention_out(*args, window_left=20, causal=False, **kv.scales, out=out, lse=lse)
+    assert_bytes_equal(out, want, "out")
+    assert_bytes_equal(lse, want_lse, "lse")
+    emu.paged_attention_out(*args, window_left=20, **kv.scales, out=out, lse=lse)  # causal=True by default
+    assert not torch.equal(out, want)
 
 
 @pytest.mark.parametrize("case", ["f16-decode-mma", "bf16-varlen-mma", "f32-decode-simt", "mla-bf16", "merge-f16"])

@@ -257,6 +257,35 @@ def test_paged_attention_features(fi, feature, mode, lane_order):
         assert torch.equal(lse[3], sinks if sinks is not None else torch.full((hq,), float("-inf")))
 
 
+# id: case of ATTENTION_CASES, logit options (causal=False and/or q_len > seq_len in every row set)
+NONCAUSAL_CASES = {
+    "f32-noncausal": ("f32-NHD-gqa2-d40-b3", dict(causal=False)),
+    "bf16-noncausal-window": ("bf16-stacked-mha-d72-b5", dict(causal=False, window_left=4)),
+    "e4m3-noncausal-alibi-sinks": ("e4m3-head-bf16-NHD-gqa2-d32-b3",
+                                   dict(causal=False, alibi_slopes=torch.tensor([0.3, 0.1, -0.2, 0.05]),
+                                        sinks=torch.tensor([0.5, -1.0, 1.0, 2.0]))),
+    "f16-causal-window": ("f16-HND-mqa-d24-b4-fused", dict(window_left=2)),
+}
+
+
+@pytest.mark.parametrize("name", NONCAUSAL_CASES)
+def test_paged_attention_noncausal_and_more_queries_than_keys(name, lane_order):
+    """causal=False (window: lower bound only) and sequences with more queries than keys (causal: the
+    leading rows see no key), mixed with shorter and empty sequences."""
+    case, opts = NONCAUSAL_CASES[name]
+    dtype, fp8, per_head, layout, hq, hkv, d, b, strided = ATTENTION_CASES[case]
+    seq_lens, q_lens = [b + 1, 0, 3 * b - 1, 2], [b + 1, 3, 2 * b, 5]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=d, block_size=b, dtype=dtype, layout=layout,
+                       fp8=fp8, per_head_scale=per_head, seed=5)
+    query = make_query(sum(q_lens), hq, d, dtype, generator(6), strided=strided)
+    out, lse = check_paged_attention(kv, query, query_start_loc(q_lens), **opts)
+    causal = opts.get("causal", True)
+    empty = list(range(b + 1, b + 4)) + ([b + 4 + 2 * b, b + 5 + 2 * b, b + 6 + 2 * b] if causal else [])
+    sinks = opts.get("sinks")
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    assert torch.equal(lse[empty], (sinks if sinks is not None else torch.full((hq,), float("-inf"))).expand(len(empty), hq))
+
+
 # ----------------------------------------------------------------------------------------------------
 # MLA
 # ----------------------------------------------------------------------------------------------------
@@ -347,6 +376,24 @@ def test_mla_paged_attention(case, mode, lane_order):
     assert_close(lse, ref_lse, f32, msg="lse")
     if mode == "decode":
         assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+
+
+def test_mla_paged_attention_more_queries_than_keys(lane_order):
+    """FlashMLA's empty-context prefill: sequences with more queries than keys (seq_len 0 included); the
+    leading rows see no key: out 0, lse -inf."""
+    r, p, h, b = 40, 8, 3, 4
+    seq_lens, q_lens = [3, 0, 9], [5, 2, 9]
+    mla = make_paged_mla(seq_lens, r, p, b, dtype=f32, seed=6)
+    qsl = query_start_loc(q_lens)
+    q = make_query(sum(q_lens), h, r + p, f32, generator(7))
+    kwargs = dict(kv_lora_rank=r, scale=0.2, query_start_loc=qsl, kv_scale=None)
+    out, lse = dispatch.mla_paged_attention(q, mla.kv_cache, mla.block_tables, mla.seq_lens, **kwargs)
+    ref_out, ref_lse = reference.mla_paged_attention(upcast(q), mla.ref_cache(), mla.block_tables, mla.seq_lens,
+                                                     **kwargs)
+    assert_close(out, ref_out, f32, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
+    empty = [0, 1, 5, 6]
+    assert torch.equal(out[empty], torch.zeros_like(out[empty])) and torch.isneginf(lse[empty]).all()
 
 
 def test_mla_decompress_rounds_the_latent(lane_order):

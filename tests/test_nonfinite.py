@@ -5,7 +5,8 @@ chunk (kChunk = 16 keys for the vector kernel, kTileChunk = 64 for the AVX-512 /
 at the last key of a partial block, into each tensor parameter (ALiBi slopes, sinks, fp8 k / v scales,
 the MLA kv_scale) and into the query; ``assert_close`` requires NaN and ±inf at exactly the reference's
 positions. Keys a row does not see (window, causal diagonal, past seq_len, columns past head_dim) carry
-NaN / inf too and must change nothing. The modes reach every kernel: decode (vector kernel), chunked
+NaN / inf too and must change nothing, with ``causal=False`` too (window lower bound, past seq_len); a
+NaN key after a row's position reaches that row only when ``causal=False``. The modes reach every kernel: decode (vector kernel), chunked
 prefill with few rows (vector kernel, rows of several query positions), prefill (tile kernels on
 AVX-512, AMX for bf16 over bf16 / fp8), split-K decode (partials merged), MLA decode (tiles) and MLA
 prefill.
@@ -76,7 +77,7 @@ def poke(cache, fp8, block_ids, seq_len, pos, head, col, value):
         cache[b, o, head, col] = VALUES[value]
 
 
-def check(kv, query, qsl, **kwargs):
+def check(kv, query, qsl, **kwargs):  # kwargs may hold causal
     out, lse = ops.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl,
                                    **kwargs, **kv.scales)
     kr, vr = kv.ref_caches()
@@ -215,36 +216,88 @@ def test_no_visible_key_is_neg_inf(isa):
 # ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 @pytest.mark.parametrize("mode", MODES.keys())
 @pytest.mark.parametrize("cache", CACHES.keys())
-def test_invisible_nonfinite_is_ignored(isa, threads, mode, cache):
-    """NaN / inf in keys and values a row does not see (before its window, after its position; slots past
-    seq_len hold NaN in every test) change nothing for that row: it equals the clean cache's result."""
+def test_invisible_nonfinite_is_ignored(isa, threads, mode, cache, causal):
+    """NaN / inf in keys and values a row does not see (before its window, after its position when causal;
+    slots past seq_len hold NaN in every test) change nothing for that row: it equals the clean cache's
+    result."""
     threads(MODES[mode][4])
     kv, query, qsl = build(mode, cache, seed=4)
     window = 9
     clean, clean_lse = ops.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables,
-                                           kv.seq_lens, qsl, window_left=window, **kv.scales)
+                                           kv.seq_lens, qsl, window_left=window, causal=causal, **kv.scales)
     assert clean.isfinite().all()
     fp8 = CACHES[cache][1]
     seq_len = int(kv.seq_lens[0])
     q_len = 1 if qsl is None else int(qsl[1] - qsl[0])
-    dirty = [0, 20, seq_len - 12] + ([seq_len - 1] if q_len > 1 else [])
+    # Not causal, every row sees up to the last key: only keys before windows can be invisible.
+    dirty = [0, 20] if not causal else [0, 20, seq_len - 12] + ([seq_len - 1] if q_len > 1 else [])
     for pos in dirty:
         for head in range(kv.key_cache.shape[2]):
             for target in (kv.key_cache, kv.value_cache):
                 poke(target, fp8, kv.blocks[0], seq_len, pos, head, 3, "nan")
                 if fp8 != "e4m3":
                     poke(target, fp8, kv.blocks[0], seq_len, pos, head, 4, "+inf")
-    out, lse, _, _ = check(kv, query, qsl, window_left=window)
-    # Rows of sequence 0 whose window [pos - window, pos] holds no dirty key, and every other sequence.
+    out, lse, _, _ = check(kv, query, qsl, window_left=window, causal=causal)
+    # Rows of sequence 0 whose window [pos - window, pos] (not causal: [pos - window, seq_len)) holds no
+    # dirty key, and every other sequence.
     positions = torch.arange(seq_len - q_len, seq_len)
     blind = torch.ones(query.shape[0], dtype=torch.bool)
-    blind[:q_len] = torch.tensor([not any(p - window <= d <= p for d in dirty) for p in positions.tolist()])
+    blind[:q_len] = torch.tensor([not any(p - window <= d and (d <= p or not causal) for d in dirty)
+                                  for p in positions.tolist()])
     assert blind[:q_len].any(), "no row of sequence 0 to check"
     assert_close(out[blind], clean[blind].double(), query.dtype, msg="invisible keys changed the result")
     assert_close(lse[blind], clean_lse[blind].double(), f32, msg="lse")
     assert out[~blind].isnan().any() or not (~blind).any()
+
+
+@pytest.mark.parametrize("mode", ["chunked", "prefill"])
+@pytest.mark.parametrize("cache", CACHES.keys())
+def test_nonfinite_after_position_only_without_causal(isa, threads, mode, cache):
+    """A NaN key (and an inf value) at sequence 0's last position: causal, only its last row sees them
+    (every other row equals the clean result); causal=False, every row of kv head 0's query heads does (NaN
+    rows) and the other kv head and sequence stay finite."""
+    threads(MODES[mode][4])
+    kv, query, qsl = build(mode, cache, seed=6)
+    fp8 = CACHES[cache][1]
+    seq_len, q_len = int(kv.seq_lens[0]), int(qsl[1] - qsl[0])
+    clean, clean_lse = ops.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                           qsl, **kv.scales)
+    poke(kv.key_cache, fp8, kv.blocks[0], seq_len, seq_len - 1, 0, 2, "nan")
+    if fp8 != "e4m3":
+        poke(kv.value_cache, fp8, kv.blocks[0], seq_len, seq_len - 1, 0, 3, "+inf")
+    heads0 = query.shape[1] // kv.key_cache.shape[2]
+    out, lse, _, _ = check(kv, query, qsl)
+    assert lse[q_len - 1, :heads0].isnan().all()
+    assert_close(out[:q_len - 1], clean[:q_len - 1].double(), query.dtype, msg="rows before the NaN key")
+    assert_close(lse[:q_len - 1], clean_lse[:q_len - 1].double(), f32, msg="lse before the NaN key")
+    out, lse, _, _ = check(kv, query, qsl, causal=False)
+    assert lse[:q_len, :heads0].isnan().all() and out[:q_len, :heads0].isnan().all()
+    assert lse[:, heads0:].isfinite().all() and lse[q_len:].isfinite().all()
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_rows_before_the_first_key(isa, causal):
+    """More queries than keys: causal rows at pos < 0 see no key (out 0, lse -inf, or the sink; a NaN sink
+    gives NaN) even when every key holds NaN; causal=False they see every key. seq_len 0 with queries:
+    no key either way."""
+    kv = make_paged_kv(seq_lens=[3, 0, 20], num_kv_heads=2, head_dim=64, block_size=16, seed=8)
+    query = make_query(6 + 2 + 20, 4, 64, f32, generator(9))
+    qsl = query_start_loc([6, 2, 20])
+    for h in range(2):  # every key of sequence 0 NaN
+        for pos in range(3):
+            poke(kv.key_cache, None, kv.blocks[0], 3, pos, h, 0, "nan")
+    out, lse, _, _ = check(kv, query, qsl, causal=causal)
+    empty = [0, 1, 2, 6, 7] if causal else [6, 7]
+    assert (lse[empty] == -INF).all() and (out[empty] == 0).all()
+    seen = [3, 4, 5] if causal else [0, 1, 2, 3, 4, 5]
+    assert lse[seen].isnan().all() and lse[8:].isfinite().all()
+    sinks = torch.tensor([0.5, NAN, -INF, 1.0])
+    out, lse, _, _ = check(kv, query, qsl, sinks=sinks, causal=causal)
+    assert (lse[empty][:, 0] == 0.5).all() and lse[empty][:, 1].isnan().all() and (lse[empty][:, 2] == -INF).all()
+    assert (out[empty][:, [0, 2, 3]] == 0).all() and out[empty][:, 1].isnan().all()
 
 
 @pytest.mark.parametrize("cache", ["f32", "bf16-e4m3"])

@@ -81,6 +81,42 @@ def test_export_runs_in_ort_like_eager(tmp_path, ort_library_path):
         assert torch.equal(torch.from_numpy(feeds["kc"]), kc)
 
 
+class NonCausalAttention(torch.nn.Module):
+    """Varlen attention with ``causal=False`` (encoder self-attention / cross-attention shape) next to the
+    default causal call on the same inputs."""
+
+    def forward(self, q, kc, vc, tables, lens, qsl):
+        out_nc, lse_nc = torch.ops.kvkernels.paged_attention(q, kc, vc, tables, lens, qsl, None, 3, 0.0, None, None,
+                                                             None, None, False)
+        out_c, lse_c = torch.ops.kvkernels.paged_attention(q, kc, vc, tables, lens, qsl)
+        return out_nc, lse_nc, out_c, lse_c
+
+
+def test_export_noncausal_attribute(tmp_path, ort_library_path):
+    """paged_attention's ``causal`` becomes PagedAttention's ``causal`` attribute (0 / 1), and ORT gives
+    the eager results (q_len > seq_len rows included)."""
+    q_lens = [5, 12, 3]
+    kv = make_paged_kv(seq_lens=[9, 7, 20], num_kv_heads=2, head_dim=32, block_size=4, seed=4)
+    for cache in (kv.key_cache, kv.value_cache):
+        cache.nan_to_num_(0.0)
+    qsl = torch.tensor([0, 5, 17, 20], dtype=torch.int32)
+    args = (make_query(sum(q_lens), 4, 32, f32, generator(5)), kv.key_cache, kv.value_cache, kv.block_tables,
+            kv.seq_lens, qsl)
+    model = konnx.export(NonCausalAttention(), args, tmp_path / "nc.onnx",
+                         input_names=["q", "kc", "vc", "tables", "lens", "qsl"],
+                         output_names=["out_nc", "lse_nc", "out_c", "lse_c"])
+    onnx.checker.check_model(model)
+    nodes = [n for n in model.graph.node if n.op_type == "PagedAttention"]
+    causal = sorted(next(a.i for a in n.attribute if a.name == "causal") for n in nodes)
+    assert causal == [0, 1]
+    sess = konnx.InferenceSession(tmp_path / "nc.onnx", ort_library_path)
+    got = sess.run(None, {n: a.numpy() for n, a in zip(["q", "kc", "vc", "tables", "lens", "qsl"], args)})
+    expected = NonCausalAttention()(*args)
+    for name, g, e in zip(["out_nc", "lse_nc", "out_c", "lse_c"], got, expected):
+        assert_close(torch.from_numpy(g), e, f32, msg=name)
+    assert not torch.equal(expected[0], expected[2])
+
+
 def test_export_without_schemas_is_an_error(monkeypatch):
     """The translation needs the op schemas (translation_table() registers them; here it may not)."""
     import onnx.defs

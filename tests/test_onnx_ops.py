@@ -16,6 +16,7 @@ import ort_ops
 from helpers import generator, make_paged_kv, make_query, poison, randn, use_isa
 from kvkernels import reference
 from test_attention import make_case, run_paged_attention
+from test_causal import mixed_case, no_key_rows
 from test_cache_ops import check_gather_kv, check_reshape_and_cache
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
@@ -77,6 +78,44 @@ def test_paged_attention_fresh_inputs_each_call():
         kv, query, qsl = make_case("decode", [seed * 7 + 1, 30, 2], dtype=f32, num_heads=4, num_kv_heads=2,
                                    head_dim=32, block_size=8, seed=100 + seed)
         run_paged_attention(kv, query, qsl, op=ort_ops.paged_attention)
+
+
+# ---- causal attribute (torch's causal=False) and sequences with more queries than keys -----------
+
+# id: test_attention.CONFIGS-style (dtype, fp8, per-head scales, layout, Hq, Hkv, D, B, strided query), kwargs
+NONCAUSAL = {
+    "f32-gqa2-d32-b4": ((f32, None, False, "NHD", 4, 2, 32, 4, None), {}),
+    "bf16-e4m3-head-gqa4-d64-b16-window-alibi": ((bf16, "e4m3", True, "NHD", 8, 2, 64, 16, None),
+                                                 dict(window_left=5, alibi_slopes=torch.linspace(0.05, 0.6, 8))),
+    "f16-mqa-d128-b5-sinks-softcap": ((f16, None, False, "stacked", 4, 1, 128, 5, None),
+                                      dict(sinks=torch.linspace(-1, 2, 4), soft_cap=6.0)),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("case", NONCAUSAL.values(), ids=NONCAUSAL.keys())
+def test_paged_attention_causal_attribute(case, causal):
+    """The ``causal`` attribute against kvkernels.reference, varlen rows with q_len <, = and > seq_len (an
+    empty sequence with queries, a prefill of 40 rows over 7 keys): rows that see no key are 0 / -inf."""
+    config, extra = case
+    kv, query, qsl, q_lens, seq_lens = mixed_case(config, seed=5)
+    out, lse = run_paged_attention(kv, query, qsl, op=ort_ops.paged_attention, causal=causal, **extra)
+    empty = no_key_rows(q_lens, seq_lens, causal)
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    if "sinks" not in extra:
+        assert torch.isneginf(lse[empty]).all()
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512", "avx512vbmi", "avx512amx"])
+def test_paged_attention_noncausal_isa_paths(isa, monkeypatch):
+    """causal=0 on every SIMD path of the library (decode and varlen; bf16 over e4m3 takes the AMX tiles
+    where the CPU has them)."""
+    use_isa(monkeypatch, isa)
+    kv, query, qsl, _, _ = mixed_case((bf16, "e4m3", True, "NHD", 8, 2, 64, 16, None), seed=7)
+    run_paged_attention(kv, query, qsl, op=ort_ops.paged_attention, causal=False, window_left=9)
+    kv, query, qsl = make_case("decode", [3, 40, 0, 18], dtype=f32, num_heads=4, num_kv_heads=4, head_dim=32,
+                               block_size=5, seed=13)
+    run_paged_attention(kv, query, qsl, op=ort_ops.paged_attention, causal=False, soft_cap=9.0)
 
 
 # ---- cache ops --------------------------------------------------------------------------------
@@ -191,6 +230,7 @@ ATTENTION_ERRORS = {
     "soft_cap": (lambda a: a.__setitem__("soft_cap", -1.0), "soft_cap", "must be >= 0"),
     "query_start_loc end": (lambda a: a.__setitem__("query_start_loc", torch.tensor([0, 1, 1], dtype=torch.int32)),
                             "query_start_loc", "must end at"),
+    "causal not 0 or 1": (lambda a: a.__setitem__("causal", 2), "causal", "must be 0 or 1, got 2"),
 }
 
 

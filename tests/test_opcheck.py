@@ -64,10 +64,11 @@ def rc_sample(dtype, layout, fp8=None, per_head=False, strided=False, dv=16):
     return build
 
 
-def pa_sample(dtype, layout, fp8=None, per_head=False, varlen=False, strided=None, dv=None, **opts):
+def pa_sample(dtype, layout, fp8=None, per_head=False, varlen=False, strided=None, dv=None, q_lens=None, **opts):
     def build():
         kv = paged(dtype, layout, fp8, per_head, hkv=2, dv=dv)
-        q_lens = [3, 0, 4] if varlen else [1, 1, 1]
+        nonlocal q_lens
+        q_lens = q_lens or ([3, 0, 4] if varlen else [1, 1, 1])
         q = make_query(sum(q_lens), 4, 16, dtype, generator(3), strided=strided)
         qsl = query_start_loc(q_lens) if varlen else None
         return (q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl), dict(opts, **kv.scales)
@@ -149,10 +150,11 @@ def md_sample(dtype, fp8=None, norm=False, strided=False, num_tokens=False):
     return build
 
 
-def mp_sample(dtype, fp8=None, varlen=False, strided=None):
+def mp_sample(dtype, fp8=None, varlen=False, strided=None, q_lens=None):
     def build():
         m = mla(dtype, fp8)
-        q_lens = [3, 0, 4] if varlen else [1, 1, 1]
+        nonlocal q_lens
+        q_lens = q_lens or ([3, 0, 4] if varlen else [1, 1, 1])
         q = make_query(sum(q_lens), 4, 80, dtype, generator(9), strided=strided)
         qsl = query_start_loc(q_lens) if varlen else None
         return (q, m.kv_cache, m.block_tables, m.seq_lens, 64, 0.125), dict(query_start_loc=qsl, kv_scale=m.scale)
@@ -192,9 +194,15 @@ SAMPLES = {
                                                       alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]),
                                                       sinks=torch.tensor([0.1, -0.2, 0.3, 1.0])),
         "e5m2-varlen-f32-scale": pa_sample(f32, "NHD", "e5m2", varlen=True, scale=0.3),
+        "bf16-varlen-noncausal-window": pa_sample(bf16, "HND", varlen=True, window_left=2, causal=False),
+        "f32-decode-noncausal-sinks": pa_sample(f32, "NHD", causal=False, sinks=torch.tensor([0.1, -0.2, 0.3, 1.0])),
+        "f16-more-queries-than-keys": pa_sample(f16, "NHD", varlen=True, q_lens=[9, 2, 30]),
+        "e4m3-more-queries-than-keys-noncausal": pa_sample(f32, "stacked", "e4m3", varlen=True, q_lens=[9, 2, 30],
+                                                           causal=False),
         "dv8-f32-varlen-HND": pa_sample(f32, "HND", varlen=True, dv=8),
         "dv48-bf16-stacked-strided-q": pa_sample(bf16, "stacked", strided="fused", dv=48),
         "dv32-e4m3-f16-decode": pa_sample(f16, "NHD", "e4m3", dv=32, window_left=2),
+        "dv32-bf16-varlen-noncausal": pa_sample(bf16, "NHD", varlen=True, dv=32, causal=False),
     },
     "paged_attention_out": {
         "f32-decode-NHD": with_out(pa_sample(f32, "NHD")),
@@ -203,6 +211,10 @@ SAMPLES = {
         "e4m3-head-f16-stacked-strided-out-and-lse": with_out(pa_sample(f16, "stacked", "e4m3", per_head=True,
                                                                         sinks=torch.tensor([0.1, -0.2, 0.3, 1.0])),
                                                               strided=True),
+        "f32-varlen-noncausal-more-queries-than-keys": with_out(pa_sample(f32, "NHD", varlen=True, q_lens=[9, 2, 30],
+                                                                          causal=False)),
+        "dv32-bf16-varlen-noncausal-window-strided-out": with_out(
+            pa_sample(bf16, "HND", varlen=True, dv=32, causal=False, window_left=2), out_dim=32, strided=True),
     },
     "merge_attention_states_out": {
         "f32": with_out(merge_sample(f32)),
@@ -242,6 +254,7 @@ SAMPLES = {
     "mla_paged_attention": {
         "f32-decode": mp_sample(f32),
         "bf16-varlen-strided": mp_sample(bf16, varlen=True, strided="fused"),
+        "f32-more-queries-than-keys": mp_sample(f32, varlen=True, q_lens=[8, 1, 12]),
         "e4m3-decode": mp_sample(bf16, "e4m3", strided="transposed"),
     },
 }

@@ -31,15 +31,17 @@ ISAS = ["portable", "avx2", "avx512", "avx512vbmi"]  # avx512amx: not on this pr
 # ---- cases: (op, positional args, keyword args, out shape, out dtype, input tensors) -------------------
 
 
-def pa_case(dtype=f32, mode="decode", layout="NHD", fp8=None, **opts):
+def pa_case(dtype=f32, mode="decode", layout="NHD", fp8=None, dv=None, q_lens=None, **opts):
+    """``dv``: the value's head dim (16 = the key's when None); ``q_lens``: varlen rows per sequence
+    (e.g. more queries than keys)."""
     seq_lens = [5, 0, 9, 17]
     kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype, layout=layout,
-                       fp8=fp8, seed=3)
-    q_lens = [1] * 4 if mode == "decode" else [3, 0, 4, 17]
+                       fp8=fp8, seed=3, head_dim_v=dv)
+    q_lens = q_lens or ([1] * 4 if mode == "decode" else [3, 0, 4, 17])
     qsl = None if mode == "decode" else query_start_loc(q_lens)
     q = make_query(sum(q_lens), 4, 16, dtype, generator(4))
     args = (q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl)
-    return "paged_attention", args, dict(opts, **kv.scales), (q.shape[0], 4, 16), dtype
+    return "paged_attention", args, dict(opts, **kv.scales), (q.shape[0], 4, dv or 16), dtype
 
 
 def mla_case(dtype=f32, mode="decode", fp8=None):
@@ -67,6 +69,13 @@ CASES = {
                                                         alibi_slopes=torch.tensor([0.5, 0.25, 0.1, 0.0])),
     "pa-f16-decode-e4m3-sinks-window": lambda: pa_case(f16, "decode", "stacked", "e4m3", window_left=6,
                                                        sinks=torch.tensor([0.1, -0.3, 1.0, 0.0])),
+    # causal=False through out= (more queries than keys: 9 over 5, 2 over the empty sequence); with Dv != Dk
+    "pa-f32-varlen-noncausal": lambda: pa_case(f32, "varlen", q_lens=[9, 2, 4, 17], causal=False),
+    "pa-bf16-varlen-HND-dv32-noncausal-window-alibi": lambda: pa_case(
+        bf16, "varlen", "HND", dv=32, q_lens=[9, 2, 4, 17], causal=False, window_left=5,
+        alibi_slopes=torch.tensor([0.5, 0.25, 0.1, 0.0])),
+    "pa-f16-decode-e4m3-dv48-noncausal-sinks": lambda: pa_case(f16, "decode", "stacked", "e4m3", dv=48, causal=False,
+                                                               sinks=torch.tensor([0.1, -0.3, 1.0, 0.0])),
     "mla-f32-decode": lambda: mla_case(),
     "mla-bf16-varlen-e5m2": lambda: mla_case(bf16, "varlen", "e5m2"),
     "merge-f32": lambda: merge_case(),
@@ -123,7 +132,8 @@ def test_out_is_the_allocating_result(backend, case):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["rows-of-a-bigger-buffer", "padded-heads", "transposed"])
-@pytest.mark.parametrize("case", ["pa-bf16-varlen-HND-softcap-alibi", "mla-f32-decode", "merge-bf16"])
+@pytest.mark.parametrize("case", ["pa-bf16-varlen-HND-softcap-alibi", "pa-bf16-varlen-HND-dv32-noncausal-window-alibi",
+                                  "mla-f32-decode", "merge-bf16"])
 def test_strided_outputs(backend, layout, case):
     """Views of larger buffers (vLLM passes rows of its output buffer): written in place, and not one byte
     around them."""
@@ -155,7 +165,9 @@ def test_strided_outputs(backend, layout, case):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("case", ["pa-f32-decode", "pa-bf16-varlen-HND-softcap-alibi",
-                                  "pa-f16-decode-e4m3-sinks-window", "mla-bf16-varlen-e5m2", "merge-bf16"])
+                                  "pa-f16-decode-e4m3-sinks-window", "pa-f32-varlen-noncausal",
+                                  "pa-bf16-varlen-HND-dv32-noncausal-window-alibi", "mla-bf16-varlen-e5m2",
+                                  "merge-bf16"])
 def test_every_isa(isa, case, monkeypatch):
     """Each CPU SIMD path: out= gives that path's allocating result bit for bit, and the reference's answer."""
     use_isa(monkeypatch, isa)
@@ -173,6 +185,39 @@ def test_every_isa(isa, case, monkeypatch):
     ref_out, ref_lse = getattr(reference, op)(*ref_args, **kwargs)
     assert_close(out, ref_out, dtype, msg="out vs reference")
     assert_close(lse, ref_lse, f32, msg="lse vs reference")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["pa-f32-varlen-noncausal", "pa-bf16-varlen-HND-dv32-noncausal-window-alibi"])
+def test_out_passes_causal(backend, case):
+    """causal=False reaches the kernels through out= (paged_attention_out): the bytes of the allocating
+    causal=False call, different from what causal=True writes into the same buffers."""
+    op, args, kwargs, shape, dtype = CASES[case]()
+    assert kwargs["causal"] is False
+    want_out, want_lse = functional(backend, op, args, kwargs)
+    causal_out, _ = functional(backend, op, args, dict(kwargs, causal=True))
+    out, lse = filled(shape, dtype, float("nan")), filled(shape[:2], f32, float("nan"))
+    with_outputs(backend, op, args, kwargs, out, lse)
+    assert_bytes_equal(out, want_out, f"{case} out")
+    assert_bytes_equal(lse, want_lse, f"{case} lse")
+    assert not torch.equal(out, causal_out), "causal=False must change this case's result"
+    with_outputs(backend, op, args, dict(kwargs, causal=True), out, lse)
+    assert_bytes_equal(out, causal_out, f"{case} out, causal=True")
+
+
+def test_out_noncausal_compiles():
+    """The fake of paged_attention_out takes causal: a compiled causal=False call into given buffers
+    (Dv != Dk) matches eager."""
+    op, args, kwargs, shape, dtype = CASES["pa-bf16-varlen-HND-dv32-noncausal-window-alibi"]()
+    want_out, want_lse = ops.paged_attention(*args, **kwargs)
+
+    def step(*a, out, lse):
+        return ops.paged_attention(*a, **kwargs, out=out, lse=lse)
+
+    out, lse = filled(shape, dtype, float("nan")), filled(shape[:2], f32, float("nan"))
+    torch.compile(step, backend="aot_eager", fullgraph=True)(*args, out=out, lse=lse)
+    assert_bytes_equal(out, want_out, "compiled out")
+    assert_bytes_equal(lse, want_lse, "compiled lse")
 
 
 # ---- bad outputs: errors naming the argument, nothing written -------------------------------------------

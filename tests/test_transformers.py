@@ -209,6 +209,29 @@ def test_bart_generate_matches_stock(mode, monkeypatch):
     cache.self_attention_cache.kv.check_invariants()
 
 
+@pytest.mark.parametrize("mode", ["greedy", "beam"])
+def test_bart_decoder_prompt_runs_noncausal_cross_attention(mode, monkeypatch):
+    """A decoder prompt of four tokens: the first step's cross-attention has four queries per row, run as
+    one varlen sequence per row with causal=False (every query sees the whole source); later steps are
+    decode calls. Token-identical to the stock cache."""
+    stock, paged = bart_pair()
+    ids, mask = source_batch()
+    dec = torch.tensor([[2, 0, 17, 9]]).expand(ids.shape[0], -1).contiguous()
+    seen = []
+    original = kvkernels.ops.paged_attention
+
+    def spy(query, *args, **kwargs):
+        qsl = args[4] if len(args) > 4 else kwargs.get("query_start_loc")
+        seen.append((query.shape[0], qsl is not None, kwargs.get("causal", True)))
+        return original(query, *args, **kwargs)
+    monkeypatch.setattr(kvkernels.ops, "paged_attention", spy)
+    ref, out, cache = generate_both(stock, paged, ids, mask, mode, decoder_input_ids=dec)
+    assert_same_generation(ref, out, mode)
+    rows = ids.shape[0] * (MODES[mode].get("num_beams", 1))
+    # Cross-attention calls of the prompt step: 4 queries per row, varlen, not causal (one per layer).
+    assert seen.count((4 * rows, True, False)) == paged.config.decoder_layers, seen[:8]
+
+
 def test_bart_cross_rows_that_differ_later_get_their_own_copy():
     """Rows equal in the first decoder layer's cross K/V but not the second's (a hook perturbs one
     row there) are split, and the result still matches the stock cache."""

@@ -259,8 +259,13 @@ CASES = [
       varlen=True),
     C(PA, "qsl-last-ne-tokens", "query_start_loc", set_(query_start_loc=torch.tensor([0, 2, 5, 5]).int()),
       varlen=True),
-    C(PA, "qsl-more-queries-than-keys", "query_start_loc|seq_lens",
-      set_(query_start_loc=torch.tensor([0, 0, 4, 6]).int()), varlen=True),  # seq 2: 2 queries, 1 key
+    # (A sequence with more queries than keys is allowed: tests/test_causal.py.) causal=False keeps
+    # every index rule:
+    C(PA, "noncausal-qsl-decreasing", "query_start_loc",
+      set_(query_start_loc=torch.tensor([0, 4, 3, 6]).int(), causal=False), varlen=True),
+    C(PA, "noncausal-block-id-too-large", "block_tables",
+      lambda a: (bad_block_id(NUM_BLOCKS)(a), a.update(causal=False)), varlen=True),
+    C(PA, "noncausal-seq_len-over-capacity", "seq_lens", lambda a: (over_capacity(a), a.update(causal=False))),
     C(PA, "qsl-int64", "query_start_loc", set_(query_start_loc=torch.tensor([0, 2, 5, 6])), varlen=True),
     C(PA, "qsl-length", "query_start_loc", set_(query_start_loc=torch.tensor([0, 2, 6]).int()), varlen=True),
     C(PA, "alibi-size", "alibi_slopes", set_(alibi_slopes=torch.ones(2))),

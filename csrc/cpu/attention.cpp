@@ -49,12 +49,12 @@ std::tuple<Tensor, Tensor> paged_attention_impl(
     const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
     std::optional<double> scale, int64_t window_left, double soft_cap,
     std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-    std::optional<Tensor> v_scale, const GivenOutputs& given) {
+    std::optional<Tensor> v_scale, bool causal, const GivenOutputs& given) {
   const ArgCheck c("paged_attention");
   PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables,
                                                 seq_lens, query_start_loc, scale, window_left,
                                                 soft_cap, alibi_slopes, sinks, k_scale, v_scale,
-                                                index_checks(c), given);
+                                                causal, index_checks(c), given);
   run_prepared(r);
   return {r.out, r.lse};
 }
@@ -64,10 +64,10 @@ std::tuple<Tensor, Tensor> paged_attention_cpu(
     const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
     std::optional<double> scale, int64_t window_left, double soft_cap,
     std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-    std::optional<Tensor> v_scale) {
+    std::optional<Tensor> v_scale, bool causal) {
   return paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens,
                               query_start_loc, scale, window_left, soft_cap, alibi_slopes, sinks,
-                              k_scale, v_scale, {});
+                              k_scale, v_scale, causal, {});
 }
 
 void paged_attention_out_cpu(
@@ -75,9 +75,9 @@ void paged_attention_out_cpu(
     const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
     std::optional<double> scale, int64_t window_left, double soft_cap,
     std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-    std::optional<Tensor> v_scale, Tensor out, std::optional<Tensor> lse) {
+    std::optional<Tensor> v_scale, bool causal, Tensor out, std::optional<Tensor> lse) {
   paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                       scale, window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale,
+                       scale, window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal,
                        {out, lse});
 }
 

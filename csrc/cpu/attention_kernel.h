@@ -199,12 +199,22 @@ struct RowMap {
 };
 
 // Keys [a, b) of [j0, j1) in the chunk at position cs that the query at `pos` sees (causal, window).
+// Callers keep j1 within the sequence's keys, so without causal masking only the window's lower
+// bound cuts the range.
 inline void visible_keys(const AttentionParams& p, int64_t pos, int64_t cs, int j0, int j1, int* a,
                          int* b) {
   int64_t lo = j0;
   if (p.window_left >= 0) lo = kmax<int64_t>(lo, pos - p.window_left - cs);
   *a = int(kmin<int64_t>(lo, j1));
-  *b = int(kmax<int64_t>(kmin<int64_t>(j1, pos - cs + 1), *a));
+  *b = p.causal ? int(kmax<int64_t>(kmin<int64_t>(j1, pos - cs + 1), *a)) : j1;
+}
+
+// Whether the query at `pos` of a sequence of seq_len keys sees any key: causal, the key at its
+// own position (pos >= 0; leading rows of a sequence with more queries than keys see none);
+// otherwise the last key, which every window's lower bound (pos - window_left <= seq_len - 1)
+// keeps. Decides "no visible key" (out 0, lse -inf) against "all visible logits -inf" (NaN).
+inline bool row_has_keys(const AttentionParams& p, int64_t pos, int64_t seq_len) {
+  return p.causal ? pos >= 0 : seq_len > 0;
 }
 
 // Which keys of [j0, j1) four consecutive rows see: row i sees [a[i], b[i]), and all four see
@@ -664,7 +674,8 @@ struct ChunkRange {
   int64_t lo = 0, hi = -1, c_begin = 0, c_end = 0;
   ChunkRange(const AttentionParams& p, const AttentionPlan& plan, const AttentionItem& it,
              const RowMap& map0, int rows, int chunk) {
-    hi = map0.pos(rows - 1);  // the last row has the largest position
+    // Causal: the last row has the largest position; otherwise every row sees up to the last key.
+    hi = p.causal ? map0.pos(rows - 1) : int64_t(p.kv.seq_lens[it.seq]) - 1;
     lo = p.window_left >= 0 ? kmax<int64_t>(0, map0.pos0 - p.window_left) : 0;
     if (hi < lo) return;
     const int64_t c_first = lo / chunk, n_chunks = hi / chunk - c_first + 1;
@@ -681,10 +692,9 @@ inline void store_rows(const AttentionParams& p, const AttentionPlan& plan, cons
                        const float* d, float* part_acc, float* part_m, float* part_d) {
   if (part_acc == nullptr) {
     const float v_scale = p.kv.v_scale_of(kv_head);
-    const bool has_keys = p.kv.seq_lens[seq] > 0;  // every row sees its own position's key
     for (int r = 0; r < rows; ++r)
-      finalize_row<Q>(p, map.token(r), map.head(r), acc + size_t(r) * plan.dv, m[r], d[r], has_keys,
-                      v_scale);
+      finalize_row<Q>(p, map.token(r), map.head(r), acc + size_t(r) * plan.dv, m[r], d[r],
+                      row_has_keys(p, map.pos(r), p.kv.seq_lens[seq]), v_scale);
     return;
   }
   const size_t row0 = size_t(h) * plan.max_rows;
@@ -815,9 +825,10 @@ void merge_splits(const AttentionParams& p, const AttentionPlan& plan, const Att
   dispatch_float(p.q_format, [&](auto qt) {
     using Q = typename decltype(qt)::type;
     for (int h = 0; h < it.num_kv; ++h) {
-      const RowMap map{p.q_begin(it.seq) + it.q0, 0, G, (it.kv_head + h) * G};
+      const int64_t seq_len = p.kv.seq_lens[it.seq];
+      const RowMap map{p.q_begin(it.seq) + it.q0, seq_len - p.q_len(it.seq) + it.q0, G,
+                       (it.kv_head + h) * G};
       const float v_scale = p.kv.v_scale_of(it.kv_head + h);
-      const bool has_keys = p.kv.seq_lens[it.seq] > 0;
       const size_t row0 = size_t(first) * item_rows + size_t(h) * plan.max_rows;
       for (int r = 0; r < rows; ++r) {
         // m: the largest split max (a NaN one is skipped here and turns d NaN below). Every split
@@ -838,7 +849,8 @@ void merge_splits(const AttentionParams& p, const AttentionPlan& plan, const Att
             for (int i = 0; i < Dv; ++i) acc[i] += a[i] * w;
           }
         }
-        finalize_row<Q>(p, map.token(r), map.head(r), acc, m, d, has_keys, v_scale);
+        finalize_row<Q>(p, map.token(r), map.head(r), acc, m, d,
+                        row_has_keys(p, map.pos(r), seq_len), v_scale);
       }
     }
   });

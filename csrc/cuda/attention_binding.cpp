@@ -49,7 +49,7 @@ std::tuple<Tensor, Tensor> paged_attention_impl(
     const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
     std::optional<double> scale, int64_t window_left, double soft_cap,
     std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-    std::optional<Tensor> v_scale, const GivenOutputs& given) {
+    std::optional<Tensor> v_scale, bool causal, const GivenOutputs& given) {
   const ArgCheck c("paged_attention");
   const DeviceScope scope(c, query, "query");
   // Head dims above 256 (prepare allows 512, the CPU and Metal kernels run it) are not supported
@@ -67,7 +67,7 @@ std::tuple<Tensor, Tensor> paged_attention_impl(
   PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables,
                                                 seq_lens, query_start_loc, scale, window_left,
                                                 soft_cap, alibi_slopes, sinks, k_scale, v_scale,
-                                                host_checks, given);
+                                                causal, host_checks, given);
   if (r.params.num_tokens == 0 || r.params.kv.num_seqs == 0) return {r.out, r.lse};
   // out= without lse=: the kernels write lse anyway; scratch from the caching allocator.
   ensure_lse(c, r, r.params.lse, query, r.params.num_tokens, r.params.num_heads);
@@ -91,10 +91,10 @@ std::tuple<Tensor, Tensor> paged_attention_cuda(
     const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
     std::optional<double> scale, int64_t window_left, double soft_cap,
     std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-    std::optional<Tensor> v_scale) {
+    std::optional<Tensor> v_scale, bool causal) {
   return paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens,
                               query_start_loc, scale, window_left, soft_cap, alibi_slopes, sinks,
-                              k_scale, v_scale, {});
+                              k_scale, v_scale, causal, {});
 }
 
 void paged_attention_out_cuda(
@@ -102,9 +102,9 @@ void paged_attention_out_cuda(
     const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
     std::optional<double> scale, int64_t window_left, double soft_cap,
     std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-    std::optional<Tensor> v_scale, Tensor out, std::optional<Tensor> lse) {
+    std::optional<Tensor> v_scale, bool causal, Tensor out, std::optional<Tensor> lse) {
   paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                       scale, window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale,
+                       scale, window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal,
                        {out, lse});
 }
 

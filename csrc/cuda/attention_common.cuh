@@ -293,8 +293,10 @@ struct Work {
   int q_len = 0, q0 = 0, nq = 0;  // queries of the sequence, first query and count of this CTA
   int64_t token0 = 0;             // token of query 0 of the sequence
   int seq_len = 0;
-  int pos0 = 0;                   // position of query q0 (bottom-right causal alignment)
-  int lo = 0, hi = -1;            // keys the CTA's rows may see: [lo, hi]
+  int pos0 = 0;                   // position of query q0 (bottom-right alignment; < 0 for the
+                                  // leading rows of a sequence with more queries than keys)
+  int lo = 0, hi = -1;            // keys the CTA's rows may see: [lo, hi] (causal: hi is the
+                                  // last row's position; else the sequence's last key)
   int kv_head = 0, head0 = 0, nh = 0;  // kv head; first query head and count of this CTA
   int split = 0;
   int tile_begin = 0, tile_end = 0;    // key tiles [tile_begin, tile_end) of this split
@@ -341,7 +343,7 @@ __device__ __forceinline__ bool make_work(const AttnArgs& a, Work& w) {
   len = len < 0 ? 0 : (len > capacity ? capacity : len);
   w.seq_len = static_cast<int>(len);
   w.pos0 = w.seq_len - w.q_len + w.q0;
-  w.hi = w.pos0 + w.nq - 1;
+  w.hi = p.causal ? w.pos0 + w.nq - 1 : w.seq_len - 1;
   w.lo = 0;
   if (p.window_left >= 0) {
     const int64_t lo = int64_t(w.pos0) - p.window_left;
@@ -385,22 +387,26 @@ __device__ __forceinline__ RowId row_id(const AttnArgs& a, const Work& w, int r)
 struct LogitOps {
   float cap, inv_cap;  // cap <= 0: off
   int window;          // < 0: off
+  bool causal;         // false: a row sees every key up to `last` (the window's lower bound applies)
+  int last;            // the sequence's last key (w.hi when not causal); keys past it are masked
   bool alibi;
   bool plain;          // no cap, no ALiBi
 };
 
-__device__ __forceinline__ LogitOps logit_ops(const AttentionParams& p) {
+__device__ __forceinline__ LogitOps logit_ops(const AttentionParams& p, const Work& w) {
   LogitOps o;
   o.cap = p.soft_cap;
   o.inv_cap = p.soft_cap > 0.0f ? 1.0f / p.soft_cap : 0.0f;
   o.window = p.window_left;
+  o.causal = p.causal;
+  o.last = w.seq_len - 1;
   o.alibi = p.alibi_slopes != nullptr;
   o.plain = !(p.soft_cap > 0.0f) && !o.alibi;
   return o;
 }
 
-__device__ __forceinline__ bool key_visible(int key, int pos, int window) {
-  return key <= pos && (window < 0 || key >= pos - window);
+__device__ __forceinline__ bool key_visible(int key, int pos, const LogitOps& o) {
+  return key <= (o.causal ? pos : o.last) && (o.window < 0 || key >= pos - o.window);
 }
 
 // x: raw logit times qk_mul (= scale * k_scale). Returns the log2-unit logit, -inf if masked.
@@ -411,13 +417,16 @@ __device__ __forceinline__ float transform_logit(float x, const LogitOps& o, flo
     if (o.alibi) x = fmaf(slope, static_cast<float>(key - pos), x);
   }
   x *= kLog2e;
-  if (mask && !key_visible(key, pos, o.window)) x = -INFINITY;
+  if (mask && !key_visible(key, pos, o)) x = -INFINITY;
   return x;
 }
 
-// Does the whole tile [k0, k0 + KT) need no mask for any row of the CTA?
-__device__ __forceinline__ bool tile_needs_mask(const Work& w, int k0, int kt, int window) {
-  return k0 + kt - 1 > w.pos0 || (window >= 0 && k0 < w.hi - window);
+// Does some key of the tile [k0, k0 + KT) need a mask for some row of the CTA? (Causal: keys
+// past the first row's position; otherwise keys past the sequence's end. Window: keys before the
+// last row's lower bound.)
+__device__ __forceinline__ bool tile_needs_mask(const Work& w, int k0, int kt, const LogitOps& o) {
+  const int last_pos = w.pos0 + w.nq - 1;
+  return k0 + kt - 1 > (o.causal ? w.pos0 : o.last) || (o.window >= 0 && k0 < last_pos - o.window);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -563,10 +572,29 @@ __device__ __forceinline__ void load_q8(const QT* src, int c, int d, bool aligne
 // first.
 __device__ __forceinline__ float checked_v_mul(float v_mul) { return fabsf(v_mul) < INFINITY ? v_mul : NAN; }
 
-// Whether the rows of a (token, head) row index have any visible key: every varlen row sees its
-// own position; a decode row (token = sequence) iff its sequence is not empty.
+// Whether the query at `pos` of a sequence of seq_len keys sees any key (docs/ops.md): causal, the
+// key at its own position (pos >= 0; the leading rows of a sequence with more queries than keys
+// see none); otherwise the last key, which every window keeps (pos - window_left <= seq_len - 1).
+__device__ __forceinline__ bool pos_has_keys(const AttentionParams& p, int64_t pos, int64_t seq_len) {
+  return p.causal ? pos >= 0 : seq_len > 0;
+}
+
+// The same for the rows of a token (the split merges, which see tokens, not work items): decode
+// (token = sequence) iff the sequence is not empty; varlen through the token's sequence, found by
+// a binary search of query_start_loc and read clamped as make_work reads it.
 __device__ __forceinline__ bool row_has_keys(const AttentionParams& p, int64_t token) {
-  return p.query_start_loc != nullptr || p.kv.seq_lens[token] > 0;
+  if (p.query_start_loc == nullptr) return p.kv.seq_lens[token] > 0;
+  const int32_t* qsl = p.query_start_loc;
+  int lo = 0, hi = static_cast<int>(p.kv.num_seqs) - 1;
+  while (lo < hi) {  // the last sequence that starts at or before the token (skips empty ones)
+    const int mid = (lo + hi + 1) >> 1;
+    if (qsl[mid] <= token) lo = mid; else hi = mid - 1;
+  }
+  const int64_t capacity = p.kv.max_blocks_per_seq * p.kv.block_size;
+  int64_t len = p.kv.seq_lens[lo];
+  len = len < 0 ? 0 : (len > capacity ? capacity : len);
+  const int64_t pos = len - (int64_t(qsl[lo + 1]) - qsl[lo]) + (token - qsl[lo]);
+  return pos_has_keys(p, pos, len);
 }
 
 // ---- keys some rows of a CTA see and others do not ------------------------------------------------
@@ -673,7 +701,7 @@ __device__ __forceinline__ void finalize_rows(const AttnArgs& a, const Work& w, 
     if (a.num_splits == 1) {
       // kvkernels/softmax.h: NaN / +inf logits or sink -> NaN row; no key -> 0 / -inf.
       float mul;
-      const float lse2 = finish_row<true>(M, D, w.seq_len > 0,
+      const float lse2 = finish_row<true>(M, D, pos_has_keys(p, id.pos, w.seq_len),
                                           p.sinks ? p.sinks[id.head] * kLog2e : -INFINITY, &mul);
       mul *= v_mul;
       float x[8];

@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, 1)
   const float qk_mul = p.scale * p.kv.logit_k_scale_of(w.kv_head) * unit;
   const float v_mul = p.kv.v_scale_of(w.kv_head) * unit;
   const float plain_mul = qk_mul * kLog2e;
-  const LogitOps ops = logit_ops(p);
+  const LogitOps ops = logit_ops(p, w);
 
   TileLoader<KT, NT, C::CPR, C::ESZ> ld;
   ld.init(p);
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, 1)
     char* const tv = tk + (C::FP8 ? C::CVT_TILE : C::RAW_TILE);  // V tile, 16-bit, swizzled
     const uint32_t tv_u32 = smem_u32(tv);
     const int k0 = (w.tile_begin + it) * KT;
-    const bool need_mask = tile_needs_mask(w, k0, KT, ops.window);
+    const bool need_mask = tile_needs_mask(w, k0, KT, ops);
     // A tile whose keys some rows see and others do not (prefill: diagonal, window edge) with an
     // inf / NaN value: see attention_common.cuh ("keys some rows of a CTA see").
     const bool fix_nonfinite = w.nq > 1 && need_mask && tile_has_nonfinite<T, NT>(tv, KT * DPAD / 8);
@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, 1)
         float x = s[i][e];
         if (ops.plain) {
           x *= plain_mul;
-          if (need_mask && !key_visible(key, pos, ops.window)) x = -INFINITY;
+          if (need_mask && !key_visible(key, pos, ops)) x = -INFINITY;
         } else {
           x = transform_logit(x * qk_mul, ops, e < 2 ? slope_a : slope_b, key, pos, need_mask);
         }
@@ -274,8 +274,8 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, 1)
             const float pa = round_p<T>(__shfl_sync(0xffffffffu, s[i2][b], src));
             const float pb = round_p<T>(__shfl_sync(0xffffffffu, s[i2][2 + b], src));
             const int kl = wn * KW + i2 * 8 + 2 * tq + b;
-            const bool va = ra.valid && key_visible(k0 + kl, ra.pos, ops.window);
-            const bool vb = rb.valid && key_visible(k0 + kl, rb.pos, ops.window);
+            const bool va = ra.valid && key_visible(k0 + kl, ra.pos, ops);
+            const bool vb = rb.valid && key_visible(k0 + kl, rb.pos, ops);
             if (!va && !vb) continue;
 #pragma unroll
             for (int i = 0; i < DPAD / 8; ++i) {

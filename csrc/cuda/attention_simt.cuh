@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(128, 1)
   constexpr float unit = C::FP8 ? fp8_unit<CF>() : 1.0f;
   const float qk_mul = p.scale * p.kv.logit_k_scale_of(w.kv_head) * unit;
   const float v_mul = p.kv.v_scale_of(w.kv_head) * unit;
-  const LogitOps ops = logit_ops(p);
+  const LogitOps ops = logit_ops(p, w);
 
   if (tid < ROWS) {
     const RowId id = row_id(a, w, tid);
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(128, 1)
           acc[1][j] = fmaf(a1.x, k.x, fmaf(a1.y, k.y, fmaf(a1.z, k.z, fmaf(a1.w, k.w, acc[1][j]))));
         }
       }
-      const bool need_mask = tile_needs_mask(w, k0, KT, ops.window);
+      const bool need_mask = tile_needs_mask(w, k0, KT, ops);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = 2 * rg + h;
@@ -262,12 +262,12 @@ __global__ void __launch_bounds__(128, 1)
         const float al = sA[orow0 + i * OSTEP];
         o[i][0] *= al, o[i][1] *= al, o[i][2] *= al, o[i][3] *= al;
       }
-      if (w.nq > 1 && tile_needs_mask(w, k0, KT, ops.window)) {
+      if (w.nq > 1 && tile_needs_mask(w, k0, KT, ops)) {
         for (int j = 0; j < KT; ++j) {
           const float4 v = *reinterpret_cast<const float4*>(V + j * FSTRIDE + cc * 4);
 #pragma unroll
           for (int i = 0; i < C::ORPT; ++i) {
-            if (!key_visible(k0 + j, sPos[orow0 + i * OSTEP], ops.window)) continue;
+            if (!key_visible(k0 + j, sPos[orow0 + i * OSTEP], ops)) continue;
             const float pr = sS[(orow0 + i * OSTEP) * KT + j];
             o[i][0] = fmaf(pr, v.x, o[i][0]);
             o[i][1] = fmaf(pr, v.y, o[i][1]);

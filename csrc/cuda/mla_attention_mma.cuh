@@ -298,7 +298,8 @@ __global__ void __launch_bounds__(mla_threads(PATH), 1)
       // One split: finish_row (NaN / +inf logits -> NaN, no key -> 0 / -inf); several: the
       // normalized partial, lse -inf when this split saw no finite logit.
       float mul;
-      const float lse2 = a.num_splits == 1 ? finish_row<true>(M, Dn, w.seq_len > 0, -INFINITY, &mul)
+      const bool has_keys = ac::pos_has_keys(p, id.pos, w.seq_len);
+      const float lse2 = a.num_splits == 1 ? finish_row<true>(M, Dn, has_keys, -INFINITY, &mul)
                                            : (Dn == 0.0f ? -INFINITY : M + log2f(Dn));
       if (a.num_splits != 1) mul = Dn == 0.0f ? 0.0f : 1.0f / Dn;
       mul *= vm;

@@ -12,11 +12,13 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // PagedAttention(query, key_cache, value_cache, block_tables, seq_lens, [query_start_loc],
 //                [alibi_slopes], [sinks], [k_scale], [v_scale]) -> (out, lse)
-// attributes: scale (float, default head_dim^-0.5), window_left (int, -1), soft_cap (float, 0)
+// attributes: scale (float, default head_dim^-0.5), window_left (int, -1), soft_cap (float, 0),
+//             causal (int, 1; 0: every query of a sequence sees all of its keys)
 struct AttentionKernel {
   std::optional<float> scale;
   int64_t window_left = -1;
   float soft_cap = 0;
+  int64_t causal = 1;
 
   OrtStatus* ComputeV2(OrtKernelContext* raw) try {
     Ort::KernelContext ctx(raw);
@@ -65,6 +67,8 @@ struct AttentionKernel {
     p.scale = scale.value_or(static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))));
     p.soft_cap = soft_cap;
     p.window_left = window_left < 0 ? -1 : static_cast<int>(window_left);
+    c.expect(causal == 0 || causal == 1, "causal", "must be 0 or 1, got ", causal);
+    p.causal = causal == 1;
     for (const In* v : {&alibi, &sinks}) {
       if (!*v) continue;
       c.dim(*v, 1);
@@ -92,6 +96,7 @@ struct AttentionOp : Ort::CustomOpBase<AttentionOp, AttentionKernel, true> {
     k->scale = attribute<float>(info, "scale");
     k->window_left = attribute<int64_t>(info, "window_left").value_or(-1);
     k->soft_cap = attribute<float>(info, "soft_cap").value_or(0.0f);
+    k->causal = attribute<int64_t>(info, "causal").value_or(1);
     *kernel = k;
     return nullptr;
   }

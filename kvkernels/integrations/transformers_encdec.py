@@ -10,7 +10,7 @@ copies and ``index_select``s every one of them on each beam-search step. Here:
   excluded, slot -1), for all layers;
 * a row reads its group's blocks through a row -> group map, so a beam reorder only permutes that
   map (``reorder_cache`` copies no KV), and the attention runs ``ops.paged_attention`` on the shared
-  blocks, each query as its own one-query sequence (decode mode: it sees every source token).
+  blocks with ``causal=False``: every query of a row sees all of its source tokens.
 
 Groups are formed from the first layer's K/V; the others are checked against them, and should a
 later layer differ inside a group (the rows were not copies of one input after all) the cache gives
@@ -247,14 +247,18 @@ class PagedCrossAttentionCache(Cache):
             rows = torch.from_numpy(self._row_group).to(self.kv.device)
             tables = self.kv.block_tables(self._group_seqs)[rows]
             lens = self.kv.seq_lens(self._group_seqs)[rows]
-            if q > 1:  # every query its own one-query sequence: it sees the whole source
-                tables, lens = tables.repeat_interleave(q, 0), lens.repeat_interleave(q, 0)
-            self._row_view = (q, tables, lens)
-        _, tables, lens = self._row_view
+            # One sequence per row; several decoder queries of a row are its varlen rows, and
+            # causal=False lets each of them see the whole source. One query: decode mode.
+            qsl = None
+            if q > 1:
+                qsl = torch.arange(0, (batch + 1) * q, q, dtype=torch.int32, device=self.kv.device)
+            self._row_view = (q, tables, lens, qsl)
+        _, tables, lens, qsl = self._row_view
         layer = handle.layer_idx
         qry = query.transpose(1, 2).reshape(batch * q, heads, dim).to(self.dtype)
-        out, _ = ops.paged_attention(qry, self.kv.key_cache(layer), self.kv.value_cache(layer), tables, lens,
-                                     scale=scale, soft_cap=soft_cap, sinks=None if sinks is None else sinks.float())
+        out, _ = ops.paged_attention(qry, self.kv.key_cache(layer), self.kv.value_cache(layer), tables, lens, qsl,
+                                     scale=scale, soft_cap=soft_cap, sinks=None if sinks is None else sinks.float(),
+                                     causal=False)
         return out.view(batch, q, heads, out.shape[-1]).to(query.dtype)
 
 

@@ -505,7 +505,8 @@ MAX_HEAD_DIM = 512  # key and value head dims; above 256 the PA_MAX_EPL=16 varia
 
 
 def _check_rows(op, dev, query_start_loc, num_tokens, num_seqs, seq_lens):
-    """Varlen rows: int32 [S + 1], first 0, non-decreasing, last = T, q_len <= seq_len."""
+    """Varlen rows: int32 [S + 1], first 0, non-decreasing, last = T (q_len > seq_len is allowed:
+    the leading rows of such a sequence see no key when causal)."""
     _check(query_start_loc.dtype == torch.int32 and query_start_loc.shape == (num_seqs + 1,), op,
            "query_start_loc", f"expected int32 [{num_seqs + 1}], got {query_start_loc.dtype} "
            f"{tuple(query_start_loc.shape)}")
@@ -515,29 +516,28 @@ def _check_rows(op, dev, query_start_loc, num_tokens, num_seqs, seq_lens):
                f"must start at 0 and end at num_tokens = {num_tokens}")
         q_lens = qsl[1:] - qsl[:-1]
         _check(bool((q_lens >= 0).all()), op, "query_start_loc", "must be non-decreasing")
-        _check(bool((q_lens <= seq_lens.cpu().to(torch.int64)).all()), op, "query_start_loc",
-               "a sequence has more queries than keys (q_len > seq_len)")
 
 
 def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                     query_start_loc: Optional[Tensor] = None, scale: Optional[float] = None, window_left: int = -1,
                     soft_cap: float = 0.0, alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-                    k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None):
+                    k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None, causal: bool = True):
     return _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window_left,
-                            soft_cap, alibi_slopes, sinks, k_scale, v_scale, out=None, lse=None)
+                            soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal, out=None, lse=None)
 
 
 def paged_attention_out(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
                         seq_lens: Tensor, query_start_loc: Optional[Tensor] = None, scale: Optional[float] = None,
                         window_left: int = -1, soft_cap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
                         sinks: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
-                        v_scale: Optional[Tensor] = None, *, out: Tensor, lse: Optional[Tensor] = None) -> None:
+                        v_scale: Optional[Tensor] = None, causal: bool = True, *, out: Tensor,
+                        lse: Optional[Tensor] = None) -> None:
     _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window_left,
-                     soft_cap, alibi_slopes, sinks, k_scale, v_scale, out=out, lse=lse)
+                     soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal, out=out, lse=lse)
 
 
 def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window_left,
-                     soft_cap, alibi_slopes, sinks, k_scale, v_scale, *, out, lse):
+                     soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal, *, out, lse):
     op = "paged_attention"
     dev = query.device
     _check_device(op, dev, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
@@ -594,7 +594,7 @@ def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, quer
                 kc_stride_b=key_cache.stride(0), kc_stride_s=key_cache.stride(1), kc_stride_h=key_cache.stride(2),
                 vc_stride_b=value_cache.stride(0), vc_stride_s=value_cache.stride(1),
                 vc_stride_h=value_cache.stride(2), varlen=int(query_start_loc is not None),
-                window_left=int(window_left), has_alibi=int(alibi_slopes is not None),
+                window_left=int(window_left), causal=int(bool(causal)), has_alibi=int(alibi_slopes is not None),
                 has_sinks=int(sinks is not None), k_scale_per_head=ks_head, v_scale_per_head=vs_head,
                 scale=float(d ** -0.5 if scale is None else scale), soft_cap=float(soft_cap))
     dummy = seq_lens

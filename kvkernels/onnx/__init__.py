@@ -125,7 +125,9 @@ def _schemas():
         type_constraints=[("T", _FLOAT, "query/output"), ("C", _CACHE, "caches")],
         attributes=[attr("scale", OpSchema.AttrType.FLOAT, "default D ** -0.5"),
                     attr("window_left", OpSchema.AttrType.INT, "-1: off"),
-                    attr("soft_cap", OpSchema.AttrType.FLOAT, "0: off")])
+                    attr("soft_cap", OpSchema.AttrType.FLOAT, "0: off"),
+                    attr("causal", OpSchema.AttrType.INT,
+                         "1 (default): bottom-right causal; 0: every query sees all of its sequence's keys")])
     write = OpSchema(
         "ReshapeAndCache", DOMAIN, VERSION,
         doc="Writes key/value rows into their slots; outputs are the caches, updated in place "
@@ -206,8 +208,8 @@ def translation_table() -> dict:
 
     def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None,
                         scale=None, window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None,
-                        k_scale=None, v_scale=None):
-        attrs = {"window_left": int(window_left), "soft_cap": float(soft_cap)}
+                        k_scale=None, v_scale=None, causal=True):
+        attrs = {"window_left": int(window_left), "soft_cap": float(soft_cap), "causal": int(bool(causal))}
         if scale is not None:
             attrs["scale"] = float(scale)
         return kv.PagedAttention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,

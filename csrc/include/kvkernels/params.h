@@ -75,6 +75,9 @@ struct AttentionParams {
   float scale = 1.0f;
   float soft_cap = 0.0f;   // <= 0: off
   int window_left = -1;    // < 0: off
+  // false: every query of a sequence sees all of its keys (only the window's lower bound applies);
+  // true: query i at pos = seq_len - q_len + i sees keys j <= pos (docs/ops.md).
+  bool causal = true;
   const float* alibi_slopes = nullptr;  // [num_heads] or nullptr
   const float* sinks = nullptr;         // [num_heads] or nullptr
 
