@@ -493,3 +493,59 @@ def test_value_head_dim(config, mode, path):
     kv, query, qsl = dv_case(mode, [b + 1, 0, max(3 * b - 1, 37), 1, b], dtype=dtype, hq=hq, hkv=hkv, dk=dk, dv=dv,
                              b=b, layout=layout, fp8=fp8)
     run_cuda(kv, query, qsl, **(features(b, dk)["all"] if hq == 8 else {}))
+
+
+# ----------------------------------------------------------------------------------------------------
+# causal=False, more queries than keys, caller-provided outputs (tests/test_causal.py and
+# tests/test_out.py on the CPU; tests/test_cuda_emulated.py runs the same kernels emulated)
+# ----------------------------------------------------------------------------------------------------
+
+# id: dtype, fp8, Hq, Hkv, D, B
+CAUSAL_CONFIGS = {
+    "f32-gqa2-d64-b16": (f32, None, 4, 2, 64, 16),
+    "bf16-gqa4-d128-b16": (bf16, None, 8, 2, 128, 16),
+    "f16-mqa-d64-b7": (f16, None, 4, 1, 64, 7),
+    "e4m3-bf16-gqa4-d128-b16": (bf16, "e4m3", 8, 2, 128, 16),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("config", CAUSAL_CONFIGS.values(), ids=CAUSAL_CONFIGS.keys())
+def test_causal_flag_and_more_queries_than_keys(config, causal, path):
+    """Varlen rows with q_len below, equal to and above seq_len (seq_len 0 included); causal=False with a
+    window (its lower bound only), ALiBi and sinks."""
+    dtype, fp8, hq, hkv, d, b = config
+    seq_lens, q_lens = [3 * b + 5, 4, 0, 2 * b, 1], [7, 9, 3, 2 * b, 1]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=d, block_size=b, dtype=dtype, fp8=fp8,
+                       seed=41)
+    query = make_query(sum(q_lens), hq, d, dtype, generator(42))
+    qsl = query_start_loc(q_lens)
+    run_cuda(kv, query, qsl, causal=causal)
+    run_cuda(kv, query, qsl, causal=causal, window_left=5, alibi_slopes=torch.linspace(0.01, 0.2, hq),
+             sinks=torch.linspace(-1.0, 1.0, hq))
+
+
+@pytest.mark.parametrize("config", CAUSAL_CONFIGS.values(), ids=CAUSAL_CONFIGS.keys())
+def test_out_variant(config, path):
+    """out= / lse= on CUDA: bit-identical to the allocating call, every element written (NaN-poisoned
+    buffers), a row slice of a bigger buffer (vLLM's output) written in place, the rows around untouched."""
+    dtype, fp8, hq, hkv, d, b = config
+    seq_lens, q_lens = [3 * b + 5, 4, 2 * b], [7, 4, 1]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=d, block_size=b, dtype=dtype, fp8=fp8,
+                       seed=43)
+    query = make_query(sum(q_lens), hq, d, dtype, generator(44))
+    q, k, v = like_on(query), like_on(kv.key_cache), like_on(kv.value_cache)
+    args = (q, k, v, kv.block_tables.to(DEV), kv.seq_lens.to(DEV), query_start_loc(q_lens).to(DEV))
+    scales = {name: opt_on(x) for name, x in kv.scales.items()}
+    want_out, want_lse = ops.paged_attention(*args, causal=False, **scales)
+    t = query.shape[0]
+    buf = torch.full((t + 4, hq, d), float("nan"), dtype=dtype, device=DEV)
+    lse = torch.full((t, hq), float("nan"), dtype=f32, device=DEV)
+    got_out, got_lse = ops.paged_attention(*args, causal=False, **scales, out=buf[2:2 + t], lse=lse)
+    torch.cuda.synchronize()
+    assert got_out.data_ptr() == buf[2:2 + t].data_ptr() and got_lse is lse
+    assert torch.equal(buf[2:2 + t], want_out) and torch.equal(lse, want_lse)
+    assert buf[:2].isnan().all() and buf[2 + t:].isnan().all()
+    out_only = torch.full_like(want_out, float("nan"))
+    got_out, got_lse = ops.paged_attention(*args, causal=False, **scales, out=out_only)
+    assert got_lse is None and torch.equal(out_only, want_out)
