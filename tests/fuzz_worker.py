@@ -887,29 +887,8 @@ def assert_same(actual, expected, what):
 
 
 # Float arguments handed to the reference in float64. Not w_kv_b / norm_weight: the reference's rounding of the
-# normalised latent to w_kv_b's dtype (branch nan, see REFERENCE_ROUNDS_LATENT) needs that dtype.
+# normalised latent to w_kv_b's dtype (docs/ops.md, mla_decompress) needs that dtype.
 UPCAST = {"query", "q", "out_a", "out_b", "key_cache", "value_cache", "kv_cache"}
-
-
-def reference_rounds_latent():
-    """Whether reference.mla_decompress rounds the normalised latent to w_kv_b's dtype before the projection, as
-    the CPU and CUDA kernels do (docs/ops.md and the reference say so from branch nan, issue 22 item 6; before
-    it the docs said "not rounded"). Probed on a latent whose two entries differ by less than half a bfloat16
-    step: the key row w = [1, -1, 0...] gives exactly 0 only when they were rounded first."""
-    r = 8
-    row = torch.ones(1, 1, r, dtype=bf16)
-    row[0, 0, :2] = torch.tensor([1 + 2**-7, 1 + 2**-6])
-    nw = torch.ones(r, dtype=bf16)
-    nw[0] = 1 + 2**-7  # c0 = (1 + 2^-6 + 2^-14) * rms, c1 = (1 + 2^-6) * rms
-    w = torch.zeros(2, r, dtype=bf16)
-    w[0, :2] = torch.tensor([1.0, -1.0])
-    key, _ = reference.mla_decompress(row, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
-                                      w, kv_lora_rank=r, qk_nope_head_dim=1, v_head_dim=1, norm_weight=nw,
-                                      norm_eps=0.0)
-    return float(key[0, 0, 0]) == 0.0
-
-
-REFERENCE_ROUNDS_LATENT = reference_rounds_latent()
 
 
 def reference_args(op, kw):
@@ -931,7 +910,6 @@ def compare(op, kw, result, ref_result, undefined_inputs, shape_only=None):
             assert_same(got, want, name)
         return "compared"
     names = {"mla_decompress": ("key", "value")}.get(op, ("out", "lse"))
-    pending = op == "mla_decompress" and kw["w_kv_b"].dtype in (bf16, f16) and not REFERENCE_ROUNDS_LATENT
     for name, got, want in zip(names, result, ref_result):
         dtype = f32 if name == "lse" else next(
             kw[a] for a in ("query", "q", "out_a", "w_kv_b") if a in kw).dtype
@@ -945,8 +923,6 @@ def compare(op, kw, result, ref_result, undefined_inputs, shape_only=None):
         return shape_only
     if not COMPARE_NONFINITE and (undefined_inputs or not defined):
         return "shape-only (non-finite)"
-    if pending:  # the kernel rounds the latent to a 16-bit w_kv_b's dtype, this reference does not
-        return "shape-only (16-bit w_kv_b, reference without the rounding of branch nan)"
     for name, got, want in zip(names, result, ref_result):
         try:
             assert_close(got, want, f32 if name == "lse" else got.dtype, msg=name)
