@@ -112,6 +112,45 @@ def build_cuda():
     return build
 
 
+# The C++ runtime is linked as the shared libstdc++.so.6, named explicitly. A compiler set up to link
+# it statically (-static-libstdc++, as the GPU machine's CXX=/opt/gcc/bin/g++ does) would otherwise
+# put a second copy into _C beside the one torch loads: the two keep separate locale facet ids, so the
+# first `ostream << int` of an error message or output size crashed (SIGSEGV in every op that formats
+# a number; seen on the H100, 2026-11-26). Listed before the compiler's own libraries, the shared
+# library resolves every libstdc++ symbol and the static archive contributes nothing.
+SHARED_CXX_RUNTIME = ["-l:libstdc++.so.6"]
+
+
+def needed_libraries(readelf_dynamic):
+    """The DT_NEEDED names in `readelf -d` output."""
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", readelf_dynamic)
+
+
+def cxx_runtime_error(path, readelf_dynamic):
+    """Why the built extension is unusable, or None: it must load the shared libstdc++ (see above)."""
+    if any(n.startswith("libstdc++.so") for n in needed_libraries(readelf_dynamic)):
+        return None
+    return (f"{path} does not load libstdc++.so: the compiler linked the C++ runtime statically, so it "
+            "would crash beside torch's. Build with a compiler that links it shared (CXX=/usr/bin/g++).")
+
+
+class BuildExtension(cpp_extension.BuildExtension):
+    """torch's build_ext, plus a check of the linked C++ runtime of every built extension."""
+
+    def build_extension(self, ext):
+        super().build_extension(ext)
+        path = self.get_ext_fullpath(ext.name)
+        try:
+            dynamic = subprocess.run(["readelf", "-d", path], capture_output=True, text=True,
+                                     check=True).stdout
+        except (OSError, subprocess.CalledProcessError) as e:
+            print(f"WARNING: the C++ runtime of {path} is not checked (readelf: {e})", file=sys.stderr)
+            return
+        error = cxx_runtime_error(path, dynamic)
+        if error:
+            raise RuntimeError(error)
+
+
 def extension():
     debug = os.environ.get("KVKERNELS_DEBUG_BUILD") == "1"
     # KVKERNELS_DEBUG_INFO=1: the optimized code plus DWARF (-g changes no instruction), for
@@ -132,10 +171,12 @@ def extension():
         return cpp_extension.CUDAExtension(
             "kvkernels._C", srcs, include_dirs=include_dirs, py_limited_api=True,
             extra_compile_args={"cxx": cxx + ["-DUSE_CUDA"], "nvcc": nvcc},
+            extra_link_args=SHARED_CXX_RUNTIME,
         )
     return cpp_extension.CppExtension(
         "kvkernels._C", srcs, include_dirs=include_dirs, py_limited_api=True,
-        extra_compile_args={"cxx": cxx}, extra_link_args=SANITIZE_FLAGS if SANITIZE else [],
+        extra_compile_args={"cxx": cxx},
+        extra_link_args=SHARED_CXX_RUNTIME + (SANITIZE_FLAGS if SANITIZE else []),
     )
 
 
@@ -147,7 +188,7 @@ if __name__ == "__main__":  # also under pip: setuptools.build_meta runs this fi
     # place by `setup.py build_ext --inplace`, incrementally; the Makefile's test-vllm venv uses it).
     setup(
         ext_modules=[] if os.environ.get("KVKERNELS_NO_EXTENSION") == "1" else [extension()],
-        cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
         # abi3 wheel for CPython >= 3.10: the limited API version torch compiles with.
         options={"bdist_wheel": {"py_limited_api": limited_api_tag()}},
     )

@@ -114,3 +114,28 @@ def test_setup_py_stops_with_the_wheel_message(tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "cannot build a wheel without the `wheel` package" in result.stderr
     assert "pip install wheel" in result.stderr
+
+
+READELF_SHARED = """
+ 0x0000000000000001 (NEEDED)             Shared library: [libc10.so]
+ 0x0000000000000001 (NEEDED)             Shared library: [libstdc++.so.6]
+ 0x0000000000000001 (NEEDED)             Shared library: [libgcc_s.so.1]
+"""
+
+
+def test_cxx_runtime_check(setup_py):
+    """A build whose compiler linked libstdc++ statically is refused (it crashed beside torch's)."""
+    assert setup_py.needed_libraries(READELF_SHARED) == ["libc10.so", "libstdc++.so.6", "libgcc_s.so.1"]
+    assert setup_py.cxx_runtime_error("_C.so", READELF_SHARED) is None
+    static = READELF_SHARED.replace("libstdc++.so.6", "libm.so.6")
+    assert "linked the C++ runtime statically" in setup_py.cxx_runtime_error("_C.so", static)
+
+
+def test_built_extension_loads_shared_libstdcxx(setup_py):
+    import shutil
+
+    import kvkernels._C as ext
+    if shutil.which("readelf") is None:
+        pytest.skip("readelf is not installed")
+    out = subprocess.run(["readelf", "-d", ext.__file__], capture_output=True, text=True, check=True).stdout
+    assert setup_py.cxx_runtime_error(ext.__file__, out) is None

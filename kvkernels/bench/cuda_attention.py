@@ -179,7 +179,7 @@ class Paged:
         out = torch.empty(seqs, KV_HEADS, self.context, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
         step = max(1, (256 << 20) // (self.context * KV_HEADS * HEAD_DIM * 4))
         for s0 in range(0, seqs, step):
-            ids = self.block_ids[s0:s0 + step]
+            ids = self.block_ids[s0:min(s0 + step, seqs)]  # the first `seqs` only
             x = cache[ids].reshape(ids.shape[0], -1, KV_HEADS, HEAD_DIM)[:, :self.context].transpose(1, 2)
             if self.scale is not None:
                 x = x.float() * self.scale
