@@ -150,3 +150,32 @@ def test_reduce_overhead_captures_cuda_graph():
     assert counters["inductor"]["cudagraph_skips"] == 0, "the step was not captured in a CUDA graph"
     assert not counters["graph_break"]
     torch.testing.assert_close(torch.stack(got, 1), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_reduce_overhead_marks_the_storage_in_use():
+    """mode='reduce-overhead' marks static the storage the compiled step mutates: CUDA graphs skip a
+    graph whose mutated input is not static. The storage in use changes twice here — the
+    ``max_new_tokens`` reservation grows it at construction (the H200 run of 2026-11-26 found the old
+    storage marked instead) and a later growth — and each is marked. Runs on CPU: the step itself is
+    run eagerly (only the marks are under test)."""
+    _, model = model_pair("llama")
+    ids, mask = left_padded_batch()
+    with torch.no_grad():
+        cache, logits, _ = prefill(model, ids, mask)
+        before = cache.kv.kv
+        decoder = PagedDecoder(model, cache, max_length=128, max_new_tokens=16, mode="reduce-overhead")
+        assert cache.kv.kv is not before, "the reservation was meant to grow the storage"
+        assert hasattr(cache.kv.kv, "_dynamo_static_input_type")
+        assert not hasattr(before, "_dynamo_static_input_type")
+        for t in (decoder._slots, decoder._seq_lens, decoder._tables):
+            assert hasattr(t, "_dynamo_static_input_type")
+        decoder._forward = decoder._run  # eager steps: no compile on CPU
+        grown = cache.grow_count
+        for _ in range(40):
+            logits = decoder(logits.argmax(-1))
+            if cache.grow_count > grown:
+                break
+        assert cache.grow_count > grown, "40 steps past the reservation were meant to grow the storage"
+        assert hasattr(cache.kv.kv, "_dynamo_static_input_type")
+    eager = PagedDecoder(model, prefill(model, ids, mask)[0], compile=False, max_new_tokens=16)
+    assert not hasattr(eager.cache.kv.kv, "_dynamo_static_input_type")  # nothing marked without graphs

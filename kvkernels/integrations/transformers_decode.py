@@ -77,12 +77,22 @@ class PagedDecoder:
         self._positions = torch.zeros(batch, 1, dtype=torch.int64, device=dev)
         self._mask = torch.ones(batch, 1, 1, 1, dtype=torch.bool, device=dev)
         self._step = Step(self._slots, self._tables, self._seq_lens, None, None)
-        if compile and compile_kwargs.get("mode") in ("reduce-overhead", "max-autotune"):
-            # CUDA graphs replay fixed addresses: the storage and the step buffers are updated in
-            # place, never reallocated, so they are marked static instead of copied every replay.
-            for t in (kv.kv, self._slots, self._seq_lens, self._tables):
-                torch._dynamo.mark_static_address(t)
+        # CUDA graphs replay fixed addresses: the storage and the step buffers are updated in place,
+        # never reallocated, so they are marked static instead of copied every replay.
+        self._graphs = compile and compile_kwargs.get("mode") in ("reduce-overhead", "max-autotune")
+        self._marked = None  # the storage tensor marked last (cache.kv is replaced when it grows)
+        self._mark_static()
         self._forward = torch.compile(self._run, fullgraph=True, **compile_kwargs) if compile else self._run
+
+    def _mark_static(self) -> None:
+        """Marks the current storage (and once, the step buffers) static for CUDA graphs. Read from
+        ``self.cache`` each time: the reservation above, or a growth later, replaces the storage."""
+        storage = self.cache.kv.kv
+        if not self._graphs or storage is self._marked:
+            return
+        for t in (storage,) if self._marked is not None else (storage, self._slots, self._seq_lens, self._tables):
+            torch._dynamo.mark_static_address(t)
+        self._marked = storage
 
     def _run(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor) -> Tensor:
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
@@ -103,6 +113,7 @@ class PagedDecoder:
             raise ValueError(f"kvkernels PagedDecoder: a sequence would outgrow max_length "
                              f"({self.max_blocks * cache.block_size} tokens)")
         step = cache.append_decode_step()
+        self._mark_static()  # a storage grown by this step (one recompile) is static as well
         width = step.block_tables.shape[1]
         self._slots.copy_(step.slot_mapping)
         self._seq_lens.copy_(step.seq_lens)
