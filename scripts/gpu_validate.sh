@@ -176,6 +176,8 @@ step_t_attn() { pytest_par tests/test_cuda_attention.py -k "not ($BAD)"; }
 step_t_mla_tma() { FAULT_S=20 pytest_step tests.log tests/test_cuda_mla.py -k test_mla_decompress; }
 step_t_mla_attn() { pytest_par tests/test_cuda_mla.py -k "not test_mla_decompress and not ($BAD)"; }
 step_t_cascade_mla() { pytest_step tests.log tests/test_cascade.py tests/test_mla.py -k cuda; }
+# NaN / inf in keys, values, queries, parameters, MLA rows, merge lse: the CPU cases, on the CUDA kernels.
+step_t_nonfinite() { pytest_par tests/test_nonfinite.py -k cuda; }
 step_t_bad() { pytest_par tests/test_cuda_ops.py tests/test_cuda_attention.py tests/test_cuda_mla.py -k "$BAD"; }
 step_t_compile() {
   pytest_step tests.log tests/test_cuda_ops.py::test_compile_reduce_overhead tests/test_cuda_ops.py::test_compiled_decode_step \
@@ -226,6 +228,7 @@ t_attn 180
 t_mla_tma 60
 t_mla_attn 120
 t_cascade_mla 45
+t_nonfinite 60
 b_ops 60
 b_attn 45
 b_mla 45

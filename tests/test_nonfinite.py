@@ -10,17 +10,25 @@ NaN key after a row's position reaches that row only when ``causal=False``. The 
 prefill with few rows (vector kernel, rows of several query positions), prefill (tile kernels on
 AVX-512, AMX for bf16 over bf16 / fp8), split-K decode (partials merged), MLA decode (tiles) and MLA
 prefill.
+
+The same cases run on CUDA (backend ``cuda``: inputs copied to the device with their storage, so views,
+offsets and the NaN bytes around them stay; results compared on the CPU) where a CUDA device and the CUDA
+kernels exist; elsewhere those cases skip with the reason.
 """
+
+import sys
 
 import pytest
 import torch
 
 from helpers import (FP8_DTYPES, assert_close, generator, make_paged_kv, make_paged_mla, make_query,
-                     query_start_loc, token_slots, upcast, use_isa)
+                     query_start_loc, require_kernel, token_slots, upcast, use_isa)
 from kvkernels import ops, reference
 
 NAN, INF = float("nan"), float("inf")
 ISAS = ["avx512amx", "avx512vbmi", "avx512", "avx2", "portable"]
+BACKENDS = ISAS + ["cuda"]
+DEVICE = "cpu"  # where the kernels under test run (the `isa` fixture sets it)
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 
 # id: query dtype, fp8 cache (None: the query's dtype)
@@ -44,9 +52,36 @@ MODES = {
 }
 
 
-@pytest.fixture(params=ISAS)
+@pytest.fixture(params=BACKENDS)
 def isa(request, monkeypatch):
+    """A CPU SIMD path, or "cuda": the kernels run on the CUDA device (skipped without one)."""
+    if request.param == "cuda":
+        for op in ("paged_attention", "mla_paged_attention", "merge_attention_states"):
+            require_kernel(op, "cuda")
+        monkeypatch.setattr(sys.modules[__name__], "DEVICE", "cuda")
+        return "cuda"
     return use_isa(monkeypatch, request.param)
+
+
+def on_device(t):
+    """``t`` on DEVICE with its whole storage copied (same strides and offset; the bytes around a view,
+    NaN padding included, come along); None and non-tensors unchanged."""
+    if not isinstance(t, torch.Tensor) or t.device == torch.device(DEVICE):
+        return t
+    storage = t.untyped_storage()
+    whole = torch.empty(0, dtype=t.dtype).set_(storage, 0, (storage.nbytes() // t.element_size(),))
+    return whole.to(DEVICE).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def run(op, *args, **kwargs):
+    """``ops.<op>`` on DEVICE, its outputs back on the CPU."""
+    out = getattr(ops, op)(*map(on_device, args), **{k: on_device(v) for k, v in kwargs.items()})
+    return tuple(o.cpu() for o in out)
+
+
+def attend(kv, query, qsl, **kwargs):
+    return run("paged_attention", query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl,
+               **kwargs, **kv.scales)
 
 
 @pytest.fixture
@@ -78,8 +113,7 @@ def poke(cache, fp8, block_ids, seq_len, pos, head, col, value):
 
 
 def check(kv, query, qsl, **kwargs):  # kwargs may hold causal
-    out, lse = ops.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl,
-                                   **kwargs, **kv.scales)
+    out, lse = attend(kv, query, qsl, **kwargs)
     kr, vr = kv.ref_caches()
     ref_out, ref_lse = reference.paged_attention(upcast(query), kr, vr, kv.block_tables, kv.seq_lens, qsl,
                                                  **kwargs, **kv.scales)
@@ -226,8 +260,7 @@ def test_invisible_nonfinite_is_ignored(isa, threads, mode, cache, causal):
     threads(MODES[mode][4])
     kv, query, qsl = build(mode, cache, seed=4)
     window = 9
-    clean, clean_lse = ops.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables,
-                                           kv.seq_lens, qsl, window_left=window, causal=causal, **kv.scales)
+    clean, clean_lse = attend(kv, query, qsl, window_left=window, causal=causal)
     assert clean.isfinite().all()
     fp8 = CACHES[cache][1]
     seq_len = int(kv.seq_lens[0])
@@ -263,8 +296,7 @@ def test_nonfinite_after_position_only_without_causal(isa, threads, mode, cache)
     kv, query, qsl = build(mode, cache, seed=6)
     fp8 = CACHES[cache][1]
     seq_len, q_len = int(kv.seq_lens[0]), int(qsl[1] - qsl[0])
-    clean, clean_lse = ops.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
-                                           qsl, **kv.scales)
+    clean, clean_lse = attend(kv, query, qsl)
     poke(kv.key_cache, fp8, kv.blocks[0], seq_len, seq_len - 1, 0, 2, "nan")
     if fp8 != "e4m3":
         poke(kv.value_cache, fp8, kv.blocks[0], seq_len, seq_len - 1, 0, 3, "+inf")
@@ -372,7 +404,7 @@ def test_mla_nonfinite(isa, mode, cache, what):
         else:
             qq[0, 1, pos % (r + p)] = NAN
         kwargs = dict(kv_lora_rank=r, scale=0.1, query_start_loc=qsl, kv_scale=scale)
-        out, lse = ops.mla_paged_attention(qq, cache_t, mla.block_tables, mla.seq_lens, **kwargs)
+        out, lse = run("mla_paged_attention", qq, cache_t, mla.block_tables, mla.seq_lens, **kwargs)
         ref_out, ref_lse = reference.mla_paged_attention(upcast(qq), upcast(cache_t), mla.block_tables,
                                                          mla.seq_lens, **kwargs)
         assert_close(out, ref_out, dtype, msg=f"out, key {pos}")
@@ -406,7 +438,7 @@ def test_merge_nonfinite(isa, dtype):
         if LSES[b] != LSES[b] or abs(LSES[b]) == INF:
             out_b[i, :, 1::3] = INF
     out_a[:, 1, 17] = NAN  # head 1 of every finite side carries a NaN value: read -> NaN
-    out, lse = ops.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    out, lse = run("merge_attention_states", out_a, lse_a, out_b, lse_b)
     ref_out, ref_lse = reference.merge_attention_states(upcast(out_a), lse_a, upcast(out_b), lse_b)
     assert_close(out, ref_out, dtype, msg="out")
     assert_close(lse, ref_lse, f32, msg="lse")
