@@ -215,6 +215,17 @@ step_b_targets() {
   bench -m kvkernels.bench.cuda_attention --no-flex --attn-shapes 64x4096,1x32768 \
     --json "$SCRATCH/results/bench/cuda-attention-targets-$STAMP.json"
 }
+# The other targets at full size: copy_blocks (1024 pairs x 32 layers, >= 80% of copy bandwidth) with
+# the other cache ops, and MLA decode (>= 70%) / mla_decompress (against a torch matmul) at one size each.
+step_b_sizes() {
+  local rc=0 detail
+  bench -m kvkernels bench --device cuda --cases copy,extra --min-time 0.2 --out "$SCRATCH/results/bench" || rc=$?
+  detail=$STEP_DETAIL
+  bench -m kvkernels.bench.cuda_mla --mla-batches 64 --mla-contexts 4096 --mla-heads 16,128 \
+    --mla-decompress-tokens 32768 --mla-reps 5 --json "$SCRATCH/results/bench/cuda-mla-sizes-$STAMP.json" || rc=$?
+  STEP_DETAIL="$detail;$STEP_DETAIL"
+  return $rc
+}
 
 # ---- the run ----------------------------------------------------------------------------------------
 
@@ -233,6 +244,7 @@ b_ops 60
 b_attn 45
 b_mla 45
 b_targets 120
+b_sizes 90
 t_bad 120
 t_compile 150"
 
