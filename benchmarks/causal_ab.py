@@ -21,7 +21,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -104,18 +103,12 @@ def run_worker(tree: str, args, noncausal: bool) -> dict:
     return json.loads(out.stdout)
 
 
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def driver(args) -> None:
     import torch
+
+    # Imported here, not at the top: a worker must import the kvkernels of the tree it measures.
+    sys.path.insert(0, TREE)
+    from kvkernels.bench.machine import cpu_model, slug
 
     runs = {"A": [], "B": []}
     loads = []
@@ -160,8 +153,7 @@ def driver(args) -> None:
     print(text)
     if args.out:
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        model = "".join(c if c.isalnum() else "-" for c in cpu_model().lower()).strip("-")
-        model = "-".join(x for x in model.split("-") if x)[:24].strip("-")
+        model = slug(cpu_model())
         base = os.path.join(args.out, f"causal-ab-{model}-{stamp}")
         with open(base + ".txt", "w") as f:
             f.write(text + "\n")

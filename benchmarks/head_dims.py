@@ -99,16 +99,6 @@ def run_worker(tree: str, spec, args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline-tree", help="a built checkout of the commit to compare with")
@@ -127,6 +117,10 @@ def main() -> int:
         worker(args)
         return 0
     import torch
+
+    # Imported here, not at the top: a worker must import the kvkernels of the tree it measures.
+    sys.path.insert(0, TREE)
+    from kvkernels.bench.machine import cpu_model
 
     cases = QUICK if args.quick else CASES
     if args.quick:
