@@ -118,7 +118,8 @@ def build_cuda():
 # first `ostream << int` of an error message or output size crashed (SIGSEGV in every op that formats
 # a number; seen on the H100, 2026-11-26). Listed before the compiler's own libraries, the shared
 # library resolves every libstdc++ symbol and the static archive contributes nothing.
-SHARED_CXX_RUNTIME = ["-l:libstdc++.so.6"]
+# Linux only: macOS (the Metal build) links libc++ through clang, and has no readelf.
+SHARED_CXX_RUNTIME = ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
 
 
 def needed_libraries(readelf_dynamic):
@@ -139,6 +140,8 @@ class BuildExtension(cpp_extension.BuildExtension):
 
     def build_extension(self, ext):
         super().build_extension(ext)
+        if not SHARED_CXX_RUNTIME:
+            return
         path = self.get_ext_fullpath(ext.name)
         try:
             dynamic = subprocess.run(["readelf", "-d", path], capture_output=True, text=True,
