@@ -564,3 +564,29 @@ def test_cuda_graph_decode_step(dtype, fp8):
     graph.replay()
     torch.cuda.synchronize()
     check(lens_b, table_b)
+
+
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("case", ["bf16-R512-P64-H16-b64", "e4m3-f32-R64-P16-H4-b3", "f16-R72-P8-H5-b256"])
+def test_out_variant(case, mode, path):
+    """mla_paged_attention out= / lse= on CUDA: bit-identical to the allocating call, every element written
+    (NaN-poisoned buffers), a row slice of a bigger buffer written in place with the rows around untouched,
+    and out= alone (lse not returned)."""
+    dtype, fp8, r, p, h, b, strided = ATTN_CASES[case]
+    mla, q, qsl = make_mla_case(mode, [b + 1, 0, 2 * b + 5, 300], dtype, fp8, r, p, h, b, strided)
+    args = (like_on(q), like_on(mla.kv_cache), mla.block_tables.to(DEV), mla.seq_lens.to(DEV))
+    kwargs = dict(kv_lora_rank=r, scale=(128 + p) ** -0.5, query_start_loc=opt_on(qsl), kv_scale=opt_on(mla.scale))
+    want_out, want_lse = ops.mla_paged_attention(*args, **kwargs)
+    t = q.shape[0]
+    buf = torch.full((t + 4, h, r), float("nan"), dtype=dtype, device=DEV)
+    lse = torch.full((t, h), float("nan"), dtype=f32, device=DEV)
+    got_out, got_lse = ops.mla_paged_attention(*args, **kwargs, out=buf[2:2 + t], lse=lse)
+    torch.cuda.synchronize()
+    assert got_out.data_ptr() == buf[2:2 + t].data_ptr() and got_lse is lse
+    assert_bytes_equal(buf[2:2 + t], want_out, "out")
+    assert_bytes_equal(lse, want_lse, "lse")
+    assert buf[:2].isnan().all() and buf[2 + t:].isnan().all()
+    out_only = torch.full_like(want_out, float("nan"))
+    got_out, got_lse = ops.mla_paged_attention(*args, **kwargs, out=out_only)
+    assert got_lse is None
+    assert_bytes_equal(out_only, want_out, "out without lse")

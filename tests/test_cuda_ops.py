@@ -82,6 +82,31 @@ def test_merge_attention_states(dtype, head_dim):
         assert_within_ulps(out, cpu_out, 1, msg="out vs the CPU kernel")
 
 
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_merge_attention_states_out(dtype):
+    """out= / lse= on CUDA: bit-identical to the allocating call, every element written (NaN-poisoned), a
+    transposed out and a row slice of a bigger lse written in place with the rows around untouched."""
+    require_kernel("merge_attention_states", CUDA)
+    gen = generator(23)
+    t, h, d = 7, 3, 40
+    args = moved((randn(t, h, d, gen=gen, dtype=dtype), randn(t, h, gen=gen, std=3.0),
+                  randn(t, h, d, gen=gen, dtype=dtype), randn(t, h, gen=gen, std=3.0)))
+    args[1][0] = float("-inf")  # one side empty
+    want_out, want_lse = ops.merge_attention_states(*args)
+    out = torch.full((h, t, d), float("nan"), dtype=dtype, device=CUDA).transpose(0, 1)
+    lbuf = torch.full((t + 3, h), float("nan"), dtype=f32, device=CUDA)
+    got_out, got_lse = ops.merge_attention_states(*args, out=out, lse=lbuf[1:1 + t])
+    torch.cuda.synchronize()
+    assert got_out is out and got_lse.data_ptr() == lbuf[1:1 + t].data_ptr()
+    assert_bytes_equal(out, want_out, "out")
+    assert_bytes_equal(lbuf[1:1 + t], want_lse, "lse")
+    assert lbuf[0].isnan().all() and lbuf[1 + t:].isnan().all()
+    out_only = torch.full_like(want_out, float("nan"))
+    got_out, got_lse = ops.merge_attention_states(*args, out=out_only)
+    assert got_lse is None
+    assert_bytes_equal(out_only, want_out, "out without lse")
+
+
 # ----------------------------------------------------------------------------------------------------
 # opcheck on CUDA tensors (the samples of test_opcheck.py, moved with their strides)
 # ----------------------------------------------------------------------------------------------------
