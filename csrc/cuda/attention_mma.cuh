@@ -1,5 +1,5 @@
 // Tensor-core paged attention for fp16 / bf16 queries (caches of the query dtype, or fp8 e4m3 /
-// e5m2 dequantized to the query dtype in shared memory). One template, two configurations:
+// e5m2 dequantized to the query dtype in shared memory). One template, three configurations:
 //
 //   Path::kMmaDecode   (WM = 1, WN = 4 / 2 / 1 for head dim 64 / 128 / 256): a CTA holds 16
 //                      rows (the query heads of one GQA group for one decode query) and its
@@ -156,15 +156,22 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
   };
   const int ntiles = w.tile_end - w.tile_begin;
   if (ntiles > 0) ld.fetch(a, w, w.tile_begin);
-  // Not unrolled: each unrolled issue kept its addresses live next to the next one's, and with 3 of
-  // them (4 stages) the head-dim-256 decode kernel ran out of registers (ptxas: 255 and spills).
-#pragma unroll 1
-  for (int s = 0; s < STAGES - 1; ++s) {
+  auto prime = [&](int s) {  // the first STAGES - 1 tiles, before the loop
     if (s < ntiles) {
       ld.issue(a, w, w.tile_begin + s, stage_k(s), stage_k(s) + C::RAW_TILE, off);
       if (s + 1 < ntiles) ld.fetch(a, w, w.tile_begin + s + 1);
     }
     cp_async_commit();
+  };
+  if constexpr (PATH == Path::kMmaDecode) {
+    // Not unrolled in the deep decode kernel: unrolled, its 3 issues kept their addresses live side
+    // by side and the head-dim-256 instance ran out of registers (ptxas: 255 and spills). The other
+    // configurations keep the unrolled loop (and their code, for the A/B).
+#pragma unroll 1
+    for (int s = 0; s < STAGES - 1; ++s) prime(s);
+  } else {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) prime(s);
   }
 
   float o[DPAD / 8][4];

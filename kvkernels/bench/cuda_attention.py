@@ -11,7 +11,8 @@ Entry point (for the GPU script / the bench CLI)::
 ``run(args=None)`` (``None``: the defaults below) returns plain dicts, JSON-ready:
 
     {"case": "decode bfloat16 b64 ctx4096", "kind": "decode" | "prefill" | "copy", "dtype", "batch",
-     "context", "impl": "kvkernels" | "sdpa-flash-contiguous" | "flex-paged" | "copy",
+     "context", "impl": "kvkernels" | "kvkernels-<variant>" (--decode-variants) | "sdpa-flash-contiguous" |
+     "flex-paged" | "copy",
      "ms": median milliseconds per call, "gbps": KV-cache bytes of the case / time (decode),
      "fraction_of_copy_bw": gbps / measured copy bandwidth (decode), "tflops" (prefill),
      "speedup_vs": {baseline: baseline_ms / kvkernels_ms} (kvkernels rows), "max_abs_diff",
