@@ -2,6 +2,7 @@
 # Compile every CUDA source (csrc/cuda/*.cu) with nvcc for sm_80 and sm_90a, without torch (the
 # kernels are torch-free templates, docs/design.md §10), and fail on compile errors or on any register
 # spill / local-memory use reported by ptxas. Arguments: files to check instead of csrc/cuda/*.cu.
+# PTXAS_LOG_DIR=<dir>: keep each compile's log (the ptxas -v register report) there as <file>.<arch>.log.
 # Without arguments it also compiles the CUDA bindings (csrc/cuda/*.cpp, host C++ with -DUSE_CUDA)
 # with -fsyntax-only against the headers of the torch that $PYTHON imports (skipped, with a note, when
 # there is none: a CPU-only torch has every header they use).
@@ -25,6 +26,7 @@ for src in "${sources[@]}"; do
          -o "$out/$(basename "$src" .cu).$arch.o" >"$log" 2>&1; then
       echo "FAIL $src ($arch): compile error"; cat "$log"; status=1; continue
     fi
+    if [ -n "${PTXAS_LOG_DIR:-}" ]; then mkdir -p "$PTXAS_LOG_DIR" && cp "$log" "$PTXAS_LOG_DIR/"; fi
     if grep -E "[1-9][0-9]* bytes spill (stores|loads)|[1-9][0-9]* bytes stack frame" "$log" >/dev/null; then
       echo "FAIL $src ($arch): register spills / local memory"; grep -E "spill|stack frame" "$log"
       status=1

@@ -3,8 +3,8 @@
 # 520: the device tool runs a command for at most 10 minutes, and a session has 15 minutes of device time,
 # the machine's start included). Builds the extension with the machine's torch and nvcc for sm_90a, checks
 # that every op got a CUDA kernel and that ptxas reports no spills, runs the CUDA tests in priority
-# order, short benchmarks and the two full-size decode targets, then opcheck / bad input and the
-# torch.compile tests while time remains.
+# order, short benchmarks, the two full-size decode targets and the A/B of the decode kernel's two
+# configurations (b_variants), then opcheck / bad input and the torch.compile tests while time remains.
 #
 #   device tool:  command "bash scripts/gpu_validate.sh", timeout_s 600 (add "carry": [".whl"] when
 #                 wheels are carried, see csrc/cuda/README.md)
@@ -191,9 +191,9 @@ bench() {  # python arguments: output appended to bench.log; its target lines to
   capped "$PYTHON" "$@" >>"$OUT/bench.log" 2>&1
   rc=$?
   section=$(tail -c +$((offset + 1)) "$OUT/bench.log")
-  printf '%s\n' "$section" | grep "^target:" >"$SCRATCH/targets-$STEP_NAME.txt"
-  STEP_DETAIL=$(printf '%s\n' "$section" | grep -E "^target:|no CUDA device|Error|MISMATCH" | tr -s ' ' |
-    head -6 | tr '\n' ';' | cut -c1-500)
+  printf '%s\n' "$section" | grep -E "^(target|variant):" >"$SCRATCH/targets-$STEP_NAME.txt"
+  STEP_DETAIL=$(printf '%s\n' "$section" | grep -E "^(target|variant):|no CUDA device|Error|MISMATCH" | tr -s ' ' |
+    head -8 | tr '\n' ';' | cut -c1-700)
   # Without a GPU the benchmarks can only say so (after parsing their arguments): not a failure there.
   if [ "$DRY_RUN" = 1 ] && printf '%s\n' "$section" | grep -q "no CUDA device"; then
     STEP_DETAIL="dry run: $(printf '%s\n' "$section" | grep -m1 -o "no CUDA device.*" | tr -s ' ')"
@@ -215,6 +215,15 @@ step_b_targets() {
   bench -m kvkernels.bench.cuda_attention --no-flex --attn-shapes 64x4096,1x32768 \
     --json "$SCRATCH/results/bench/cuda-attention-targets-$STAMP.json"
 }
+# The A/B of the tensor-core decode kernel's configurations at the same shapes, bf16 and fp8, in one process
+# on the same data (alternating batches): wide (the first: 2 stages at head dim 128) vs deep (the default,
+# 4 stages). "variant:" lines give both times and deep's speed-up over wide.
+step_b_variants() {
+  bench -m kvkernels.bench.cuda_attention --no-flex --no-baselines --attn-prefill '' \
+    --attn-shapes 64x4096,1x32768 --decode-variants wide,deep \
+    --json "$SCRATCH/results/bench/cuda-attention-variants-$STAMP.json"
+}
+
 # The other targets at full size: copy_blocks (1024 pairs x 32 layers, >= 80% of copy bandwidth) with
 # the other cache ops, and MLA decode (>= 70%) / mla_decompress (against a torch matmul) at one size each.
 step_b_sizes() {
@@ -244,6 +253,7 @@ b_ops 60
 b_attn 45
 b_mla 45
 b_targets 120
+b_variants 60
 b_sizes 90
 t_bad 120
 t_compile 150"
@@ -269,6 +279,8 @@ done <<<"$PLAN"
   grep -hE "^(FAILED|ERROR) " "$OUT/tests.log" 2>/dev/null | cut -c1-200 | head -40
   echo "---- targets of the full-size run (bench.log)"
   cat "$SCRATCH/targets-b_targets.txt" 2>/dev/null
+  echo "---- decode kernel A/B, wide vs deep (bench.log)"
+  cat "$SCRATCH/targets-b_variants.txt" 2>/dev/null
 } | tee -a "$OUT/summary.txt"
 gpu_finish
 status=$?

@@ -187,3 +187,54 @@ def test_generate_suite_quick_run_writes_json_and_text(tmp_path):
     assert beam["kvkernels"]["copies"]["table_reorders"] >= forwards - 1
     assert beam["kvkernels"]["copies"]["copy_blocks_bytes"] < beam["stock"]["copies"]["stock_reorder_bytes"]
     assert "targets:" in txt_path.read_text()
+
+
+def test_cuda_attention_decode_variants_options_and_report(capsys, monkeypatch):
+    """kvkernels.bench.cuda_attention --decode-variants (the GPU script's b_variants step): the names are
+    checked when parsed; the environment variable each variant's batches run under is restored after them;
+    the report gives each variant's targets and their comparison from rows (synthetic here: timing needs a
+    GPU); without a GPU the run says so."""
+    import argparse
+
+    from kvkernels.bench import cuda_attention as ca
+
+    parser = argparse.ArgumentParser()
+    ca.add_arguments(parser)
+    assert parser.parse_args(["--decode-variants", "wide,deep"]).decode_variants == ["wide", "deep"]
+    assert parser.parse_args([]).decode_variants == []
+    for bad in ("wide,wdie", "deep,deep"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--decode-variants", bad])
+    capsys.readouterr()
+
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", "simt")
+    with ca.attn_path_env("mma-decode-wide"):
+        assert ca.os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "mma-decode-wide"
+    assert ca.os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "simt"
+    monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH")
+    with ca.attn_path_env("mma-decode-deep"):
+        pass
+    assert "KVKERNELS_CUDA_ATTN_PATH" not in ca.os.environ
+
+    def row(case, dtype, impl, ms, frac, checked=True):
+        return dict(case=case, kind="decode", dtype=dtype, impl=impl, ms=ms, fraction_of_copy_bw=frac,
+                    checked=checked, speedup_vs={}, skipped=None)
+
+    b, f = "decode bfloat16 b64 ctx4096", "decode fp8_e4m3 b64 ctx4096"
+    rows = [row(b, "bfloat16", "kvkernels-wide", 0.6, 0.4), row(b, "bfloat16", "kvkernels-deep", 0.3, 0.8),
+            row(f, "fp8_e4m3", "kvkernels-wide", 0.6, 0.2), row(f, "fp8_e4m3", "kvkernels-deep", 0.15, 0.8, False)]
+    deep = ca.targets(rows, "kvkernels-deep")
+    assert deep[0] == f"{b}: 0.80 of copy bandwidth (target 0.8)"
+    assert deep[1] == "decode bfloat16 b1 ctx32768: missing of copy bandwidth (target 0.7)"
+    assert deep[2] == f"{f}: fp8 2.00x bfloat16 (target 1.6)"
+    assert ca.targets(rows, "kvkernels-wide")[2] == f"{f}: fp8 1.00x bfloat16 (target 1.6)"
+    lines = ca.variant_lines(rows, ["wide", "deep"])
+    assert lines == [f"{b}: wide 0.6000 ms (0.40 of copy), deep 0.3000 ms (0.80 of copy) = 2.00x wide",
+                     f"{f}: wide 0.6000 ms (0.20 of copy), deep 0.1500 ms (0.80 of copy) = 4.00x wide MISMATCH"]
+    rows[0]["ms"], rows[0]["skipped"] = None, "RuntimeError: boom"
+    assert ca.variant_lines(rows, ["wide", "deep"])[0] == (
+        f"{b}: wide skipped: RuntimeError: boom, deep 0.3000 ms (0.80 of copy)")
+
+    if not torch.cuda.is_available():
+        assert ca.main(["--decode-variants", "wide,deep", "--attn-shapes", "64x4096", "--no-baselines"]) == 0
+        assert "no CUDA device" in capsys.readouterr().out

@@ -216,7 +216,33 @@ def test_merge_attention_states(emu, dtype):
 # paged attention
 # ---------------------------------------------------------------------------------------------------
 
-SIMT, MMA_DECODE, MMA_PREFILL = 0, 1, 2
+SIMT, MMA_DECODE, MMA_PREFILL, MMA_DECODE_WIDE = 0, 1, 2, 3
+# The tensor-core decode kernel's two configurations (csrc/cuda/attention_common.cuh, mma_wn): "deep", the
+# default (16 KiB stages, 4 in flight), and "wide", its first one (64 keys per stage, 2 stages at head dim
+# 128 / 256), chosen by KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide. A test mode "decode-wide" is a decode case
+# run with that variable set, expecting MMA_DECODE_WIDE where the planner would take MMA_DECODE.
+DECODE_VARIANT_ENV = {"decode": None, "decode-wide": "mma-decode-wide"}
+
+
+def use_mode(mode: str, monkeypatch) -> str:
+    """Sets KVKERNELS_CUDA_ATTN_PATH for a test mode ("decode", "decode-wide", "varlen"); returns the mode
+    make_case takes ("decode" / "varlen")."""
+    monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
+    if DECODE_VARIANT_ENV.get(mode):
+        monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", DECODE_VARIANT_ENV[mode])
+    return "varlen" if mode == "varlen" else "decode"
+
+
+def expected_path(path, mode: str):
+    """The kernel a case meant for ``path`` runs in test mode ``mode`` (the wide decode when forced)."""
+    return MMA_DECODE_WIDE if mode == "decode-wide" and path == MMA_DECODE else path
+
+
+def modes_for(configs: dict, dtype_of=lambda config: config[0]) -> list:
+    """(config, mode) parameters: every config in decode and varlen, and the 16-bit ones (the tensor-core
+    decode kernel) in decode-wide as well (float32 queries run the SIMT kernel in every mode)."""
+    return [pytest.param(config, mode, id=f"{name}-{mode}") for name, config in configs.items()
+            for mode in ("decode", "decode-wide", "varlen") if mode != "decode-wide" or dtype_of(config) != f32]
 
 
 def plan_of(emu, kv, query, qsl):
@@ -245,8 +271,11 @@ def check_plan(plan, path, splits) -> None:
 
 def run_emu_attention(emu, kv, query, qsl=None, *, path=None, splits=None, **kwargs):
     """Emulated CUDA kernels vs the float64 reference (test_attention.run_paged_attention's checks);
-    `path` / `splits`: the plan the case is meant to exercise, asserted so it cannot drift."""
+    `path` / `splits`: the plan the case is meant to exercise, asserted so it cannot drift (with
+    KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide set, a case meant for MMA_DECODE must run MMA_DECODE_WIDE)."""
     plan = plan_of(emu, kv, query, qsl)
+    if os.environ.get("KVKERNELS_CUDA_ATTN_PATH") == "mma-decode-wide":
+        path = expected_path(path, "decode-wide")
     check_plan(plan, path, splits)
     out, lse = run_paged_attention(kv, query, qsl, op=functools.partial(emulated_paged_attention, emu), **kwargs)
     return out, lse, plan
@@ -274,12 +303,14 @@ ATTN_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("mode", ["decode", "varlen"])
-@pytest.mark.parametrize("config", ATTN_CONFIGS.values(), ids=ATTN_CONFIGS.keys())
-def test_paged_attention(emu, config, mode):
+@pytest.mark.parametrize("config,mode", modes_for(ATTN_CONFIGS))
+def test_paged_attention(emu, config, mode, monkeypatch):
     dtype, fp8, per_head, layout, hq, hkv, d, b, strided, paths = config
-    # Partial and exactly-full last blocks, a one-token and an empty sequence; shuffled block ids.
-    seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b]
+    mode = use_mode(mode, monkeypatch)
+    # Partial and exactly-full last blocks, a one-token and an empty sequence; shuffled block ids. Decode
+    # adds 4 * 64 + 5 keys: more key tiles than the decode pipelines have stages at every head dim (16 to
+    # 64 keys per stage, 4 stages), so their rings wrap around.
+    seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b] + ([261] if mode == "decode" else [])
     kv, query, qsl = make_case(mode, seq_lens, dtype=dtype, num_heads=hq, num_kv_heads=hkv, head_dim=d,
                                block_size=b, layout=layout, fp8=fp8, per_head=per_head, strided=strided)
     out, lse, _ = run_emu_attention(emu, kv, query, qsl, path=paths[mode == "varlen"])
@@ -318,12 +349,12 @@ FEATURE_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("mode", ["decode", "varlen"])
 @pytest.mark.parametrize("feature", FEATURE_NAMES)
-@pytest.mark.parametrize("config", FEATURE_CONFIGS.values(), ids=FEATURE_CONFIGS.keys())
-def test_paged_attention_features(emu, config, feature, mode):
+@pytest.mark.parametrize("config,mode", modes_for(FEATURE_CONFIGS))
+def test_paged_attention_features(emu, config, feature, mode, monkeypatch):
     """test_attention's feature cases (window edges, soft cap, ALiBi, sinks, scale, all) on the emulated kernels,
     plus a sequence long enough for several key tiles."""
+    mode = use_mode(mode, monkeypatch)
     check_features(lambda kv, q, qsl, **kw: run_emu_attention(emu, kv, q, qsl, **kw)[:2], config, feature, mode,
                    more_seq_lens=(100,))
 
@@ -334,17 +365,18 @@ LONG_CONFIGS = {
     "f16-NHD-b16-d128": (f16, None, "NHD", 16, 1, 128),
     "bf16-e4m3-HND-b64": (bf16, "e4m3", "HND", 64, 1, 64),
     "bf16-HND-b7-gqa4": (bf16, None, "HND", 7, 2, 64),
+    "e5m2-f16-NHD-b16-d256": (f16, "e5m2", "NHD", 16, 1, 256),
 }
 
 
 @pytest.mark.parametrize("opts", [{}, dict(window_left=700, sinks=torch.linspace(-1, 1, 8), soft_cap=3.0)],
                          ids=["plain", "window-sinks-cap"])
-@pytest.mark.parametrize("mode", ["decode", "varlen"])
-@pytest.mark.parametrize("config", LONG_CONFIGS.values(), ids=LONG_CONFIGS.keys())
-def test_long_context_splits(emu, config, mode, opts):
+@pytest.mark.parametrize("config,mode", modes_for(LONG_CONFIGS))
+def test_long_context_splits(emu, config, mode, opts, monkeypatch):
     """Few work items and long contexts: the planner (4 emulated SMs) splits the keys and the merge
     kernel combines the partials."""
     dtype, fp8, layout, b, hkv, d = config
+    mode = use_mode(mode, monkeypatch)
     seq_lens = [2100, 1]
     kv, query, qsl = make_case("decode", seq_lens, dtype=dtype, num_heads=8, num_kv_heads=hkv, head_dim=d,
                                block_size=b, layout=layout, fp8=fp8, per_head=True, seed=41)
@@ -372,6 +404,37 @@ def test_decode_plan_depends_on_shapes_only(emu, dtype):
     narrow = dataclasses.replace(kv, block_tables=kv.block_tables[:, :20].contiguous(),
                                  seq_lens=torch.tensor([300, 300], dtype=torch.int32))
     assert plan_of(emu, narrow, query, None)["splits"] == 1
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_decode_variant_override(emu, d, monkeypatch):
+    """KVKERNELS_CUDA_ATTN_PATH picks the decode configuration (read per call): deep by default (also for
+    `auto` / `mma-decode-deep`), wide when asked; varlen stays on the prefill kernel and float32 queries on
+    SIMT whatever it says; the split cap counts the chosen kernel's key tiles (16 / 32 / 64 keys deep, 32 / 64
+    wide); an unknown value is an error instead of a silent default (a misspelt A/B would time one kernel
+    twice)."""
+    kv, query, _ = make_case("decode", [300, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=d,
+                             block_size=16, seed=44)
+    kv32, query32, _ = make_case("decode", [300, 7], dtype=f32, num_heads=8, num_kv_heads=2, head_dim=d,
+                                 block_size=16, seed=44)
+    _, varlen_query, qsl = make_case("varlen", [300, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=d,
+                                     block_size=16, seed=44)
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_SPLITS", "128")
+    max_keys = kv.block_tables.shape[1] * 16
+    for value, path, key_tile in ((None, MMA_DECODE, {64: 64, 128: 32, 256: 16}[d]),
+                                  ("auto", MMA_DECODE, {64: 64, 128: 32, 256: 16}[d]),
+                                  ("mma-decode-deep", MMA_DECODE, {64: 64, 128: 32, 256: 16}[d]),
+                                  ("mma-decode-wide", MMA_DECODE_WIDE, {64: 64, 128: 64, 256: 32}[d])):
+        monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
+        if value:
+            monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", value)
+        plan = plan_of(emu, kv, query, None)
+        assert plan["path"] == path and plan["splits"] == -(-max_keys // key_tile), (value, plan)
+        assert plan_of(emu, kv, varlen_query, qsl)["path"] == MMA_PREFILL
+        assert plan_of(emu, kv32, query32, None)["path"] == SIMT
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", "mma-decode-wdie")
+    with pytest.raises(RuntimeError, match="KVKERNELS_CUDA_ATTN_PATH=mma-decode-wdie is not one of"):
+        plan_of(emu, kv, query, None)
 
 
 @pytest.mark.parametrize("splits", [3, 128])
@@ -469,10 +532,10 @@ def dv_case(mode, seq_lens, dtype, fp8, layout, hq, hkv, dk, dv, b, seed=0):
     return kv, make_query(sum(q_lens), hq, dk, dtype, generator(seed + 1)), qsl
 
 
-@pytest.mark.parametrize("mode", ["decode", "varlen"])
-@pytest.mark.parametrize("config", DV_CONFIGS.values(), ids=DV_CONFIGS.keys())
-def test_paged_attention_value_head_dim(emu, config, mode):
+@pytest.mark.parametrize("config,mode", modes_for(DV_CONFIGS))
+def test_paged_attention_value_head_dim(emu, config, mode, monkeypatch):
     dtype, fp8, layout, hq, hkv, dk, dv, b, paths, dpad = config
+    mode = use_mode(mode, monkeypatch)
     seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b]
     kv, query, qsl = dv_case(mode, seq_lens, dtype, fp8, layout, hq, hkv, dk, dv, b)
     out, lse, plan = run_emu_attention(emu, kv, query, qsl, path=paths[mode == "varlen"])

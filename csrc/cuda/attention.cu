@@ -5,9 +5,14 @@
 //
 // Path choice:
 //   float32 queries                          -> SIMT (float32 math end to end)
-//   fp16 / bf16, decode, group <= 16         -> tensor-core decode (16 rows, warps split keys)
+//   fp16 / bf16, decode, group <= 16         -> tensor-core decode (16 rows, warps split keys;
+//                                               the deep configuration: 4-stage pipeline)
 //   fp16 / bf16, varlen, or decode group > 16 -> tensor-core prefill (64 rows, warps split rows)
-// KVKERNELS_CUDA_ATTN_PATH=simt forces the SIMT kernel for every dtype.
+// KVKERNELS_CUDA_ATTN_PATH (read per call; tests and A/B benchmarks): `simt` forces the SIMT kernel
+// for every dtype; `mma-decode-wide` runs the tensor-core decode in its first configuration (64 keys
+// per stage, 2 stages at head dim 128 / 256) where the deep one would run; `mma-decode-deep` (or
+// empty / `auto`) is the default. Any other value is an error, so a misspelt A/B cannot time the
+// same kernel twice.
 //
 // Split count: a function of the number of work items (from shapes), the longest context a block
 // table row can describe (block_tables.shape[1] * block_size) and the SM count; never of
@@ -71,11 +76,6 @@ int env_int(const char* name, int fallback) {
   return std::atoi(v);
 }
 
-bool env_is(const char* name, const char* value) {
-  const char* v = std::getenv(name);
-  return v != nullptr && std::strcmp(v, value) == 0;
-}
-
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 int64_t floats_aligned8(int64_t n) { return (n + 7) / 8 * 8; }
@@ -100,11 +100,19 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
   plan.dpad = dpad_of(std::max(d, dv));
   plan.group = p.num_heads / p.kv.num_kv_heads;
   const bool decode = p.query_start_loc == nullptr;
+  const char* path_env = std::getenv("KVKERNELS_CUDA_ATTN_PATH");
+  if (path_env == nullptr) path_env = "";
+  const bool force_simt = std::strcmp(path_env, "simt") == 0;
+  const bool wide = std::strcmp(path_env, "mma-decode-wide") == 0;
+  if (!force_simt && !wide && *path_env != '\0' && std::strcmp(path_env, "auto") != 0 &&
+      std::strcmp(path_env, "mma-decode-deep") != 0)
+    throw std::runtime_error(std::string("kvkernels.paged_attention (CUDA): KVKERNELS_CUDA_ATTN_PATH=") +
+                             path_env + " is not one of simt, mma-decode-wide, mma-decode-deep, auto");
   Path path;
-  if (p.q_format == FloatFormat::kFloat32 || env_is("KVKERNELS_CUDA_ATTN_PATH", "simt"))
+  if (p.q_format == FloatFormat::kFloat32 || force_simt)
     path = Path::kSimt;
   else if (decode && plan.group <= rows_of(Path::kMmaDecode))
-    path = Path::kMmaDecode;
+    path = wide ? Path::kMmaDecodeWide : Path::kMmaDecode;
   else
     path = Path::kMmaPrefill;
   plan.path = static_cast<int>(path);

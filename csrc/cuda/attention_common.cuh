@@ -40,8 +40,12 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 enum class Path : int {
   kSimt = 0,        // CUDA-core kernel: every dtype, the only one for float32 queries
-  kMmaDecode = 1,   // tensor cores, 16 rows per CTA, warps split the keys of each tile
+  kMmaDecode = 1,   // tensor cores, 16 rows per CTA, warps split the keys of each tile; "deep":
+                    // few keys per stage, 4 stages in flight at every head dim (the default)
   kMmaPrefill = 2,  // tensor cores, 64 rows per CTA (4 warps x 16 rows), 1 warp per row block
+  kMmaDecodeWide = 3,  // the decode kernel's first configuration, kept for A/B runs
+                       // (KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide): 64 keys per stage (32 at
+                       // head dim 256), which leaves room for 2 stages at head dim 128 / 256
 };
 
 // Everything a kernel needs: the validated params and the host-side plan.
@@ -82,17 +86,29 @@ __host__ __device__ constexpr int cache_esize(CacheFormat f) {
 // Rows (query x head pairs) per CTA.
 __host__ __device__ constexpr int rows_of(Path path) { return path == Path::kMmaPrefill ? 64 : 16; }
 
-// Warps of the tensor-core kernels: (WM row blocks of 16) x (WN key slices).
+__host__ __device__ constexpr bool is_mma_decode(Path path) {
+  return path == Path::kMmaDecode || path == Path::kMmaDecodeWide;
+}
+
+// Warps of the tensor-core kernels: (WM row blocks of 16) x (WN key slices of 16 keys each).
+// Decode: a stage holds 16 * WN keys of K and V. The wide configuration keeps 4 slices (2 at head
+// dim 256): 32 KiB stages in 16 bits at head dim 128 / 256, so only 2 fit the 64 KiB pipeline budget
+// and the loop waits for every copy in flight before it issues the next tile. The deep one (the
+// default) keeps the stage at 16 KiB in 16 bits (8 KiB raw fp8) at every head dim, 64 x 64, 32 x 128
+// or 16 x 256, so 4 stages fit: 3 tiles in flight while one is computed. Each warp's work per tile
+// (16 keys of the full row) is the same in both, only the CTA is narrower.
 __host__ __device__ constexpr int mma_wm(Path path) { return path == Path::kMmaPrefill ? 4 : 1; }
 __host__ __device__ constexpr int mma_wn(Path path, int dpad) {
-  return path == Path::kMmaPrefill ? 1 : (dpad == 256 ? 2 : 4);
+  return path == Path::kMmaPrefill       ? 1
+         : path == Path::kMmaDecodeWide ? (dpad == 256 ? 2 : 4)
+                                         : (dpad == 64 ? 4 : dpad == 128 ? 2 : 1);
 }
 
 // Keys per pipeline stage.
 __host__ __device__ constexpr int key_tile_of(Path path, int dpad) {
   return path == Path::kSimt ? (dpad == 256 ? 16 : 32)
-         : path == Path::kMmaDecode ? 16 * mma_wn(path, dpad)
-                                    : (dpad == 256 ? 32 : 64);
+         : is_mma_decode(path) ? 16 * mma_wn(path, dpad)
+                               : (dpad == 256 ? 32 : 64);
 }
 
 __host__ __device__ constexpr int threads_of(Path path, int dpad) {

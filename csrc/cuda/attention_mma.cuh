@@ -1,11 +1,15 @@
 // Tensor-core paged attention for fp16 / bf16 queries (caches of the query dtype, or fp8 e4m3 /
-// e5m2 dequantized to the query dtype in shared memory). One template, two configurations:
+// e5m2 dequantized to the query dtype in shared memory). One template, three configurations:
 //
-//   Path::kMmaDecode   (WM = 1, WN = 4, or 2 for head dim 256): a CTA holds 16 rows (the query
-//                      heads of one GQA group for one decode query) and its warps split the keys
-//                      of each tile, 16 keys per warp, each with its own online-softmax state;
-//                      the warp states are merged exactly in the epilogue. 64 keys per stage
-//                      (32 for head dim 256).
+//   Path::kMmaDecode   (WM = 1, WN = 4 / 2 / 1 for head dim 64 / 128 / 256): a CTA holds 16
+//                      rows (the query heads of one GQA group for one decode query) and its
+//                      warps split the keys of each tile, 16 keys per warp, each with its own
+//                      online-softmax state; the warp states are merged exactly in the epilogue.
+//                      64 / 32 / 16 keys per stage: 16 KiB of 16-bit K and V (8 KiB raw fp8),
+//                      so 4 stages fit at every head dim and cache format ("deep", the default).
+//   Path::kMmaDecodeWide  the same kernel with the first decode configuration (WN = 4, or 2 for
+//                      head dim 256: 64 / 64 / 32 keys per stage; 2 stages at head dim 128 / 256),
+//                      kept selectable (KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide) for A/B runs.
 //   Path::kMmaPrefill  (WM = 4, WN = 1): 64 rows per CTA (q_tile queries x the group's heads),
 //                      each warp owns 16 rows and walks every key of the tile (64, or 32 for
 //                      head dim 256). Key tiles wholly past the causal
@@ -17,7 +21,8 @@
 // online softmax in log2 units, P rounded to the query dtype and O += P V with B = V via
 // ldmatrix.trans. fp32 accumulation throughout; the denominator uses the unrounded P.
 // K/V tiles stream through a cp.async pipeline of pipeline_stages() stages (2 to 4, at most 64 KiB
-// of stages and fp8 conversion buffer).
+// of stages and fp8 conversion buffer): the loop waits for the oldest tile only, so STAGES - 1
+// tiles are in flight while one is computed (with 2 stages: one, and a wait for every copy).
 #pragma once
 
 #include "attention_common.cuh"
@@ -51,6 +56,14 @@ struct MmaCfg {
   static constexpr int SMEM = MD_OFF + MD_BYTES;
   static constexpr bool Q_IN_REGS = DPAD <= 128;
   static_assert(SMEM <= kMaxSmem, "shared memory of the tensor-core kernel");
+  static_assert(PATH != Path::kMmaDecode || STAGES >= 4, "the deep decode pipeline keeps 4 stages");
+  // __launch_bounds__ minimum CTAs per SM: for the deep decode kernel, as many as sm_90's 228 KiB of
+  // shared memory per SM hold (1 KiB reserved per CTA), so ptxas keeps the registers low enough for
+  // them (a cap only at 128 threads: 64 or 32 threads never run out of registers first). The wide
+  // and prefill kernels keep 1 (their first configuration, unchanged for the A/B).
+  static constexpr int SM90_CTAS = (228 * 1024) / (SMEM + 1024);
+  static constexpr int MIN_BLOCKS =
+      PATH != Path::kMmaDecode ? 1 : SM90_CTAS < 1 ? 1 : SM90_CTAS > 4 ? 4 : SM90_CTAS;
 };
 
 // Byte offset of 16-byte chunk c of row r in a [rows][DPAD] 16-bit tile: chunks are XOR-swizzled
@@ -86,7 +99,7 @@ __device__ __forceinline__ void convert_fp8_stage(const char* raw, char* cvt) {
 }
 
 template <typename T, CacheFormat CF, int DPAD, Path PATH>
-__global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, 1)
+__global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, DPAD, PATH>::MIN_BLOCKS)
     mma_attention_kernel(const __grid_constant__ AttnArgs a) {
   using C = MmaCfg<T, CF, DPAD, PATH>;
   constexpr int KT = C::KT, KW = C::KW, NT = C::NT, ROWS = C::ROWS, STAGES = C::STAGES;
@@ -143,13 +156,22 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, 1)
   };
   const int ntiles = w.tile_end - w.tile_begin;
   if (ntiles > 0) ld.fetch(a, w, w.tile_begin);
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
+  auto prime = [&](int s) {  // the first STAGES - 1 tiles, before the loop
     if (s < ntiles) {
       ld.issue(a, w, w.tile_begin + s, stage_k(s), stage_k(s) + C::RAW_TILE, off);
       if (s + 1 < ntiles) ld.fetch(a, w, w.tile_begin + s + 1);
     }
     cp_async_commit();
+  };
+  if constexpr (PATH == Path::kMmaDecode) {
+    // Not unrolled in the deep decode kernel: unrolled, its 3 issues kept their addresses live side
+    // by side and the head-dim-256 instance ran out of registers (ptxas: 255 and spills). The other
+    // configurations keep the unrolled loop (and their code, for the A/B).
+#pragma unroll 1
+    for (int s = 0; s < STAGES - 1; ++s) prime(s);
+  } else {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) prime(s);
   }
 
   float o[DPAD / 8][4];

@@ -11,7 +11,8 @@ Entry point (for the GPU script / the bench CLI)::
 ``run(args=None)`` (``None``: the defaults below) returns plain dicts, JSON-ready:
 
     {"case": "decode bfloat16 b64 ctx4096", "kind": "decode" | "prefill" | "copy", "dtype", "batch",
-     "context", "impl": "kvkernels" | "sdpa-flash-contiguous" | "flex-paged" | "copy",
+     "context", "impl": "kvkernels" | "kvkernels-<variant>" (--decode-variants) | "sdpa-flash-contiguous" |
+     "flex-paged" | "copy",
      "ms": median milliseconds per call, "gbps": KV-cache bytes of the case / time (decode),
      "fraction_of_copy_bw": gbps / measured copy bandwidth (decode), "tflops" (prefill),
      "speedup_vs": {baseline: baseline_ms / kvkernels_ms} (kvkernels rows), "max_abs_diff",
@@ -30,6 +31,13 @@ Targets of issue 6 (reported by ``targets(rows)``): decode >= 80% of the copy ba
 bfloat16 and >= 70% at batch 1 x 32k; fp8 >= 1.6x bfloat16 (same batch / context); prefill >= 0.8x SDPA
 flash on contiguous keys.
 
+Decode variants (``--decode-variants wide,deep``): the tensor-core decode kernel has two configurations,
+chosen per call by KVKERNELS_CUDA_ATTN_PATH (csrc/cuda/README.md): ``deep`` (the default: 16 KiB stages, 4 in
+flight) and ``wide`` (the first one: 64 keys per stage, 2 stages at head dim 128). With the option, every
+decode case times each named variant on the same data in one process, in alternating batches (A B B A ...),
+as rows ``kvkernels-<variant>`` instead of ``kvkernels``; ``targets`` and ``variant_lines`` report each
+against the targets and against each other.
+
 Timing: each implementation rotates through enough copies of its data that the bytes touched between two
 reuses exceed ``--rotate-mib`` (default 4x a 50 MiB L2), so a case never times an L2-resident cache; the
 median of ``--reps`` batches of calls, each batch timed with one pair of CUDA events.
@@ -38,8 +46,10 @@ median of ``--reps`` batches of calls, each batch timed with one pair of CUDA ev
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 from typing import Callable, Optional
@@ -75,6 +85,19 @@ def _shapes(text: str) -> list[tuple[int, int]]:
         raise argparse.ArgumentTypeError(f"expected BATCHxCONTEXT[,...], got {text!r}") from None
 
 
+# --decode-variants names -> KVKERNELS_CUDA_ATTN_PATH values (csrc/cuda/attention.cu).
+DECODE_VARIANTS = {"deep": "mma-decode-deep", "wide": "mma-decode-wide"}
+
+
+def _variants(text: str) -> list[str]:
+    """"wide,deep" -> ["wide", "deep"] (known names, no repeats)."""
+    names = [x for x in text.split(",") if x]
+    bad = [x for x in names if x not in DECODE_VARIANTS]
+    if bad or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected distinct names of {sorted(DECODE_VARIANTS)}, got {text!r}")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("CUDA attention")
     g.add_argument("--attn-batches", type=_ints, default=list(DECODE_BATCHES))
@@ -90,6 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-fraction", type=float, default=0.8, help="of free GPU memory a case may use")
     g.add_argument("--no-baselines", action="store_true")
     g.add_argument("--no-flex", action="store_true", help="skip the FlexAttention baseline (compile time)")
+    g.add_argument("--decode-variants", type=_variants, default=[],
+                   help="time these configurations of the tensor-core decode kernel (deep: the default, wide: "
+                        "the first one) on the same data, alternating batches: rows kvkernels-<variant>")
     g.add_argument("--quick", action="store_true", help="small shapes, few reps (a smoke run)")
 
 
@@ -127,6 +153,58 @@ def time_cuda(call: Callable[[int], object], reps: int, min_ms: float) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / n)
     return statistics.median(times)
+
+
+@contextlib.contextmanager
+def attn_path_env(value: Optional[str]):
+    """KVKERNELS_CUDA_ATTN_PATH = value (None: unset) inside the block; the planner reads it per call."""
+    name = "KVKERNELS_CUDA_ATTN_PATH"
+    before = os.environ.get(name)
+    try:
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def time_paired(calls: dict, reps: int, min_ms: float, setting: Callable[[str], object]) -> dict:
+    """Median milliseconds per call of each ``calls[name](i)``, measured in alternating batches (A B, then
+    B A, ...) so that clock and thermal drift hit every variant alike; ``setting(name)`` is the context
+    (an environment variable) each batch of ``name`` runs in. The call index counts up across variants, so
+    each batch starts at another rotated data copy."""
+    names = list(calls)
+    per_batch, index = {}, 0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for name in names:
+        with setting(name):
+            for _ in range(3):
+                calls[name](index)
+                index += 1
+            torch.cuda.synchronize()
+            start.record()
+            calls[name](index)
+            index += 1
+            end.record()
+            end.synchronize()
+        per_batch[name] = max(1, min(1000, math.ceil(min_ms / max(start.elapsed_time(end), 1e-3))))
+    times = {name: [] for name in names}
+    for rep in range(reps):
+        for name in (names if rep % 2 == 0 else names[::-1]):
+            with setting(name):
+                start.record()
+                for _ in range(per_batch[name]):
+                    calls[name](index)
+                    index += 1
+                end.record()
+                end.synchronize()
+            times[name].append(start.elapsed_time(end) / per_batch[name])
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def copy_bandwidth(nbytes: int, reps: int) -> float:
@@ -308,9 +386,13 @@ def decode_case(dtype_name: str, batch: int, context: int, copy_gbps: float, arg
         return ops.paged_attention(data.query, data.keys[j], data.values[j], data.block_tables, data.seq_lens,
                                    k_scale=data.scale, v_scale=data.scale)[0]
 
-    mine = _row(name, "decode", dtype_name, batch, context, "kvkernels", copies=copies)
-    attempt(mine, kernel, args.attn_reps, args.attn_min_ms, check)
-    rows.append(mine)
+    variants = getattr(args, "decode_variants", None) or []
+    if variants:
+        mine_rows = decode_variant_rows(name, dtype_name, batch, context, copies, variants, kernel, check, args)
+    else:
+        mine_rows = [_row(name, "decode", dtype_name, batch, context, "kvkernels", copies=copies)]
+        attempt(mine_rows[0], kernel, args.attn_reps, args.attn_min_ms, check)
+    rows += mine_rows
 
     if not args.no_baselines:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -347,12 +429,45 @@ def decode_case(dtype_name: str, batch: int, context: int, copy_gbps: float, arg
         if r["ms"]:
             r["gbps"] = kv_bytes / (r["ms"] * 1e-3) / 1e9
             r["fraction_of_copy_bw"] = r["gbps"] / copy_gbps
-    for r in rows[1:]:
-        if r["ms"] and mine["ms"]:
-            mine["speedup_vs"][r["impl"]] = r["ms"] / mine["ms"]
+    for mine in mine_rows:
+        for r in rows:
+            if r is not mine and r["ms"] and mine["ms"]:
+                mine["speedup_vs"][r["impl"]] = r["ms"] / mine["ms"]
     del data
     torch.cuda.empty_cache()
     return rows
+
+
+def decode_variant_rows(name: str, dtype_name: str, batch: int, context: int, copies: int, variants: list[str],
+                        kernel: Callable[[int], object], check: Callable, args) -> list[dict]:
+    """One ``kvkernels-<variant>`` row per decode configuration: each checked against the reference, then all
+    timed together by ``time_paired`` (a variant that raises is recorded as skipped, the others still run)."""
+    rows, calls = {}, {}
+    for v in variants:
+        row = _row(name, "decode", dtype_name, batch, context, f"kvkernels-{v}", copies=copies,
+                   note=f"KVKERNELS_CUDA_ATTN_PATH={DECODE_VARIANTS[v]}; timed in batches alternating with "
+                        f"{', '.join(x for x in variants if x != v) or 'nothing'}")
+        rows[v] = row
+        try:
+            with attn_path_env(DECODE_VARIANTS[v]):
+                out = kernel(0)
+                torch.cuda.synchronize()
+            row["max_abs_diff"], row["tolerance"] = check(out)
+            row["checked"] = row["max_abs_diff"] <= row["tolerance"]
+            calls[v] = kernel
+        except Exception as error:  # noqa: BLE001 - one failing variant must not end the run
+            row["skipped"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+            torch.cuda.synchronize()
+    if calls:
+        try:
+            for v, ms in time_paired(calls, args.attn_reps, args.attn_min_ms,
+                                     lambda v: attn_path_env(DECODE_VARIANTS[v])).items():
+                rows[v]["ms"] = ms
+        except Exception as error:  # noqa: BLE001
+            for v in calls:
+                rows[v]["skipped"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+            torch.cuda.synchronize()
+    return list(rows.values())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -453,9 +568,10 @@ def run(args: Optional[argparse.Namespace] = None,
     return rows
 
 
-def targets(rows: list[dict]) -> list[str]:
-    """The issue's targets, evaluated on the rows that exist (a missing case says so)."""
-    def get(case: str, impl: str = "kvkernels") -> Optional[dict]:
+def targets(rows: list[dict], impl: str = "kvkernels") -> list[str]:
+    """The issue's targets, evaluated on the rows that exist (a missing case says so), for the decode rows of
+    ``impl`` (``kvkernels``, or ``kvkernels-<variant>`` with --decode-variants) and the prefill rows."""
+    def get(case: str) -> Optional[dict]:
         return next((r for r in rows if r["case"] == case and r["impl"] == impl), None)
 
     lines = []
@@ -465,7 +581,7 @@ def targets(rows: list[dict]) -> list[str]:
         lines.append(f"{case}: {'missing' if frac is None else f'{frac:.2f}'} of copy bandwidth "
                      f"(target {goal})")
     for r in rows:
-        if r["impl"] == "kvkernels" and r["dtype"] == "fp8_e4m3" and r["ms"]:
+        if r["impl"] == impl and r["dtype"] == "fp8_e4m3" and r["ms"]:
             b = get(r["case"].replace("fp8_e4m3", "bfloat16"))
             if b and b["ms"]:
                 lines.append(f"{r['case']}: fp8 {b['ms'] / r['ms']:.2f}x bfloat16 (target 1.6)")
@@ -473,6 +589,29 @@ def targets(rows: list[dict]) -> list[str]:
         if r["kind"] == "prefill" and r["impl"] == "kvkernels":
             s = r["speedup_vs"].get("sdpa-flash-contiguous")
             lines.append(f"{r['case']}: {'missing' if s is None else f'{s:.2f}'}x SDPA flash (target 0.8)")
+    return lines
+
+
+def variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
+    """Per decode case timed with --decode-variants: each variant's time and fraction of the copy bandwidth,
+    and how much faster each is than the first variant named (the A/B of one run, same data)."""
+    lines = []
+    for case in dict.fromkeys(r["case"] for r in rows if r.get("kind") == "decode"):
+        by = {v: next((r for r in rows if r["case"] == case and r["impl"] == f"kvkernels-{v}"), None)
+              for v in variants}
+        parts, base = [], by.get(variants[0])
+        for v, r in by.items():
+            if r is None or not r.get("ms"):
+                parts.append(f"{v} {'missing' if r is None else 'skipped: ' + str(r.get('skipped'))}")
+                continue
+            frac = r.get("fraction_of_copy_bw")
+            text = f"{v} {r['ms']:.4f} ms" + (f" ({frac:.2f} of copy)" if frac else "")
+            if v != variants[0] and base and base.get("ms"):
+                text += f" = {base['ms'] / r['ms']:.2f}x {variants[0]}"
+            if r.get("checked") is False:
+                text += " MISMATCH"
+            parts.append(text)
+        lines.append(f"{case}: " + ", ".join(parts))
     return lines
 
 
@@ -502,8 +641,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                 json.dump(done, f, indent=1)
 
     rows = run(args, emit)
-    for line in targets(rows):
-        print("target:", line)
+    if args.decode_variants:
+        for v in args.decode_variants:
+            for line in targets(rows, f"kvkernels-{v}"):
+                if not line.startswith("prefill"):
+                    print(f"target: [{v}]", line)
+        for line in targets(rows, "kvkernels"):
+            if line.startswith("prefill"):
+                print("target:", line)
+        for line in variant_lines(rows, args.decode_variants):
+            print("variant:", line)
+    else:
+        for line in targets(rows):
+            print("target:", line)
     return 0
 
 
