@@ -50,6 +50,8 @@ ISAS = ["best", "portable", "avx2", "avx512", "avx512vbmi", "avx512amx"]
 
 # calls tried per op, by outcome; distinct findings (signature -> report) of the long run
 STATS: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+# calls per (op, feature of the newer contract: causal, q_len > seq_len, Dv != Dk, out= / lse=...), by outcome
+FEATURES: dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
 FINDINGS: dict[str, str] = {}
 
 
@@ -152,6 +154,8 @@ def run(spec, timeout=None):
     """One call through the worker; returns None or a finding's report."""
     verdict = WORKER.call(spec, timeout)
     op = spec["op"]
+    for feature in verdict.get("features", []):
+        FEATURES[op, feature][verdict["outcome"] if verdict["status"] == "ok" else verdict["status"]] += 1
     if verdict["status"] == "ok":
         STATS[op][verdict["outcome"] if verdict["outcome"] == "error" else f"valid, {verdict['how']}"] += 1
         return None
@@ -171,11 +175,19 @@ fp8s = st.sampled_from([None, "e4m3", "e5m2"])
 in_layouts = st.sampled_from(["contig", "pad", "transposed"])
 
 
+# Caller-provided outputs (docs/ops.md "Caller-provided outputs"): None (the allocating op) or the layout of a
+# NaN-poisoned out / lse (fuzz_worker.given_output); lse None with an out: out= alone.
+out_modes = st.sampled_from([None, None, "contig", "slice", "pad", "transposed"])
+lse_modes = st.sampled_from([None, "contig", "slice", "transposed"])
+
+
 @st.composite
 def paged_cfg(draw, max_len=40, head_dims=(8, 16, 64, 24, 128, 256)):
     seq_lens = draw(st.lists(st.integers(0, max_len), max_size=4))
+    d = draw(st.sampled_from(head_dims))
     return dict(seq_lens=seq_lens, block_size=draw(block_sizes), hkv=draw(st.integers(1, 4)),
-                d=draw(st.sampled_from(head_dims)), dtype=draw(float_dtypes), fp8=draw(fp8s),
+                d=d, dv=draw(st.one_of(st.none(), st.sampled_from(head_dims))),  # the value's own head dim
+                dtype=draw(float_dtypes), fp8=draw(fp8s),
                 per_head=draw(st.tuples(st.booleans(), st.booleans())),
                 layout=draw(st.sampled_from(["NHD", "HND", "stacked", "interleaved"])),
                 extra_blocks=draw(st.integers(0, 3)), extra_cols=draw(st.integers(0, 2)),
@@ -186,13 +198,15 @@ def paged_cfg(draw, max_len=40, head_dims=(8, 16, 64, 24, 128, 256)):
 def q_lens_for(draw, seq_lens):
     if draw(st.booleans()):
         return None  # decode
-    return [draw(st.integers(0, n)) for n in seq_lens]
+    more = draw(st.sampled_from([0, 0, 3]))  # more queries than keys (seq_len 0 included): leading rows see none
+    return [draw(st.integers(0, n + more)) for n in seq_lens]
 
 
 @st.composite
 def paged_attention_cfg(draw):
-    cfg = draw(paged_cfg())
+    cfg = draw(paged_cfg(head_dims=(8, 16, 64, 24, 128, 256, 192, 512)))  # up to 512 on the CPU
     cfg.update(q_lens=draw(q_lens_for(cfg["seq_lens"])), group=draw(st.sampled_from([1, 2, 4])),
+               causal=draw(st.booleans()), out=draw(out_modes), lse_out=draw(lse_modes),
                in_layout=draw(in_layouts), scale=draw(st.sampled_from([None, 0.3, 1.0])),
                window_left=draw(st.sampled_from([-1, -1, 0, 1, 2, 3, 15, 16, 17, 33])),
                soft_cap=draw(st.sampled_from([0.0, 0.0, 1.5, 30.0])), alibi=draw(st.booleans()),
@@ -220,7 +234,7 @@ def reshape_and_cache_cfg(draw):
 def merge_attention_states_cfg(draw):
     return dict(t=draw(st.integers(0, 8)), h=draw(st.integers(1, 4)), d=draw(st.sampled_from([1, 3, 8, 16, 64, 72])),
                 dtype=draw(float_dtypes), in_layout=draw(in_layouts),
-                empty_frac=draw(st.sampled_from([0.0, 0.0, 0.3, 1.0])))
+                empty_frac=draw(st.sampled_from([0.0, 0.0, 0.3, 1.0])), out=draw(out_modes), lse_out=draw(lse_modes))
 
 
 BLOCK_DTYPES = ["f32", "f16", "bf16", "e4m3", "e5m2", "i32", "i64", "u8", "bool", "f64"]
@@ -284,7 +298,7 @@ def mla_decompress_cfg(draw):
 def mla_paged_attention_cfg(draw):
     cfg = draw(mla_cfg())
     cfg.update(h=draw(st.integers(1, 8)), q_lens=draw(q_lens_for(cfg["seq_lens"])),
-               scale_factor=draw(st.sampled_from([1.0, 0.5, 2.0])))
+               scale_factor=draw(st.sampled_from([1.0, 0.5, 2.0])), out=draw(out_modes), lse_out=draw(lse_modes))
     return cfg
 
 
@@ -368,6 +382,11 @@ def summary() -> str:
         c = STATS.get(op)
         if c:
             lines.append(f"{op:24s} {sum(c.values()):6d} calls: " + ", ".join(f"{k} {n}" for k, n in sorted(c.items())))
+    if FEATURES:
+        lines.append("calls per feature of the newer contract (op, feature: outcomes):")
+        for (op, feature), c in sorted(FEATURES.items()):
+            lines.append(f"  {op:24s} {feature:34s} {sum(c.values()):6d}: "
+                         + ", ".join(f"{k} {n}" for k, n in sorted(c.items())))
     if WORKER.restarts:
         lines.append(f"worker restarts after a crash or hang: {WORKER.restarts}")
     lines.append(f"distinct findings of the timed run: {len(FINDINGS)}")
