@@ -1287,6 +1287,8 @@ def features(op, spec, kw):
         f.append(f"perturb {CONTEXT['kind']}: {CONTEXT['case']}")
     elif CONTEXT["kind"] == "mlaheads":
         f.append("perturb mlaheads")
+    elif CONTEXT["kind"] == "alias" and written(op, kw) and not WRITES[op]:
+        f.append("perturb alias: an input inside out/lse")
     elif CONTEXT["kind"] != "none" and set(CONTEXT["args"]) & {"out", "lse"}:
         f.append(f"perturb {CONTEXT['kind']} of out/lse")
     if op in OUT_OPS:
