@@ -6,7 +6,8 @@ op, and checks the contract of docs/ops.md:
 
 - a valid call returns what ``kvkernels.reference`` returns (float64 oracle, the tolerances of
   ``helpers.TOLERANCES``; cache writes, copies and gathers byte for byte), writes nothing outside its
-  outputs, and leaves its inputs byte-identical;
+  outputs, and leaves its inputs byte-identical (a caller-provided out / lse: every element holds the
+  reference's result, every byte around it is unchanged, the wrapper returns the given tensors);
 - an invalid call raises ``RuntimeError("kvkernels.<op>: <argument>: ...")`` naming one of the op's
   arguments (the perturbed one, where the docs say which), before anything is written: every byte of every
   tensor argument's storage is unchanged.

@@ -1,22 +1,32 @@
 """A hypothesis fuzzer of every op: valid calls against the reference, perturbed calls against the error contract.
 
 For each op a strategy draws a valid call (small sizes: blocks <= 8, block_size in {1, 3, 16}, heads <= 4 per kv
-head group, head dims up to 256 / MLA rows up to 576, float32 / bfloat16 / float16 data, fp8 caches, every cache
-layout, strided inputs, a SIMD path and a thread count) and at most one perturbation of it (a wrong dtype, ndim
-or size, a zero-size dim, a non-unit last stride, an expand()ed dim of an output or of size 2^31 + 8, an argument
-sharing memory with an output, index values at and beyond every boundary, out-of-range scalars, NaN / inf in a
-float input, an optional tensor dropped or added). The call runs in a worker process (tests/fuzz_worker.py,
+head group, head dims up to 512 for paged_attention (its value head dim drawn on its own: Dv != Dk both ways) /
+MLA rows up to 576, float32 / bfloat16 / float16 data, fp8 caches, every cache layout, strided inputs, causal True
+/ False, varlen sequences with more queries than keys (seq_len 0 included), for the three ops with an ``*_out``
+twin a NaN-poisoned caller-provided out (contiguous, a row slice of a longer buffer, padded rows, transposed) with
+or without lse, a SIMD path and a thread count) and at most one perturbation of it (a wrong dtype, ndim or size, a
+zero-size dim, a non-unit last stride, an expand()ed dim of an output or of size 2^31 + 8, an argument sharing
+memory with an output, index values at and beyond every boundary, out-of-range scalars, NaN / inf in a float
+input, an optional tensor dropped or added; and per op family: an out / lse of the wrong shape (an empty one
+included), dtype or device, expand()ed, over an input or over each other, lse= without out=; a value head dim
+that is not a multiple of 8 or past 512; an MLA latent cache with several kv heads). The call runs in a worker process (tests/fuzz_worker.py,
 which builds the tensors from the spec and checks the verdict), so a crash fails the test with a reproducer
 instead of killing pytest:
 
 - valid: the result equals ``kvkernels.reference`` (tolerances of helpers.TOLERANCES; writes, copies and gathers
-  byte for byte), nothing outside the outputs is written, the inputs are byte-identical;
+  byte for byte), nothing outside the outputs is written, the inputs are byte-identical; a caller-provided out /
+  lse holds the reference's result in every element (the NaN poison overwritten), the bytes around it (padding,
+  the rest of a longer buffer) are unchanged, and the wrapper returns the given tensors themselves;
 - invalid: ``RuntimeError("kvkernels.<op>: <argument>: ...")`` naming an argument of the op (the perturbed one
-  where docs/ops.md says which), and every byte of every argument's storage unchanged.
+  where docs/ops.md says which), and every byte of every argument's storage unchanged; a wrong out / lse shape,
+  dtype or device (and lse= without out=) is also rejected by ``kvkernels.reference``, naming the same argument.
 
 ``make test`` runs a short deterministic pass (``KVKERNELS_FUZZ_EXAMPLES`` calls per op, default 40);
 ``make fuzz SECONDS=N`` (``KVKERNELS_FUZZ_SECONDS=N``) runs random batches of every op in turn for N seconds,
-keeps going past findings, and prints the calls tried per op and every distinct finding with its reproducer.
+keeps going past findings, and prints the calls tried per op, the calls per feature of the newer contract
+(causal, q_len > seq_len, Dv != Dk, out= / lse= layouts, the out perturbations) by outcome, and every distinct
+finding with its reproducer. ``KVKERNELS_CPU_ISA=<path>`` pins every spec to that SIMD path (else each draws one).
 Non-finite attention results are compared only with ``KVKERNELS_FUZZ_NONFINITE=compare`` (fuzz_worker.py's
 COMPARE_NONFINITE says why).
 """
