@@ -233,16 +233,18 @@ def add_outputs(op, cfg, kw):
 
 def build_reshape_and_cache(cfg, gen):
     t, h, d, n, b = cfg["t"], cfg["h"], cfg["d"], cfg["n"], cfg["block_size"]
+    dv = cfg.get("dv") or d  # the value's own head dim
     dtype = DTYPES[cfg["dtype"]]
     cache_dtype = FP8[cfg["fp8"]] if cfg["fp8"] else dtype
     layout = cfg["layout"]
     if layout == "interleaved":
-        both = poison(torch.empty(n, b, h, 2 * d, dtype=cache_dtype))
+        both = poison(torch.empty(n, b, h, d + dv, dtype=cache_dtype))
         kc, vc = both[..., :d], both[..., d:]
     else:
-        kc, vc = kv_views(alloc_kv_cache(layout, n, b, h, d, cache_dtype), layout)
-    qkv = torch.randn(t, 4 + 2 * h, d, generator=gen, dtype=f64).mul_(3).to(dtype)
-    key, value = relayout(qkv[:, 4:4 + h], cfg["in_layout"]), relayout(qkv[:, 4 + h:], cfg["in_layout"])
+        kc, vc = kv_views(alloc_kv_cache(layout, n, b, h, d, cache_dtype, head_dim_v=dv), layout, (d, dv))
+    qkv = torch.randn(t, 4 + 2 * h, max(d, dv), generator=gen, dtype=f64).mul_(3).to(dtype)
+    key = relayout(qkv[:, 4:4 + h, :d], cfg["in_layout"])
+    value = relayout(qkv[:, 4 + h:, :dv], cfg["in_layout"])
     scales = {}
     if cfg["fp8"] or cfg.get("stray_scales"):
         pk, pv = cfg["per_head"]
@@ -1090,7 +1092,8 @@ def assert_same(actual, expected, what):
     if actual.dtype != expected.dtype or actual.shape != expected.shape:
         raise Finding(f"{what}: {actual.dtype} {list(actual.shape)} != reference {expected.dtype} "
                       f"{list(expected.shape)}")
-    a, e = actual.contiguous(), expected.contiguous()
+    # fresh row-major copies: .contiguous() keeps a size-1 last dim's stride of 2 (an out with a strided last dim)
+    a, e = [torch.empty(t.shape, dtype=t.dtype).copy_(t) for t in (actual, expected)]
     na, ne = torch.isnan(a.float()), torch.isnan(e.float())
     if not torch.equal(na, ne):
         raise Finding(f"{what}: NaN positions differ ({int(na.sum())} vs {int(ne.sum())} in the reference)")
@@ -1114,6 +1117,19 @@ def reference_args(op, kw):
 
 def finite(*ts):
     return all(bool(torch.isfinite(t).all()) for t in ts if t.dtype.is_floating_point)
+
+
+def check_reference_out(op, kw, ref_result):
+    """kvkernels.reference with the same out= / lse= (on copies, in the op's dtypes): returns the given tensors,
+    holding its own float64 result rounded to their dtypes."""
+    res, err, rk = run_reference(op, kw, keep_outputs=True)
+    if err is not None:
+        raise Finding(f"the reference rejects the valid out= / lse= call: {type(err).__name__}: {str(err)[:400]}")
+    if not (isinstance(res, tuple) and len(res) == 2 and res[0] is rk["out"] and res[1] is rk["lse"]):
+        raise Finding("the reference's out= / lse= call did not return the given tensors")
+    for name, got, want in zip(("out", "lse"), res, ref_result):
+        if got is not None:
+            assert_same(got, want.to(got.dtype), f"the reference's {name}= (vs its allocating call)")
 
 
 def compare(op, kw, result, ref_result, undefined_inputs, shape_only=None):
@@ -1271,6 +1287,7 @@ def run_spec(spec):
     elif written(op, kw):
         check_written_only(kw, before, written(op, kw))
         result = tuple(t for t in result if t is not None)  # out= alone: lse is not compared
+        check_reference_out(op, kw, ref_result)
     else:
         check_untouched(kw, before, "inputs after a valid call")
     how = compare(op, kw, result, ref_result, undefined_inputs, expect.why if expect.why.startswith("shape-only")
@@ -1302,7 +1319,7 @@ def features(op, spec, kw):
             f.append("q_len > seq_len")
         if any(q > 0 and n == 0 for q, n in zip(cfg["q_lens"], cfg["seq_lens"])):
             f.append("seq_len 0 with queries")
-    if op in ("paged_attention", "gather_kv"):
+    if op in ("paged_attention", "gather_kv", "reshape_and_cache"):
         d, dv = cfg["d"], cfg.get("dv") or cfg["d"]
         if dv != d:
             f.append("Dv > Dk" if dv > d else "Dv < Dk")

@@ -236,6 +236,7 @@ def gather_kv_cfg(draw):
 @st.composite
 def reshape_and_cache_cfg(draw):
     return dict(t=draw(st.integers(0, 12)), h=draw(st.integers(1, 4)), d=draw(st.sampled_from([1, 3, 8, 16, 64])),
+                dv=draw(st.one_of(st.none(), st.sampled_from([1, 3, 8, 16, 64]))),  # the value's own head dim
                 n=draw(st.integers(0, 8)), block_size=draw(block_sizes), dtype=draw(float_dtypes), fp8=draw(fp8s),
                 per_head=draw(st.tuples(st.booleans(), st.booleans())),
                 layout=draw(st.sampled_from(["NHD", "HND", "stacked", "interleaved"])), in_layout=draw(in_layouts),
