@@ -866,7 +866,8 @@ def fresh_output(op, kw, arg):
 
 
 OUT_CASES = ["shape", "empty", "dtype", "device", "expand", "overlap-input", "is-input", "lse-shape", "lse-layout",
-             "lse-dtype", "lse-device", "lse-in-out", "lse-overlap-input", "lse-without-out"]
+             "lse-dtype", "lse-device", "lse-in-out", "lse-overlap-input", "lse-without-out",
+             "lse-in-padding", "beside-input"]
 
 
 def p_out(op, kw, k, v):
@@ -875,6 +876,8 @@ def p_out(op, kw, k, v):
     is the query / out_a) or with each other, lse= without out=."""
     case = pick(OUT_CASES, k)
     CONTEXT["case"] = case
+    if case in ("lse-in-padding", "beside-input"):
+        return out_sharing_an_allocation(op, kw, case)
     like = kw[OUT_OPS[op]]
     if kw["out"] is None and case != "lse-without-out":
         kw["out"] = fresh_output(op, kw, "out")
@@ -940,6 +943,27 @@ def p_out(op, kw, k, v):
             kw["lse"] = fresh_output(op, kw, "lse")
         return Expect("error", {"lse"}, ref_same=True)
     raise Skip(case)
+
+
+def out_sharing_an_allocation(op, kw, case):
+    """Valid: views of one allocation whose elements are disjoint (docs/ops.md, Common rules) -- lse in the
+    padding bytes of out's rows, or out next to the query / out_a in rows holding both. The overlap checks
+    must not reject them, and writing out (through a temporary when strided) must not touch the neighbour."""
+    like_arg = OUT_OPS[op]
+    like = kw[like_arg]
+    t, h, w = output_shape(op, kw, "out")
+    if case == "beside-input":
+        wl = like.shape[-1]
+        both = poison(torch.empty(t, h, wl + w, dtype=like.dtype))
+        kw[like_arg] = copy_into(both[..., :wl], like)
+        kw["out"] = both[..., wl:]
+        return V
+    es = like.element_size()
+    row = -(-(w * es + 8) // 4) * 4  # bytes per row: 8 bytes of padding (lse's 4 among them), then out
+    storage = poison(torch.empty(t * h * row, dtype=torch.uint8)).untyped_storage()
+    kw["out"] = poison(torch.empty(0, dtype=like.dtype).set_(storage, 8 // es, (t, h, w), (h * row // es, row // es, 1)))
+    kw["lse"] = torch.empty(0, dtype=f32).set_(storage, 0, (t, h), (h * row // 4, row // 4))
+    return V
 
 
 def p_headdim(op, kw, k, v):

@@ -54,6 +54,8 @@ from fuzz_worker import FLOATS, OP_KINDS, OPS
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = int(os.environ.get("KVKERNELS_FUZZ_EXAMPLES", "40"))
 SECONDS = float(os.environ.get("KVKERNELS_FUZZ_SECONDS", "0"))
+# KVKERNELS_FUZZ_OPS=op1,op2: the timed run fuzzes only these ops (a campaign aimed at one family)
+TIMED_OPS = [op for op in os.environ.get("KVKERNELS_FUZZ_OPS", ",".join(OPS)).split(",") if op]
 CALL_TIMEOUT = float(os.environ.get("KVKERNELS_FUZZ_CALL_TIMEOUT", "120"))
 # KVKERNELS_CPU_ISA of each call; "best" (and a path this CPU lacks) leaves the choice to the kernels.
 ISAS = ["best", "portable", "avx2", "avx512", "avx512vbmi", "avx512amx"]
@@ -365,8 +367,10 @@ def test_fuzz_for_seconds():
                 FINDINGS.setdefault(key, finding)
         fuzz()
 
+    unknown = set(TIMED_OPS) - set(OPS)
+    assert not unknown, f"KVKERNELS_FUZZ_OPS names no op: {sorted(unknown)}"
     while time.monotonic() < deadline:
-        for op in OPS:
+        for op in TIMED_OPS:
             batch(op)
     assert not FINDINGS, f"{len(FINDINGS)} distinct findings:\n\n" + "\n\n".join(FINDINGS.values())
 
