@@ -26,7 +26,8 @@ instead of killing pytest:
 ``make fuzz SECONDS=N`` (``KVKERNELS_FUZZ_SECONDS=N``) runs random batches of every op in turn for N seconds,
 keeps going past findings, and prints the calls tried per op, the calls per feature of the newer contract
 (causal, q_len > seq_len, Dv != Dk, out= / lse= layouts, the out perturbations) by outcome, and every distinct
-finding with its reproducer. ``KVKERNELS_CPU_ISA=<path>`` pins every spec to that SIMD path (else each draws one).
+finding with its reproducer. ``KVKERNELS_CPU_ISA=<path>`` pins every spec to that SIMD path (else each draws one);
+``KVKERNELS_FUZZ_OPS=op1,op2`` restricts the timed run to those ops.
 Non-finite attention results are compared only with ``KVKERNELS_FUZZ_NONFINITE=compare`` (fuzz_worker.py's
 COMPARE_NONFINITE says why).
 """
