@@ -198,7 +198,9 @@ lse_modes = st.sampled_from([None, "contig", "slice", "transposed"])
 
 @st.composite
 def paged_cfg(draw, max_len=40, head_dims=(8, 16, 64, 24, 128, 256)):
-    seq_lens = draw(st.lists(st.integers(0, max_len), max_size=4))
+    # a quarter of the sequences empty (seq_len 0: with varlen queries, rows that see no key)
+    lengths = st.one_of(st.integers(0, max_len), st.integers(0, max_len), st.integers(0, max_len), st.just(0))
+    seq_lens = draw(st.lists(lengths, max_size=4))
     d = draw(st.sampled_from(head_dims))
     return dict(seq_lens=seq_lens, block_size=draw(block_sizes), hkv=draw(st.integers(1, 4)),
                 d=d, dv=draw(st.one_of(st.none(), st.sampled_from(head_dims))),  # the value's own head dim
