@@ -598,6 +598,32 @@ def p_alias(op, kw, k, v):
     return E(arg, out)
 
 
+def byte_span(t):
+    """[first, end) bytes of the storage that tensor ``t``'s elements lie in (empty: None)."""
+    if not t.numel():
+        return None
+    es = t.element_size()
+    first = t.storage_offset() * es
+    last = first + sum((n - 1) * st * es for n, st in zip(t.shape, t.stride()) if n > 0)
+    return first, last + es
+
+
+def span_overlaps(kw, target):
+    """The tensor arguments sharing a storage with kw[target] whose byte spans intersect its span."""
+    t = kw[target]
+    span = byte_span(t)
+    out = []
+    for a, x in kw.items():
+        if a == target or not isinstance(x, torch.Tensor) or x.is_meta or span is None:
+            continue
+        if x.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+            continue
+        other = byte_span(x)
+        if other is not None and other[0] < span[1] and span[0] < other[1]:
+            out.append(a)
+    return out
+
+
 def written(op, kw):
     """The tensors this call writes: the caches of a write op, or the given out / lse."""
     return WRITES[op] + [a for a in ("out", "lse") if ROLES[op].get(a) == "out" and kw.get(a) is not None]
@@ -916,7 +942,9 @@ def p_out(op, kw, k, v):
                   and not (ROLES[op][a] == "scale" and not scale_read(op, kw, a))]
         arg = pick(inputs, v)
         kw[target] = storage_view(kw[target], kw[arg])
-        return E(target, arg)
+        # placed at arg's first element, or back from the storage's end: it may cover a neighbour too (the
+        # key cache before a stacked value cache); any argument whose bytes it spans may be named
+        return E(target, *span_overlaps(kw, target))
     if case == "is-input":  # out = query / out_a (an in-place merge)
         if like.shape != out.shape or not out.numel():
             raise Skip("out's shape differs from the input's, or empty (no element to share)")
