@@ -218,13 +218,9 @@ def add_outputs(op, cfg, kw):
     kw["out"] = kw["lse"] = None
     if not cfg.get("out"):
         return kw
-    like = kw[OUT_OPS[op]]
-    t, h = like.shape[0], like.shape[1]
-    width = {"paged_attention": lambda: kw["value_cache"].shape[-1], "mla_paged_attention": lambda: kw["kv_lora_rank"],
-             "merge_attention_states": lambda: like.shape[2]}[op]()
-    kw["out"] = given_output((t, h, width), like.dtype, cfg["out"])
+    kw["out"] = given_output(output_shape(op, kw, "out"), kw[OUT_OPS[op]].dtype, cfg["out"])
     if cfg.get("lse_out"):
-        kw["lse"] = given_output((t, h), f32, cfg["lse_out"])
+        kw["lse"] = given_output(output_shape(op, kw, "lse"), f32, cfg["lse_out"])
     return kw
 
 
@@ -881,12 +877,14 @@ def p_missing(op, kw, k, v):
 
 
 def output_shape(op, kw, arg):
+    """The shape of the op's out ([T, Hq, Dv]; MLA [T, Hq, kv_lora_rank]; merge: out_a's) or lse ([T, Hq])."""
     like = kw[OUT_OPS[op]]
     t, h = like.shape[0], like.shape[1]
     if arg == "lse":
         return (t, h)
-    return (t, h, {"paged_attention": lambda: kw["value_cache"].shape[-1], "merge_attention_states": lambda: like.shape[2],
-                   "mla_paged_attention": lambda: kw["kv_lora_rank"]}[op]())
+    width = {"paged_attention": lambda: kw["value_cache"].shape[-1], "merge_attention_states": lambda: like.shape[2],
+             "mla_paged_attention": lambda: kw["kv_lora_rank"]}[op]()
+    return (t, h, width)
 
 
 def fresh_output(op, kw, arg):
@@ -991,7 +989,8 @@ def out_sharing_an_allocation(op, kw, case):
     es = like.element_size()
     row = -(-(w * es + 8) // 4) * 4  # bytes per row: 8 bytes of padding (lse's 4 among them), then out
     storage = poison(torch.empty(t * h * row, dtype=torch.uint8)).untyped_storage()
-    kw["out"] = poison(torch.empty(0, dtype=like.dtype).set_(storage, 8 // es, (t, h, w), (h * row // es, row // es, 1)))
+    kw["out"] = poison(torch.empty(0, dtype=like.dtype).set_(storage, 8 // es, (t, h, w),
+                                                             (h * row // es, row // es, 1)))
     kw["lse"] = torch.empty(0, dtype=f32).set_(storage, 0, (t, h), (h * row // 4, row // 4))
     return V
 

@@ -10,9 +10,9 @@ zero-size dim, a non-unit last stride, an expand()ed dim of an output or of size
 memory with an output, index values at and beyond every boundary, out-of-range scalars, NaN / inf in a float
 input, an optional tensor dropped or added; and per op family: an out / lse of the wrong shape (an empty one
 included), dtype or device, expand()ed, over an input or over each other, lse= without out=; a value head dim
-that is not a multiple of 8 or past 512; an MLA latent cache with several kv heads). The call runs in a worker process (tests/fuzz_worker.py,
-which builds the tensors from the spec and checks the verdict), so a crash fails the test with a reproducer
-instead of killing pytest:
+that is not a multiple of 8 or past 512; an MLA latent cache with several kv heads). The call runs in a worker
+process (tests/fuzz_worker.py, which builds the tensors from the spec and checks the verdict), so a crash fails
+the test with a reproducer instead of killing pytest:
 
 - valid: the result equals ``kvkernels.reference`` (tolerances of helpers.TOLERANCES; writes, copies and gathers
   byte for byte), nothing outside the outputs is written, the inputs are byte-identical; a caller-provided out /
