@@ -1386,6 +1386,8 @@ def features(op, spec, kw):
             f.append("head dim > 256")
     if op == "paged_attention":
         f.append(f"causal={cfg.get('causal', True)}")
+    if op in ("paged_attention", "mla_paged_attention") and any(n >= 256 for n in cfg["seq_lens"]):
+        f.append("seq_len >= 256 (split-KV possible)")
     return f
 
 
