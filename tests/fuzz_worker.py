@@ -6,7 +6,8 @@ op, and checks the contract of docs/ops.md:
 
 - a valid call returns what ``kvkernels.reference`` returns (float64 oracle, the tolerances of
   ``helpers.TOLERANCES``; cache writes, copies and gathers byte for byte), writes nothing outside its
-  outputs, and leaves its inputs byte-identical;
+  outputs, and leaves its inputs byte-identical (a caller-provided out / lse: every element holds the
+  reference's result, every byte around it is unchanged, the wrapper returns the given tensors);
 - an invalid call raises ``RuntimeError("kvkernels.<op>: <argument>: ...")`` naming one of the op's
   arguments (the perturbed one, where the docs say which), before anything is written: every byte of every
   tensor argument's storage is unchanged.
@@ -69,6 +70,12 @@ ROLES = {
     "mla_paged_attention": dict(q="in", kv_cache="ro", block_tables="index", seq_lens="index",
                                 query_start_loc="index", kv_scale="scale"),
 }
+# The ops with a caller-provided-output twin (<op>_out, the wrappers' out= / lse=; docs/ops.md "Caller-provided
+# outputs") and the argument whose dtype and device out must have. Their out / lse have the role "out": written
+# by the op like a cache, but every element of them is overwritten (checked against the reference).
+OUT_OPS = {"paged_attention": "query", "mla_paged_attention": "q", "merge_attention_states": "out_a"}
+for _op in OUT_OPS:
+    ROLES[_op].update(out="out", lse="out")
 WRITES = {op: [a for a, r in roles.items() if r == "rw"] for op, roles in ROLES.items()}
 # Ops whose results are compared byte for byte (NaN as NaN: fp8 NaN encodings may differ).
 EXACT = {"reshape_and_cache", "copy_blocks", "swap_blocks", "gather_kv", "concat_and_cache_mla"}
@@ -78,7 +85,14 @@ SCALE_OF = {"k_scale": "key_cache", "v_scale": "value_cache", "scale": "kv_cache
 # The perturbations each op is fuzzed with (None: the valid call as built).
 KINDS = ["dtype", "mixfloat", "ndim", "zero", "shape", "laststride", "pad", "expand", "nonfinite", "bigdim",
          "hugetokens", "index", "scalar", "missing"]
-OP_KINDS = {op: KINDS + ["alias"] for op in OPS}
+# Perturbations of one op family only: bad caller-provided outputs, a value cache whose head dim is not
+# allowed (or narrower, valid), an MLA latent cache with several kv heads.
+EXTRA_KINDS = {"paged_attention": ["out", "headdim"], "merge_attention_states": ["out"],
+               "mla_paged_attention": ["out", "mlaheads"], "concat_and_cache_mla": ["mlaheads"],
+               "mla_decompress": ["mlaheads"]}
+# "out" (16 cases) is drawn three times as often as one generic kind, so each case gets a few calls per 1000.
+OP_KINDS = {op: KINDS + ["alias"] + [k for k in EXTRA_KINDS.get(op, []) for _ in range(3 if k == "out" else 1)]
+            for op in OPS}
 
 # Calls with NaN/inf inputs (or non-finite reference results) are compared with the reference, NaN
 # positions included: docs/ops.md "Non-finite values" defines them on every path. What it leaves
@@ -94,8 +108,10 @@ class Expect:
     ``names``, or any argument of the op when ``names`` is None) or "either" (both allowed, each checked);
     "ref": whatever the reference does (its index checks raise the same errors as the ops)."""
 
-    def __init__(self, kind, names=None, why="", arg=None):
+    def __init__(self, kind, names=None, why="", arg=None, says=None, ref_same=False):
         self.kind, self.names, self.why, self.arg = kind, names, why, arg
+        self.says = says  # a phrase the error message must contain
+        self.ref_same = ref_same  # kvkernels.reference must reject the call naming the same argument
 
 
 V = Expect("valid")
@@ -159,11 +175,11 @@ def paged_kv(cfg, gen):
                        block_size=cfg["block_size"], dtype=DTYPES[cfg["dtype"]],
                        layout="NHD" if layout == "interleaved" else layout, fp8=cfg["fp8"],
                        per_head_scale=tuple(cfg["per_head"]), seed=gen_seed(gen),
-                       extra_blocks=cfg["extra_blocks"], extra_cols=cfg["extra_cols"])
+                       extra_blocks=cfg["extra_blocks"], extra_cols=cfg["extra_cols"], head_dim_v=cfg.get("dv"))
     kc, vc = kv.key_cache, kv.value_cache
-    if layout == "interleaved":  # vLLM: K and V side by side in one [N, B, H, 2 * D] allocation
-        d = kc.shape[-1]
-        both = poison(torch.empty(*kc.shape[:-1], 2 * d, dtype=kc.dtype))
+    if layout == "interleaved":  # vLLM: K and V side by side in one [N, B, H, Dk + Dv] allocation
+        d, dv = kc.shape[-1], vc.shape[-1]
+        both = poison(torch.empty(*kc.shape[:-1], d + dv, dtype=kc.dtype))
         kc, vc = copy_into(both[..., :d], kc), copy_into(both[..., d:], vc)
     k_scale, v_scale = kv.k_scale, kv.v_scale
     if not cfg["fp8"] and cfg.get("stray_scales"):  # scales next to a non-fp8 cache: ignored
@@ -186,6 +202,28 @@ def qsl_for(cfg):
     return None if cfg["q_lens"] is None else query_start_loc(cfg["q_lens"])
 
 
+def given_output(shape, dtype, mode):
+    """A NaN-poisoned caller-provided output (docs/ops.md "Caller-provided outputs") of ``shape``: "contig",
+    "slice" (rows [:T] of a longer buffer: contiguous), "pad" (rows inside wider ones: the last dim padded),
+    "transposed" (dims 0 and 1 swapped in memory: an lse [H, T] passed as .t()). Every byte of the storage
+    around the view must still be NaN after the call."""
+    if mode == "slice":
+        return poison(torch.empty(shape[0] + 3, *shape[1:], dtype=dtype))[:shape[0]]
+    return relayout(poison(torch.empty(shape, dtype=dtype)), {"contig": "contig", "pad": "pad",
+                                                             "transposed": "transposed"}[mode])
+
+
+def add_outputs(op, cfg, kw):
+    """The call's out= / lse= (None: the allocating op), poisoned, of the shape the op returns."""
+    kw["out"] = kw["lse"] = None
+    if not cfg.get("out"):
+        return kw
+    kw["out"] = given_output(output_shape(op, kw, "out"), kw[OUT_OPS[op]].dtype, cfg["out"])
+    if cfg.get("lse_out"):
+        kw["lse"] = given_output(output_shape(op, kw, "lse"), f32, cfg["lse_out"])
+    return kw
+
+
 # ----------------------------------------------------------------------------------------------------------
 # valid calls (keyword names = schema names)
 # ----------------------------------------------------------------------------------------------------------
@@ -193,16 +231,18 @@ def qsl_for(cfg):
 
 def build_reshape_and_cache(cfg, gen):
     t, h, d, n, b = cfg["t"], cfg["h"], cfg["d"], cfg["n"], cfg["block_size"]
+    dv = cfg.get("dv") or d  # the value's own head dim
     dtype = DTYPES[cfg["dtype"]]
     cache_dtype = FP8[cfg["fp8"]] if cfg["fp8"] else dtype
     layout = cfg["layout"]
     if layout == "interleaved":
-        both = poison(torch.empty(n, b, h, 2 * d, dtype=cache_dtype))
+        both = poison(torch.empty(n, b, h, d + dv, dtype=cache_dtype))
         kc, vc = both[..., :d], both[..., d:]
     else:
-        kc, vc = kv_views(alloc_kv_cache(layout, n, b, h, d, cache_dtype), layout)
-    qkv = torch.randn(t, 4 + 2 * h, d, generator=gen, dtype=f64).mul_(3).to(dtype)
-    key, value = relayout(qkv[:, 4:4 + h], cfg["in_layout"]), relayout(qkv[:, 4 + h:], cfg["in_layout"])
+        kc, vc = kv_views(alloc_kv_cache(layout, n, b, h, d, cache_dtype, head_dim_v=dv), layout, (d, dv))
+    qkv = torch.randn(t, 4 + 2 * h, max(d, dv), generator=gen, dtype=f64).mul_(3).to(dtype)
+    key = relayout(qkv[:, 4:4 + h, :d], cfg["in_layout"])
+    value = relayout(qkv[:, 4 + h:, :dv], cfg["in_layout"])
     scales = {}
     if cfg["fp8"] or cfg.get("stray_scales"):
         pk, pv = cfg["per_head"]
@@ -222,11 +262,11 @@ def build_paged_attention(cfg, gen):
     query = make_query(sum(q_lens), hq, cfg["d"], dtype, gen, strided=strided)
     alibi = torch.tensor([2.0 ** (-8 * (h + 1) / hq) for h in range(hq)]) if cfg["alibi"] else None
     sinks = torch.randn(hq, generator=gen) * 2 if cfg["sinks"] else None
-    return dict(query=query, key_cache=kc, value_cache=vc, block_tables=bt, seq_lens=sl,
-                query_start_loc=qsl_for(cfg),
-                scale=None if cfg["scale"] is None else cfg["scale"] / math.sqrt(cfg["d"]),
-                window_left=cfg["window_left"],
-                soft_cap=cfg["soft_cap"], alibi_slopes=alibi, sinks=sinks, k_scale=ks, v_scale=vs)
+    return add_outputs("paged_attention", cfg, dict(
+        query=query, key_cache=kc, value_cache=vc, block_tables=bt, seq_lens=sl, query_start_loc=qsl_for(cfg),
+        scale=None if cfg["scale"] is None else cfg["scale"] / math.sqrt(cfg["d"]), window_left=cfg["window_left"],
+        soft_cap=cfg["soft_cap"], alibi_slopes=alibi, sinks=sinks, k_scale=ks, v_scale=vs,
+        causal=cfg.get("causal", True)))
 
 
 def build_merge_attention_states(cfg, gen):
@@ -238,7 +278,7 @@ def build_merge_attention_states(cfg, gen):
         lse = torch.randn(t, h, generator=gen) * 3
         empty = torch.rand(t, h, generator=gen) < cfg["empty_frac"]  # sides that saw no key
         out[f"lse_{side}"] = relayout(lse.masked_fill(empty, float("-inf")), cfg["in_layout"])
-    return out
+    return add_outputs("merge_attention_states", cfg, out)
 
 
 def block_tensor(shape, dtype, mode, gen):
@@ -336,9 +376,9 @@ def build_mla_paged_attention(cfg, gen):
     width = cfg["r"] + cfg["p"]
     q = relayout(torch.randn(sum(q_lens), cfg["h"], width, generator=gen, dtype=f64).to(DTYPES[cfg["dtype"]]),
                  cfg["in_layout"])
-    return dict(q=q, kv_cache=mla.kv_cache, block_tables=mla.block_tables, seq_lens=mla.seq_lens,
-                kv_lora_rank=cfg["r"], scale=cfg["scale_factor"] / math.sqrt(width), query_start_loc=qsl_for(cfg),
-                kv_scale=scale)
+    return add_outputs("mla_paged_attention", cfg, dict(
+        q=q, kv_cache=mla.kv_cache, block_tables=mla.block_tables, seq_lens=mla.seq_lens, kv_lora_rank=cfg["r"],
+        scale=cfg["scale_factor"] / math.sqrt(width), query_start_loc=qsl_for(cfg), kv_scale=scale))
 
 
 BUILD = {op: globals()[f"build_{op}"] for op in OPS}
@@ -387,6 +427,8 @@ def p_dtype(op, kw, k, v):
         return E(arg)
     new = pick([d for d in (f64, torch.int32, torch.int64, torch.bool, torch.uint8) if d != t.dtype], v)
     kw[arg] = t.to(new) if not is_fp8(t.dtype) else t.view(torch.uint8).to(new)
+    if role == "out":
+        return E(arg)
     if op == "copy_blocks" and arg == "cache":
         return V  # any dtype
     if role == "scale" and not scale_read(op, kw, arg):
@@ -396,7 +438,7 @@ def p_dtype(op, kw, k, v):
 
 def p_mixfloat(op, kw, k, v):
     """Another float (or fp8) dtype for one float tensor."""
-    arg = pick(tensor_args(op, kw, ("in", "ro", "rw", "src", "lse", "vec", "scale")), k)
+    arg = pick(tensor_args(op, kw, ("in", "ro", "rw", "src", "lse", "vec", "scale", "out")), k)
     role, t = ROLES[op][arg], kw[arg]
     choices = [f32, bf16, f16] + ([E4M3, E5M2] if role in ("ro", "rw", "src") else [])
     new = pick([d for d in choices if d != t.dtype], v)
@@ -411,12 +453,14 @@ def p_mixfloat(op, kw, k, v):
     else:
         kw[arg] = values.to(new)
     fp8_before = fp8_call(op, {**kw, arg: t})
+    if role == "out":  # out has the query's dtype, lse float32: nothing else
+        return E(arg)
     if op == "copy_blocks":
         return V
     if role == "scale":
         return E(arg) if scale_read(op, kw, arg) else V
-    if arg in ("query", "q") and fp8_before:
-        return V  # an fp8 cache takes any query dtype
+    if arg in ("query", "q") and fp8_before:  # an fp8 cache takes any query dtype; a given out has the old one
+        return V if kw.get("out") is None else E("out")
     if arg == "w_kv_b" and fp8_before and kw.get("norm_weight") is None:
         return V
     partner = {"mla_decompress": "w_kv_b", "mla_paged_attention": "q", "concat_and_cache_mla": "kv_c"}.get(op)
@@ -439,7 +483,7 @@ def p_ndim(op, kw, k, v):
         return V if kw[arg].numel() in (1, t.numel()) or not scale_read(op, kw, arg) else E(arg)
     if op == "copy_blocks" and arg == "cache":
         return V if kw["block_dim"] < 0 and kw[arg].dim() > t.dim() else X("block_dim now selects another dim")
-    return E(arg) if role in ("index", "vec") else E()
+    return E(arg) if role in ("index", "vec", "out") else E()
 
 
 def p_zero(op, kw, k, v):
@@ -460,6 +504,8 @@ def p_shape(op, kw, k, v):
     else:
         extra = torch.empty(*t.shape[:d], 1, *t.shape[d + 1:], dtype=t.dtype)
         kw[arg] = torch.cat([t, poison(extra) if t.dtype != torch.bool else extra.fill_(False)], dim=d)
+    if ROLES[op][arg] == "out":  # a wrong shape is an error, never a resize
+        return Expect("error", {arg}, ref_same=True)
     return X()
 
 
@@ -496,6 +542,8 @@ def p_expand(op, kw, k, v):
         return E(arg)  # a cache's last dim needs stride 1, empty or not
     if role == "rw":
         return E(arg) if t.numel() else V  # an empty output has no element to share
+    if role == "out":
+        return E(arg) if t.numel() else X("an empty expanded out")
     return V
 
 
@@ -518,13 +566,14 @@ def storage_view(like, storage_of, dtype=None, shape=None):
 def p_alias(op, kw, k, v):
     """An argument sharing memory with a tensor the op writes (swap_blocks' src may: valid). An op that writes
     nothing in place may read one tensor as two arguments (value_cache is key_cache, out_b is out_a): valid."""
-    if not WRITES[op]:
+    writes = written(op, kw)
+    if not writes:
         pairs = [(a, b) for a in tensor_args(op, kw) for b in tensor_args(op, kw) if a < b and
                  ROLES[op][a] == ROLES[op][b] and kw[a].shape == kw[b].shape and kw[a].dtype == kw[b].dtype]
         a, b = pick(pairs, k)
         kw[b] = kw[a]
         return V
-    out = pick(WRITES[op], k)
+    out = pick(writes, k)
     if not kw[out].numel():
         raise Skip("an empty output shares memory with nothing")
     others = [a for a in tensor_args(op, kw) if a != out]
@@ -539,8 +588,41 @@ def p_alias(op, kw, k, v):
     if role == "src":
         return Expect("ref", why="swap_blocks' src may overlap dst")
     if role == "scale" and not scale_read(op, kw, arg):
-        return V
+        # A scale next to a non-fp8 cache is not read; inside a cache that is harmless (the cache ops' rule),
+        # inside a caller-provided out the docs ("no memory shared with any input") do not say: either.
+        return X("an unread scale inside out / lse") if ROLES[op][out] == "out" else V
     return E(arg, out)
+
+
+def byte_span(t):
+    """[first, end) bytes of the storage that tensor ``t``'s elements lie in (empty: None)."""
+    if not t.numel():
+        return None
+    es = t.element_size()
+    first = t.storage_offset() * es
+    last = first + sum((n - 1) * st * es for n, st in zip(t.shape, t.stride()) if n > 0)
+    return first, last + es
+
+
+def span_overlaps(kw, target):
+    """The tensor arguments sharing a storage with kw[target] whose byte spans intersect its span."""
+    t = kw[target]
+    span = byte_span(t)
+    out = []
+    for a, x in kw.items():
+        if a == target or not isinstance(x, torch.Tensor) or x.is_meta or span is None:
+            continue
+        if x.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+            continue
+        other = byte_span(x)
+        if other is not None and other[0] < span[1] and span[0] < other[1]:
+            out.append(a)
+    return out
+
+
+def written(op, kw):
+    """The tensors this call writes: the caches of a write op, or the given out / lse."""
+    return WRITES[op] + [a for a in ("out", "lse") if ROLES[op].get(a) == "out" and kw.get(a) is not None]
 
 
 INDEX_ARGS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc", "block_mapping", "num_tokens")
@@ -681,6 +763,8 @@ def p_scalar(op, kw, k, v):
     kw[arg] = val
     if outcome == "rank":  # another split of the same rows: valid while it is a multiple of 8 within the row
         ok = 0 < val <= min(512, kw["kv_cache"].shape[-1]) and val % 8 == 0
+        if kw.get("out") is not None:  # sized for the old rank
+            return E("kv_lora_rank", "kv_cache", "out")
         return V if ok else E("kv_lora_rank", "kv_cache")
     if outcome == "huge":  # logits of ~1e30: float32 rounding of the dot products (1e-5 relative where they
         # cancel) is 1e24 absolute; no tolerance of helpers.TOLERANCES applies, so only the shapes are checked
@@ -702,6 +786,8 @@ def p_nonfinite(op, kw, k, v):
         t.view(torch.uint8)[idx] = src.view(torch.uint8)
     else:
         t[idx] = val
+    if ROLES[op][arg] == "out":  # poison of another kind in a caller-provided output: overwritten
+        return V
     e = Expect("valid", why="nonfinite")
     e.arg = arg
     return e
@@ -758,10 +844,19 @@ def p_missing(op, kw, k, v):
     """An optional tensor left out, or one given that the call did not have."""
     opt = {"reshape_and_cache": ["k_scale", "v_scale"], "paged_attention": ["k_scale", "v_scale", "alibi_slopes",
            "sinks"], "gather_kv": ["k_scale", "v_scale"], "concat_and_cache_mla": ["scale"],
-           "mla_decompress": ["scale", "norm_weight"], "mla_paged_attention": ["kv_scale"]}.get(op)
+           "mla_decompress": ["scale", "norm_weight"], "mla_paged_attention": ["kv_scale"]}.get(op, [])
+    opt = opt + (["out", "lse"] if op in OUT_OPS else [])
     if not opt:
         raise Skip("no optional tensor")
     arg = pick(opt, k)
+    if arg in ("out", "lse"):  # lse= needs out=; out= alone is fine (docs/ops.md "Caller-provided outputs")
+        if kw[arg] is not None:
+            kw[arg] = None
+        else:
+            kw[arg] = fresh_output(op, kw, arg)
+        if kw["lse"] is not None and kw["out"] is None:
+            return Expect("error", {"lse"}, ref_same=True)
+        return V
     if kw.get(arg) is not None:
         kw[arg] = None
         if ROLES[op][arg] == "scale":
@@ -781,7 +876,161 @@ def p_missing(op, kw, k, v):
     return V
 
 
-PERTURB = {name: globals()[f"p_{name}"] for name in KINDS + ["alias"]}
+def output_shape(op, kw, arg):
+    """The shape of the op's out ([T, Hq, Dv]; MLA [T, Hq, kv_lora_rank]; merge: out_a's) or lse ([T, Hq])."""
+    like = kw[OUT_OPS[op]]
+    t, h = like.shape[0], like.shape[1]
+    if arg == "lse":
+        return (t, h)
+    width = {"paged_attention": lambda: kw["value_cache"].shape[-1], "merge_attention_states": lambda: like.shape[2],
+             "mla_paged_attention": lambda: kw["kv_lora_rank"]}[op]()
+    return (t, h, width)
+
+
+def fresh_output(op, kw, arg):
+    return poison(torch.empty(output_shape(op, kw, arg), dtype=f32 if arg == "lse" else kw[OUT_OPS[op]].dtype))
+
+
+OUT_CASES = ["shape", "empty", "dtype", "device", "expand", "overlap-input", "is-input", "lse-shape", "lse-layout",
+             "lse-dtype", "lse-device", "lse-in-out", "lse-overlap-input", "lse-without-out",
+             "lse-in-padding", "beside-input"]
+
+
+def p_out(op, kw, k, v):
+    """A caller-provided out / lse the op must reject (docs/ops.md "Caller-provided outputs"): a wrong shape
+    (never resized, an empty tensor included), dtype or device, a stride-0 dim, memory shared with an input (out
+    is the query / out_a) or with each other, lse= without out=."""
+    case = pick(OUT_CASES, k)
+    CONTEXT["case"] = case
+    if case in ("lse-in-padding", "beside-input"):
+        return out_sharing_an_allocation(op, kw, case)
+    like = kw[OUT_OPS[op]]
+    if kw["out"] is None and case != "lse-without-out":
+        kw["out"] = fresh_output(op, kw, "out")
+    if case.startswith("lse") and case != "lse-without-out" and kw["lse"] is None:
+        kw["lse"] = fresh_output(op, kw, "lse")
+    out, lse = kw["out"], kw["lse"]
+    if case == "shape":  # one dim one longer or one shorter
+        d = v % 3
+        shape = list(out.shape)
+        shape[d] += 1 if (v // 3) % 2 or shape[d] == 0 else -1
+        kw["out"] = poison(torch.empty(shape, dtype=out.dtype))
+        return Expect("error", {"out"}, ref_same=True)
+    if case == "empty":  # torch's out= would resize it (with a warning): here an error
+        if out.numel() == 0:
+            raise Skip("the right shape is empty")
+        kw["out"] = torch.empty(0, dtype=out.dtype)
+        return Expect("error", {"out"}, ref_same=True)
+    if case == "dtype":
+        kw["out"] = poison(torch.empty(out.shape, dtype=pick([d for d in (f32, f16, bf16, f64) if d != out.dtype], v)))
+        return Expect("error", {"out"}, ref_same=True)
+    if case == "device":
+        kw["out"] = torch.empty(out.shape, dtype=out.dtype, device="meta")
+        return Expect("error", {"out"}, ref_same=True)
+    if case == "expand":
+        dims = [d for d in range(3) if out.shape[d] > 1]
+        if not dims or not out.numel():
+            raise Skip("no dim of size > 1, or empty (no element to share)")
+        d = pick(dims, v)
+        kw["out"] = poison(out.narrow(d, 0, 1).clone()).expand(out.shape)
+        return E("out")
+    if case in ("overlap-input", "lse-overlap-input"):  # placed over (part of) an input's memory
+        target = "out" if case == "overlap-input" else "lse"
+        inputs = [a for a in tensor_args(op, kw) if ROLES[op][a] != "out"
+                  and not (ROLES[op][a] == "scale" and not scale_read(op, kw, a))]
+        arg = pick(inputs, v)
+        kw[target] = storage_view(kw[target], kw[arg])
+        # placed at arg's first element, or back from the storage's end: it may cover a neighbour too (the
+        # key cache before a stacked value cache); any argument whose bytes it spans may be named
+        return E(target, *span_overlaps(kw, target))
+    if case == "is-input":  # out = query / out_a (an in-place merge)
+        if like.shape != out.shape or not out.numel():
+            raise Skip("out's shape differs from the input's, or empty (no element to share)")
+        kw["out"] = like
+        return E("out", OUT_OPS[op])
+    if case == "lse-shape":
+        kw["lse"] = poison(torch.empty(lse.shape[0], lse.shape[1] + 1 + v % 2, dtype=f32))
+        return Expect("error", {"lse"}, ref_same=True)
+    if case == "lse-layout":  # vLLM's [H, T] lse passed as it is, not as .t()
+        if lse.shape[0] == lse.shape[1]:
+            raise Skip("square lse")
+        kw["lse"] = poison(torch.empty(lse.shape[1], lse.shape[0], dtype=f32))
+        return Expect("error", {"lse"}, ref_same=True)
+    if case == "lse-dtype":
+        kw["lse"] = poison(torch.empty(lse.shape, dtype=pick([f64, bf16, f16], v)))
+        return Expect("error", {"lse"}, ref_same=True)
+    if case == "lse-device":
+        kw["lse"] = torch.empty(lse.shape, dtype=f32, device="meta")
+        return Expect("error", {"lse"}, ref_same=True)
+    if case == "lse-in-out":  # lse inside out's memory
+        kw["lse"] = storage_view(lse, out)
+        return E("lse", "out")
+    if case == "lse-without-out":
+        kw["out"] = None
+        if kw["lse"] is None:
+            kw["lse"] = fresh_output(op, kw, "lse")
+        return Expect("error", {"lse"}, ref_same=True)
+    raise Skip(case)
+
+
+def out_sharing_an_allocation(op, kw, case):
+    """Valid: views of one allocation whose elements are disjoint (docs/ops.md, Common rules) -- lse in the
+    padding bytes of out's rows, or out next to the query / out_a in rows holding both. The overlap checks
+    must not reject them, and writing out (through a temporary when strided) must not touch the neighbour."""
+    like_arg = OUT_OPS[op]
+    like = kw[like_arg]
+    t, h, w = output_shape(op, kw, "out")
+    if case == "beside-input":
+        wl = like.shape[-1]
+        both = poison(torch.empty(t, h, wl + w, dtype=like.dtype))
+        kw[like_arg] = copy_into(both[..., :wl], like)
+        kw["out"] = both[..., wl:]
+        return V
+    es = like.element_size()
+    row = -(-(w * es + 8) // 4) * 4  # bytes per row: 8 bytes of padding (lse's 4 among them), then out
+    storage = poison(torch.empty(t * h * row, dtype=torch.uint8)).untyped_storage()
+    kw["out"] = poison(torch.empty(0, dtype=like.dtype).set_(storage, 8 // es, (t, h, w),
+                                                             (h * row // es, row // es, 1)))
+    kw["lse"] = torch.empty(0, dtype=f32).set_(storage, 0, (t, h), (h * row // 4, row // 4))
+    return V
+
+
+def p_headdim(op, kw, k, v):
+    """Head dims: the value cache narrowed to a multiple of 8 (another valid Dv), to one that is not, or a
+    key / value cache 520 wide (past the CPU's 512): errors name key_cache / value_cache."""
+    vc, kc = kw["value_cache"], kw["key_cache"]
+    case = pick(["narrow8", "odd", "wide-v", "wide-k"], k)
+    CONTEXT["case"] = case
+    if case == "narrow8":
+        if vc.shape[-1] < 16:
+            raise Skip("Dv < 16")
+        kw["value_cache"] = vc[..., :vc.shape[-1] - 8]
+        # the given out was sized for the old Dv
+        return E("out") if kw["out"] is not None else V
+    if case == "odd":
+        if vc.shape[-1] < 8:
+            raise Skip("Dv < 8")
+        kw["value_cache"] = vc[..., :vc.shape[-1] - 4]
+        return E("value_cache", *(["out"] if kw["out"] is not None else []))  # the docs fix no order
+    if case == "wide-v":
+        kw["value_cache"] = torch.zeros(*vc.shape[:-1], 520, dtype=vc.dtype)
+        return E("value_cache", *(["out"] if kw["out"] is not None else []))
+    kw["key_cache"] = torch.zeros(*kc.shape[:-1], 520, dtype=kc.dtype)
+    q = kw["query"]
+    kw["query"] = torch.zeros(*q.shape[:-1], 520, dtype=q.dtype)
+    return E("key_cache")
+
+
+def p_mlaheads(op, kw, k, v):
+    """An MLA latent cache [N, B, h_kv, R + P] (FlashMLA's tests run h_kv 1..8): rejected with a reason."""
+    cache = kw["kv_cache"]
+    h = pick([1, 2, 4, 8], v)
+    kw["kv_cache"] = cache.unsqueeze(2).repeat(1, 1, h, 1) if cache.dtype != E4M3 and cache.dtype != E5M2 else \
+        cache.view(torch.uint8).unsqueeze(2).repeat(1, 1, h, 1).view(cache.dtype)
+    return Expect("error", {"kv_cache"}, says="several kv heads")
+
+
+PERTURB = {name: globals()[f"p_{name}"] for name in KINDS + ["alias", "out", "headdim", "mlaheads"]}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -797,7 +1046,7 @@ def storages(kw):
     """{storage key: (tensor, uint8 copy of its whole storage)} of every tensor argument."""
     out = {}
     for name, t in kw.items():
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and not t.is_meta:  # a meta out / lse (the wrong device) has no data
             s = t.untyped_storage()
             key = (s.data_ptr(), s.nbytes())
             if key not in out:
@@ -811,7 +1060,7 @@ def storage_now(t):
 
 def check_untouched(kw, before, what):
     for key, (name, old) in before.items():
-        t = next(x for x in kw.values() if isinstance(x, torch.Tensor) and
+        t = next(x for x in kw.values() if isinstance(x, torch.Tensor) and not x.is_meta and
                  (x.untyped_storage().data_ptr(), x.untyped_storage().nbytes()) == key)
         now = storage_now(t)
         if not torch.equal(now, old):
@@ -820,12 +1069,32 @@ def check_untouched(kw, before, what):
                           f"{diff[:4].tolist()})")
 
 
+def check_written_only(kw, before, outs):
+    """A valid call with caller-provided outputs: no byte of any storage changed except the elements of
+    ``outs`` (padding around a strided out, the rest of a longer buffer and every input untouched)."""
+    for key, (name, old) in before.items():
+        t = next(x for x in kw.values() if isinstance(x, torch.Tensor) and
+                 (x.untyped_storage().data_ptr(), x.untyped_storage().nbytes()) == key)
+        now = storage_now(t)
+        allowed = torch.zeros(now.shape, dtype=torch.bool)
+        for o in outs:
+            if (kw[o].untyped_storage().data_ptr(), kw[o].untyped_storage().nbytes()) == key:
+                byte_view(allowed, kw[o]).fill_(True)
+        bad = (now != old) & ~allowed
+        if bad.any():
+            pos = bad.nonzero().flatten()
+            raise Finding(f"the storage of {name} changed outside out / lse ({pos.numel()} bytes, first at byte "
+                          f"{pos[:4].tolist()})")
+
+
 def cloned_call(kw):
     """The call's arguments on copies of their storages (views keep offsets, strides and sharing)."""
     clones = {}
     out = {}
     for name, t in kw.items():
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and t.is_meta:
+            out[name] = t
+        elif isinstance(t, torch.Tensor):
             s = t.untyped_storage()
             key = (s.data_ptr(), s.nbytes())
             if key not in clones:
@@ -876,7 +1145,8 @@ def assert_same(actual, expected, what):
     if actual.dtype != expected.dtype or actual.shape != expected.shape:
         raise Finding(f"{what}: {actual.dtype} {list(actual.shape)} != reference {expected.dtype} "
                       f"{list(expected.shape)}")
-    a, e = actual.contiguous(), expected.contiguous()
+    # fresh row-major copies: .contiguous() keeps a size-1 last dim's stride of 2 (an out with a strided last dim)
+    a, e = [torch.empty(t.shape, dtype=t.dtype).copy_(t) for t in (actual, expected)]
     na, ne = torch.isnan(a.float()), torch.isnan(e.float())
     if not torch.equal(na, ne):
         raise Finding(f"{what}: NaN positions differ ({int(na.sum())} vs {int(ne.sum())} in the reference)")
@@ -902,6 +1172,19 @@ def finite(*ts):
     return all(bool(torch.isfinite(t).all()) for t in ts if t.dtype.is_floating_point)
 
 
+def check_reference_out(op, kw, ref_result):
+    """kvkernels.reference with the same out= / lse= (on copies, in the op's dtypes): returns the given tensors,
+    holding its own float64 result rounded to their dtypes."""
+    res, err, rk = run_reference(op, kw, keep_outputs=True)
+    if err is not None:
+        raise Finding(f"the reference rejects the valid out= / lse= call: {type(err).__name__}: {str(err)[:400]}")
+    if not (isinstance(res, tuple) and len(res) == 2 and res[0] is rk["out"] and res[1] is rk["lse"]):
+        raise Finding("the reference's out= / lse= call did not return the given tensors")
+    for name, got, want in zip(("out", "lse"), res, ref_result):
+        if got is not None:
+            assert_same(got, want.to(got.dtype), f"the reference's {name}= (vs its allocating call)")
+
+
 def compare(op, kw, result, ref_result, undefined_inputs, shape_only=None):
     if op in ("reshape_and_cache", "copy_blocks", "swap_blocks", "concat_and_cache_mla"):
         return "compared"  # the storages are compared by check_same_storages
@@ -913,7 +1196,8 @@ def compare(op, kw, result, ref_result, undefined_inputs, shape_only=None):
     for name, got, want in zip(names, result, ref_result):
         dtype = f32 if name == "lse" else next(
             kw[a] for a in ("query", "q", "out_a", "w_kv_b") if a in kw).dtype
-        if got.dtype != dtype or got.shape != want.shape or not got.is_contiguous():
+        given = kw.get(name) is got  # a caller-provided output: any strides
+        if got.dtype != dtype or got.shape != want.shape or not (given or got.is_contiguous()):
             raise Finding(f"{name}: {got.dtype} {list(got.shape)} (contiguous: {got.is_contiguous()}), expected "
                           f"{dtype} {list(want.shape)} contiguous")
     # -inf lse (a row that sees no key) is a defined result; anything else non-finite is not, yet.
@@ -940,18 +1224,40 @@ def arg_named(op, msg):
     return arg if arg in ARG_NAMES[op] else None
 
 
-ARG_NAMES = {op: [a.name for a in getattr(torch.ops.kvkernels, op).default._schema.arguments] for op in OPS}
+ARG_NAMES = {op: [a.name for name in (op, f"{op}_out") if hasattr(torch.ops.kvkernels, name)
+                 for a in getattr(torch.ops.kvkernels, name).default._schema.arguments] for op in OPS}
 
 
 def call_op(op, api, kw):
-    fn = getattr(ops, op) if api == "ops" else getattr(torch.ops.kvkernels, op)
-    return fn(**kw)
+    if op not in OUT_OPS:
+        fn = getattr(ops, op) if api == "ops" else getattr(torch.ops.kvkernels, op)
+        return fn(**kw)
+    kw = dict(kw)
+    out, lse = kw.pop("out"), kw.pop("lse")
+    if out is None and lse is None:
+        fn = getattr(ops, op) if api == "ops" else getattr(torch.ops.kvkernels, op)
+        return fn(**kw)
+    if api == "ops" or out is None:  # lse= without out=: only the wrappers can be called so (out is required)
+        result = getattr(ops, op)(**kw, out=out, lse=lse)
+        if not (isinstance(result, tuple) and len(result) == 2 and result[0] is out and result[1] is lse):
+            raise Finding(f"ops.{op}(out=, lse=) returned {type(result).__name__}, not (out, lse) themselves")
+        return result
+    result = getattr(torch.ops.kvkernels, f"{op}_out")(**kw, out=out, lse=lse)
+    if result is not None:
+        raise Finding(f"torch.ops.kvkernels.{op}_out returned {type(result).__name__}, not None")
+    return out, lse
 
 
-def run_reference(op, kw):
+def run_reference(op, kw, keep_outputs=False):
     """(result, None, arguments) or (None, exception, arguments) of the reference, on copies of the arguments'
-    storages (the arguments returned are those copies, before any upcast: what a write op wrote)."""
+    storages (the arguments returned are those copies, before any upcast: what a write op wrote).
+    ``keep_outputs``: pass out= / lse= on (their shape, dtype and device checks); else the reference returns
+    its float64 result, compared with what the op wrote into them."""
     rk_storage, rk = reference_args(op, kw)
+    if keep_outputs:
+        rk = rk_storage  # not upcast: out has the query's dtype
+    elif op in OUT_OPS:
+        rk.pop("out"), rk.pop("lse")
     try:
         return getattr(reference, op)(**rk), None, rk_storage
     except Exception as e:  # noqa: BLE001 - any error of the reference is part of the verdict
@@ -982,13 +1288,16 @@ def run_spec(spec):
     # define yet (see COMPARE_NONFINITE). In a cache or an out_a / out_b they are defined where the reference
     # result is finite: rows the call must not read (unused slots, a side whose lse is -inf).
     undefined_inputs = kind == "nonfinite" and (
-        ROLES[op].get(expect.arg) not in ("ro", "rw", "src") and expect.arg not in ("out_a", "out_b"))
+        ROLES[op].get(expect.arg) not in ("ro", "rw", "src", "out") and expect.arg not in ("out_a", "out_b"))
+    CONTEXT["features"] = features(op, spec, kw)
     before = storages(kw)
     ref_result, ref_error, ref_storage_kw = None, None, None
     if expect.kind != "error":
         ref_result, ref_error, ref_storage_kw = run_reference(op, kw)
     try:
         result, error = call_op(op, spec["api"], kw), None
+    except Finding:  # call_op's own checks of what an out= call returned
+        raise
     except Exception as e:  # noqa: BLE001 - the verdict classifies it
         result, error = None, e
     if expect.kind == "ref":
@@ -1013,8 +1322,15 @@ def run_spec(spec):
                           f"{msg[:600]}")
         if expect.kind == "error" and expect.names and arg not in expect.names:
             raise Finding(f"the error names {arg}, expected one of {sorted(expect.names)}: {msg[:600]}")
+        if expect.says and expect.says not in str(error):
+            raise Finding(f"the error does not say {expect.says!r}: {msg[:600]}")
         check_untouched(kw, before, "after the error")
-        return dict(outcome="error", kind=kind, arg=arg)
+        if expect.ref_same:  # shapes, dtypes, devices of out / lse: the reference checks them too
+            _, ref_error, _ = run_reference(op, kw, keep_outputs=True)
+            if ref_error is None or arg_named(op, str(ref_error)) != arg:
+                raise Finding(f"the op raised naming {arg}, the reference "
+                              f"{'accepted the call' if ref_error is None else 'raised ' + str(ref_error)[:300]}")
+        return dict(outcome="error", kind=kind, arg=arg, features=CONTEXT["features"])
     if expect.kind == "error":
         raise Finding(f"no error (expected one naming {sorted(expect.names) if expect.names else 'an argument'}"
                       f"{': ' + expect.why if expect.why else ''})")
@@ -1023,14 +1339,56 @@ def run_spec(spec):
                       f"{str(ref_error)[:600]}")
     if op in WRITES and WRITES[op]:
         check_same_storages(op, kw, ref_storage_kw)
+    elif written(op, kw):
+        check_written_only(kw, before, written(op, kw))
+        result = tuple(t for t in result if t is not None)  # out= alone: lse is not compared
+        check_reference_out(op, kw, ref_result)
     else:
         check_untouched(kw, before, "inputs after a valid call")
     how = compare(op, kw, result, ref_result, undefined_inputs, expect.why if expect.why.startswith("shape-only")
                   else None)
-    return dict(outcome="valid", kind=kind, how=how)
+    return dict(outcome="valid", kind=kind, how=how, features=CONTEXT["features"])
 
 
 CONTEXT = {}  # what run_spec perturbed, for the verdict of a finding
+
+
+def features(op, spec, kw):
+    """The newer parts of the contract this call exercises (tests/test_fuzz.py counts calls per feature)."""
+    cfg, f = spec["cfg"], []
+    if CONTEXT["kind"] in ("out", "headdim"):
+        f.append(f"perturb {CONTEXT['kind']}: {CONTEXT['case']}")
+    elif CONTEXT["kind"] == "mlaheads":
+        f.append("perturb mlaheads")
+    elif CONTEXT["kind"] == "alias" and written(op, kw) and not WRITES[op]:
+        f.append("perturb alias: an input inside out/lse")
+    elif CONTEXT["kind"] != "none" and set(CONTEXT["args"]) & {"out", "lse"}:
+        f.append(f"perturb {CONTEXT['kind']} of out/lse")
+    if op in OUT_OPS:
+        if kw.get("out") is not None:
+            f.append(f"out={cfg.get('out') or 'added'}" + ("" if kw.get("lse") is not None else ", no lse"))
+        if kw.get("lse") is not None and cfg.get("lse_out"):
+            f.append(f"lse={cfg['lse_out']}")
+    if op in ("paged_attention", "mla_paged_attention") and cfg.get("q_lens") is not None:
+        if any(q > n for q, n in zip(cfg["q_lens"], cfg["seq_lens"])):
+            f.append("q_len > seq_len")
+        if any(q > 0 and n == 0 for q, n in zip(cfg["q_lens"], cfg["seq_lens"])):
+            f.append("seq_len 0 with queries")
+    if op in ("paged_attention", "gather_kv", "reshape_and_cache"):
+        d, dv = cfg["d"], cfg.get("dv") or cfg["d"]
+        if dv != d:
+            f.append("Dv > Dk" if dv > d else "Dv < Dk")
+            if cfg["fp8"]:
+                f.append("Dv != Dk, fp8")
+            if cfg["layout"] != "NHD":
+                f.append(f"Dv != Dk, {cfg['layout']}")
+        if max(d, dv) > 256:
+            f.append("head dim > 256")
+    if op == "paged_attention":
+        f.append(f"causal={cfg.get('causal', True)}")
+    if op in ("paged_attention", "mla_paged_attention") and any(n >= 256 for n in cfg["seq_lens"]):
+        f.append("seq_len >= 256 (split-KV possible)")
+    return f
 
 
 def selftest(spec):
@@ -1049,7 +1407,8 @@ def verdict(spec):
     try:
         return dict(status="ok", **run_spec(spec))
     except Finding as f:
-        return dict(status="finding", message=str(f), perturbed=f"{CONTEXT['kind']} {','.join(CONTEXT['args'])}")
+        return dict(status="finding", message=str(f), perturbed=f"{CONTEXT['kind']} {','.join(CONTEXT['args'])}",
+                    features=CONTEXT.get("features", []))
     except Exception:  # noqa: BLE001 - a bug of the fuzzer itself (a builder failing): reported as such
         return dict(status="fuzzer-error", message=traceback.format_exc()[-3000:])
 

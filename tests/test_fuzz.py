@@ -1,22 +1,33 @@
 """A hypothesis fuzzer of every op: valid calls against the reference, perturbed calls against the error contract.
 
 For each op a strategy draws a valid call (small sizes: blocks <= 8, block_size in {1, 3, 16}, heads <= 4 per kv
-head group, head dims up to 256 / MLA rows up to 576, float32 / bfloat16 / float16 data, fp8 caches, every cache
-layout, strided inputs, a SIMD path and a thread count) and at most one perturbation of it (a wrong dtype, ndim
-or size, a zero-size dim, a non-unit last stride, an expand()ed dim of an output or of size 2^31 + 8, an argument
-sharing memory with an output, index values at and beyond every boundary, out-of-range scalars, NaN / inf in a
-float input, an optional tensor dropped or added). The call runs in a worker process (tests/fuzz_worker.py,
-which builds the tensors from the spec and checks the verdict), so a crash fails the test with a reproducer
-instead of killing pytest:
+head group, head dims up to 512 for paged_attention (its value head dim drawn on its own: Dv != Dk both ways) /
+MLA rows up to 576, float32 / bfloat16 / float16 data, fp8 caches, every cache layout, strided inputs, causal True
+/ False, varlen sequences with more queries than keys (seq_len 0 included), for the three ops with an ``*_out``
+twin a NaN-poisoned caller-provided out (contiguous, a row slice of a longer buffer, padded rows, transposed) with
+or without lse, a SIMD path and a thread count) and at most one perturbation of it (a wrong dtype, ndim or size, a
+zero-size dim, a non-unit last stride, an expand()ed dim of an output or of size 2^31 + 8, an argument sharing
+memory with an output, index values at and beyond every boundary, out-of-range scalars, NaN / inf in a float
+input, an optional tensor dropped or added; and per op family: an out / lse of the wrong shape (an empty one
+included), dtype or device, expand()ed, over an input or over each other, lse= without out=; a value head dim
+that is not a multiple of 8 or past 512; an MLA latent cache with several kv heads). The call runs in a worker
+process (tests/fuzz_worker.py, which builds the tensors from the spec and checks the verdict), so a crash fails
+the test with a reproducer instead of killing pytest:
 
 - valid: the result equals ``kvkernels.reference`` (tolerances of helpers.TOLERANCES; writes, copies and gathers
-  byte for byte), nothing outside the outputs is written, the inputs are byte-identical;
+  byte for byte), nothing outside the outputs is written, the inputs are byte-identical; a caller-provided out /
+  lse holds the reference's result in every element (the NaN poison overwritten), the bytes around it (padding,
+  the rest of a longer buffer) are unchanged, and the wrapper returns the given tensors themselves;
 - invalid: ``RuntimeError("kvkernels.<op>: <argument>: ...")`` naming an argument of the op (the perturbed one
-  where docs/ops.md says which), and every byte of every argument's storage unchanged.
+  where docs/ops.md says which), and every byte of every argument's storage unchanged; a wrong out / lse shape,
+  dtype or device (and lse= without out=) is also rejected by ``kvkernels.reference``, naming the same argument.
 
 ``make test`` runs a short deterministic pass (``KVKERNELS_FUZZ_EXAMPLES`` calls per op, default 40);
 ``make fuzz SECONDS=N`` (``KVKERNELS_FUZZ_SECONDS=N``) runs random batches of every op in turn for N seconds,
-keeps going past findings, and prints the calls tried per op and every distinct finding with its reproducer.
+keeps going past findings, and prints the calls tried per op, the calls per feature of the newer contract
+(causal, q_len > seq_len, Dv != Dk, out= / lse= layouts, the out perturbations) by outcome, and every distinct
+finding with its reproducer. ``KVKERNELS_CPU_ISA=<path>`` pins every spec to that SIMD path (else each draws one);
+``KVKERNELS_FUZZ_OPS=op1,op2`` restricts the timed run to those ops.
 Non-finite attention results are compared only with ``KVKERNELS_FUZZ_NONFINITE=compare`` (fuzz_worker.py's
 COMPARE_NONFINITE says why).
 """
@@ -44,12 +55,18 @@ from fuzz_worker import FLOATS, OP_KINDS, OPS
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = int(os.environ.get("KVKERNELS_FUZZ_EXAMPLES", "40"))
 SECONDS = float(os.environ.get("KVKERNELS_FUZZ_SECONDS", "0"))
+# KVKERNELS_FUZZ_OPS=op1,op2: the timed run fuzzes only these ops (a campaign aimed at one family)
+TIMED_OPS = [op for op in os.environ.get("KVKERNELS_FUZZ_OPS", ",".join(OPS)).split(",") if op]
 CALL_TIMEOUT = float(os.environ.get("KVKERNELS_FUZZ_CALL_TIMEOUT", "120"))
 # KVKERNELS_CPU_ISA of each call; "best" (and a path this CPU lacks) leaves the choice to the kernels.
 ISAS = ["best", "portable", "avx2", "avx512", "avx512vbmi", "avx512amx"]
+if os.environ.get("KVKERNELS_CPU_ISA"):  # a campaign on one path: every spec names it (so do the reproducers)
+    ISAS = [os.environ["KVKERNELS_CPU_ISA"]]
 
 # calls tried per op, by outcome; distinct findings (signature -> report) of the long run
 STATS: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+# calls per (op, feature of the newer contract: causal, q_len > seq_len, Dv != Dk, out= / lse=...), by outcome
+FEATURES: dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
 FINDINGS: dict[str, str] = {}
 
 
@@ -152,6 +169,8 @@ def run(spec, timeout=None):
     """One call through the worker; returns None or a finding's report."""
     verdict = WORKER.call(spec, timeout)
     op = spec["op"]
+    for feature in verdict.get("features", []):
+        FEATURES[op, feature][verdict["outcome"] if verdict["status"] == "ok" else verdict["status"]] += 1
     if verdict["status"] == "ok":
         STATS[op][verdict["outcome"] if verdict["outcome"] == "error" else f"valid, {verdict['how']}"] += 1
         return None
@@ -171,11 +190,33 @@ fp8s = st.sampled_from([None, "e4m3", "e5m2"])
 in_layouts = st.sampled_from(["contig", "pad", "transposed"])
 
 
+# Caller-provided outputs (docs/ops.md "Caller-provided outputs"): None (the allocating op) or the layout of a
+# NaN-poisoned out / lse (fuzz_worker.given_output); lse None with an out: out= alone.
+out_modes = st.sampled_from([None, None, "contig", "slice", "pad", "transposed"])
+lse_modes = st.sampled_from([None, "contig", "slice", "transposed"])
+
+
+# One call in 8 has one or two long sequences: the CPU kernels split a sequence's keys over threads only when
+# there are few work items and at least 2 * 8 * 16 = 256 keys (csrc/cpu/attention_run.h, choose_splits), so
+# the split-KV path and its merge of partials (lse needed even for out= alone) are never reached below that.
+long_seqs = st.lists(st.integers(256, 640), min_size=1, max_size=2)
+
+
+def seq_lens_for(draw, max_len, max_seqs):
+    if draw(st.integers(0, 7)) == 0:
+        return draw(long_seqs)
+    # a quarter of the sequences empty (seq_len 0: with varlen queries, rows that see no key)
+    lengths = st.one_of(st.integers(0, max_len), st.integers(0, max_len), st.integers(0, max_len), st.just(0))
+    return draw(st.lists(lengths, max_size=max_seqs))
+
+
 @st.composite
 def paged_cfg(draw, max_len=40, head_dims=(8, 16, 64, 24, 128, 256)):
-    seq_lens = draw(st.lists(st.integers(0, max_len), max_size=4))
+    seq_lens = seq_lens_for(draw, max_len, 4)
+    d = draw(st.sampled_from(head_dims))
     return dict(seq_lens=seq_lens, block_size=draw(block_sizes), hkv=draw(st.integers(1, 4)),
-                d=draw(st.sampled_from(head_dims)), dtype=draw(float_dtypes), fp8=draw(fp8s),
+                d=d, dv=draw(st.one_of(st.none(), st.sampled_from(head_dims))),  # the value's own head dim
+                dtype=draw(float_dtypes), fp8=draw(fp8s),
                 per_head=draw(st.tuples(st.booleans(), st.booleans())),
                 layout=draw(st.sampled_from(["NHD", "HND", "stacked", "interleaved"])),
                 extra_blocks=draw(st.integers(0, 3)), extra_cols=draw(st.integers(0, 2)),
@@ -186,13 +227,16 @@ def paged_cfg(draw, max_len=40, head_dims=(8, 16, 64, 24, 128, 256)):
 def q_lens_for(draw, seq_lens):
     if draw(st.booleans()):
         return None  # decode
-    return [draw(st.integers(0, n)) for n in seq_lens]
+    more = draw(st.sampled_from([0, 3]))  # more queries than keys (seq_len 0 included): leading rows see none
+    # a long sequence gets at most 16 queries (the float64 reference is quadratic)
+    return [draw(st.integers(0, n + more if n <= 40 else 16)) for n in seq_lens]
 
 
 @st.composite
 def paged_attention_cfg(draw):
-    cfg = draw(paged_cfg())
+    cfg = draw(paged_cfg(head_dims=(8, 16, 64, 24, 128, 256, 192, 512)))  # up to 512 on the CPU
     cfg.update(q_lens=draw(q_lens_for(cfg["seq_lens"])), group=draw(st.sampled_from([1, 2, 4])),
+               causal=draw(st.booleans()), out=draw(out_modes), lse_out=draw(lse_modes),
                in_layout=draw(in_layouts), scale=draw(st.sampled_from([None, 0.3, 1.0])),
                window_left=draw(st.sampled_from([-1, -1, 0, 1, 2, 3, 15, 16, 17, 33])),
                soft_cap=draw(st.sampled_from([0.0, 0.0, 1.5, 30.0])), alibi=draw(st.booleans()),
@@ -210,6 +254,7 @@ def gather_kv_cfg(draw):
 @st.composite
 def reshape_and_cache_cfg(draw):
     return dict(t=draw(st.integers(0, 12)), h=draw(st.integers(1, 4)), d=draw(st.sampled_from([1, 3, 8, 16, 64])),
+                dv=draw(st.one_of(st.none(), st.sampled_from([1, 3, 8, 16, 64]))),  # the value's own head dim
                 n=draw(st.integers(0, 8)), block_size=draw(block_sizes), dtype=draw(float_dtypes), fp8=draw(fp8s),
                 per_head=draw(st.tuples(st.booleans(), st.booleans())),
                 layout=draw(st.sampled_from(["NHD", "HND", "stacked", "interleaved"])), in_layout=draw(in_layouts),
@@ -220,7 +265,7 @@ def reshape_and_cache_cfg(draw):
 def merge_attention_states_cfg(draw):
     return dict(t=draw(st.integers(0, 8)), h=draw(st.integers(1, 4)), d=draw(st.sampled_from([1, 3, 8, 16, 64, 72])),
                 dtype=draw(float_dtypes), in_layout=draw(in_layouts),
-                empty_frac=draw(st.sampled_from([0.0, 0.0, 0.3, 1.0])))
+                empty_frac=draw(st.sampled_from([0.0, 0.0, 0.3, 1.0])), out=draw(out_modes), lse_out=draw(lse_modes))
 
 
 BLOCK_DTYPES = ["f32", "f16", "bf16", "e4m3", "e5m2", "i32", "i64", "u8", "bool", "f64"]
@@ -266,7 +311,7 @@ def concat_and_cache_mla_cfg(draw):
 @st.composite
 def mla_cfg(draw):
     r, p = draw(mla_ranks)
-    return dict(seq_lens=draw(st.lists(st.integers(0, 24), max_size=3)), r=r, p=p, block_size=draw(block_sizes),
+    return dict(seq_lens=seq_lens_for(draw, 24, 3), r=r, p=p, block_size=draw(block_sizes),
                 dtype=draw(float_dtypes), fp8=draw(fp8s), cache_pad=draw(st.booleans()), in_layout=draw(in_layouts),
                 stray_scales=draw(st.booleans()))
 
@@ -284,7 +329,7 @@ def mla_decompress_cfg(draw):
 def mla_paged_attention_cfg(draw):
     cfg = draw(mla_cfg())
     cfg.update(h=draw(st.integers(1, 8)), q_lens=draw(q_lens_for(cfg["seq_lens"])),
-               scale_factor=draw(st.sampled_from([1.0, 0.5, 2.0])))
+               scale_factor=draw(st.sampled_from([1.0, 0.5, 2.0])), out=draw(out_modes), lse_out=draw(lse_modes))
     return cfg
 
 
@@ -338,8 +383,10 @@ def test_fuzz_for_seconds():
                 FINDINGS.setdefault(key, finding)
         fuzz()
 
+    unknown = set(TIMED_OPS) - set(OPS)
+    assert not unknown, f"KVKERNELS_FUZZ_OPS names no op: {sorted(unknown)}"
     while time.monotonic() < deadline:
-        for op in OPS:
+        for op in TIMED_OPS:
             batch(op)
     assert not FINDINGS, f"{len(FINDINGS)} distinct findings:\n\n" + "\n\n".join(FINDINGS.values())
 
@@ -368,6 +415,11 @@ def summary() -> str:
         c = STATS.get(op)
         if c:
             lines.append(f"{op:24s} {sum(c.values()):6d} calls: " + ", ".join(f"{k} {n}" for k, n in sorted(c.items())))
+    if FEATURES:
+        lines.append("calls per feature of the newer contract (op, feature: outcomes):")
+        for (op, feature), c in sorted(FEATURES.items()):
+            lines.append(f"  {op:24s} {feature:34s} {sum(c.values()):6d}: "
+                         + ", ".join(f"{k} {n}" for k, n in sorted(c.items())))
     if WORKER.restarts:
         lines.append(f"worker restarts after a crash or hang: {WORKER.restarts}")
     lines.append(f"distinct findings of the timed run: {len(FINDINGS)}")
