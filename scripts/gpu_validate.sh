@@ -118,14 +118,6 @@ step_build() {
   # has CUDA. Ninja runs MAX_JOBS compiles at once (without ninja setup.py compiles one file at a time).
   capped "$PYTHON" setup.py build_ext --inplace >>"$OUT/build.log" 2>&1
   rc=$?
-  # The machine's CXX (/opt/gcc/bin/g++) links libstdc++ statically; setup.py names the shared one
-  # (SHARED_CXX_RUNTIME). Should that link fail, the system compiler is the fallback (only the link
-  # and the host units are redone).
-  if [ $rc -ne 0 ] && [ -n "${CXX:-}" ] && [ -x /usr/bin/g++ ]; then
-    echo "build failed with CXX=$CXX; again with /usr/bin/g++" >>"$OUT/build.log"
-    CXX=/usr/bin/g++ CC=/usr/bin/gcc capped "$PYTHON" setup.py build_ext --inplace >>"$OUT/build.log" 2>&1
-    rc=$?
-  fi
   grep -E "Compiling entry function|Function properties|registers|spill|stack frame" "$OUT/build.log" \
     >"$SCRATCH/results/ptxas.txt" 2>/dev/null
   STEP_DETAIL="$(grep -c "Compiling entry function" "$OUT/build.log") kernels compiled; $(ls kvkernels/_C*.so 2>/dev/null)"
