@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -31,6 +32,18 @@ struct Prepared {
 // after preparing; the backend points it at scratch, see ensure_lse). `lse` needs `out`.
 struct GivenOutputs {
   std::optional<Tensor> out, lse;
+};
+
+// The two kernels a backend registers for an op with an *_out twin (paged_attention and
+// paged_attention_out, ...), both from its one `impl(given, args...)`: `allocating(args...)` (no given
+// outputs) and `into(args..., out, lse)`, the schema of the _out op. Register them with
+// TORCH_BOX(&OutVariants<impl>::allocating) / TORCH_BOX(&OutVariants<impl>::into).
+template <auto Impl>
+struct OutVariants;
+template <typename... A, std::tuple<Tensor, Tensor> (*Impl)(const GivenOutputs&, A...)>
+struct OutVariants<Impl> {
+  static std::tuple<Tensor, Tensor> allocating(A... a) { return Impl({}, a...); }
+  static void into(A... a, Tensor out, std::optional<Tensor> lse) { Impl({out, lse}, a...); }
 };
 
 struct PreparedAttention : Prepared {

@@ -43,13 +43,13 @@ void run_prepared(PreparedAttention& r) {
   r.finish();
 }
 
-// paged_attention and paged_attention_out: one path, the functional op with no given outputs.
+// paged_attention and paged_attention_out: one path (registered through OutVariants, prepare.h).
 std::tuple<Tensor, Tensor> paged_attention_impl(
-    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-    const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
-    std::optional<double> scale, int64_t window_left, double soft_cap,
-    std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-    std::optional<Tensor> v_scale, bool causal, const GivenOutputs& given) {
+    const GivenOutputs& given, const Tensor& query, const Tensor& key_cache,
+    const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
+    std::optional<Tensor> query_start_loc, std::optional<double> scale, int64_t window_left,
+    double soft_cap, std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks,
+    std::optional<Tensor> k_scale, std::optional<Tensor> v_scale, bool causal) {
   const ArgCheck c("paged_attention");
   PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables,
                                                 seq_lens, query_start_loc, scale, window_left,
@@ -59,32 +59,10 @@ std::tuple<Tensor, Tensor> paged_attention_impl(
   return {r.out, r.lse};
 }
 
-std::tuple<Tensor, Tensor> paged_attention_cpu(
-    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-    const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
-    std::optional<double> scale, int64_t window_left, double soft_cap,
-    std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-    std::optional<Tensor> v_scale, bool causal) {
-  return paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens,
-                              query_start_loc, scale, window_left, soft_cap, alibi_slopes, sinks,
-                              k_scale, v_scale, causal, {});
-}
-
-void paged_attention_out_cpu(
-    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-    const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
-    std::optional<double> scale, int64_t window_left, double soft_cap,
-    std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-    std::optional<Tensor> v_scale, bool causal, Tensor out, std::optional<Tensor> lse) {
-  paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                       scale, window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal,
-                       {out, lse});
-}
-
 std::tuple<Tensor, Tensor> mla_paged_attention_impl(
-    const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables, const Tensor& seq_lens,
-    int64_t kv_lora_rank, double scale, std::optional<Tensor> query_start_loc,
-    std::optional<Tensor> kv_scale, const GivenOutputs& given) {
+    const GivenOutputs& given, const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables,
+    const Tensor& seq_lens, int64_t kv_lora_rank, double scale,
+    std::optional<Tensor> query_start_loc, std::optional<Tensor> kv_scale) {
   const ArgCheck c("mla_paged_attention");
   PreparedAttention r = prepare_mla_attention(c, q, kv_cache, block_tables, seq_lens, kv_lora_rank,
                                               scale, query_start_loc, kv_scale, index_checks(c),
@@ -93,32 +71,16 @@ std::tuple<Tensor, Tensor> mla_paged_attention_impl(
   return {r.out, r.lse};
 }
 
-std::tuple<Tensor, Tensor> mla_paged_attention_cpu(const Tensor& q, const Tensor& kv_cache,
-                                                   const Tensor& block_tables,
-                                                   const Tensor& seq_lens, int64_t kv_lora_rank,
-                                                   double scale,
-                                                   std::optional<Tensor> query_start_loc,
-                                                   std::optional<Tensor> kv_scale) {
-  return mla_paged_attention_impl(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale,
-                                  query_start_loc, kv_scale, {});
-}
-
-void mla_paged_attention_out_cpu(const Tensor& q, const Tensor& kv_cache,
-                                 const Tensor& block_tables, const Tensor& seq_lens,
-                                 int64_t kv_lora_rank, double scale,
-                                 std::optional<Tensor> query_start_loc,
-                                 std::optional<Tensor> kv_scale, Tensor out,
-                                 std::optional<Tensor> lse) {
-  mla_paged_attention_impl(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale,
-                           query_start_loc, kv_scale, {out, lse});
-}
-
 }  // namespace
 }  // namespace kvkernels::cpu
 
 STABLE_TORCH_LIBRARY_IMPL(kvkernels, CPU, m) {
-  m.impl("paged_attention", TORCH_BOX(&kvkernels::cpu::paged_attention_cpu));
-  m.impl("mla_paged_attention", TORCH_BOX(&kvkernels::cpu::mla_paged_attention_cpu));
-  m.impl("paged_attention_out", TORCH_BOX(&kvkernels::cpu::paged_attention_out_cpu));
-  m.impl("mla_paged_attention_out", TORCH_BOX(&kvkernels::cpu::mla_paged_attention_out_cpu));
+  m.impl("paged_attention",
+         TORCH_BOX(&kvkernels::OutVariants<&kvkernels::cpu::paged_attention_impl>::allocating));
+  m.impl("mla_paged_attention",
+         TORCH_BOX(&kvkernels::OutVariants<&kvkernels::cpu::mla_paged_attention_impl>::allocating));
+  m.impl("paged_attention_out",
+         TORCH_BOX(&kvkernels::OutVariants<&kvkernels::cpu::paged_attention_impl>::into));
+  m.impl("mla_paged_attention_out",
+         TORCH_BOX(&kvkernels::OutVariants<&kvkernels::cpu::mla_paged_attention_impl>::into));
 }

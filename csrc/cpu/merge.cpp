@@ -12,10 +12,10 @@
 namespace kvkernels::cpu {
 namespace {
 
-// merge_attention_states and merge_attention_states_out: one path.
-std::tuple<Tensor, Tensor> merge_impl(const Tensor& out_a, const Tensor& lse_a,
-                                      const Tensor& out_b, const Tensor& lse_b,
-                                      const GivenOutputs& given) {
+// merge_attention_states and merge_attention_states_out: one path (OutVariants, prepare.h).
+std::tuple<Tensor, Tensor> merge_impl(const GivenOutputs& given, const Tensor& out_a,
+                                      const Tensor& lse_a, const Tensor& out_b,
+                                      const Tensor& lse_b) {
   const ArgCheck c("merge_attention_states");
   PreparedMerge r = prepare_merge(c, out_a, lse_a, out_b, lse_b, given);
   MergeParams& p = r.params;
@@ -28,20 +28,12 @@ std::tuple<Tensor, Tensor> merge_impl(const Tensor& out_a, const Tensor& lse_a,
   return {r.out, r.lse};
 }
 
-std::tuple<Tensor, Tensor> merge_attention_states_cpu(const Tensor& out_a, const Tensor& lse_a,
-                                                      const Tensor& out_b, const Tensor& lse_b) {
-  return merge_impl(out_a, lse_a, out_b, lse_b, {});
-}
-
-void merge_attention_states_out_cpu(const Tensor& out_a, const Tensor& lse_a, const Tensor& out_b,
-                                    const Tensor& lse_b, Tensor out, std::optional<Tensor> lse) {
-  merge_impl(out_a, lse_a, out_b, lse_b, {out, lse});
-}
-
 }  // namespace
 }  // namespace kvkernels::cpu
 
 STABLE_TORCH_LIBRARY_IMPL(kvkernels, CPU, m) {
-  m.impl("merge_attention_states", TORCH_BOX(&kvkernels::cpu::merge_attention_states_cpu));
-  m.impl("merge_attention_states_out", TORCH_BOX(&kvkernels::cpu::merge_attention_states_out_cpu));
+  m.impl("merge_attention_states",
+         TORCH_BOX(&kvkernels::OutVariants<&kvkernels::cpu::merge_impl>::allocating));
+  m.impl("merge_attention_states_out",
+         TORCH_BOX(&kvkernels::OutVariants<&kvkernels::cpu::merge_impl>::into));
 }

@@ -43,13 +43,13 @@ void check_indices_on_host(const ArgCheck& c, const AttentionParams& params, cud
   }
 }
 
-// paged_attention and paged_attention_out: one path, the functional op with no given outputs.
+// paged_attention and paged_attention_out: one path (registered through OutVariants, prepare.h).
 std::tuple<Tensor, Tensor> paged_attention_impl(
-    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-    const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
-    std::optional<double> scale, int64_t window_left, double soft_cap,
-    std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-    std::optional<Tensor> v_scale, bool causal, const GivenOutputs& given) {
+    const GivenOutputs& given, const Tensor& query, const Tensor& key_cache,
+    const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
+    std::optional<Tensor> query_start_loc, std::optional<double> scale, int64_t window_left,
+    double soft_cap, std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks,
+    std::optional<Tensor> k_scale, std::optional<Tensor> v_scale, bool causal) {
   const ArgCheck c("paged_attention");
   const DeviceScope scope(c, query, "query");
   // Head dims above 256 (prepare allows 512, the CPU and Metal kernels run it) are not supported
@@ -86,32 +86,12 @@ std::tuple<Tensor, Tensor> paged_attention_impl(
   return {r.out, r.lse};
 }
 
-std::tuple<Tensor, Tensor> paged_attention_cuda(
-    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-    const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
-    std::optional<double> scale, int64_t window_left, double soft_cap,
-    std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-    std::optional<Tensor> v_scale, bool causal) {
-  return paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens,
-                              query_start_loc, scale, window_left, soft_cap, alibi_slopes, sinks,
-                              k_scale, v_scale, causal, {});
-}
-
-void paged_attention_out_cuda(
-    const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-    const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
-    std::optional<double> scale, int64_t window_left, double soft_cap,
-    std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-    std::optional<Tensor> v_scale, bool causal, Tensor out, std::optional<Tensor> lse) {
-  paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                       scale, window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal,
-                       {out, lse});
-}
-
 }  // namespace
 }  // namespace kvkernels::attn_cuda
 
 STABLE_TORCH_LIBRARY_IMPL(kvkernels, CUDA, m) {
-  m.impl("paged_attention", TORCH_BOX(&kvkernels::attn_cuda::paged_attention_cuda));
-  m.impl("paged_attention_out", TORCH_BOX(&kvkernels::attn_cuda::paged_attention_out_cuda));
+  m.impl("paged_attention",
+         TORCH_BOX(&kvkernels::OutVariants<&kvkernels::attn_cuda::paged_attention_impl>::allocating));
+  m.impl("paged_attention_out",
+         TORCH_BOX(&kvkernels::OutVariants<&kvkernels::attn_cuda::paged_attention_impl>::into));
 }

@@ -213,10 +213,10 @@ std::tuple<Tensor, Tensor> gather_kv_cuda(const Tensor& key_cache, const Tensor&
 
 // ---- merge_attention_states ------------------------------------------------------------------
 
-// merge_attention_states and merge_attention_states_out: one path.
-std::tuple<Tensor, Tensor> merge_impl(const Tensor& out_a, const Tensor& lse_a,
-                                      const Tensor& out_b, const Tensor& lse_b,
-                                      const GivenOutputs& given) {
+// merge_attention_states and merge_attention_states_out: one path (OutVariants, prepare.h).
+std::tuple<Tensor, Tensor> merge_impl(const GivenOutputs& given, const Tensor& out_a,
+                                      const Tensor& lse_a, const Tensor& out_b,
+                                      const Tensor& lse_b) {
   const ArgCheck c("merge_attention_states");
   PreparedMerge r = prepare_merge(c, out_a, lse_a, out_b, lse_b, given);
   const DeviceScope scope(c, out_a, "out_a");
@@ -225,17 +225,6 @@ std::tuple<Tensor, Tensor> merge_impl(const Tensor& out_a, const Tensor& lse_a,
   check_launch(c, merge_attention_states(r.params, scope.stream()), "merge kernel");
   r.finish();  // non-contiguous given outputs: copied from their temporaries on this stream
   return {r.out, r.lse};
-}
-
-std::tuple<Tensor, Tensor> merge_attention_states_cuda(const Tensor& out_a, const Tensor& lse_a,
-                                                       const Tensor& out_b, const Tensor& lse_b) {
-  return merge_impl(out_a, lse_a, out_b, lse_b, {});
-}
-
-void merge_attention_states_out_cuda(const Tensor& out_a, const Tensor& lse_a,
-                                     const Tensor& out_b, const Tensor& lse_b, Tensor out,
-                                     std::optional<Tensor> lse) {
-  merge_impl(out_a, lse_a, out_b, lse_b, {out, lse});
 }
 
 }  // namespace
@@ -247,7 +236,8 @@ STABLE_TORCH_LIBRARY_IMPL(kvkernels, CUDA, m) {
   m.impl("copy_blocks", TORCH_BOX(&kvkernels::cuda::copy_blocks_cuda));
   m.impl("swap_blocks", TORCH_BOX(&kvkernels::cuda::swap_blocks_cuda));
   m.impl("gather_kv", TORCH_BOX(&kvkernels::cuda::gather_kv_cuda));
-  m.impl("merge_attention_states", TORCH_BOX(&kvkernels::cuda::merge_attention_states_cuda));
+  m.impl("merge_attention_states",
+         TORCH_BOX(&kvkernels::OutVariants<&kvkernels::cuda::merge_impl>::allocating));
   m.impl("merge_attention_states_out",
-         TORCH_BOX(&kvkernels::cuda::merge_attention_states_out_cuda));
+         TORCH_BOX(&kvkernels::OutVariants<&kvkernels::cuda::merge_impl>::into));
 }

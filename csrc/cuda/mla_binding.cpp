@@ -70,14 +70,11 @@ void check_indices_on_host(const ArgCheck& c, const AttentionParams& params, cud
   }
 }
 
-// mla_paged_attention and mla_paged_attention_out: one path.
-std::tuple<Tensor, Tensor> mla_paged_attention_impl(const Tensor& q, const Tensor& kv_cache,
-                                                    const Tensor& block_tables,
-                                                    const Tensor& seq_lens, int64_t kv_lora_rank,
-                                                    double scale,
-                                                    std::optional<Tensor> query_start_loc,
-                                                    std::optional<Tensor> kv_scale,
-                                                    const GivenOutputs& given) {
+// mla_paged_attention and mla_paged_attention_out: one path (OutVariants, prepare.h).
+std::tuple<Tensor, Tensor> mla_paged_attention_impl(
+    const GivenOutputs& given, const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables,
+    const Tensor& seq_lens, int64_t kv_lora_rank, double scale,
+    std::optional<Tensor> query_start_loc, std::optional<Tensor> kv_scale) {
   const ArgCheck c("mla_paged_attention");
   const DeviceScope scope(c, q, "q");
   // Debug mode: the index checks on host copies, before the outputs are allocated.
@@ -104,31 +101,13 @@ std::tuple<Tensor, Tensor> mla_paged_attention_impl(const Tensor& q, const Tenso
   return {r.out, r.lse};
 }
 
-std::tuple<Tensor, Tensor> mla_paged_attention_cuda(const Tensor& q, const Tensor& kv_cache,
-                                                    const Tensor& block_tables,
-                                                    const Tensor& seq_lens, int64_t kv_lora_rank,
-                                                    double scale,
-                                                    std::optional<Tensor> query_start_loc,
-                                                    std::optional<Tensor> kv_scale) {
-  return mla_paged_attention_impl(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale,
-                                  query_start_loc, kv_scale, {});
-}
-
-void mla_paged_attention_out_cuda(const Tensor& q, const Tensor& kv_cache,
-                                  const Tensor& block_tables, const Tensor& seq_lens,
-                                  int64_t kv_lora_rank, double scale,
-                                  std::optional<Tensor> query_start_loc,
-                                  std::optional<Tensor> kv_scale, Tensor out,
-                                  std::optional<Tensor> lse) {
-  mla_paged_attention_impl(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale,
-                           query_start_loc, kv_scale, {out, lse});
-}
-
 }  // namespace
 }  // namespace kvkernels::mla_cuda
 
 STABLE_TORCH_LIBRARY_IMPL(kvkernels, CUDA, m) {
   m.impl("mla_decompress", TORCH_BOX(&kvkernels::mla_cuda::mla_decompress_cuda));
-  m.impl("mla_paged_attention", TORCH_BOX(&kvkernels::mla_cuda::mla_paged_attention_cuda));
-  m.impl("mla_paged_attention_out", TORCH_BOX(&kvkernels::mla_cuda::mla_paged_attention_out_cuda));
+  m.impl("mla_paged_attention",
+         TORCH_BOX(&kvkernels::OutVariants<&kvkernels::mla_cuda::mla_paged_attention_impl>::allocating));
+  m.impl("mla_paged_attention_out",
+         TORCH_BOX(&kvkernels::OutVariants<&kvkernels::mla_cuda::mla_paged_attention_impl>::into));
 }
