@@ -1,61 +1,46 @@
 """One kernel case per process, for Nsight Compute (scripts/probe/gpu_profile.sh): builds the data of one
 issue-24 target shape, runs the op a few times (warm-up; ncu profiles the launch it is told to), then
-exits. ``python profile_cases.py CASE`` — CASE in CASES; on a machine without CUDA it builds nothing and
+exits; the data are the benchmarks' own (kvkernels.bench.cuda_attention.Paged, cuda_mla.LatentCache).
+``python profile_cases.py CASE`` — CASE in CASES; on a machine without CUDA it builds nothing and
 says so (exit 0), so the script can be dry-run."""
-import math
 import sys
 
 import torch
 
-import kvkernels  # noqa: F401  (the ops)
 from kvkernels import ops
+from kvkernels.bench.cuda_attention import Paged
+from kvkernels.bench.cuda_mla import NOPE, RANK, ROPE, VDIM, LatentCache
 
-BLOCK, KV_HEADS, HEADS, D = 16, 8, 32, 128
 
-
-def paged(batch, context, dtype):
-    per_seq = math.ceil(context / BLOCK)
-    n = batch * per_seq
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    table = torch.randperm(n, device="cuda", generator=gen).view(batch, per_seq).to(torch.int32)
-    k = torch.randn(n, BLOCK, KV_HEADS, D, device="cuda", generator=gen).to(dtype)
-    v = torch.randn(n, BLOCK, KV_HEADS, D, device="cuda", generator=gen).to(dtype)
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    return k, v, table, lens
+def gen():
+    return torch.Generator(device="cuda").manual_seed(0)
 
 
 def decode(batch, context, dtype):
-    k, v, table, lens = paged(batch, context, dtype)
-    q = torch.randn(batch, HEADS, D, device="cuda", dtype=torch.bfloat16)
-    scales = {} if dtype == torch.bfloat16 else dict(k_scale=torch.ones(1, device="cuda"),
-                                                     v_scale=torch.ones(1, device="cuda"))
-    return lambda: ops.paged_attention(q, k, v, table, lens, **scales)
+    data = Paged(batch, context, batch, dtype, 1, gen())  # the benchmark's cache and queries
+    return lambda: ops.paged_attention(data.query, data.keys[0], data.values[0], data.block_tables,
+                                       data.seq_lens, k_scale=data.scale, v_scale=data.scale)
 
 
 def prefill(tokens):
-    k, v, table, lens = paged(1, tokens, torch.bfloat16)
-    q = torch.randn(tokens, HEADS, D, device="cuda", dtype=torch.bfloat16)
+    data = Paged(1, tokens, tokens, torch.bfloat16, 1, gen())
     qsl = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
-    return lambda: ops.paged_attention(q, k, v, table, lens, qsl)
+    return lambda: ops.paged_attention(data.query, data.keys[0], data.values[0], data.block_tables,
+                                       data.seq_lens, qsl)
 
 
-def decompress(tokens, heads=16, r=512, p=64, dn=128, dv=128):
-    blocks = math.ceil(tokens / 64)
-    cache = torch.randn(blocks, 64, r + p, device="cuda").to(torch.bfloat16)
-    table = torch.arange(blocks, dtype=torch.int32, device="cuda").view(1, blocks)
-    lens = torch.tensor([tokens], dtype=torch.int32, device="cuda")
-    w = (torch.randn(heads * (dn + dv), r, device="cuda") * r ** -0.5).to(torch.bfloat16)
-    return lambda: ops.mla_decompress(cache, table, lens, w, kv_lora_rank=r, qk_nope_head_dim=dn,
-                                      v_head_dim=dv, num_tokens=tokens)
+def decompress(tokens, heads=16):
+    data = LatentCache(1, tokens, torch.bfloat16, 1, gen())
+    w = (torch.randn(heads * (NOPE + VDIM), RANK, device="cuda") * RANK ** -0.5).to(torch.bfloat16)
+    return lambda: ops.mla_decompress(data.caches[0], data.block_tables, data.seq_lens, w, kv_lora_rank=RANK,
+                                      qk_nope_head_dim=NOPE, v_head_dim=VDIM, num_tokens=tokens)
 
 
-def mla_decode(batch, context, heads=128, r=512, p=64):
-    per_seq = math.ceil(context / 64)
-    cache = torch.randn(batch * per_seq, 64, r + p, device="cuda").to(torch.bfloat16)
-    table = torch.arange(batch * per_seq, dtype=torch.int32, device="cuda").view(batch, per_seq)
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, heads, r + p, device="cuda").to(torch.bfloat16)
-    return lambda: ops.mla_paged_attention(q, cache, table, lens, kv_lora_rank=r, scale=(r + p) ** -0.5)
+def mla_decode(batch, context, heads=128):
+    data = LatentCache(batch, context, torch.bfloat16, 1, gen())
+    q = torch.randn(batch, heads, RANK + ROPE, device="cuda").to(torch.bfloat16)
+    return lambda: ops.mla_paged_attention(q, data.caches[0], data.block_tables, data.seq_lens,
+                                           kv_lora_rank=RANK, scale=(RANK + ROPE) ** -0.5)
 
 
 CASES = {
