@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine (README):
 #   make demo   - create .venv from requirements/lock.txt (torch too, unless one is present), build, run the demo
 #   make test   - the same set-up, then the test suite
-# Other targets: ort, build, info, bench, fuzz, sanitize, test-compat, test-abi, test-vllm, bench-vllm, lock, cuda-check,
+# Other targets: ort, build, info, bench, fuzz, sanitize, amx-emu-test, test-compat, test-abi, test-vllm, bench-vllm, lock, cuda-check,
 # cuda-emu-test, metal-check, metal-test, clean.
 
 PYTHON ?= python3
@@ -11,7 +11,7 @@ SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -na
 
 ORT_LIB := build-ort/libkvkernels_ort.so
 
-.PHONY: ort demo test test-compat test-abi test-vllm bench-vllm lock build info bench fuzz sanitize cuda-check \
+.PHONY: ort demo test test-compat test-abi test-vllm bench-vllm lock build info bench fuzz sanitize amx-emu-test cuda-check \
         cuda-emu-test metal-check metal-test clean
 
 # Versions come from requirements/lock.txt (pip constraints), so a fresh machine gets exactly the
@@ -64,6 +64,12 @@ fuzz: build
 # against it: scripts/sanitize.sh. Needs the compiler's libasan and libubsan.
 sanitize: $(VENV)/.ready
 	PY=$(abspath $(PY)) scripts/sanitize.sh
+
+# The avx512amx path on a CPU without AMX: the CPU extension with the tile instructions emulated
+# (tests/amx_emu/amx_emu.h, built into build-amx-emu/) and the tests of the AMX path against it:
+# scripts/amx_emu.sh. Needs AVX-512 with VBMI and BF16 (AMD Zen 4, Intel Ice Lake and later).
+amx-emu-test: $(VENV)/.ready
+	PY=$(abspath $(PY)) scripts/amx_emu.sh
 
 # The transformers-facing tests against the oldest and the newest transformers that pyproject.toml
 # allows (TRANSFORMERS_OLDEST / TRANSFORMERS_NEWEST; tests/test_packaging.py keeps them equal to
@@ -118,9 +124,11 @@ cuda-check:
 	PYTHON=$$( [ -x $(PY) ] && echo $(PY) || command -v python3 ) scripts/check_cuda.sh
 
 # The CUDA kernels (cache ops, paged attention, MLA) built for the CPU emulator of tests/cuda_emu and
-# run against the reference: their logic, on a machine without a GPU. Needs the CUDA headers.
+# run against the reference: their logic, on a machine without a GPU; then the non-finite cases of
+# tests/test_nonfinite.py on them (backend cuda_emu). Needs the CUDA headers.
 cuda-emu-test: build
 	KVKERNELS_CUDA_EMU=1 $(PY) -m pytest -q tests/test_cuda_emulated.py
+	KVKERNELS_CUDA_EMU=1 $(PY) -m pytest -q tests/test_nonfinite.py -k cuda_emu
 
 # Type-check every Metal kernel variant as C++ through metal/shim (g++; clang++ too when installed).
 # Needs no torch and no build.

@@ -94,12 +94,15 @@ def cuda_plan(torch_cuda, nvcc, nvcc_version, no_cuda):
 # `make sanitize` (scripts/sanitize.sh builds it into build-asan/, never in place).
 SANITIZE = os.environ.get("KVKERNELS_SANITIZE") == "1"
 SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+# KVKERNELS_AMX_EMU=1: the CPU extension with the AMX tile instructions emulated (tests/amx_emu/amx_emu.h),
+# for `make amx-emu-test` on CPUs without AMX (scripts/amx_emu.sh builds it into build-amx-emu/).
+AMX_EMU = os.environ.get("KVKERNELS_AMX_EMU") == "1"
 
 
 def build_cuda():
     import torch
 
-    no_cuda = os.environ.get("KVKERNELS_NO_CUDA") == "1" or SANITIZE
+    no_cuda = os.environ.get("KVKERNELS_NO_CUDA") == "1" or SANITIZE or AMX_EMU
     # Never torch.cuda.is_available(): build hosts often have no GPU.
     nvcc = None
     if cpp_extension.CUDA_HOME is not None:
@@ -164,6 +167,9 @@ def extension():
         opt = ["-O1", "-g", *SANITIZE_FLAGS]
     cxx = ["-std=c++17", *opt, TORCH_TARGET, "-fvisibility=hidden"]
     include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
+    if AMX_EMU:
+        cxx.append("-DKVKERNELS_AMX_EMU")
+        include_dirs.append(os.path.join(ROOT, "tests", "amx_emu"))
     srcs = sources("csrc/*.cpp") + sources("csrc/cpu/*.cpp")
     if build_cuda():
         srcs += sources("csrc/cuda/*.cu") + sources("csrc/cuda/*.cpp")

@@ -10,6 +10,9 @@
 #include <stdexcept>
 
 #include "cpu/isa.h"
+#if defined(KVKERNELS_AMX_EMU)
+#include "amx_emu.h"
+#endif
 
 namespace {
 
@@ -23,8 +26,20 @@ PyObject* cpu_isa(PyObject*, PyObject*) {
   }
 }
 
+// _C.amx_emulated_dot_products() -> None, or in a build with the AMX emulator (make amx-emu-test)
+// the number of emulated tdpbf16ps so far: tests check with it that the AMX path really ran.
+PyObject* amx_emulated_dot_products(PyObject*, PyObject*) {
+#if defined(KVKERNELS_AMX_EMU)
+  return PyLong_FromLongLong(kvkernels::amx_emu::dot_products().load());
+#else
+  Py_RETURN_NONE;
+#endif
+}
+
 PyMethodDef methods[] = {
     {"cpu_isa", cpu_isa, METH_NOARGS, "SIMD path of the CPU kernels (honours KVKERNELS_CPU_ISA)"},
+    {"amx_emulated_dot_products", amx_emulated_dot_products, METH_NOARGS,
+     "None, or (AMX-emulator builds) the emulated tdpbf16ps count"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -4,7 +4,8 @@
 # the machine's start included). Builds the extension with the machine's torch and nvcc for sm_90a, checks
 # that every op got a CUDA kernel and that ptxas reports no spills, runs the CUDA tests in priority
 # order, short benchmarks, the two full-size decode targets and the A/B of the decode kernel's two
-# configurations (b_variants), then opcheck / bad input and the torch.compile tests while time remains.
+# configurations (b_variants), then opcheck / bad input, the torch.compile tests and (t_amx) the CPU's
+# AMX path on the host's own tile unit where it has one, while time remains.
 #
 #   device tool:  command "bash scripts/gpu_validate.sh", timeout_s 600 (add "carry": [".whl"] when
 #                 wheels are carried, see csrc/cuda/README.md)
@@ -176,6 +177,26 @@ step_t_compile() {
     tests/test_compile_decode.py::test_reduce_overhead_captures_cuda_graph
 }
 
+# The CPU's avx512amx path on the tile unit of this host's CPU, where it has AMX (no development or CI
+# machine of this project has; there `make amx-emu-test` runs the path with the tile instructions
+# emulated): the avx512amx cases of the ISA-parametrized tests, and test_amx_emu's check that the build
+# holds the real tile instructions. Skipped, with the CPU named, where the best CPU path is another.
+step_t_amx() {
+  local cpu isa rc
+  cpu="cpu: $(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | xargs); amx flags:$(grep -m1 '^flags' /proc/cpuinfo |
+    grep -o -w -E 'amx_[a-z0-9]+' | tr '\n' ' ' | sed 's/^/ /; s/ $//')"
+  isa=$(capped "$PYTHON" -c 'import kvkernels; print(kvkernels.cpu_isa())' 2>&1 | tail -1)
+  if [ "$isa" != avx512amx ]; then
+    STEP_DETAIL="$cpu; best CPU path: $isa, not avx512amx: nothing to run"
+    return "$GPU_SKIP"
+  fi
+  pytest_par tests/test_amx_emu.py tests/test_cpu_paths.py tests/test_nonfinite.py tests/test_causal.py \
+    tests/test_head_dims.py tests/test_out.py -k "avx512amx or build_kind"
+  rc=$?
+  STEP_DETAIL="$cpu; $STEP_DETAIL"
+  return $rc
+}
+
 bench() {  # python arguments: output appended to bench.log; its target lines to targets-<step>.txt
   local rc offset section
   offset=$(stat -c %s "$OUT/bench.log" 2>/dev/null || echo 0)
@@ -248,7 +269,8 @@ b_targets 120
 b_variants 60
 b_sizes 90
 t_bad 120
-t_compile 150"
+t_compile 150
+t_amx 90"
 
 if [ $# -gt 0 ]; then
   for step in "$@"; do

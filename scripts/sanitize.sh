@@ -3,7 +3,7 @@
 # (the in-place build is not touched), then the CPU kernel tests and a short fuzz run against it.
 #
 # - Build: KVKERNELS_SANITIZE=1 (setup.py: -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer, compile
-#   and link, no CUDA) with --build-temp/--build-lib under build-asan/.
+#   and link, no CUDA) into build-asan/ (scripts/side_build.sh).
 # - Import: build-asan/pkg/kvkernels is a copy of the package with the sanitized _C; pytest runs from
 #   build-asan/pkg, so `import kvkernels` finds that copy first (the fuzz worker imports the same one).
 # - Python and torch are not instrumented: libasan (and libstdc++, which it must come before) is preloaded.
@@ -29,16 +29,9 @@ CXX=${CXX:-c++}
 OUT=build-asan
 start=$(date +%s)
 
-mkdir -p "$OUT"
-KVKERNELS_SANITIZE=1 MAX_JOBS=${MAX_JOBS:-2} "$PY" setup.py -q build_ext --build-temp "$OUT/temp" \
-  --build-lib "$OUT/lib" >"$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+. scripts/side_build.sh
+KVKERNELS_SANITIZE=1 side_build "$OUT"
 built=$(date +%s)
-rm -rf "$OUT/pkg"
-mkdir -p "$OUT/pkg"
-cp -r kvkernels "$OUT/pkg/kvkernels"
-find "$OUT/pkg" \( -name '__pycache__' -o -name '_C*.so' -o -name '.built' \) -prune -exec rm -rf {} +
-cp "$OUT"/lib/kvkernels/_C*.so "$OUT/pkg/kvkernels/"
-ln -s "$ROOT/metal" "$OUT/pkg/metal"  # kvkernels.metal finds its sources next to the package
 
 export LD_PRELOAD="$("$CXX" -print-file-name=libasan.so) $("$CXX" -print-file-name=libstdc++.so)"
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1:max_allocation_size_mb=4096:symbolize=1
@@ -50,8 +43,7 @@ args=()
 for t in $tests; do args+=("$ROOT/tests/$t"); done
 
 cd "$OUT/pkg"
-where=$("$PY" -c "import kvkernels, os; print(os.path.dirname(kvkernels._C.__file__))")
-[ "$where" = "$ROOT/$OUT/pkg/kvkernels" ] || { echo "sanitize: imported kvkernels from $where" >&2; exit 1; }
+side_import_check "$OUT"
 status=0
 "$PY" -m pytest -q -p no:cacheprovider "${args[@]}" || status=$?
 echo "sanitize: build $((built - start)) s, tests $(($(date +%s) - built)) s, exit status $status"

@@ -13,9 +13,12 @@ prefill.
 
 The same cases run on CUDA (backend ``cuda``: inputs copied to the device with their storage, so views,
 offsets and the NaN bytes around them stay; results compared on the CPU) where a CUDA device and the CUDA
-kernels exist; elsewhere those cases skip with the reason.
+kernels exist, and on the CUDA kernels built for the CPU emulator of tests/cuda_emu (backend ``cuda_emu``,
+opt-in with KVKERNELS_CUDA_EMU=1: `make cuda-emu-test`); elsewhere those cases skip with the reason.
 """
 
+import functools
+import os
 import sys
 
 import pytest
@@ -27,8 +30,9 @@ from kvkernels import ops, reference
 
 NAN, INF = float("nan"), float("inf")
 ISAS = ["avx512amx", "avx512vbmi", "avx512", "avx2", "portable"]
-BACKENDS = ISAS + ["cuda"]
+BACKENDS = ISAS + ["cuda", "cuda_emu"]
 DEVICE = "cpu"  # where the kernels under test run (the `isa` fixture sets it)
+KERNELS = ops  # what runs them: kvkernels.ops, or (cuda_emu) EmulatedCuda
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 
 # id: query dtype, fp8 cache (None: the query's dtype)
@@ -52,14 +56,54 @@ MODES = {
 }
 
 
+class EmulatedCuda:
+    """The CUDA kernels on the CPU emulator (torch.ops.kvkernels_emu, positional schemas) with the
+    signatures of kvkernels.ops."""
+
+    def __init__(self, emu):
+        self.emu = emu
+
+    def paged_attention(self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
+                        scale=None, window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None,
+                        v_scale=None, causal=True):
+        return self.emu.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                        scale, window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal)
+
+    def mla_paged_attention(self, q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, scale,
+                            query_start_loc=None, kv_scale=None):
+        return self.emu.mla_paged_attention(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale,
+                                            query_start_loc, kv_scale)
+
+    def merge_attention_states(self, out_a, lse_a, out_b, lse_b):
+        return self.emu.merge_attention_states(out_a, lse_a, out_b, lse_b)
+
+
+@functools.lru_cache(maxsize=None)
+def emulated_cuda():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emu"))
+    import build_emu
+
+    ok, why = build_emu.available()
+    if not ok:
+        pytest.skip(why)
+    return EmulatedCuda(build_emu.build())
+
+
 @pytest.fixture(params=BACKENDS)
 def isa(request, monkeypatch):
-    """A CPU SIMD path, or "cuda": the kernels run on the CUDA device (skipped without one)."""
+    """A CPU SIMD path; "cuda": the kernels run on the CUDA device (skipped without one); "cuda_emu": the
+    CUDA kernels on the CPU emulator (opt-in)."""
+    module = sys.modules[__name__]
     if request.param == "cuda":
         for op in ("paged_attention", "mla_paged_attention", "merge_attention_states"):
             require_kernel(op, "cuda")
-        monkeypatch.setattr(sys.modules[__name__], "DEVICE", "cuda")
+        monkeypatch.setattr(module, "DEVICE", "cuda")
         return "cuda"
+    if request.param == "cuda_emu":
+        if os.environ.get("KVKERNELS_CUDA_EMU") != "1":
+            pytest.skip("opt-in: set KVKERNELS_CUDA_EMU=1 to run the CUDA kernels on the CPU emulator")
+        monkeypatch.setattr(module, "KERNELS", emulated_cuda())
+        return "cuda_emu"
     return use_isa(monkeypatch, request.param)
 
 
@@ -74,8 +118,8 @@ def on_device(t):
 
 
 def run(op, *args, **kwargs):
-    """``ops.<op>`` on DEVICE, its outputs back on the CPU."""
-    out = getattr(ops, op)(*map(on_device, args), **{k: on_device(v) for k, v in kwargs.items()})
+    """``<op>`` of KERNELS on DEVICE, its outputs back on the CPU."""
+    out = getattr(KERNELS, op)(*map(on_device, args), **{k: on_device(v) for k, v in kwargs.items()})
     return tuple(o.cpu() for o in out)
 
 

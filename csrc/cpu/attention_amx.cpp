@@ -5,6 +5,9 @@
 // called (the CPU has AMX and the OS granted this process the tile state).
 #if defined(__x86_64__)
 #include "x86_intrinsics.h"  // first: <immintrin.h> without GCC 12's false uninitialized warnings
+#if defined(KVKERNELS_AMX_EMU)
+#include "amx_emu.h"  // tests/amx_emu: the tile instructions emulated (make amx-emu-test only)
+#endif
 
 #include <cmath>
 #include <cstdint>
