@@ -516,9 +516,9 @@ PreparedCacheWrite prepare_reshape_and_cache(const ArgCheck& c, const Tensor& ke
   c.dtype(slot_mapping, "slot_mapping", {ScalarType::Long});
   c.dim(slot_mapping, "slot_mapping", 1);
   c.size(slot_mapping, "slot_mapping", 0, key.size(0), "num_tokens of key");
-  // Written in place: each cache element has its own memory, and nothing read while writing
-  // shares memory with a cache (K and V interleaved in one allocation are fine).
-  const bool fp8 = is_fp8(key_cache.scalar_type());
+  // Written in place: each cache element has its own memory, and no other argument shares memory
+  // with a cache (K and V interleaved in one allocation are fine). A scale next to a non-fp8 cache
+  // is never read, but it is checked all the same: one rule for every argument (docs/ops.md).
   const Layout key_l(key), value_l(value), slots_l(slot_mapping), kc_l(key_cache),
       vc_l(value_cache);
   for (auto [cache, arg] : {std::pair{&kc_l, "key_cache"}, std::pair{&vc_l, "value_cache"}}) {
@@ -526,10 +526,8 @@ PreparedCacheWrite prepare_reshape_and_cache(const ArgCheck& c, const Tensor& ke
     c.disjoint(key_l, "key", *cache, arg);
     c.disjoint(value_l, "value", *cache, arg);
     c.disjoint(slots_l, "slot_mapping", *cache, arg);
-    if (fp8) {
-      c.disjoint(k_scale, "k_scale", *cache, arg);
-      c.disjoint(v_scale, "v_scale", *cache, arg);
-    }
+    c.disjoint(k_scale, "k_scale", *cache, arg);
+    c.disjoint(v_scale, "v_scale", *cache, arg);
   }
   c.disjoint(vc_l, "value_cache", kc_l, "key_cache");
   Tensor slots = index_tensor(c, slot_mapping, "slot_mapping", ScalarType::Long, 1, key, "key", r);
@@ -572,7 +570,7 @@ PreparedCacheWrite prepare_concat_and_cache_mla(const ArgCheck& c, const Tensor&
   c.disjoint(Layout(kv_c), "kv_c", cache_l, "kv_cache");
   c.disjoint(Layout(k_pe), "k_pe", cache_l, "kv_cache");
   c.disjoint(Layout(slot_mapping), "slot_mapping", cache_l, "kv_cache");
-  if (is_fp8(kv_cache.scalar_type())) c.disjoint(scale, "scale", cache_l, "kv_cache");
+  c.disjoint(scale, "scale", cache_l, "kv_cache");  // read or not (docs/ops.md)
   Tensor slots = index_tensor(c, slot_mapping, "slot_mapping", ScalarType::Long, 1, kv_c, "kv_c",
                               r);
   // Both sources are viewed as one head: [T, 1, width].

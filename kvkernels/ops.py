@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kvkernels.reference import check_bool_arg
+
 _ops = torch.ops.kvkernels
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -60,6 +62,7 @@ def paged_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block
     through a temporary), sharing no memory with an input or each other; errors, not resizes.
     Returns ``(out, lse)``, the given tensors; ``out=`` without ``lse=`` returns ``(out, None)``
     and allocates no lse on the CPU."""
+    check_bool_arg("paged_attention", "causal", causal)
     if _out_call("paged_attention", out, lse):
         _ops.paged_attention_out.default(query, key_cache, value_cache, block_tables, seq_lens,
                                          query_start_loc, scale, window_left, soft_cap,

@@ -91,6 +91,13 @@ def _fail(op: str, arg: str, msg: str):
     raise RuntimeError(f"kvkernels.{op}: {arg}: {msg}")
 
 
+def check_bool_arg(op: str, arg: str, value) -> None:
+    """A flag argument (``causal``) must be a Python bool: 1, 0, None or a tensor are errors here and in
+    kvkernels.ops, whose wrappers call this (torch.ops' own schema check would convert some of them)."""
+    if not isinstance(value, bool):
+        _fail(op, arg, f"expected a bool, got {type(value).__name__}")
+
+
 def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
@@ -345,6 +352,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
                     causal=True, out=None, lse=None):
     """Attention of query [T, Hq, D] over each sequence's paged keys/values -> (out, lse); causal
     (bottom-right aligned) unless causal=False (written into out= / lse= when given)."""
+    check_bool_arg("paged_attention", "causal", causal)
     num_tokens, num_heads, head_dim = query.shape
     given_out, given_lse = out, lse
     _check_given("paged_attention", out, lse, (num_tokens, num_heads, value_cache.shape[-1]), query.dtype,

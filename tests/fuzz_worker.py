@@ -587,10 +587,8 @@ def p_alias(op, kw, k, v):
     kw[arg] = storage_view(kw[arg], kw[out])
     if role == "src":
         return Expect("ref", why="swap_blocks' src may overlap dst")
-    if role == "scale" and not scale_read(op, kw, arg):
-        # A scale next to a non-fp8 cache is not read; inside a cache that is harmless (the cache ops' rule),
-        # inside a caller-provided out the docs ("no memory shared with any input") do not say: either.
-        return X("an unread scale inside out / lse") if ROLES[op][out] == "out" else V
+    # A scale next to a non-fp8 cache is not read, but it is an argument like any other: inside a written
+    # tensor it is an error too (docs/ops.md, Common rules).
     return E(arg, out)
 
 

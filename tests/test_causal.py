@@ -274,10 +274,16 @@ def test_bad_query_start_loc_still_rejected_without_causal():
                 fn(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl, causal=False)
 
 
-def test_causal_must_be_a_bool():
+@pytest.mark.parametrize("value", [1, 0, None, 1.0, "no", torch.tensor(True)], ids=repr)
+@pytest.mark.parametrize("fn", [ops.paged_attention, reference.paged_attention], ids=["ops", "reference"])
+def test_causal_must_be_a_bool(fn, value):
+    """kvkernels.ops and the reference take a Python bool only (torch.ops' schema conversion would turn 1, 0,
+    None or a one-element tensor into a bool or the default); the error names the argument."""
     kv = make_paged_kv(seq_lens=[5], num_kv_heads=1, head_dim=16, block_size=4, seed=83)
     query = make_query(1, 2, 16, f32, generator(84))
-    with pytest.raises((RuntimeError, TypeError)):
+    with pytest.raises(RuntimeError, match=r"^kvkernels\.paged_attention: causal: expected a bool, got "):
+        fn(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, causal=value)
+    with pytest.raises((RuntimeError, TypeError)):  # torch's own schema check
         torch.ops.kvkernels.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
                                             causal="no")
 

@@ -205,8 +205,17 @@ def alias_cases():
     slots.copy_(torch.tensor([0, 5, 9]))
     cases["rc-slot_mapping-in-key_cache"] = ("reshape_and_cache", "slot_mapping", rc_args(kc, vc, slot_mapping=slots),
                                              [kc, vc])
+    # A scale next to a non-fp8 cache is never read; inside a cache it is rejected all the same (one rule
+    # for every argument, docs/ops.md).
+    kc, vc = torch.zeros(N, B, H, D), torch.zeros(N, B, H, D)
+    cases["rc-unread-k_scale-in-value_cache"] = ("reshape_and_cache", "k_scale",
+                                                 dict(rc_args(kc, vc), k_scale=vc[N - 1, 0, 0, :1]), [kc, vc])
 
     gen = generator(23)
+    mla = randn(N, B, R + P, gen=gen)
+    cases["mla-unread-scale-in-kv_cache"] = ("concat_and_cache_mla", "scale", dict(
+        kv_c=randn(T, R, gen=gen), k_pe=randn(T, P, gen=gen), kv_cache=mla, slot_mapping=torch.tensor([0, 5, 9]),
+        scale=mla[N - 1, 0, :1]), [mla])
     mla = torch.zeros(1, B, R + P)
     cases["mla-kv_cache-expanded"] = ("concat_and_cache_mla", "kv_cache", dict(
         kv_c=randn(T, R, gen=gen), k_pe=randn(T, P, gen=gen), kv_cache=mla.expand(N, B, R + P),

@@ -259,8 +259,8 @@ def reshape_and_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache
     _check_int(op, "key", "num_tokens (dimension 0)", t)
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         _check_writable(op, name, cache)
-        for arg, x in (("key", key), ("value", value), ("slot_mapping", slot_mapping)) + (
-                (("k_scale", k_scale), ("v_scale", v_scale)) if cache.dtype in FP8 else ()):
+        for arg, x in (("key", key), ("value", value), ("slot_mapping", slot_mapping), ("k_scale", k_scale),
+                       ("v_scale", v_scale)):  # a scale is checked whether it is read or not (docs/ops.md)
             _check_disjoint(op, arg, x, name, cache)
     _check_disjoint(op, "value_cache", value_cache, "key_cache", key_cache)
     ks_head = _check_scale(op, "k_scale", k_scale, key_cache, h)
@@ -655,8 +655,7 @@ def concat_and_cache_mla(kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor, slot_mapp
     _check_mla_scale(op, "scale", scale, kv_cache)
     _check_int(op, "kv_c", "num_tokens (dimension 0)", t)
     _check_writable(op, "kv_cache", kv_cache)
-    for arg, x in (("kv_c", kv_c), ("k_pe", k_pe), ("slot_mapping", slot_mapping)) + (
-            (("scale", scale),) if kv_cache.dtype in FP8 else ()):
+    for arg, x in (("kv_c", kv_c), ("k_pe", k_pe), ("slot_mapping", slot_mapping), ("scale", scale)):
         _check_disjoint(op, arg, x, "kv_cache", kv_cache)
     n, b = kv_cache.shape[:2]
     if _debug_checks(dev) and t:
