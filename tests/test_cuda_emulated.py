@@ -1063,12 +1063,16 @@ def _poke(cache, block_ids, seq_len, pos, head, col, value):
 
 
 # id: dtype, fp8, Hq, Hkv, D, mode, path, forced splits. Prefill (MMA_PREFILL) puts the values on the
-# causal diagonal of a tile, which takes the tensor-core kernel's fix-up of keys some rows do not see.
+# causal diagonal of a tile, which takes the tensor-core kernel's fix-up of keys some rows do not see; in
+# both prefill configurations (MMA_PREFILL_WIDE: KVKERNELS_CUDA_ATTN_PATH=mma-prefill-wide), whose key tiles
+# differ at head dim 128 / 256 (deep: 32 / 16 keys, wide: 64 / 32).
 NONFINITE_ATTN = {
     "f32-simt-varlen": (f32, None, 4, 2, 64, "varlen", SIMT, None),
     "bf16-mma-decode": (bf16, None, 8, 2, 64, "decode", MMA_DECODE, None),
     "f16-mma-prefill": (f16, None, 2, 2, 64, "prefill", MMA_PREFILL, None),
     "e5m2-bf16-mma-prefill-d128": (bf16, "e5m2", 4, 1, 128, "prefill", MMA_PREFILL, None),
+    "e5m2-bf16-mma-prefill-wide-d128": (bf16, "e5m2", 4, 1, 128, "prefill", MMA_PREFILL_WIDE, None),
+    "bf16-mma-prefill-d256": (bf16, None, 4, 1, 256, "prefill", MMA_PREFILL, None),
     "bf16-split3": (bf16, None, 4, 2, 64, "decode", MMA_DECODE, 3),
 }
 
@@ -1076,7 +1080,7 @@ NONFINITE_ATTN = {
 @pytest.mark.parametrize("config", NONFINITE_ATTN.values(), ids=NONFINITE_ATTN.keys())
 def test_paged_attention_nonfinite(emu, config, monkeypatch):
     dtype, fp8, hq, hkv, d, mode, path, splits = config
-    force_cuda_plan(monkeypatch, "ATTN", None, splits)
+    force_cuda_plan(monkeypatch, "ATTN", "mma-prefill-wide" if path == MMA_PREFILL_WIDE else None, splits)
     seq_lens = [70, 5]
     kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=d, block_size=16, dtype=dtype, fp8=fp8,
                        seed=31)

@@ -65,7 +65,10 @@ struct MmaCfg {
   // __launch_bounds__ minimum CTAs per SM: for the deep decode kernel, as many as sm_90's 228 KiB of
   // shared memory per SM hold (1 KiB reserved per CTA), so ptxas keeps the registers low enough for
   // them (a cap only at 128 threads: 64 or 32 threads never run out of registers first). The wide
-  // and prefill kernels keep 1 (their first configuration, unchanged for the A/B).
+  // decode and both prefill kernels keep 1 (the first configuration, unchanged for the A/B). The deep
+  // prefill gets 3 CTAs per SM at head dim 64 and 2 at 128 / 256 without a cap; only with an fp8
+  // cache at head dim 128 would shared memory allow 3, which a cap would buy by squeezing a
+  // ~190-register kernel into 168.
   static constexpr int SM90_CTAS = (228 * 1024) / (SMEM + 1024);
   static constexpr int MIN_BLOCKS =
       PATH != Path::kMmaDecode ? 1 : SM90_CTAS < 1 ? 1 : SM90_CTAS > 4 ? 4 : SM90_CTAS;
