@@ -3,9 +3,9 @@
 # 520: the device tool runs a command for at most 10 minutes, and a session has 15 minutes of device time,
 # the machine's start included). Builds the extension with the machine's torch and nvcc for sm_90a, checks
 # that every op got a CUDA kernel and that ptxas reports no spills, runs the CUDA tests in priority
-# order, short benchmarks, the two full-size decode targets and the A/B of the decode kernel's two
-# configurations (b_variants), then opcheck / bad input, the torch.compile tests and (t_amx) the CPU's
-# AMX path on the host's own tile unit where it has one, while time remains.
+# order, short benchmarks, the two full-size decode targets and the A/B of the decode and prefill kernels'
+# two configurations each (b_variants, b_pvariants), then opcheck / bad input, the torch.compile tests and
+# (t_amx) the CPU's AMX path on the host's own tile unit where it has one, while time remains.
 #
 #   device tool:  command "bash scripts/gpu_validate.sh", timeout_s 600 (add "carry": [".whl"] when
 #                 wheels are carried, see csrc/cuda/README.md)
@@ -236,6 +236,15 @@ step_b_variants() {
     --attn-shapes 64x4096,1x32768 --decode-variants wide,deep \
     --json "$SCRATCH/results/bench/cuda-attention-variants-$STAMP.json"
 }
+# The A/B of the tensor-core prefill kernel's configurations: the full-size prefill (4096 queries over 4096
+# keys, causal, bf16 queries over a bf16 and an e4m3 cache), wide (the first: 2 stages at head dim 128) vs
+# deep (the default, 4 stages) in alternating batches on the same data, and SDPA flash on contiguous bf16 K/V.
+# "variant:" lines give each one's time, its speed against SDPA flash and deep's speed-up over wide.
+step_b_pvariants() {
+  bench -m kvkernels.bench.cuda_attention --no-flex --attn-dtypes '' --attn-prefill 4096,4096 \
+    --attn-prefill-dtypes bfloat16,fp8_e4m3 --prefill-variants wide,deep \
+    --json "$SCRATCH/results/bench/cuda-attention-pvariants-$STAMP.json"
+}
 
 # The other targets at full size: copy_blocks (1024 pairs x 32 layers, >= 80% of copy bandwidth) with
 # the other cache ops, and MLA decode (>= 70%) / mla_decompress (against a torch matmul) at one size each.
@@ -267,6 +276,7 @@ b_attn 45
 b_mla 45
 b_targets 120
 b_variants 60
+b_pvariants 60
 b_sizes 90
 t_bad 120
 t_compile 150
@@ -295,6 +305,8 @@ done <<<"$PLAN"
   cat "$SCRATCH/targets-b_targets.txt" 2>/dev/null
   echo "---- decode kernel A/B, wide vs deep (bench.log)"
   cat "$SCRATCH/targets-b_variants.txt" 2>/dev/null
+  echo "---- prefill kernel A/B, wide vs deep vs SDPA flash (bench.log)"
+  cat "$SCRATCH/targets-b_pvariants.txt" 2>/dev/null
 } | tee -a "$OUT/summary.txt"
 gpu_finish
 status=$?

@@ -238,3 +238,48 @@ def test_cuda_attention_decode_variants_options_and_report(capsys, monkeypatch):
     if not torch.cuda.is_available():
         assert ca.main(["--decode-variants", "wide,deep", "--attn-shapes", "64x4096", "--no-baselines"]) == 0
         assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_cuda_attention_prefill_variants_options_and_report(capsys):
+    """kvkernels.bench.cuda_attention --prefill-variants / --attn-prefill-dtypes (the GPU script's b_pvariants
+    step): names checked when parsed; each prefill variant's target line and the A/B line against each other
+    and SDPA flash, from synthetic rows (timing needs a GPU); without a GPU the run says so."""
+    import argparse
+
+    from kvkernels.bench import cuda_attention as ca
+
+    parser = argparse.ArgumentParser()
+    ca.add_arguments(parser)
+    args = parser.parse_args(["--prefill-variants", "wide,deep", "--attn-prefill-dtypes", "bfloat16,fp8_e4m3"])
+    assert args.prefill_variants == ["wide", "deep"] and args.attn_prefill_dtypes == ["bfloat16", "fp8_e4m3"]
+    assert parser.parse_args([]).prefill_variants == [] and parser.parse_args([]).attn_prefill_dtypes == ["bfloat16"]
+    for option, bad in (("--prefill-variants", "wide,wdie"), ("--prefill-variants", "deep,deep"),
+                        ("--attn-prefill-dtypes", "fp8_e5m2"), ("--attn-prefill-dtypes", "")):
+        with pytest.raises(SystemExit):
+            parser.parse_args([option, bad])
+    capsys.readouterr()
+    assert ca.PREFILL_VARIANTS == {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide"}
+
+    def row(case, impl, ms, sdpa=None, checked=True, skipped=None):
+        return dict(case=case, kind="prefill", dtype=case.split()[1], impl=impl, ms=ms, checked=checked,
+                    speedup_vs={} if sdpa is None else {"sdpa-flash-contiguous": sdpa}, skipped=skipped)
+
+    b, f = "prefill bfloat16 q4096 ctx4096", "prefill fp8_e4m3 q4096 ctx4096"
+    rows = [row(b, "kvkernels-wide", 2.0, 0.2), row(b, "kvkernels-deep", 1.0, 0.4),
+            row(b, "sdpa-flash-contiguous", 0.4),
+            row(f, "kvkernels-wide", None, skipped="RuntimeError: boom"), row(f, "kvkernels-deep", 0.5, 0.8, False),
+            row(f, "sdpa-flash-contiguous", None, skipped="no flash")]
+    assert ca.targets(rows, prefill_impl="kvkernels-deep")[2:] == [f"{b}: 0.40x SDPA flash (target 0.8)",
+                                                                   f"{f}: 0.80x SDPA flash (target 0.8)"]
+    assert ca.targets(rows, prefill_impl="kvkernels-wide")[2:] == [f"{b}: 0.20x SDPA flash (target 0.8)",
+                                                                   f"{f}: missingx SDPA flash (target 0.8)"]
+    assert ca.prefill_variant_lines(rows, ["wide", "deep"]) == [
+        f"{b}: wide 2.0000 ms (0.20x SDPA flash), deep 1.0000 ms (0.40x SDPA flash) = 2.00x wide, "
+        "sdpa-flash 0.4000 ms",
+        f"{f}: wide skipped: RuntimeError: boom, deep 0.5000 ms (0.80x SDPA flash) MISMATCH, sdpa-flash skipped: no flash"]
+
+    if not torch.cuda.is_available():
+        assert ca.main(["--prefill-variants", "wide,deep", "--attn-dtypes", "", "--attn-prefill-dtypes",
+                        "bfloat16,fp8_e4m3"]) == 0
+        out = capsys.readouterr().out
+        assert "no CUDA device" in out and "target: decode" not in out

@@ -4,8 +4,8 @@ Every attention case of test_attention.py (all CONFIGS and FEATURE_CONFIGS, deco
 contexts, empty sequences, partial blocks, shuffled block ids with junk past each sequence, GQA ratios,
 window edges) runs here on CUDA tensors, on the kernel the planner picks ("auto": tensor cores for fp16 /
 bf16 queries, CUDA cores for float32) and on the generic CUDA-core kernel for every dtype
-(KVKERNELS_CUDA_ATTN_PATH=simt) and, for decode, on the tensor-core kernel's first configuration
-(KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide, kept for A/B runs), without and with forced KV splits (KVKERNELS_CUDA_ATTN_SPLITS, which
+(KVKERNELS_CUDA_ATTN_PATH=simt) and on the tensor-core kernels' first configurations
+(KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide,mma-prefill-wide, kept for A/B runs), without and with forced KV splits (KVKERNELS_CUDA_ATTN_SPLITS, which
 exercises the split-K partials and the merge kernel even on small cases). Then: head dims and block sizes
 off the fast paths, unaligned cache views (the plain-load fallback), opcheck on CUDA, bad input on CUDA,
 debug-mode index checks, a non-default stream, and a CUDA-graph capture of a decode step replayed with
@@ -37,11 +37,13 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 pytestmark = cuda_only("paged_attention")
 
 DEV = "cuda"
-# (path, splits): the planner's choice (tensor-core decode in its deep configuration for fp16 / bf16), the
-# tensor-core decode in its first, wide configuration (KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide: kept for A/B
-# runs; varlen and float32 cases run as in "auto"), the CUDA-core kernel, and each with 5 forced KV splits.
-PATHS = {"auto": (None, None), "wide": ("mma-decode-wide", None), "simt": ("simt", None),
-         "auto-split5": (None, 5), "wide-split5": ("mma-decode-wide", 5), "simt-split5": ("simt", 5)}
+# (path, splits): the planner's choice (tensor-core decode and prefill in their deep configurations for fp16 /
+# bf16), the tensor-core decode and prefill in their first, wide configurations
+# (KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide,mma-prefill-wide: kept for A/B runs; float32 cases run as in
+# "auto"), the CUDA-core kernel, and each with 5 forced KV splits.
+WIDE = "mma-decode-wide,mma-prefill-wide"
+PATHS = {"auto": (None, None), "wide": (WIDE, None), "simt": ("simt", None),
+         "auto-split5": (None, 5), "wide-split5": (WIDE, 5), "simt-split5": ("simt", 5)}
 
 
 @pytest.fixture(params=list(PATHS), ids=list(PATHS))
@@ -289,14 +291,38 @@ def test_decode_variants_agree(dtype, fp8, d, monkeypatch):
         assert_close(deep[1], wide[1].double(), f32, rtol=1e-4, atol=1e-4, msg="lse")
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype,fp8", [(bf16, None), (f16, "e4m3"), (bf16, "e5m2")])
+def test_prefill_variants_agree(dtype, fp8, d, monkeypatch):
+    """The tensor-core prefill kernel's deep (default) and wide (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-wide)
+    configurations on the same inputs: full and chunked prefill of sequences of many key tiles (the deep
+    pipeline's ring wraps, causal diagonal tiles of both key-tile sizes), a sliding window and a soft cap,
+    planned and with 3 forced splits: each matches the reference, and they agree to the query dtype's
+    tolerance (their key tiles differ, so their online-softmax rescalings round differently)."""
+    # A CTA of the 300-key sequence sees up to ~216 keys inside the window (201 per row): 4-5 key tiles of 64,
+    # 7-8 of 32, 14-15 of 16, so every 4-stage ring wraps; small enough that each float64 reference on the
+    # CPU takes well under a second.
+    kv, query, qsl = make_case("varlen", [300, 150, 64, 1, 0], dtype=dtype, num_heads=16, num_kv_heads=4,
+                               head_dim=d, block_size=16, fp8=fp8, per_head=True, seed=40)
+    rtol, atol = TOLERANCES[dtype]
+    for splits in (None, 3):
+        force_cuda_plan(monkeypatch, "ATTN", None, splits)
+        deep = run_cuda(kv, query, qsl, soft_cap=5.0, window_left=200)
+        force_cuda_plan(monkeypatch, "ATTN", "mma-prefill-wide", splits)
+        wide = run_cuda(kv, query, qsl, soft_cap=5.0, window_left=200)
+        assert_close(deep[0], wide[0].double(), dtype, rtol=2 * rtol, atol=2 * atol, msg="out")
+        assert_close(deep[1], wide[1].double(), f32, rtol=1e-4, atol=1e-4, msg="lse")
+
+
 def test_unknown_attention_path_is_an_error(monkeypatch):
     """A misspelt KVKERNELS_CUDA_ATTN_PATH raises (naming the variable) instead of running the default."""
     kv, query, _ = make_case("decode", [40, 3], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=128,
                              block_size=16, seed=39)
-    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", "mma-decode-wdie")
-    with pytest.raises(RuntimeError, match="KVKERNELS_CUDA_ATTN_PATH=mma-decode-wdie"):
-        ops.paged_attention(like_on(query), like_on(kv.key_cache), like_on(kv.value_cache), kv.block_tables.to(DEV),
-                            kv.seq_lens.to(DEV))
+    for bad in ("mma-decode-wdie", "mma-prefill-wdie", "mma-prefill-wide,mma-prefill-deep", "simt,mma-decode-wide"):
+        monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", bad)
+        with pytest.raises(RuntimeError, match=f"KVKERNELS_CUDA_ATTN_PATH={bad} is not one of"):
+            ops.paged_attention(like_on(query), like_on(kv.key_cache), like_on(kv.value_cache),
+                                kv.block_tables.to(DEV), kv.seq_lens.to(DEV))
 
 
 def test_splits_are_exact(monkeypatch):

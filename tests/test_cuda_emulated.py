@@ -216,33 +216,42 @@ def test_merge_attention_states(emu, dtype):
 # paged attention
 # ---------------------------------------------------------------------------------------------------
 
-SIMT, MMA_DECODE, MMA_PREFILL, MMA_DECODE_WIDE = 0, 1, 2, 3
-# The tensor-core decode kernel's two configurations (csrc/cuda/attention_common.cuh, mma_wn): "deep", the
-# default (16 KiB stages, 4 in flight), and "wide", its first one (64 keys per stage, 2 stages at head dim
-# 128 / 256), chosen by KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide. A test mode "decode-wide" is a decode case
-# run with that variable set, expecting MMA_DECODE_WIDE where the planner would take MMA_DECODE.
-DECODE_VARIANT_ENV = {"decode": None, "decode-wide": "mma-decode-wide"}
+SIMT, MMA_DECODE, MMA_PREFILL, MMA_DECODE_WIDE, MMA_PREFILL_WIDE = 0, 1, 2, 3, 4
+# The tensor-core kernels' two configurations each (csrc/cuda/attention_common.cuh, mma_wn / key_tile_of):
+# "deep", the default (16 KiB stages, 4 in flight), and "wide", the first one (decode: 64 keys per stage, 2
+# stages at head dim 128 / 256; prefill: 64 keys per stage, 32 at head dim 256, 2 stages at head dim 128 /
+# 256), chosen by KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide / mma-prefill-wide. A test mode "decode-wide" is a
+# decode case run with the first set, expecting MMA_DECODE_WIDE where the planner would take MMA_DECODE;
+# "varlen-wide" a varlen case with the second, expecting MMA_PREFILL_WIDE where it would take MMA_PREFILL.
+VARIANT_ENV = {"decode": None, "decode-wide": "mma-decode-wide", "varlen": None, "varlen-wide": "mma-prefill-wide"}
 
 
 def use_mode(mode: str, monkeypatch) -> str:
-    """Sets KVKERNELS_CUDA_ATTN_PATH for a test mode ("decode", "decode-wide", "varlen"); returns the mode
-    make_case takes ("decode" / "varlen")."""
+    """Sets KVKERNELS_CUDA_ATTN_PATH for a test mode ("decode", "decode-wide", "varlen", "varlen-wide");
+    returns the mode make_case takes ("decode" / "varlen")."""
     monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
-    if DECODE_VARIANT_ENV.get(mode):
-        monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", DECODE_VARIANT_ENV[mode])
-    return "varlen" if mode == "varlen" else "decode"
+    if VARIANT_ENV.get(mode):
+        monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", VARIANT_ENV[mode])
+    return "varlen" if mode.startswith("varlen") else "decode"
 
 
-def expected_path(path, mode: str):
-    """The kernel a case meant for ``path`` runs in test mode ``mode`` (the wide decode when forced)."""
-    return MMA_DECODE_WIDE if mode == "decode-wide" and path == MMA_DECODE else path
+def expected_path(path, env: str | None):
+    """The kernel a case meant for ``path`` runs with KVKERNELS_CUDA_ATTN_PATH=``env`` (a wide configuration
+    where it is asked for)."""
+    wide = (env or "").split(",")
+    if path == MMA_DECODE and "mma-decode-wide" in wide:
+        return MMA_DECODE_WIDE
+    if path == MMA_PREFILL and "mma-prefill-wide" in wide:
+        return MMA_PREFILL_WIDE
+    return path
 
 
 def modes_for(configs: dict, dtype_of=lambda config: config[0]) -> list:
     """(config, mode) parameters: every config in decode and varlen, and the 16-bit ones (the tensor-core
-    decode kernel) in decode-wide as well (float32 queries run the SIMT kernel in every mode)."""
+    kernels) in decode-wide and varlen-wide as well (float32 queries run the SIMT kernel in every mode)."""
     return [pytest.param(config, mode, id=f"{name}-{mode}") for name, config in configs.items()
-            for mode in ("decode", "decode-wide", "varlen") if mode != "decode-wide" or dtype_of(config) != f32]
+            for mode in ("decode", "decode-wide", "varlen", "varlen-wide")
+            if not mode.endswith("-wide") or dtype_of(config) != f32]
 
 
 def plan_of(emu, kv, query, qsl):
@@ -272,11 +281,10 @@ def check_plan(plan, path, splits) -> None:
 def run_emu_attention(emu, kv, query, qsl=None, *, path=None, splits=None, **kwargs):
     """Emulated CUDA kernels vs the float64 reference (test_attention.run_paged_attention's checks);
     `path` / `splits`: the plan the case is meant to exercise, asserted so it cannot drift (with
-    KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide set, a case meant for MMA_DECODE must run MMA_DECODE_WIDE)."""
+    KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide set, a case meant for MMA_DECODE must run MMA_DECODE_WIDE, and
+    with mma-prefill-wide one meant for MMA_PREFILL MMA_PREFILL_WIDE)."""
     plan = plan_of(emu, kv, query, qsl)
-    if os.environ.get("KVKERNELS_CUDA_ATTN_PATH") == "mma-decode-wide":
-        path = expected_path(path, "decode-wide")
-    check_plan(plan, path, splits)
+    check_plan(plan, expected_path(path, os.environ.get("KVKERNELS_CUDA_ATTN_PATH")), splits)
     out, lse = run_paged_attention(kv, query, qsl, op=functools.partial(emulated_paged_attention, emu), **kwargs)
     return out, lse, plan
 
@@ -307,10 +315,10 @@ ATTN_CONFIGS = {
 def test_paged_attention(emu, config, mode, monkeypatch):
     dtype, fp8, per_head, layout, hq, hkv, d, b, strided, paths = config
     mode = use_mode(mode, monkeypatch)
-    # Partial and exactly-full last blocks, a one-token and an empty sequence; shuffled block ids. Decode
-    # adds 4 * 64 + 5 keys: more key tiles than the decode pipelines have stages at every head dim (16 to
-    # 64 keys per stage, 4 stages), so their rings wrap around.
-    seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b] + ([261] if mode == "decode" else [])
+    # Partial and exactly-full last blocks, a one-token and an empty sequence; shuffled block ids. A 4 * 64 + 5
+    # key sequence (varlen: a chunk of its last 131 queries): more key tiles than the pipelines have stages at
+    # every head dim (16 to 64 keys per stage, 4 stages), so their rings wrap around.
+    seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b, 261]
     kv, query, qsl = make_case(mode, seq_lens, dtype=dtype, num_heads=hq, num_kv_heads=hkv, head_dim=d,
                                block_size=b, layout=layout, fp8=fp8, per_head=per_head, strided=strided)
     out, lse, _ = run_emu_attention(emu, kv, query, qsl, path=paths[mode == "varlen"])
@@ -435,6 +443,46 @@ def test_decode_variant_override(emu, d, monkeypatch):
     monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", "mma-decode-wdie")
     with pytest.raises(RuntimeError, match="KVKERNELS_CUDA_ATTN_PATH=mma-decode-wdie is not one of"):
         plan_of(emu, kv, query, None)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_prefill_variant_override(emu, d, monkeypatch):
+    """KVKERNELS_CUDA_ATTN_PATH picks the prefill configuration as it picks the decode one: deep by default
+    (also for `auto` / `mma-prefill-deep`), wide when asked, alone or next to a decode choice (a comma-separated
+    list); decode plans stay as they were and float32 queries on SIMT; the split cap counts the chosen kernel's
+    key tiles (64 / 32 / 16 keys deep, 64 / 64 / 32 wide); a list naming one kernel twice, `simt` with anything
+    else, an empty item or an unknown name is an error."""
+    kv, query, qsl = make_case("varlen", [300, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=d,
+                               block_size=16, seed=45)
+    kv32, query32, qsl32 = make_case("varlen", [300, 7], dtype=f32, num_heads=8, num_kv_heads=2, head_dim=d,
+                                     block_size=16, seed=45)
+    _, decode_query, _ = make_case("decode", [300, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=d,
+                                   block_size=16, seed=45)
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_SPLITS", "128")
+    max_keys = kv.block_tables.shape[1] * 16
+    deep, wide = {64: 64, 128: 32, 256: 16}[d], {64: 64, 128: 64, 256: 32}[d]
+    for value, path, key_tile, decode_path in (
+            (None, MMA_PREFILL, deep, MMA_DECODE),
+            ("auto", MMA_PREFILL, deep, MMA_DECODE),
+            ("mma-prefill-deep", MMA_PREFILL, deep, MMA_DECODE),
+            ("mma-prefill-wide", MMA_PREFILL_WIDE, wide, MMA_DECODE),
+            ("mma-decode-wide", MMA_PREFILL, deep, MMA_DECODE_WIDE),
+            ("mma-decode-wide,mma-prefill-wide", MMA_PREFILL_WIDE, wide, MMA_DECODE_WIDE),
+            ("mma-prefill-wide,mma-decode-deep", MMA_PREFILL_WIDE, wide, MMA_DECODE),
+            ("auto,mma-prefill-deep", MMA_PREFILL, deep, MMA_DECODE)):
+        monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
+        if value:
+            monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", value)
+        plan = plan_of(emu, kv, query, qsl)
+        assert plan["path"] == path and plan["splits"] == -(-max_keys // key_tile), (value, plan)
+        assert plan["q_tile"] == 64 // 4 and plan["heads_per_cta"] == 4, plan  # 64 rows in both
+        assert plan_of(emu, kv, decode_query, None)["path"] == decode_path, value
+        assert plan_of(emu, kv32, query32, qsl32)["path"] == SIMT
+    for bad in ("mma-prefill-wdie", "mma-prefill-wide,mma-prefill-deep", "mma-decode-wide,mma-decode-wide",
+                "simt,mma-prefill-wide", "mma-prefill-wide,", ",", "mma-prefill-wide mma-decode-wide"):
+        monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", bad)
+        with pytest.raises(RuntimeError, match=f"KVKERNELS_CUDA_ATTN_PATH={bad} is not one of"):
+            plan_of(emu, kv, query, qsl)
 
 
 @pytest.mark.parametrize("splits", [3, 128])
@@ -1015,12 +1063,16 @@ def _poke(cache, block_ids, seq_len, pos, head, col, value):
 
 
 # id: dtype, fp8, Hq, Hkv, D, mode, path, forced splits. Prefill (MMA_PREFILL) puts the values on the
-# causal diagonal of a tile, which takes the tensor-core kernel's fix-up of keys some rows do not see.
+# causal diagonal of a tile, which takes the tensor-core kernel's fix-up of keys some rows do not see; in
+# both prefill configurations (MMA_PREFILL_WIDE: KVKERNELS_CUDA_ATTN_PATH=mma-prefill-wide), whose key tiles
+# differ at head dim 128 / 256 (deep: 32 / 16 keys, wide: 64 / 32).
 NONFINITE_ATTN = {
     "f32-simt-varlen": (f32, None, 4, 2, 64, "varlen", SIMT, None),
     "bf16-mma-decode": (bf16, None, 8, 2, 64, "decode", MMA_DECODE, None),
     "f16-mma-prefill": (f16, None, 2, 2, 64, "prefill", MMA_PREFILL, None),
     "e5m2-bf16-mma-prefill-d128": (bf16, "e5m2", 4, 1, 128, "prefill", MMA_PREFILL, None),
+    "e5m2-bf16-mma-prefill-wide-d128": (bf16, "e5m2", 4, 1, 128, "prefill", MMA_PREFILL_WIDE, None),
+    "bf16-mma-prefill-d256": (bf16, None, 4, 1, 256, "prefill", MMA_PREFILL, None),
     "bf16-split3": (bf16, None, 4, 2, 64, "decode", MMA_DECODE, 3),
 }
 
@@ -1028,7 +1080,7 @@ NONFINITE_ATTN = {
 @pytest.mark.parametrize("config", NONFINITE_ATTN.values(), ids=NONFINITE_ATTN.keys())
 def test_paged_attention_nonfinite(emu, config, monkeypatch):
     dtype, fp8, hq, hkv, d, mode, path, splits = config
-    force_cuda_plan(monkeypatch, "ATTN", None, splits)
+    force_cuda_plan(monkeypatch, "ATTN", "mma-prefill-wide" if path == MMA_PREFILL_WIDE else None, splits)
     seq_lens = [70, 5]
     kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=d, block_size=16, dtype=dtype, fp8=fp8,
                        seed=31)

@@ -149,3 +149,18 @@ def test_sanitizer_cases_are_collected(tmp_path):
     collected = {line.strip() for line in result.stdout.splitlines()}
     missing = [i for i in ids if i not in collected]
     assert not missing, f"not collected: {missing}\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
+
+
+def test_readme_step_table_lists_every_validate_step_with_its_cap():
+    """csrc/cuda/README.md's table of gpu_validate.sh steps names every step of PLAN, with PLAN's cap (a step
+    added to the script, e.g. b_pvariants, is documented where the GPU session reads what to run)."""
+    text = open(os.path.join(SCRIPTS, "gpu_validate.sh")).read()
+    block = re.search(r'^PLAN="(.*?)"$', text, re.S | re.M).group(1)
+    caps = dict(line.split() for line in block.splitlines() if line.strip())
+    readme = open(os.path.join(ROOT, "csrc", "cuda", "README.md")).read()
+    table = re.search(r"^\| step \| cap \(s\) \| what \|\n((?:\|.*\n)+)", readme, re.M).group(1)
+    documented = {}
+    for names, cap in re.findall(r"^\| ((?:`\w+`(?:, )?)+) \| (\d+)(?: each)? \|", table, re.M):
+        for name in re.findall(r"`(\w+)`", names):
+            documented[name] = cap
+    assert documented == caps

@@ -7,12 +7,15 @@
 //   float32 queries                          -> SIMT (float32 math end to end)
 //   fp16 / bf16, decode, group <= 16         -> tensor-core decode (16 rows, warps split keys;
 //                                               the deep configuration: 4-stage pipeline)
-//   fp16 / bf16, varlen, or decode group > 16 -> tensor-core prefill (64 rows, warps split rows)
-// KVKERNELS_CUDA_ATTN_PATH (read per call; tests and A/B benchmarks): `simt` forces the SIMT kernel
-// for every dtype; `mma-decode-wide` runs the tensor-core decode in its first configuration (64 keys
-// per stage, 2 stages at head dim 128 / 256) where the deep one would run; `mma-decode-deep` (or
-// empty / `auto`) is the default. Any other value is an error, so a misspelt A/B cannot time the
-// same kernel twice.
+//   fp16 / bf16, varlen, or decode group > 16 -> tensor-core prefill (64 rows, warps split rows;
+//                                               the deep configuration: 4-stage pipeline)
+// KVKERNELS_CUDA_ATTN_PATH (read per call; tests and A/B benchmarks): a comma-separated list of
+// `simt` (the SIMT kernel for every dtype; alone), `mma-decode-wide` / `mma-decode-deep` (the
+// tensor-core decode in its first configuration, 64 keys per stage and 2 stages at head dim 128 /
+// 256, or in the deep default), `mma-prefill-wide` / `mma-prefill-deep` (the same choice for the
+// tensor-core prefill: 64 keys per stage, 32 at head dim 256, or the deep default) and `auto`;
+// empty or `auto`: every default. A value names each kernel at most once; anything else is an
+// error, so a misspelt A/B cannot time the same kernel twice.
 //
 // Split count: a function of the number of work items (from shapes), the longest context a block
 // table row can describe (block_tables.shape[1] * block_size) and the SM count; never of
@@ -21,7 +24,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -78,6 +80,41 @@ int env_int(const char* name, int fallback) {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+// KVKERNELS_CUDA_ATTN_PATH, parsed (see the top of this file).
+struct PathChoice {
+  bool simt = false, decode_wide = false, prefill_wide = false;
+};
+
+PathChoice path_choice() {
+  const char* env = std::getenv("KVKERNELS_CUDA_ATTN_PATH");
+  const std::string value = env == nullptr ? "" : env;
+  PathChoice c;
+  int simt = 0, decode = 0, prefill = 0, items = 0;
+  bool ok = true;
+  size_t at = 0;
+  while (ok && !value.empty()) {
+    const size_t comma = value.find(',', at);
+    const std::string item = value.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+    ++items;
+    if (item == "simt") c.simt = true, ++simt;
+    else if (item == "mma-decode-wide") c.decode_wide = true, ++decode;
+    else if (item == "mma-decode-deep") ++decode;
+    else if (item == "mma-prefill-wide") c.prefill_wide = true, ++prefill;
+    else if (item == "mma-prefill-deep") ++prefill;
+    else if (item != "auto") ok = false;
+    if (comma == std::string::npos) break;
+    at = comma + 1;
+  }
+  // Each kernel named at most once, and `simt` (every dtype on the SIMT kernel) alone.
+  ok = ok && decode <= 1 && prefill <= 1 && (simt == 0 || items == 1);
+  if (!ok)
+    throw std::runtime_error("kvkernels.paged_attention (CUDA): KVKERNELS_CUDA_ATTN_PATH=" + value +
+                             " is not one of simt, auto, or a comma-separated list of at most one of "
+                             "mma-decode-wide / mma-decode-deep and one of mma-prefill-wide / "
+                             "mma-prefill-deep");
+  return c;
+}
+
 int64_t floats_aligned8(int64_t n) { return (n + 7) / 8 * 8; }
 
 }  // namespace
@@ -100,21 +137,14 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
   plan.dpad = dpad_of(std::max(d, dv));
   plan.group = p.num_heads / p.kv.num_kv_heads;
   const bool decode = p.query_start_loc == nullptr;
-  const char* path_env = std::getenv("KVKERNELS_CUDA_ATTN_PATH");
-  if (path_env == nullptr) path_env = "";
-  const bool force_simt = std::strcmp(path_env, "simt") == 0;
-  const bool wide = std::strcmp(path_env, "mma-decode-wide") == 0;
-  if (!force_simt && !wide && *path_env != '\0' && std::strcmp(path_env, "auto") != 0 &&
-      std::strcmp(path_env, "mma-decode-deep") != 0)
-    throw std::runtime_error(std::string("kvkernels.paged_attention (CUDA): KVKERNELS_CUDA_ATTN_PATH=") +
-                             path_env + " is not one of simt, mma-decode-wide, mma-decode-deep, auto");
+  const PathChoice choice = path_choice();
   Path path;
-  if (p.q_format == FloatFormat::kFloat32 || force_simt)
+  if (p.q_format == FloatFormat::kFloat32 || choice.simt)
     path = Path::kSimt;
   else if (decode && plan.group <= rows_of(Path::kMmaDecode))
-    path = wide ? Path::kMmaDecodeWide : Path::kMmaDecode;
+    path = choice.decode_wide ? Path::kMmaDecodeWide : Path::kMmaDecode;
   else
-    path = Path::kMmaPrefill;
+    path = choice.prefill_wide ? Path::kMmaPrefillWide : Path::kMmaPrefill;
   plan.path = static_cast<int>(path);
 
   const int rows = rows_of(path);

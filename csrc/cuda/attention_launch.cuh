@@ -64,6 +64,8 @@ cudaError_t launch_for_cache(const AttnArgs& a, Path path, int dpad, dim3 grid,
         return launch_mma<QT, CF, D, Path::kMmaDecodeWide>(a, grid, stream);          \
       if (path == Path::kMmaPrefill)                                                  \
         return launch_mma<QT, CF, D, Path::kMmaPrefill>(a, grid, stream);             \
+      if (path == Path::kMmaPrefillWide)                                              \
+        return launch_mma<QT, CF, D, Path::kMmaPrefillWide>(a, grid, stream);         \
     }                                                                                 \
     return cudaErrorInvalidValue;                                                     \
   }

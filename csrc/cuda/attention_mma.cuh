@@ -11,10 +11,14 @@
 //                      head dim 256: 64 / 64 / 32 keys per stage; 2 stages at head dim 128 / 256),
 //                      kept selectable (KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide) for A/B runs.
 //   Path::kMmaPrefill  (WM = 4, WN = 1): 64 rows per CTA (q_tile queries x the group's heads),
-//                      each warp owns 16 rows and walks every key of the tile (64, or 32 for
-//                      head dim 256). Key tiles wholly past the causal
-//                      diagonal or before the sliding window are never loaded; tiles wholly
-//                      visible skip the mask.
+//                      each warp owns 16 rows and walks every key of the tile. "Deep", the
+//                      default: 64 / 32 / 16 keys per stage at head dim 64 / 128 / 256, 16 KiB of
+//                      16-bit K and V (8 KiB raw fp8), 4 stages at every head dim and cache format.
+//                      Key tiles wholly past the causal diagonal or before the sliding window are
+//                      never loaded; tiles wholly visible skip the mask.
+//   Path::kMmaPrefillWide  the same kernel with the first prefill configuration (64 keys per stage,
+//                      32 at head dim 256: 32 KiB stages, 2 of them at head dim 128 / 256), kept
+//                      selectable (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-wide) for A/B runs.
 //
 // Per tile and warp: S = Q K^T with mma.sync.m16n8k16 (A = Q from registers or ldmatrix, B = K
 // via ldmatrix from a swizzled [key][dim] tile), logits scaled / capped / biased / masked in fp32,
@@ -57,10 +61,14 @@ struct MmaCfg {
   static constexpr bool Q_IN_REGS = DPAD <= 128;
   static_assert(SMEM <= kMaxSmem, "shared memory of the tensor-core kernel");
   static_assert(PATH != Path::kMmaDecode || STAGES >= 4, "the deep decode pipeline keeps 4 stages");
+  static_assert(PATH != Path::kMmaPrefill || STAGES >= 4, "the deep prefill pipeline keeps 4 stages");
   // __launch_bounds__ minimum CTAs per SM: for the deep decode kernel, as many as sm_90's 228 KiB of
   // shared memory per SM hold (1 KiB reserved per CTA), so ptxas keeps the registers low enough for
   // them (a cap only at 128 threads: 64 or 32 threads never run out of registers first). The wide
-  // and prefill kernels keep 1 (their first configuration, unchanged for the A/B).
+  // decode and both prefill kernels keep 1 (the first configuration, unchanged for the A/B). The deep
+  // prefill gets 3 CTAs per SM at head dim 64 and 2 at 128 / 256 without a cap; only with an fp8
+  // cache at head dim 128 would shared memory allow 3, which a cap would buy by squeezing a
+  // ~190-register kernel into 168.
   static constexpr int SM90_CTAS = (228 * 1024) / (SMEM + 1024);
   static constexpr int MIN_BLOCKS =
       PATH != Path::kMmaDecode ? 1 : SM90_CTAS < 1 ? 1 : SM90_CTAS > 4 ? 4 : SM90_CTAS;

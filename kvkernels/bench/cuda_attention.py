@@ -11,7 +11,8 @@ Entry point (for the GPU script / the bench CLI)::
 ``run(args=None)`` (``None``: the defaults below) returns plain dicts, JSON-ready:
 
     {"case": "decode bfloat16 b64 ctx4096", "kind": "decode" | "prefill" | "copy", "dtype", "batch",
-     "context", "impl": "kvkernels" | "kvkernels-<variant>" (--decode-variants) | "sdpa-flash-contiguous" |
+     "context", "impl": "kvkernels" | "kvkernels-<variant>" (--decode-variants / --prefill-variants) |
+     "sdpa-flash-contiguous" |
      "flex-paged" | "copy",
      "ms": median milliseconds per call, "gbps": KV-cache bytes of the case / time (decode),
      "fraction_of_copy_bw": gbps / measured copy bandwidth (decode), "tflops" (prefill),
@@ -20,7 +21,7 @@ Entry point (for the GPU script / the bench CLI)::
 
 Cases (issue 6): decode batch {1, 16, 64, 256} x context {1k, 4k, 32k}, 32 query heads / 8 kv heads, head
 dim 128, block 16, bfloat16 and fp8 (e4m3 cache, bfloat16 queries, per-tensor scales); prefill 4096
-queries over 4096 keys, causal, bfloat16. Baselines: the copy bandwidth (``dst.copy_(src)`` of a large
+queries over 4096 keys, causal, bfloat16 (``--attn-prefill-dtypes``: also fp8_e4m3). Baselines: the copy bandwidth (``dst.copy_(src)`` of a large
 buffer, bytes read + written per second), SDPA restricted to the flash backend over a contiguous
 [batch, kv_heads, context, dim] copy of the same K/V (fp8: dequantized to bfloat16 first, outside the
 timing; decode folds the GQA group into the query length, which is exact for one query per sequence),
@@ -37,6 +38,12 @@ flight) and ``wide`` (the first one: 64 keys per stage, 2 stages at head dim 128
 decode case times each named variant on the same data in one process, in alternating batches (A B B A ...),
 as rows ``kvkernels-<variant>`` instead of ``kvkernels``; ``targets`` and ``variant_lines`` report each
 against the targets and against each other.
+
+Prefill variants (``--prefill-variants wide,deep``): the same for the tensor-core prefill kernel's two
+configurations (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-wide / mma-prefill-deep: ``deep``, the default, has 16 KiB
+stages, 4 in flight; ``wide``, the first one, 64 keys per stage, 2 stages at head dim 128): rows
+``kvkernels-<variant>`` of each prefill case, timed in alternating batches on the same data, each against
+SDPA flash (``prefill_variant_lines``).
 
 Timing: each implementation rotates through enough copies of its data that the bytes touched between two
 reuses exceed ``--rotate-mib`` (default 4x a 50 MiB L2), so a case never times an L2-resident cache; the
@@ -85,16 +92,26 @@ def _shapes(text: str) -> list[tuple[int, int]]:
         raise argparse.ArgumentTypeError(f"expected BATCHxCONTEXT[,...], got {text!r}") from None
 
 
-# --decode-variants names -> KVKERNELS_CUDA_ATTN_PATH values (csrc/cuda/attention.cu).
+# --decode-variants / --prefill-variants names -> KVKERNELS_CUDA_ATTN_PATH values (csrc/cuda/attention.cu).
 DECODE_VARIANTS = {"deep": "mma-decode-deep", "wide": "mma-decode-wide"}
+PREFILL_VARIANTS = {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide"}
+PREFILL_DTYPES = ("bfloat16", "fp8_e4m3")
 
 
 def _variants(text: str) -> list[str]:
-    """"wide,deep" -> ["wide", "deep"] (known names, no repeats)."""
+    """"wide,deep" -> ["wide", "deep"] (known names, no repeats; the same names for decode and prefill)."""
     names = [x for x in text.split(",") if x]
     bad = [x for x in names if x not in DECODE_VARIANTS]
     if bad or len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"expected distinct names of {sorted(DECODE_VARIANTS)}, got {text!r}")
+    return names
+
+
+def _prefill_dtypes(text: str) -> list[str]:
+    """"bfloat16,fp8_e4m3" -> ["bfloat16", "fp8_e4m3"] (cache dtypes of the prefill cases)."""
+    names = [x for x in text.split(",") if x]
+    if not names or any(x not in PREFILL_DTYPES for x in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected distinct names of {list(PREFILL_DTYPES)}, got {text!r}")
     return names
 
 
@@ -107,6 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "also with --quick)")
     g.add_argument("--attn-dtypes", default="bfloat16,fp8_e4m3", help="decode cache dtypes")
     g.add_argument("--attn-prefill", type=_ints, default=list(PREFILL), help="queries,context ('' = none)")
+    g.add_argument("--attn-prefill-dtypes", type=_prefill_dtypes, default=["bfloat16"],
+                   help="prefill cache dtypes (bfloat16 queries): bfloat16, fp8_e4m3 (e4m3 cache, per-tensor scale)")
     g.add_argument("--attn-reps", type=int, default=10, help="timed batches per implementation")
     g.add_argument("--attn-min-ms", type=float, default=20.0, help="minimum milliseconds per timed batch")
     g.add_argument("--rotate-mib", type=int, default=200, help="bytes between reuses of one data copy")
@@ -115,6 +134,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-flex", action="store_true", help="skip the FlexAttention baseline (compile time)")
     g.add_argument("--decode-variants", type=_variants, default=[],
                    help="time these configurations of the tensor-core decode kernel (deep: the default, wide: "
+                        "the first one) on the same data, alternating batches: rows kvkernels-<variant>")
+    g.add_argument("--prefill-variants", type=_variants, default=[],
+                   help="time these configurations of the tensor-core prefill kernel (deep: the default, wide: "
                         "the first one) on the same data, alternating batches: rows kvkernels-<variant>")
     g.add_argument("--quick", action="store_true", help="small shapes, few reps (a smoke run)")
 
@@ -388,7 +410,8 @@ def decode_case(dtype_name: str, batch: int, context: int, copy_gbps: float, arg
 
     variants = getattr(args, "decode_variants", None) or []
     if variants:
-        mine_rows = decode_variant_rows(name, dtype_name, batch, context, copies, variants, kernel, check, args)
+        mine_rows = variant_rows(name, "decode", dtype_name, batch, context, copies, variants, DECODE_VARIANTS,
+                                 kernel, check, args)
     else:
         mine_rows = [_row(name, "decode", dtype_name, batch, context, "kvkernels", copies=copies)]
         attempt(mine_rows[0], kernel, args.attn_reps, args.attn_min_ms, check)
@@ -438,18 +461,20 @@ def decode_case(dtype_name: str, batch: int, context: int, copy_gbps: float, arg
     return rows
 
 
-def decode_variant_rows(name: str, dtype_name: str, batch: int, context: int, copies: int, variants: list[str],
-                        kernel: Callable[[int], object], check: Callable, args) -> list[dict]:
-    """One ``kvkernels-<variant>`` row per decode configuration: each checked against the reference, then all
-    timed together by ``time_paired`` (a variant that raises is recorded as skipped, the others still run)."""
+def variant_rows(name: str, kind: str, dtype_name: str, batch: int, context: int, copies: int,
+                 variants: list[str], env_values: dict, kernel: Callable[[int], object], check: Callable,
+                 args, note: str = "") -> list[dict]:
+    """One ``kvkernels-<variant>`` row per kernel configuration (``env_values``: variant ->
+    KVKERNELS_CUDA_ATTN_PATH): each checked against the reference, then all timed together by ``time_paired``
+    (a variant that raises is recorded as skipped, the others still run)."""
     rows, calls = {}, {}
     for v in variants:
-        row = _row(name, "decode", dtype_name, batch, context, f"kvkernels-{v}", copies=copies,
-                   note=f"KVKERNELS_CUDA_ATTN_PATH={DECODE_VARIANTS[v]}; timed in batches alternating with "
+        row = _row(name, kind, dtype_name, batch, context, f"kvkernels-{v}", copies=copies,
+                   note=f"{note}KVKERNELS_CUDA_ATTN_PATH={env_values[v]}; timed in batches alternating with "
                         f"{', '.join(x for x in variants if x != v) or 'nothing'}")
         rows[v] = row
         try:
-            with attn_path_env(DECODE_VARIANTS[v]):
+            with attn_path_env(env_values[v]):
                 out = kernel(0)
                 torch.cuda.synchronize()
             row["max_abs_diff"], row["tolerance"] = check(out)
@@ -461,7 +486,7 @@ def decode_variant_rows(name: str, dtype_name: str, batch: int, context: int, co
     if calls:
         try:
             for v, ms in time_paired(calls, args.attn_reps, args.attn_min_ms,
-                                     lambda v: attn_path_env(DECODE_VARIANTS[v])).items():
+                                     lambda v: attn_path_env(env_values[v])).items():
                 rows[v]["ms"] = ms
         except Exception as error:  # noqa: BLE001
             for v in calls:
@@ -475,10 +500,10 @@ def decode_variant_rows(name: str, dtype_name: str, batch: int, context: int, co
 # ----------------------------------------------------------------------------------------------------
 
 
-def prefill_case(q_len: int, context: int, args, gen: torch.Generator) -> list[dict]:
-    name = f"prefill bfloat16 q{q_len} ctx{context}"
-    dtype = torch.bfloat16
-    layer_bytes = 2 * math.ceil(context / BLOCK) * BLOCK * KV_HEADS * HEAD_DIM * 2
+def prefill_case(q_len: int, context: int, args, gen: torch.Generator, dtype_name: str = "bfloat16") -> list[dict]:
+    name = f"prefill {dtype_name} q{q_len} ctx{context}"
+    dtype = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[dtype_name]
+    layer_bytes = 2 * math.ceil(context / BLOCK) * BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
     copies = rotation_copies(layer_bytes, args.rotate_mib)
     data = Paged(1, context, q_len, dtype, copies, gen)
     qsl = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
@@ -487,17 +512,22 @@ def prefill_case(q_len: int, context: int, args, gen: torch.Generator) -> list[d
     expected = data.reference(1, causal_queries=True)
 
     def check(out):
-        return float((out.float() - expected).abs().max()), TOLERANCE[dtype]
+        return float((out.float() - expected).abs().max()), TOLERANCE[torch.bfloat16]
 
     def kernel(i: int):
         j = i % copies
         return ops.paged_attention(data.query, data.keys[j], data.values[j], data.block_tables, data.seq_lens,
-                                   qsl)[0]
+                                   qsl, k_scale=data.scale, v_scale=data.scale)[0]
 
-    mine = _row(name, "prefill", "bfloat16", 1, context, "kvkernels", copies=copies,
-                note="flops = 4 * head_dim * heads * (query, key) pairs inside the causal mask")
-    attempt(mine, kernel, args.attn_reps, args.attn_min_ms, check)
-    rows = [mine]
+    note = "flops = 4 * head_dim * heads * (query, key) pairs inside the causal mask"
+    variants = getattr(args, "prefill_variants", None) or []
+    if variants:
+        mine_rows = variant_rows(name, "prefill", dtype_name, 1, context, copies, variants, PREFILL_VARIANTS,
+                                 kernel, check, args, note=note + "; ")
+    else:
+        mine_rows = [_row(name, "prefill", dtype_name, 1, context, "kvkernels", copies=copies, note=note)]
+        attempt(mine_rows[0], kernel, args.attn_reps, args.attn_min_ms, check)
+    rows = list(mine_rows)
     if not args.no_baselines:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.attention.bias import causal_lower_right
@@ -505,8 +535,9 @@ def prefill_case(q_len: int, context: int, args, gen: torch.Generator) -> list[d
         vs = [data.dequantized(c) for c in data.values]
         q4 = data.query.transpose(0, 1)[None].contiguous()  # [1, H, Tq, D]
         mask = causal_lower_right(q_len, context) if q_len != context else None
-        sd = _row(name, "prefill", "bfloat16", 1, context, "sdpa-flash-contiguous",
-                  note="causal (lower-right aligned), enable_gqa, contiguous bfloat16 K/V")
+        sd = _row(name, "prefill", dtype_name, 1, context, "sdpa-flash-contiguous",
+                  note="causal (lower-right aligned), enable_gqa, contiguous bfloat16 K/V (fp8: dequantized "
+                       "outside the timing)")
 
         def sdpa(i: int):
             j = i % copies
@@ -522,9 +553,10 @@ def prefill_case(q_len: int, context: int, args, gen: torch.Generator) -> list[d
     for r in rows:
         if r["ms"]:
             r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
-    for r in rows[1:]:
-        if r["ms"] and mine["ms"]:
-            mine["speedup_vs"][r["impl"]] = r["ms"] / mine["ms"]
+    for mine in mine_rows:
+        for r in rows:
+            if r is not mine and r["ms"] and mine["ms"]:
+                mine["speedup_vs"][r["impl"]] = r["ms"] / mine["ms"]
     del data
     torch.cuda.empty_cache()
     return rows
@@ -562,15 +594,17 @@ def run(args: Optional[argparse.Namespace] = None,
             rows += new_rows
             emit(new_rows)
     if args.attn_prefill:
-        new_rows = prefill_case(args.attn_prefill[0], args.attn_prefill[1], args, gen)
-        rows += new_rows
-        emit(new_rows)
+        for dtype_name in getattr(args, "attn_prefill_dtypes", None) or ["bfloat16"]:
+            new_rows = prefill_case(args.attn_prefill[0], args.attn_prefill[1], args, gen, dtype_name)
+            rows += new_rows
+            emit(new_rows)
     return rows
 
 
-def targets(rows: list[dict], impl: str = "kvkernels") -> list[str]:
+def targets(rows: list[dict], impl: str = "kvkernels", prefill_impl: str = "kvkernels") -> list[str]:
     """The issue's targets, evaluated on the rows that exist (a missing case says so), for the decode rows of
-    ``impl`` (``kvkernels``, or ``kvkernels-<variant>`` with --decode-variants) and the prefill rows."""
+    ``impl`` (``kvkernels``, or ``kvkernels-<variant>`` with --decode-variants) and the prefill rows of
+    ``prefill_impl`` (the same with --prefill-variants)."""
     def get(case: str) -> Optional[dict]:
         return next((r for r in rows if r["case"] == case and r["impl"] == impl), None)
 
@@ -586,7 +620,7 @@ def targets(rows: list[dict], impl: str = "kvkernels") -> list[str]:
             if b and b["ms"]:
                 lines.append(f"{r['case']}: fp8 {b['ms'] / r['ms']:.2f}x bfloat16 (target 1.6)")
     for r in rows:
-        if r["kind"] == "prefill" and r["impl"] == "kvkernels":
+        if r["kind"] == "prefill" and r["impl"] == prefill_impl:
             s = r["speedup_vs"].get("sdpa-flash-contiguous")
             lines.append(f"{r['case']}: {'missing' if s is None else f'{s:.2f}'}x SDPA flash (target 0.8)")
     return lines
@@ -611,6 +645,32 @@ def variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
             if r.get("checked") is False:
                 text += " MISMATCH"
             parts.append(text)
+        lines.append(f"{case}: " + ", ".join(parts))
+    return lines
+
+
+def prefill_variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
+    """Per prefill case timed with --prefill-variants: each variant's time and speed against SDPA flash (the
+    issue's 0.8x target), and how much faster each is than the first variant named (same data, one run)."""
+    lines = []
+    for case in dict.fromkeys(r["case"] for r in rows if r.get("kind") == "prefill"):
+        by = {v: next((r for r in rows if r["case"] == case and r["impl"] == f"kvkernels-{v}"), None)
+              for v in variants}
+        parts, base = [], by.get(variants[0])
+        for v, r in by.items():
+            if r is None or not r.get("ms"):
+                parts.append(f"{v} {'missing' if r is None else 'skipped: ' + str(r.get('skipped'))}")
+                continue
+            sdpa = (r.get("speedup_vs") or {}).get("sdpa-flash-contiguous")
+            text = f"{v} {r['ms']:.4f} ms" + (f" ({sdpa:.2f}x SDPA flash)" if sdpa else "")
+            if v != variants[0] and base and base.get("ms"):
+                text += f" = {base['ms'] / r['ms']:.2f}x {variants[0]}"
+            if r.get("checked") is False:
+                text += " MISMATCH"
+            parts.append(text)
+        sd = next((r for r in rows if r["case"] == case and r["impl"] == "sdpa-flash-contiguous"), None)
+        if sd is not None:
+            parts.append(f"sdpa-flash {sd['ms']:.4f} ms" if sd.get("ms") else f"sdpa-flash skipped: {sd.get('skipped')}")
         lines.append(f"{case}: " + ", ".join(parts))
     return lines
 
@@ -641,19 +701,22 @@ def main(argv: Optional[list[str]] = None) -> int:
                 json.dump(done, f, indent=1)
 
     rows = run(args, emit)
-    if args.decode_variants:
-        for v in args.decode_variants:
-            for line in targets(rows, f"kvkernels-{v}"):
-                if not line.startswith("prefill"):
-                    print(f"target: [{v}]", line)
-        for line in targets(rows, "kvkernels"):
+    # Decode target lines per decode variant (or for "kvkernels"; none when no decode case was asked for),
+    # prefill lines per prefill variant.
+    for v in (args.decode_variants or [None]) if any(args.attn_dtypes.split(",")) else []:
+        for line in targets(rows, f"kvkernels-{v}" if v else "kvkernels"):
+            if not line.startswith("prefill"):
+                print(f"target: [{v}]" if v else "target:", line)
+    for v in args.prefill_variants or [None]:
+        for line in targets(rows, prefill_impl=f"kvkernels-{v}" if v else "kvkernels"):
             if line.startswith("prefill"):
-                print("target:", line)
+                print(f"target: [{v}]" if v else "target:", line)
+    if args.decode_variants:
         for line in variant_lines(rows, args.decode_variants):
             print("variant:", line)
-    else:
-        for line in targets(rows):
-            print("target:", line)
+    if args.prefill_variants:
+        for line in prefill_variant_lines(rows, args.prefill_variants):
+            print("variant:", line)
     return 0
 
 

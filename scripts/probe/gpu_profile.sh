@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Nsight Compute profiles of the issue-24 target kernels (decode b64 x 4k bf16 / e4m3, b1 x 32k, prefill
-# 4096, mla_decompress 2k, MLA decode b64 x 4k): for each case, the 3rd launch of each kvkernels kernel
+# 4096 in the deep default and the wide first configuration, mla_decompress 2k, MLA decode b64 x 4k): for each case, the 3rd launch of each kvkernels kernel
 # (warm caches, warm clocks) with the sections that say why a kernel is slow — speed of light (DRAM and
 # SM throughput vs peak), occupancy and its limiter, launch stats (registers, shared memory, waves),
 # memory workload, warp stall reasons. Text in $OUT/profile.txt; one ncu report per case in
@@ -23,7 +23,7 @@ elif ! python3 -c "import torch, kvkernels, sys; sys.exit(0 if torch._C._dispatc
     { echo "build failed"; exit 1; }
 fi
 mkdir -p /tmp/ncu
-for c in decode-bf16-b64-4k decode-e4m3-b64-4k decode-bf16-b1-32k prefill-bf16-4k mla-decompress-2k mla-decode-b64-4k; do
+for c in decode-bf16-b64-4k decode-e4m3-b64-4k decode-bf16-b1-32k prefill-bf16-4k prefill-bf16-4k-wide mla-decompress-2k mla-decode-b64-4k; do
   [ "$(left)" -lt 25 ] && { echo "== deadline: $c and later cases skipped"; break; }
   echo "== $c"
   if [ -z "$NCU" ]; then python3 scripts/probe/profile_cases.py "$c"; continue; fi

@@ -3,6 +3,7 @@ issue-24 target shape, runs the op a few times (warm-up; ncu profiles the launch
 exits; the data are the benchmarks' own (kvkernels.bench.cuda_attention.Paged, cuda_mla.LatentCache).
 ``python profile_cases.py CASE`` — CASE in CASES; on a machine without CUDA it builds nothing and
 says so (exit 0), so the script can be dry-run."""
+import os
 import sys
 
 import torch
@@ -22,7 +23,11 @@ def decode(batch, context, dtype):
                                        data.seq_lens, k_scale=data.scale, v_scale=data.scale)
 
 
-def prefill(tokens):
+def prefill(tokens, path=None):
+    """``path``: KVKERNELS_CUDA_ATTN_PATH for the run (``mma-prefill-wide``: the prefill kernel's first
+    configuration; None: the default, deep)."""
+    if path is not None:
+        os.environ["KVKERNELS_CUDA_ATTN_PATH"] = path
     data = Paged(1, tokens, tokens, torch.bfloat16, 1, gen())
     qsl = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
     return lambda: ops.paged_attention(data.query, data.keys[0], data.values[0], data.block_tables,
@@ -48,6 +53,7 @@ CASES = {
     "decode-e4m3-b64-4k": lambda: decode(64, 4096, torch.float8_e4m3fn),
     "decode-bf16-b1-32k": lambda: decode(1, 32768, torch.bfloat16),
     "prefill-bf16-4k": lambda: prefill(4096),
+    "prefill-bf16-4k-wide": lambda: prefill(4096, "mma-prefill-wide"),
     "mla-decompress-2k": lambda: decompress(2048),
     "mla-decode-b64-4k": lambda: mla_decode(64, 4096),
 }
