@@ -16,6 +16,7 @@
 #include "gather.cuh"
 #include "mla_api.h"
 #include "mla_decompress.cuh"
+#include "mla_decompress_persist.cuh"
 
 namespace kvkernels::mla_cuda {
 namespace {
@@ -153,11 +154,100 @@ cuda::Status launch(DecompressArgs d, const CUtensorMap& wmap, cudaStream_t stre
   return cuda::Status{cudaGetLastError(), nullptr};
 }
 
+// ---- persist (mla_decompress_persist.cuh) ----------------------------------------------------------
+
+// The persist kernel's launch: ring depth and CTAs per SM from the device's shared memory (the most
+// stages, 2..4, that let two CTAs share an SM, else the most that fit one), then the grid: token
+// tiles x column-tile runs, the run length chosen so that the CTAs fill the SMs' slots with the least
+// modelled time (waves x (tiles per CTA + 1): the +1 stands for staging the latent rows, about one
+// column tile's worth of loads), fewer runs on ties (less re-staging).
+template <typename T, typename C>
+cuda::Status launch_persist(DecompressArgs d, int device, cudaStream_t stream) {
+  using Cfg = PersistCfg;
+  const MlaDecompressParams& p = d.p;
+  d.rpad = (p.kv_lora_rank + Cfg::BK - 1) / Cfg::BK * Cfg::BK;
+  const int64_t vec_bytes = std::min<int64_t>(16, 8 * int64_t(sizeof(C)));
+  d.row_vec = aligned(p.kv.k, vec_bytes) && (p.kv.k_stride_block * int64_t(sizeof(C))) % vec_bytes == 0 &&
+              (p.kv.k_stride_slot * int64_t(sizeof(C))) % vec_bytes == 0;
+  d.w_async = aligned(p.w_kv_b, 16);
+  d.pair_out = p.qk_nope_head_dim % 2 == 0 && p.v_head_dim % 2 == 0 && p.rope_dim % 2 == 0 &&
+               aligned(p.key, 4) && aligned(p.value, 4);
+  int sms = 0, optin = 0, per_sm = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+  if (err != cudaSuccess) return cuda::Status{err, nullptr};
+  int stages = 0, ctas = 0;
+  for (int want = 2; want >= 1 && stages == 0; --want)
+    for (int st = Cfg::MAX_STAGES; st >= Cfg::MIN_STAGES; --st) {
+      const int bytes = Cfg::smem(d.rpad, st);
+      if (bytes <= optin && want * (bytes + 1024) <= per_sm) {  // 1 KiB: the runtime's per-CTA share
+        stages = st, ctas = want;
+        break;
+      }
+    }
+  if (stages == 0)
+    return failed("the persist decompress kernel does not fit this device's shared memory per block "
+                  "(KVKERNELS_CUDA_DECOMPRESS=tile64 selects the tile64 kernel)");
+  d.stages = stages;
+  const int64_t m_tiles = (p.num_tokens + Cfg::BM - 1) / Cfg::BM;
+  d.n_tiles = (d.n_total + Cfg::BN - 1) / Cfg::BN;
+  if (m_tiles > 0x7fffffff) return failed("too many tokens for one launch");
+  const int64_t slots = int64_t(std::max(sms, 1)) * ctas;
+  int64_t best_cost = -1;
+  for (int64_t runs = 1; runs <= std::min<int64_t>(d.n_tiles, slots); ++runs) {
+    const int64_t per = (d.n_tiles + runs - 1) / runs;
+    const int64_t used = (d.n_tiles + per - 1) / per;  // runs that get a tile
+    const int64_t waves = (m_tiles * used + slots - 1) / slots;
+    const int64_t cost = waves * (per + 1);
+    if (best_cost < 0 || cost < best_cost) best_cost = cost, d.tiles_per_cta = static_cast<int>(per);
+  }
+  const int64_t grid_y = (d.n_tiles + d.tiles_per_cta - 1) / d.tiles_per_cta;
+  const int smem = Cfg::smem(d.rpad, stages);
+  static std::atomic<int> configured[64] = {};
+  int dev = 0;
+  err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return cuda::Status{err, nullptr};
+  std::atomic<int>& done = configured[dev < 64 ? dev : 63];
+  int have = done.load(std::memory_order_acquire);
+  if (dev >= 64 || smem > have) {
+    err = cudaFuncSetAttribute(mla_decompress_persist_kernel<T, C>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return cuda::Status{err, nullptr};
+    while (have < smem && !done.compare_exchange_weak(have, smem, std::memory_order_acq_rel)) {
+    }
+  }
+  mla_decompress_persist_kernel<T, C>
+      <<<dim3(unsigned(m_tiles), unsigned(grid_y)), Cfg::NT, smem, stream>>>(d);
+  return cuda::Status{cudaGetLastError(), nullptr};
+}
+
+// KVKERNELS_CUDA_DECOMPRESS (read per call): unset, empty or "persist" -> the persist kernel for
+// fp16 / bf16 weights; "tile64" -> the tile64 kernel (cp.async or TMA); nullptr for anything else.
+// float32 weights run the tile64 kernel's CUDA-core path under either value.
+const char* decompress_variant() {
+  const char* v = std::getenv("KVKERNELS_CUDA_DECOMPRESS");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "persist") == 0) return "persist";
+  if (std::strcmp(v, "tile64") == 0) return "tile64";
+  return nullptr;
+}
+
 // Picks the variant. KVKERNELS_CUDA_NO_TMA=1 forces cp.async; KVKERNELS_CUDA_TMA=require makes a
 // launch that would not take TMA on a 9.x device fail with the reason (tests use it to be sure
 // they exercised the TMA path).
 template <typename T, typename C>
-cuda::Status launch_variant(const DecompressArgs& d, int cc_major, int dev, cudaStream_t stream) {
+cuda::Status launch_variant(const DecompressArgs& d, int cc_major, int dev, bool persist,
+                            cudaStream_t stream) {
+  if constexpr (sizeof(T) == 2) {
+    if (persist) {
+      if (env_is("KVKERNELS_CUDA_TMA", "require"))
+        return failed("KVKERNELS_CUDA_TMA=require: the persist kernel has no TMA path "
+                      "(KVKERNELS_CUDA_DECOMPRESS=tile64 selects the tile64 kernel)");
+      return launch_persist<T, C>(d, dev, stream);
+    }
+  }
   CUtensorMap wmap;
   std::memset(&wmap, 0, sizeof(wmap));
   const char* why = nullptr;
@@ -188,6 +278,10 @@ cuda::Status mla_decompress(const MlaDecompressParams& p, int device, int64_t* t
   if (p.num_tokens == 0) return cuda::Status{};
   if (p.kv_lora_rank <= 0 || p.kv_lora_rank % 8 != 0 || p.kv_lora_rank > kMaxValueWidth)
     return failed("kv_lora_rank must be a positive multiple of 8 up to 512");
+  const char* variant = decompress_variant();
+  if (variant == nullptr)
+    return failed("KVKERNELS_CUDA_DECOMPRESS must be persist (the default) or tile64");
+  const bool persist = std::strcmp(variant, "persist") == 0;
   int major = 0;
   cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (err != cudaSuccess) return cuda::Status{err, nullptr};
@@ -205,7 +299,7 @@ cuda::Status mla_decompress(const MlaDecompressParams& p, int device, int64_t* t
   if (err != cudaSuccess) return cuda::Status{err, nullptr};
   return kc::dispatch_float_and_cache(p.w_format, p.kv.format, [&](auto wt, auto ct) {
     return launch_variant<typename decltype(wt)::type, typename decltype(ct)::type>(d, major, device,
-                                                                                    stream);
+                                                                                    persist, stream);
   });
 }
 

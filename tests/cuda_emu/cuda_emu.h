@@ -625,6 +625,7 @@ inline cudaError_t device_get_attribute(int* v, cudaDeviceAttr attr, int) {
     case cudaDevAttrComputeCapabilityMinor: *v = 0; break;
     case cudaDevAttrMaxPitch: *v = INT_MAX; break;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = 227 * 1024; break;
+    case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *v = 228 * 1024; break;
     default: return cudaErrorInvalidValue;
   }
   return cudaSuccess;
