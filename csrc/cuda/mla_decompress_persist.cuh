@@ -8,34 +8,33 @@
 // at N = 4096), and its K loop is only R / 64 = 8 steps long: a 3-stage ring spends a large part of
 // it filling and draining.
 //
-// Here a CTA (256 threads, 8 warps) owns one token tile of BM = 64 rows and a run of
+// Here a CTA (128 threads, 4 warps) owns one token tile of BM = 64 rows and a run of
 // `tiles_per_cta` consecutive column tiles of BN = 128 columns (blockIdx.y picks the run; the
-// launcher sizes the grid to the SMs, mla_decompress.cu):
+// launcher sizes the grid to the SMs' CTA slots, mla_decompress.cu):
 //   1. the first stages - 1 weight K-tiles are put in flight (cp.async), then the latent rows are
-//      staged once into a swizzled [64][R] shared tile by stage_latent (mla_decompress.cuh: the
-//      same gather, fp8 dequant, RMS norm and rounding as tile64) together with this run's share
-//      of the k_pe copies;
+//      staged once into a swizzled [64][R] shared tile by stage_latent (the tile64 kernel's gather,
+//      fp8 dequant, RMS norm and rounding) together with this run's share of the k_pe copies;
 //   2. one continuous stream of weight K-tiles (128 rows x 128 bytes = 16 KiB) runs through a ring
 //      of `stages` buffers (2-4, from the device's shared memory) across the column-tile
 //      boundaries: step s is K-tile s % ktiles of column tile s / ktiles, so the tiles of the next
 //      column tile are already in flight while the last K-steps of the current one are multiplied
-//      and its results stored; the ring never drains until the CTA's last tile;
-//   3. warps 2 (rows) x 4 (columns), 32 x 32 outputs each (mma.sync m16n8k16, ldmatrix.x4 from the
-//      swizzled tiles: mma_warp_32x32, the tile64 kernel's warp loop); after the last K-tile of a
-//      column tile each thread rounds its accumulators once to the weight dtype and stores them
-//      straight from registers into key / value (two adjacent columns per 4-byte store when every
-//      pair lies in one head and one of key / value, else element stores), then starts the next
-//      tile from zero. No shared-memory epilogue: it would need a barrier and a buffer the ring is
-//      still using.
+//      and its results stored; the ring drains only at the CTA's last tile;
+//   3. warps 2 (rows) x 2 (columns) of 32 x 64 outputs (mma.sync m16n8k16 from ldmatrix.x4 of the
+//      swizzled tiles: per 16 of k, 2 A and 4 B loads feed 16 mma, against 2 + 2 for 8 in tile64's
+//      32 x 32 warps, so less shared-memory traffic per mma); after the last K-tile of a column
+//      tile each thread rounds its accumulators once to the weight dtype and stores them straight
+//      from registers into key / value (two adjacent columns per 4-byte store when every pair lies
+//      in one head and one of key / value, else element stores), then starts the next tile from
+//      zero. No shared-memory epilogue: it would need a barrier and a buffer the ring is still using.
 // Shared memory: stages x 16 KiB + 64 x rpad x 2 bytes (R 512: 112 KiB with 3 stages, so two CTAs
-// share an H100 / H200 SM; __launch_bounds__(256, 2) keeps the registers within that).
+// share an H100 / H200 SM; __launch_bounds__(128, 2); ptxas: 150-156 registers, no spills).
 // Per output element the k order of the mma.sync chain is the tile64 kernel's (K-tile by K-tile, 16
-// at a time), so both kernels give the same bits on the same inputs.
+// at a time), so both kernels give the same bits on the same inputs (tested).
 //
-// No TMA here: the weight ring is filled by cp.async from all 256 threads (4 chunks of 16 bytes per
-// thread per K-step, against 32 mma.sync per warp), which keeps one code path for sm_80 and sm_90;
+// No TMA here: the weight ring is filled by cp.async from all 128 threads (8 chunks of 16 bytes per
+// thread per K-step, against 64 mma.sync per warp), which keeps one code path for sm_80 and sm_90;
 // a TMA ring across column tiles would need per-stage mbarrier phase tracking over a runtime number
-// of steps and stages for a copy cost that is already small next to the math.
+// of steps and stages for a copy-issue cost that is already small next to the math.
 #pragma once
 
 #include "mla_decompress.cuh"
@@ -43,10 +42,11 @@
 namespace kvkernels::mla_cuda {
 
 struct PersistCfg {
-  static constexpr int NT = 256;
-  static constexpr int NW = NT / 32;
-  static constexpr int BM = 64;             // tokens per CTA (the latent tile)
-  static constexpr int BN = 128;            // columns per tile: 4 warps x 32
+  static constexpr int NT = 128;
+  static constexpr int NW = NT / 32;        // 2 (rows) x 2 (columns)
+  static constexpr int BM = 64;             // tokens per CTA (the latent tile): 2 warps x 32
+  static constexpr int WN = 64;             // columns per warp
+  static constexpr int BN = 128;            // columns per tile: 2 warps x WN
   static constexpr int BK = 64;             // 16-bit elements per K-tile (one 128-byte row segment)
   static constexpr int W_STAGE = BN * 128;  // bytes per ring buffer
   static constexpr int MIN_STAGES = 2, MAX_STAGES = 4;
@@ -123,12 +123,13 @@ __device__ __forceinline__ void stage_latent(const DecompressArgs& d, char* sa, 
   }
 }
 
-// One K-tile (64 elements of k) of a warp's 32 x 32 output block on mma.sync m16n8k16: rows
+// One K-tile (64 elements of k) of a warp's 32 x (16 NJ) output block on mma.sync m16n8k16: rows
 // m_off.. of the swizzled latent tile (chunk row cpr_a, K-tile kt) times rows n_off.. of the
-// swizzled 64 x 128-byte weight stage at ws_u32. acc[m16 block][n8 tile][4] (PTX C layout).
-template <typename T>
-__device__ __forceinline__ void mma_warp_32x32(float (*acc)[4][4], uint32_t sa_u32, uint32_t ws_u32,
-                                               int cpr_a, int kt, int m_off, int n_off) {
+// swizzled weight stage at ws_u32 (128 bytes a row). acc[m16 block][n8 tile][4] (PTX C layout).
+// Per 16 of k: 2 ldmatrix.x4 of A, NJ of B, 4 NJ mma.sync.
+template <typename T, int NJ>
+__device__ __forceinline__ void mma_warp(float (*acc)[2 * NJ][4], uint32_t sa_u32, uint32_t ws_u32,
+                                         int cpr_a, int kt, int m_off, int n_off) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
@@ -138,7 +139,7 @@ __device__ __forceinline__ void mma_warp_32x32(float (*acc)[4][4], uint32_t sa_u
       ac::ldmatrix_x4(sa_u32 + swz_rt(m_off + mi * 16 + (lane & 15), kt * 8 + 2 * kk + (lane >> 4), cpr_a),
                       af[mi]);
 #pragma unroll
-    for (int nj = 0; nj < 2; ++nj) {
+    for (int nj = 0; nj < NJ; ++nj) {
       uint32_t b[4];
       const int n = n_off + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
       ac::ldmatrix_x4(ws_u32 + swz_rt(n, 2 * kk + ((lane >> 3) & 1), 8), b);
@@ -173,14 +174,14 @@ __device__ __forceinline__ OutCol<T> out_col(const MlaDecompressParams& p, int n
   return o;
 }
 
-// Stores a warp's 32 x 32 accumulator block (rows m0 + m_off.., columns n0 + n_off..), rounded once.
-template <typename T>
-__device__ __forceinline__ void store_warp_32x32(const DecompressArgs& d, float (*acc)[4][4],
-                                                 int64_t m0, int n0) {
+// Stores a warp's 32 x (8 NI) accumulator block (rows m0.., columns n0..), rounded once.
+template <typename T, int NI>
+__device__ __forceinline__ void store_warp(const DecompressArgs& d, float (*acc)[NI][4], int64_t m0,
+                                           int n0) {
   const MlaDecompressParams& p = d.p;
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
 #pragma unroll
-  for (int ni = 0; ni < 4; ++ni) {
+  for (int ni = 0; ni < NI; ++ni) {
     const int c = n0 + ni * 8 + 2 * t4;  // this thread's columns c, c + 1
     if (c >= d.n_total) continue;
     const OutCol<T> o0 = out_col<T>(p, c);
@@ -205,7 +206,7 @@ __device__ __forceinline__ void store_warp_32x32(const DecompressArgs& d, float 
 }
 
 template <typename T, typename C>
-__global__ void __launch_bounds__(256, 2)
+__global__ void __launch_bounds__(PersistCfg::NT, 2)
     mla_decompress_persist_kernel(const __grid_constant__ DecompressArgs d) {
   static_assert(sizeof(T) == 2, "the persist kernel is for fp16 / bf16 weights (tensor cores)");
   using Cfg = PersistCfg;
@@ -244,12 +245,13 @@ __global__ void __launch_bounds__(256, 2)
 
   // 2. The stream of K-steps over this CTA's column tiles.
   const uint32_t sa_u32 = ac::smem_u32(sa);
-  const int wm = warp & 1, wn = warp >> 1;  // 2 x 4 warps of 32 x 32
-  float acc[2][4][4];
+  constexpr int NJ = Cfg::WN / 16, NI = 2 * NJ;  // n16 groups / n8 tiles per warp
+  const int wm = warp & 1, wn = warp >> 1;       // 2 x 2 warps of 32 x WN
+  float acc[2][NI][4];
 #pragma unroll
   for (int i = 0; i < 2; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+    for (int j = 0; j < NI; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
   int tile = 0, kt = 0, buf = 0;
   for (int s = 0; s < steps; ++s) {
     // Groups committed so far: S - 1 + s; step s's is complete when at most S - 2 are pending.
@@ -258,15 +260,15 @@ __global__ void __launch_bounds__(256, 2)
     // ((s - 1) % S = (s + S - 1) % S) the next issue overwrites; first pass: the latent is complete.
     __syncthreads();
     issue_next();
-    mma_warp_32x32<T>(acc, sa_u32, ac::smem_u32(sw + buf * Cfg::W_STAGE), cpr_a, kt, wm * 32, wn * 32);
+    mma_warp<T, NJ>(acc, sa_u32, ac::smem_u32(sw + buf * Cfg::W_STAGE), cpr_a, kt, wm * 32, wn * Cfg::WN);
     if (++buf == S) buf = 0;
     if (++kt == ktiles) {
       // 3. The column tile is complete: store it and start the next one from zero.
-      store_warp_32x32<T>(d, acc, m0 + wm * 32, (tile0 + tile) * BN + wn * 32);
+      store_warp<T, NI>(d, acc, m0 + wm * 32, (tile0 + tile) * BN + wn * Cfg::WN);
 #pragma unroll
       for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+        for (int j = 0; j < NI; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
       kt = 0, ++tile;
     }
   }
