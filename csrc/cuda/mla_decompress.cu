@@ -1,10 +1,16 @@
-// Launcher of the CUDA mla_decompress (mla_decompress.cuh): token starts on the device
-// (token_starts_kernel of gather.cuh), then one GEMM launch over (token tiles, column tiles).
-// Instances: every weight dtype over its own cache dtype and both fp8 formats; fp16 / bf16 weights
-// also have the TMA variant (w_kv_b tiles by the Hopper copy engine), chosen at run time by
-// use_tma() below. The tensor map is encoded on the host for each call (no device work, no
-// allocation: capturable) through cuTensorMapEncodeTiled, looked up once with
-// cudaGetDriverEntryPoint[ByVersion] (libcuda is not linked). Compiled, not run on a GPU.
+// Launcher of the CUDA mla_decompress: token starts on the device (token_starts_kernel of
+// gather.cuh), then one GEMM launch of one of two kernels, chosen per call by
+// KVKERNELS_CUDA_DECOMPRESS (decompress_variant below):
+//   - persist (the default; mla_decompress_persist.cuh): fp16 / bf16 weights; a CTA keeps its latent
+//     tile and streams a run of column tiles; grid sized to the SMs by launch_persist;
+//   - tile64 (mla_decompress.cuh): one CTA per 64 x 64 output tile; the only kernel for float32
+//     weights (CUDA cores), under either value. fp16 / bf16 weights also have its TMA variant
+//     (w_kv_b tiles by the Hopper copy engine), chosen at run time by use_tma() below. The tensor
+//     map is encoded on the host for each call (no device work, no allocation: capturable) through
+//     cuTensorMapEncodeTiled, looked up once with cudaGetDriverEntryPoint[ByVersion] (libcuda is not
+//     linked).
+// Instances: every weight dtype over its own cache dtype and both fp8 formats. tile64 ran on an
+// H200; persist is compiled and emulated, not run on a GPU.
 #include <cuda.h>
 
 #include <algorithm>

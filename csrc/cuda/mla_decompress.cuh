@@ -2,7 +2,9 @@
 // tiled GEMM  C[T, N] = latent[T, R] x w_kv_b[N, R]^T  with N = num_heads * (qk_nope + v_head)
 // (DeepSeek's kv_b_proj layout), whose columns are scattered into key / value by the epilogue.
 // Torch-free; launched by mla_decompress.cu after token_starts_kernel (gather.cuh) has turned
-// seq_lens into cumulative token starts on the device (no host read). Compiled, not run on a GPU.
+// seq_lens into cumulative token starts on the device (no host read). This is the "tile64" kernel
+// (KVKERNELS_CUDA_DECOMPRESS=tile64; ran on an H200): since then fp16 / bf16 weights default to the
+// persist kernel of mla_decompress_persist.cuh, which reuses the helpers above its kernel here.
 //
 // One CTA (128 threads) owns an output tile of BM tokens x 64 columns:
 //   1. prologue: the first STAGES - 1 K-tiles of w_kv_b (64 rows x 128 bytes each) are put in
