@@ -27,7 +27,7 @@
 //      in one head and one of key / value, else element stores), then starts the next tile from
 //      zero. No shared-memory epilogue: it would need a barrier and a buffer the ring is still using.
 // Shared memory: stages x 16 KiB + 64 x rpad x 2 bytes (R 512: 112 KiB with 3 stages, so two CTAs
-// share an H100 / H200 SM; __launch_bounds__(128, 2); ptxas: 150-156 registers, no spills).
+// share an H100 / H200 SM; __launch_bounds__(128, 2); ptxas: 146-148 registers, no spills).
 // Per output element the k order of the mma.sync chain is the tile64 kernel's (K-tile by K-tile, 16
 // at a time), so both kernels give the same bits on the same inputs (tested).
 //
@@ -53,76 +53,88 @@ struct PersistCfg {
   static int smem(int rpad, int stages) { return stages * W_STAGE + BM * rpad * 2; }
 };
 
-// The two helpers below are the tile64 kernel's step 1 (latent staging) and warp K loop, written as
-// functions. The tile64 kernel keeps its inline copies: calling these from it changed its code
-// generation (ptxas, sm_80: a 16-byte stack frame with spills), and it is the A/B baseline.
-
 // Stages the BM latent rows of tokens m0.. into the swizzled [BM][rpad] tile `sa` (weight dtype:
-// fp8 dequantized, RMS-normalised with norm_weight when given, rounded once), zeros for tokens with
-// no valid row, and writes k_pe of heads [h0, h1) of those tokens. Warp w takes rows w, w + NW, ...
+// fp8 dequantized, RMS-normalised with norm_weight when given, rounded once: the tile64 kernel's
+// arithmetic, element for element), zeros for tokens with no valid row, and writes k_pe of heads
+// [h0, h1) of those tokens. Warp w takes rows w, w + NW, ... (BM / NW of them).
+// Unlike tile64's inline loop (one row at a time: the token's sequence search, its block id and its
+// row are three dependent global loads per row), the warp's rows are located at once (lane i finds
+// row i) and read UNROLL at a time, so the loads of several rows are in flight together: with one
+// wave of CTAs (T 2048) nothing else hides this latency at the start of the kernel.
 template <typename T, typename C, int BM, int NW>
 __device__ __forceinline__ void stage_latent(const DecompressArgs& d, char* sa, int64_t m0, int h0,
                                              int h1) {
+  constexpr int RPW = BM / NW, UNROLL = 4;
+  static_assert(RPW <= 32 && RPW % UNROLL == 0, "a lane per row, whole groups of rows");
   const MlaDecompressParams& p = d.p;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int R = p.kv_lora_rank, P = p.rope_dim, dn = p.qk_nope_head_dim, H = p.num_heads;
   const int cpr_a = d.rpad * int(sizeof(T)) / 16;
   const float scale = p.kv.k_scale_of(0);
   const T* nw = static_cast<const T*>(p.norm_weight);
-  for (int r = warp; r < BM; r += NW) {
-    const int64_t t = m0 + r;
-    const C* row = locate_latent<C>(p, t);
-    float x[2][8];
-    float ss = 0.0f;
+  const C* mine = lane < RPW ? locate_latent<C>(p, m0 + warp + int64_t(NW) * lane) : nullptr;
+  const auto mine_bits = reinterpret_cast<unsigned long long>(mine);
+  for (int i0 = 0; i0 < RPW; i0 += UNROLL) {
+    const C* row[UNROLL];
+    float x[UNROLL][2][8];
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int c8 = lane + 32 * j;
-      if (row != nullptr && c8 * 8 < R) {
-        load_latent8(row + c8 * 8, d.row_vec != 0, scale, x[j]);
-      } else {
+    for (int u = 0; u < UNROLL; ++u)
+      row[u] = reinterpret_cast<const C*>(__shfl_sync(0xffffffffu, mine_bits, i0 + u));
 #pragma unroll
-        for (int i = 0; i < 8; ++i) x[j][i] = 0.0f;
-      }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) ss = fmaf(x[j][i], x[j][i], ss);
-    }
-    if (nw != nullptr) {
-#pragma unroll
-      for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-      const float inv = 1.0f / sqrtf(ss / static_cast<float>(R) + p.norm_eps);
+    for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int c8 = lane + 32 * j;
-        if (c8 * 8 >= R) continue;
+        if (row[u] != nullptr && c8 * 8 < R) {
+          load_latent8(row[u] + c8 * 8, d.row_vec != 0, scale, x[u][j]);
+        } else {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) x[j][i] = x[j][i] * inv * kc::to_float(nw[c8 * 8 + i]);
+          for (int i = 0; i < 8; ++i) x[u][j][i] = 0.0f;
+        }
       }
-    }
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int c8 = lane + 32 * j;
-      if (c8 * 8 >= d.rpad) continue;
-      if constexpr (sizeof(T) == 2) {
+    for (int u = 0; u < UNROLL; ++u) {
+      const int r = warp + NW * (i0 + u);
+      const int64_t t = m0 + r;
+      if (nw != nullptr) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) ss = fmaf(x[u][j][i], x[u][j][i], ss);
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+        const float inv = 1.0f / sqrtf(ss / static_cast<float>(R) + p.norm_eps);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int c8 = lane + 32 * j;
+          if (c8 * 8 >= R) continue;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) x[u][j][i] = x[u][j][i] * inv * kc::to_float(nw[c8 * 8 + i]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int c8 = lane + 32 * j;
+        if (c8 * 8 >= d.rpad) continue;
         *reinterpret_cast<uint4*>(sa + swz_rt(r, c8, cpr_a)) =
-            make_uint4(ac::pack2<T>(x[j][0], x[j][1]), ac::pack2<T>(x[j][2], x[j][3]),
-                       ac::pack2<T>(x[j][4], x[j][5]), ac::pack2<T>(x[j][6], x[j][7]));
-      } else {
-        *reinterpret_cast<float4*>(sa + swz_rt(r, 2 * c8, cpr_a)) =
-            make_float4(x[j][0], x[j][1], x[j][2], x[j][3]);
-        *reinterpret_cast<float4*>(sa + swz_rt(r, 2 * c8 + 1, cpr_a)) =
-            make_float4(x[j][4], x[j][5], x[j][6], x[j][7]);
+            make_uint4(ac::pack2<T>(x[u][j][0], x[u][j][1]), ac::pack2<T>(x[u][j][2], x[u][j][3]),
+                       ac::pack2<T>(x[u][j][4], x[u][j][5]), ac::pack2<T>(x[u][j][6], x[u][j][7]));
       }
-    }
-    if (t < p.num_tokens) {
-      T* key = static_cast<T*>(p.key) + t * H * (dn + P) + dn;
-      for (int i = lane; i < P; i += 32) {
-        const T v = kc::from_float<T>(row != nullptr ? latent_to_float(row[R + i]) * scale : 0.0f);
-        for (int h = h0; h < h1; ++h) key[int64_t(h) * (dn + P) + i] = v;
+      if (t < p.num_tokens) {
+        T* key = static_cast<T*>(p.key) + t * H * (dn + P) + dn;
+        for (int i = lane; i < P; i += 32) {
+          const T v = kc::from_float<T>(row[u] != nullptr ? latent_to_float(row[u][R + i]) * scale : 0.0f);
+          for (int h = h0; h < h1; ++h) key[int64_t(h) * (dn + P) + i] = v;
+        }
       }
     }
   }
 }
 
+// The tile64 kernel's warp K loop as a function (the tile64 kernel keeps its inline copy, and its
+// own inline latent staging: calling functions from it changed its code generation - ptxas, sm_80:
+// a 16-byte stack frame with spills - and it is the A/B baseline).
 // One K-tile (64 elements of k) of a warp's 32 x (16 NJ) output block on mma.sync m16n8k16: rows
 // m_off.. of the swizzled latent tile (chunk row cpr_a, K-tile kt) times rows n_off.. of the
 // swizzled weight stage at ws_u32 (128 bytes a row). acc[m16 block][n8 tile][4] (PTX C layout).
