@@ -200,7 +200,8 @@ cuda::Status launch_persist(DecompressArgs d, int device, cudaStream_t stream) {
   d.stages = stages;
   const int64_t m_tiles = (p.num_tokens + Cfg::BM - 1) / Cfg::BM;
   d.n_tiles = (d.n_total + Cfg::BN - 1) / Cfg::BN;
-  if (m_tiles > 0x7fffffff) return failed("too many tokens for one launch");
+  if (m_tiles > 0x7fffffff || d.n_total > 0x7fffffff - Cfg::BN)  // column offsets stay in int
+    return failed("too many tokens / heads for one launch");
   const int64_t slots = int64_t(std::max(sms, 1)) * ctas;
   int64_t best_cost = -1;
   for (int64_t runs = 1; runs <= std::min<int64_t>(d.n_tiles, slots); ++runs) {

@@ -281,7 +281,7 @@ def decompress_variant_lines(rows: list[dict], variants: list[str]) -> list[str]
             if r is None or not r.get("ms"):
                 parts.append(f"{name} {'missing' if r is None else 'skipped: ' + str(r.get('skipped'))}")
                 continue
-            text = f"{name} {r['ms']:.4f} ms ({r['tflops']:.0f} TFLOP/s)" if r.get("tflops") else f"{name} {r['ms']:.4f} ms"
+            text = f"{name} {r['ms']:.4f} ms" + (f" ({r['tflops']:.0f} TFLOP/s)" if r.get("tflops") else "")
             if impl.startswith("kvkernels-") and r is not first and first and first.get("ms"):
                 text += f" = {first['ms'] / r['ms']:.2f}x {variants[0]}"
             if r.get("checked") is False:
