@@ -229,13 +229,14 @@ step_b_sizes() {
   return $rc
 }
 
-# The mla_decompress A/B: the persist kernel (the default) against tile64 (the first) and the torch matmul
-# of the same GEMM on the same latent rows, in one process, alternating batches; T 2048 and 32768 x 16 and
-# 128 heads, bf16 cache first, then fp8 (the cap stops what does not fit; rows are written as each case
-# ends). "variant:" lines give each time and persist's speed-up over tile64.
+# The mla_decompress A/B: the persist kernel (the default) with 64- and 128-row token tiles against tile64
+# (the first) and the torch matmul of the same GEMM on the same latent rows, in one process, alternating
+# batches; T 2048 and 32768 x 16 and 128 heads, bf16 cache first, then fp8 (the cap stops what does not
+# fit; rows are written as each case ends). "variant:" lines give each time and its speed-up over tile64.
 step_b_decomp() {
   bench -m kvkernels.bench.cuda_mla --mla-batches '' --mla-dtypes bfloat16,fp8_e4m3 --mla-heads 16,128 \
-    --mla-decompress-tokens 2048,32768 --decompress-variants tile64,persist --mla-reps 5 --mla-min-ms 10 \
+    --mla-decompress-tokens 2048,32768 --decompress-variants tile64,persist64,persist128 --mla-reps 5 \
+    --mla-min-ms 10 \
     --json "$SCRATCH/results/bench/cuda-mla-decomp-$STAMP.json"
 }
 
@@ -285,7 +286,7 @@ done <<<"$PLAN"
   cat "$SCRATCH/targets-b_targets.txt" 2>/dev/null
   echo "---- decode kernel A/B, wide vs deep (bench.log)"
   cat "$SCRATCH/targets-b_variants.txt" 2>/dev/null
-  echo "---- mla_decompress A/B, tile64 vs persist vs torch matmul (bench.log)"
+  echo "---- mla_decompress A/B, tile64 vs persist64 / persist128 vs torch matmul (bench.log)"
   cat "$SCRATCH/targets-b_decomp.txt" 2>/dev/null
 } | tee -a "$OUT/summary.txt"
 gpu_finish

@@ -11,7 +11,8 @@ attention_binding.cpp), which tests/test_cuda_ops.py, tests/test_cuda_attention.
 parameters of the other tests cover on a GPU (mla_binding.cpp: tests/test_cuda_mla.py).
 
 The MLA kernels (csrc/cuda/mla_*: mla_paged_attention on every path the planner has, SIMT, tensor cores
-16 / 64 rows, with splits and the merge; mla_decompress with its cp.async and TMA weight pipelines) run
+16 / 64 rows, with splits and the merge; mla_decompress's persist kernel with 64- and 128-row token tiles
+and its tile64 kernel with cp.async and TMA weight pipelines) run
 on the emulator too, through kvkernels_emu.mla_* ops that use the real planners and launchers, against
 the float64 reference with tests/test_cuda_mla.py's tolerances; shapes are smaller than the GPU tests'
 where the emulator would be slow (it runs a 64-row CTA of 576-wide rows in about 0.1 s).
@@ -846,13 +847,14 @@ def test_mla_unaligned_cache_rows(emu, dtype, fp8, mla_path):
 # mla_decompress (csrc/cuda/mla_decompress.cu / .cuh): the cp.async weight pipeline
 # ---------------------------------------------------------------------------------------------------
 
-DECOMPRESS_VARIANTS = ("persist", "tile64")
+DECOMPRESS_VARIANTS = ("persist64", "persist128", "tile64")
 
 
 @pytest.fixture(params=DECOMPRESS_VARIANTS)
 def variant(request, monkeypatch):
-    """KVKERNELS_CUDA_DECOMPRESS=<variant>: the persist kernel (the default; float32 weights run tile64's
-    CUDA-core kernel under both) or the tile64 kernel on its cp.async weight pipeline
+    """KVKERNELS_CUDA_DECOMPRESS=<variant>: the persist kernel with 64- or 128-row token tiles (the default,
+    "persist", picks one by the device's shared memory; float32 weights run tile64's CUDA-core kernel under
+    every value) or the tile64 kernel on its cp.async weight pipeline
     (KVKERNELS_CUDA_NO_TMA=1; its TMA pipeline has its own tests below)."""
     monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
     monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "1")
@@ -1011,12 +1013,14 @@ def test_mla_decompress_rounds_the_latent(emu, kernel, monkeypatch):
 # mla_decompress: the persist kernel's work decomposition (csrc/cuda/mla_decompress_persist.cuh)
 # ---------------------------------------------------------------------------------------------------
 
-# With KVKERNELS_EMU_SM_COUNT=1 the launcher sees 2 CTA slots (two CTAs of <= 112 KiB share the emulated
-# 228 KiB SM), and launch_persist's cost model (waves x (column tiles per CTA + 1)) gives:
-#   243 tokens (4 token tiles, the last 51 rows): one run per token tile, so every CTA streams all of
-#     its column tiles through one ring (N = 264: 3 tiles of 128, the last 8 columns wide; N = 200: 2);
-#   53 tokens (1 token tile), N = 552 (5 tiles, the last 40 wide): 2 runs of 3 and 2 tiles, whose CTAs
-#     split the k_pe copies by heads (2 + 1).
+# With KVKERNELS_EMU_SM_COUNT=1 the launcher sees 2 CTA slots for persist64 (two CTAs of <= 112 KiB share
+# the emulated 228 KiB SM) and 1 for persist128, and launch_persist's cost model (waves x (column tiles per
+# CTA + 1)) gives:
+#   243 tokens (persist64: 4 token tiles, the last 51 rows; persist128: 2, the last 115): one run per token
+#     tile, so every CTA streams all of its column tiles through one ring (N = 264: 3 tiles of 128, the
+#     last 8 columns wide; N = 200: 2);
+#   53 tokens (1 token tile), N = 552 (5 tiles, the last 40 wide): persist64 2 runs of 3 and 2 tiles, whose
+#     CTAs split the k_pe copies by heads (2 + 1); persist128 1 run of 5.
 # id: w dtype, cache fp8, R, P, heads, dn, dv, RMSNorm, block size, pass num_tokens
 SEQ_243 = [5, 0, 70, 1, 130, 37]
 PERSIST_CASES = {
@@ -1031,8 +1035,9 @@ PERSIST_CASES = {
 @pytest.mark.parametrize("case,seq_lens", PERSIST_CASES.values(), ids=PERSIST_CASES.keys())
 def test_mla_decompress_persist_equals_tile64(emu, case, seq_lens, monkeypatch):
     """Several column tiles per CTA (the weight ring streaming across tile boundaries), partial last
-    column and token tiles, CTAs of one token tile splitting the k_pe copies: the persist kernel matches
-    the float64 reference and the tile64 kernel bit for bit (the same mma.sync chain per element)."""
+    column and token tiles, CTAs of one token tile splitting the k_pe copies: the persist kernel (64- and
+    128-row token tiles) matches the float64 reference and the tile64 kernel bit for bit (the same
+    mma.sync chain per element)."""
     monkeypatch.setenv("KVKERNELS_EMU_SM_COUNT", "1")
     monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
     monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "1")
@@ -1040,8 +1045,9 @@ def test_mla_decompress_persist_equals_tile64(emu, case, seq_lens, monkeypatch):
     for variant in DECOMPRESS_VARIANTS:
         monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", variant)
         results[variant] = run_emu_decompress(emu, case, seq_lens, seed=71)
-    for i, name in enumerate(("key", "value")):
-        assert_bytes_equal(results["persist"][i], results["tile64"][i], msg=f"{name}: persist vs tile64")
+    for variant in ("persist64", "persist128"):
+        for i, name in enumerate(("key", "value")):
+            assert_bytes_equal(results[variant][i], results["tile64"][i], msg=f"{name}: {variant} vs tile64")
 
 
 @pytest.mark.parametrize("variant", DECOMPRESS_VARIANTS)

@@ -11,8 +11,8 @@ runs the cases of test_mla.py and more (many heads, block size 1, odd head dims,
 num_tokens given or not, zero tokens) and, on sm_90 devices, its TMA weight pipeline against the cp.async
 one (KVKERNELS_CUDA_TMA=require / KVKERNELS_CUDA_NO_TMA=1: partial token, row and column tiles, R 512 and
 200, fp8, norm on / off; both against the reference and bit-identical to each other). Both decompress
-kernels (KVKERNELS_CUDA_DECOMPRESS=persist, the default, and tile64) run those cases, and the persist kernel
-is bit-identical to tile64 on DeepSeek shapes (several column tiles per CTA), odd dims and fp8; tokens past
+kernels (KVKERNELS_CUDA_DECOMPRESS=persist64 / persist128, the persist kernel's two token tiles, and tile64)
+run those cases, and the persist kernel is bit-identical to tile64 on DeepSeek shapes (several column tiles per CTA), odd dims and fp8; tokens past
 sum(seq_lens) are zeros; an unknown variant raises. Then: the absorbed
 formulation equals decompress-then-attend on CUDA, opcheck on CUDA tensors, bad input raises an error
 naming the argument, debug-mode index checks.
@@ -209,13 +209,14 @@ DECOMPRESS_CUDA_CASES = dict(DECOMPRESS_CASES, **{
 })
 
 
-DECOMPRESS_VARIANTS = ("persist", "tile64")
+DECOMPRESS_VARIANTS = ("persist64", "persist128", "tile64")
 
 
 @pytest.fixture(params=DECOMPRESS_VARIANTS)
 def variant(request, monkeypatch):
-    """KVKERNELS_CUDA_DECOMPRESS=<variant>: the persist kernel (the default; float32 weights run tile64's
-    CUDA-core kernel under both) or the tile64 kernel with its default weight pipeline (TMA on sm_90 where
+    """KVKERNELS_CUDA_DECOMPRESS=<variant>: the persist kernel with 64- or 128-row token tiles (the default,
+    "persist", picks one by the device's shared memory; float32 weights run tile64's CUDA-core kernel under
+    every value) or the tile64 kernel with its default weight pipeline (TMA on sm_90 where
     eligible, else cp.async; the TMA tests below force each)."""
     monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
     monkeypatch.delenv("KVKERNELS_CUDA_NO_TMA", raising=False)
@@ -384,16 +385,17 @@ PERSIST_CASES = {
 
 @pytest.mark.parametrize("case,seq_lens", PERSIST_CASES.values(), ids=PERSIST_CASES.keys())
 def test_mla_decompress_persist_equals_tile64(case, seq_lens, monkeypatch):
-    """The persist kernel (KVKERNELS_CUDA_DECOMPRESS=persist) matches the float64 reference and the tile64
-    kernel on cp.async bit for bit: the same mma.sync chain (K-tile by K-tile) per output element."""
+    """The persist kernel (KVKERNELS_CUDA_DECOMPRESS=persist64 / persist128) matches the float64 reference and
+    the tile64 kernel on cp.async bit for bit: the same mma.sync chain (K-tile by K-tile) per output element."""
     monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
     monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "1")
     results = {}
     for variant in DECOMPRESS_VARIANTS:
         monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", variant)
         results[variant] = run_decompress(case, seq_lens, seed=81)
-    for i, name in enumerate(("key", "value")):
-        assert_bytes_equal(results["persist"][i], results["tile64"][i], msg=f"{name}: persist vs tile64")
+    for variant in ("persist64", "persist128"):
+        for i, name in enumerate(("key", "value")):
+            assert_bytes_equal(results[variant][i], results["tile64"][i], msg=f"{name}: {variant} vs tile64")
 
 
 def test_mla_decompress_tokens_past_the_sequences_are_zero(variant, monkeypatch):

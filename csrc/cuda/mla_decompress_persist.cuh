@@ -8,43 +8,55 @@
 // at N = 4096), and its K loop is only R / 64 = 8 steps long: a 3-stage ring spends a large part of
 // it filling and draining.
 //
-// Here a CTA (128 threads, 4 warps) owns one token tile of BM = 64 rows and a run of
-// `tiles_per_cta` consecutive column tiles of BN = 128 columns (blockIdx.y picks the run; the
-// launcher sizes the grid to the SMs' CTA slots, mla_decompress.cu):
+// Here a CTA owns one token tile of BM rows (64: 4 warps; 128: 8 warps) and a run of `tiles_per_cta`
+// consecutive column tiles of BN = 128 columns (blockIdx.y picks the run; the launcher picks BM and
+// sizes the grid to the SMs' CTA slots, mla_decompress.cu):
 //   1. the first stages - 1 weight K-tiles are put in flight (cp.async), then the latent rows are
-//      staged once into a swizzled [64][R] shared tile by stage_latent (the tile64 kernel's gather,
+//      staged once into a swizzled [BM][R] shared tile by stage_latent (the tile64 kernel's gather,
 //      fp8 dequant, RMS norm and rounding) together with this run's share of the k_pe copies;
 //   2. one continuous stream of weight K-tiles (128 rows x 128 bytes = 16 KiB) runs through a ring
 //      of `stages` buffers (2-4, from the device's shared memory) across the column-tile
 //      boundaries: step s is K-tile s % ktiles of column tile s / ktiles, so the tiles of the next
 //      column tile are already in flight while the last K-steps of the current one are multiplied
 //      and its results stored; the ring drains only at the CTA's last tile;
-//   3. warps 2 (rows) x 2 (columns) of 32 x 64 outputs (mma.sync m16n8k16 from ldmatrix.x4 of the
-//      swizzled tiles: per 16 of k, 2 A and 4 B loads feed 16 mma, against 2 + 2 for 8 in tile64's
-//      32 x 32 warps, so less shared-memory traffic per mma); after the last K-tile of a column
-//      tile each thread rounds its accumulators once to the weight dtype and stores them straight
-//      from registers into key / value (two adjacent columns per 4-byte store when every pair lies
-//      in one head and one of key / value, else element stores), then starts the next tile from
-//      zero. No shared-memory epilogue: it would need a barrier and a buffer the ring is still using.
-// Shared memory: stages x 16 KiB + 64 x rpad x 2 bytes (R 512: 112 KiB with 3 stages, so two CTAs
-// share an H100 / H200 SM; __launch_bounds__(128, 2); ptxas: 146-148 registers, no spills).
+//   3. warps BM / 32 (rows) x 2 (columns) of 32 x 64 outputs (mma.sync m16n8k16 from ldmatrix.x4 of
+//      the swizzled tiles: per 16 of k, 2 A and 4 B loads feed 16 mma, against 2 + 2 for 8 in
+//      tile64's 32 x 32 warps, so less shared-memory traffic per mma); after the last K-tile of a
+//      column tile each thread rounds its accumulators once to the weight dtype and stores them
+//      straight from registers into key / value (two adjacent columns per 4-byte store when every
+//      pair lies in one head and one of key / value, else element stores), then starts the next
+//      tile from zero. No shared-memory epilogue: it would need a barrier and a buffer the ring is
+//      still using.
+// BM trades weight traffic against occupancy: every token tile streams all of w_kv_b from L2 (T 2048,
+// 16 heads: 128 MiB at BM 64, 64 MiB at BM 128, against 2 MiB of latent rows), while BM 64 lets two
+// CTAs share an SM (one stages or stalls at a barrier while the other computes).
+// Shared memory: stages x 16 KiB + BM x rpad x 2 bytes. R 512: BM 64 with 3 stages 112 KiB (two CTAs
+// per H100 / H200 SM; __launch_bounds__(128, 2)), BM 128 with 4 stages 192 KiB (one CTA;
+// __launch_bounds__(256, 1)). ptxas: 146-150 registers, no spills.
 // Per output element the k order of the mma.sync chain is the tile64 kernel's (K-tile by K-tile, 16
 // at a time), so both kernels give the same bits on the same inputs (tested).
 //
-// No TMA here: the weight ring is filled by cp.async from all 128 threads (8 chunks of 16 bytes per
-// thread per K-step, against 64 mma.sync per warp), which keeps one code path for sm_80 and sm_90;
-// a TMA ring across column tiles would need per-stage mbarrier phase tracking over a runtime number
-// of steps and stages for a copy-issue cost that is already small next to the math.
+// No TMA here: the weight ring is filled by cp.async from all threads (1024 chunks of 16 bytes per
+// K-step: 8 (BM 64) or 4 (BM 128) per thread, against 64 mma.sync per warp), which keeps one code path
+// for sm_80 and sm_90; a TMA ring across column tiles would need per-stage mbarrier phase tracking
+// over a runtime number of steps and stages for a copy-issue cost that is already small next to the
+// math.
 #pragma once
 
 #include "mla_decompress.cuh"
 
 namespace kvkernels::mla_cuda {
 
+// BM = 64: 4 warps (2 x 2), two CTAs per SM where shared memory allows; BM = 128: 8 warps (4 x 2),
+// one CTA per SM, half the weight traffic per output (every token tile streams all of w_kv_b).
+template <int BM_>
 struct PersistCfg {
-  static constexpr int NT = 128;
-  static constexpr int NW = NT / 32;        // 2 (rows) x 2 (columns)
-  static constexpr int BM = 64;             // tokens per CTA (the latent tile): 2 warps x 32
+  static_assert(BM_ == 64 || BM_ == 128, "token tiles of 64 or 128 rows");
+  static constexpr int BM = BM_;            // tokens per CTA (the latent tile): BM / 32 warps x 32
+  static constexpr int WARPS_M = BM / 32;
+  static constexpr int NW = WARPS_M * 2;    // x 2 warps along the columns
+  static constexpr int NT = NW * 32;
+  static constexpr int MIN_CTAS = BM == 64 ? 2 : 1;  // __launch_bounds__' blocks per SM
   static constexpr int WN = 64;             // columns per warp
   static constexpr int BN = 128;            // columns per tile: 2 warps x WN
   static constexpr int BK = 64;             // 16-bit elements per K-tile (one 128-byte row segment)
@@ -217,11 +229,11 @@ __device__ __forceinline__ void store_warp(const DecompressArgs& d, float (*acc)
   }
 }
 
-template <typename T, typename C>
-__global__ void __launch_bounds__(PersistCfg::NT, 2)
+template <typename T, typename C, int BM_>
+__global__ void __launch_bounds__(PersistCfg<BM_>::NT, PersistCfg<BM_>::MIN_CTAS)
     mla_decompress_persist_kernel(const __grid_constant__ DecompressArgs d) {
   static_assert(sizeof(T) == 2, "the persist kernel is for fp16 / bf16 weights (tensor cores)");
-  using Cfg = PersistCfg;
+  using Cfg = PersistCfg<BM_>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, NT = Cfg::NT, NW = Cfg::NW;
   extern __shared__ __align__(128) unsigned char smem[];
   const MlaDecompressParams& p = d.p;
@@ -258,7 +270,7 @@ __global__ void __launch_bounds__(PersistCfg::NT, 2)
   // 2. The stream of K-steps over this CTA's column tiles.
   const uint32_t sa_u32 = ac::smem_u32(sa);
   constexpr int NJ = Cfg::WN / 16, NI = 2 * NJ;  // n16 groups / n8 tiles per warp
-  const int wm = warp & 1, wn = warp >> 1;       // 2 x 2 warps of 32 x WN
+  const int wm = warp % Cfg::WARPS_M, wn = warp / Cfg::WARPS_M;  // WARPS_M x 2 warps of 32 x WN
   float acc[2][NI][4];
 #pragma unroll
   for (int i = 0; i < 2; ++i)

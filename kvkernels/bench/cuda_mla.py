@@ -19,10 +19,11 @@ Cases:
            normalized, contiguous bfloat16 latent (the GEMM alone, a lower bound for any unfused
            implementation); "speedup_vs" = baseline_ms / kvkernels_ms, "tflops" = 2 T R N / time.
 
-Decompress kernel A/B (``--decompress-variants tile64,persist``): mla_decompress has two CUDA kernels for
-fp16 / bf16 weights, chosen per call by KVKERNELS_CUDA_DECOMPRESS (csrc/cuda/README.md): ``persist`` (the
-default: a CTA keeps its 64-token latent tile and streams many 128-column weight tiles) and ``tile64`` (the
-first: one CTA per 64 x 64 output tile). With the option every decompress case checks each named variant and
+Decompress kernel A/B (``--decompress-variants tile64,persist64,persist128``): mla_decompress has two CUDA
+kernels for fp16 / bf16 weights, chosen per call by KVKERNELS_CUDA_DECOMPRESS (csrc/cuda/README.md):
+``persist`` (the default: a CTA keeps its latent tile and streams many 128-column weight tiles; ``persist64``
+/ ``persist128`` force its 64- or 128-token tile, ``persist`` picks one from the device's shared memory) and
+``tile64`` (the first: one CTA per 64 x 64 output tile). With the option every decompress case checks each named variant and
 times them and the torch matmul in one process on the same data, in alternating batches (A B C, C B A, ...),
 as rows ``kvkernels-<variant>`` and ``torch-matmul``; the matmul's latent is the case's own latent rows,
 gathered, normalized and rounded to bfloat16 beforehand. "variant:" lines give each time and the speed-up of
@@ -59,7 +60,7 @@ FP8_SCALE = 0.05
 SCALE = (NOPE + ROPE) ** -0.5
 DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 # --decompress-variants names = KVKERNELS_CUDA_DECOMPRESS values (csrc/cuda/mla_decompress.cu).
-DECOMPRESS_VARIANTS = ("persist", "tile64")
+DECOMPRESS_VARIANTS = ("persist", "persist64", "persist128", "tile64")
 
 
 def _variants(text: str) -> list[str]:
