@@ -135,9 +135,19 @@ __device__ __forceinline__ void stage_latent(const DecompressArgs& d, char* sa, 
       }
       if (t < p.num_tokens) {
         T* key = static_cast<T*>(p.key) + t * H * (dn + P) + dn;
-        for (int i = lane; i < P; i += 32) {
-          const T v = kc::from_float<T>(row[u] != nullptr ? latent_to_float(row[u][R + i]) * scale : 0.0f);
-          for (int h = h0; h < h1; ++h) key[int64_t(h) * (dn + P) + i] = v;
+        if (d.pair_out) {  // dn, P even, key 4-byte aligned: two elements per store
+          for (int i = 2 * lane; i < P; i += 64) {
+            float a = 0.0f, b = 0.0f;
+            if (row[u] != nullptr)
+              a = latent_to_float(row[u][R + i]) * scale, b = latent_to_float(row[u][R + i + 1]) * scale;
+            const uint32_t v = ac::pack2<T>(a, b);
+            for (int h = h0; h < h1; ++h) *reinterpret_cast<uint32_t*>(key + int64_t(h) * (dn + P) + i) = v;
+          }
+        } else {
+          for (int i = lane; i < P; i += 32) {
+            const T v = kc::from_float<T>(row[u] != nullptr ? latent_to_float(row[u][R + i]) * scale : 0.0f);
+            for (int h = h0; h < h1; ++h) key[int64_t(h) * (dn + P) + i] = v;
+          }
         }
       }
     }
