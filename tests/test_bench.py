@@ -253,8 +253,11 @@ def test_cuda_mla_decompress_variants_options_and_report(capsys, monkeypatch):
     cm.add_arguments(parser)
     assert parser.parse_args(["--decompress-variants", "tile64,persist"]).decompress_variants == ["tile64", "persist"]
     assert parser.parse_args([]).decompress_variants == []
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--decompress-variants", "tile64,tile128"])
+    for bad in ("tile64,tile128", "persist64,persist64"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--decompress-variants", bad])
+    assert parser.parse_args(["--decompress-variants", "tile64,persist64,persist128"]).decompress_variants == [
+        "tile64", "persist64", "persist128"]
     capsys.readouterr()
 
     monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "tile64")

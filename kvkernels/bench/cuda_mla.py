@@ -23,15 +23,16 @@ Decompress kernel A/B (``--decompress-variants tile64,persist64,persist128``): m
 kernels for fp16 / bf16 weights, chosen per call by KVKERNELS_CUDA_DECOMPRESS (csrc/cuda/README.md):
 ``persist`` (the default: a CTA keeps its latent tile and streams many 128-column weight tiles; ``persist64``
 / ``persist128`` force its 64- or 128-token tile, ``persist`` picks one from the device's shared memory) and
-``tile64`` (the first: one CTA per 64 x 64 output tile). With the option every decompress case checks each named variant and
-times them and the torch matmul in one process on the same data, in alternating batches (A B C, C B A, ...),
+``tile64`` (the first: one CTA per 64 x 64 output tile). With the option every decompress case checks each
+named variant and times them and the torch matmul in one process on the same data, in alternating batches
+(A B C, C B A, ...),
 as rows ``kvkernels-<variant>`` and ``torch-matmul``; the matmul's latent is the case's own latent rows,
 gathered, normalized and rounded to bfloat16 beforehand. "variant:" lines give each time and the speed-up of
 every variant over the first named.
 
 Each decode implementation rotates through enough copies of its data that the bytes touched between two reuses
-exceed ``--rotate-mib`` (so no case times an L2-resident cache); the decompress cases use one copy (T = 2048:
-2.4 MiB of latent rows, L2-resident; T = 32768: 37.7 MiB).
+exceed ``--rotate-mib`` (so no case times an L2-resident cache); the decompress cases use one copy (bf16
+latent rows: 2.25 MiB at T = 2048, L2-resident; 36 MiB at T = 32768).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def _variants(text: str) -> list[str]:
     bad = [x for x in names if x not in DECOMPRESS_VARIANTS]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown decompress variant(s) {bad}: choose from {DECOMPRESS_VARIANTS}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"a decompress variant named twice: {names}")
     return names
 
 
