@@ -1050,6 +1050,42 @@ def test_mla_decompress_persist_equals_tile64(emu, case, seq_lens, monkeypatch):
             assert_bytes_equal(results[variant][i], results["tile64"][i], msg=f"{name}: {variant} vs tile64")
 
 
+# (KVKERNELS_EMU_SMEM_OPTIN, KVKERNELS_EMU_SMEM_PER_SM) of a smaller part -> what launch_persist_variant does
+# at R 512 (latent tile 64 KiB at BM 64, 128 KiB at BM 128; ring stages of 16 KiB):
+#   sm_86 / sm_89 (99 / 100 KiB): persist128 does not fit (fails); persist64: 2 stages, one CTA per SM;
+#     persist (auto) takes persist64;
+#   A100 (163 / 164 KiB): persist128: 2 stages (160 KiB); persist64: 4 stages (one CTA); auto: persist64.
+SMALL_SMEM = {"sm86": (99 * 1024, 100 * 1024), "a100": (163 * 1024, 164 * 1024)}
+
+
+@pytest.mark.parametrize("part", SMALL_SMEM.keys())
+def test_mla_decompress_persist_with_less_shared_memory(emu, part, monkeypatch):
+    """The persist kernel's 2- and 4-stage rings (an H100's 227 KiB gives BM 64 3 stages and BM 128 4 at
+    R 512) and its token-tile choice on parts with less shared memory: every kernel that fits matches
+    tile64 bit for bit (several column tiles per CTA); one that does not fit fails, naming the others."""
+    optin, per_sm = SMALL_SMEM[part]
+    monkeypatch.setenv("KVKERNELS_EMU_SMEM_OPTIN", str(optin))
+    monkeypatch.setenv("KVKERNELS_EMU_SMEM_PER_SM", str(per_sm))
+    monkeypatch.setenv("KVKERNELS_EMU_SM_COUNT", "1")
+    monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
+    monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "1")
+    case = (bf16, "e4m3", 512, 64, 3, 48, 40, True, 64, True)
+    monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "tile64")
+    expected = run_emu_decompress(emu, case, SEQ_243, seed=73)
+    variants = ["persist", "persist64"]
+    if part == "sm86":
+        monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "persist128")
+        with pytest.raises(RuntimeError, match=r"persist128 does not fit .*persist64 or tile64"):
+            run_emu_decompress(emu, case, SEQ_243, seed=73)
+    else:
+        variants.append("persist128")
+    for variant in variants:
+        monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", variant)
+        got = run_emu_decompress(emu, case, SEQ_243, seed=73)
+        for i, name in enumerate(("key", "value")):
+            assert_bytes_equal(got[i], expected[i], msg=f"{name}: {variant} vs tile64 on {part}")
+
+
 @pytest.mark.parametrize("variant", DECOMPRESS_VARIANTS)
 def test_mla_decompress_tokens_past_the_sequences_are_zero(emu, variant, monkeypatch):
     """num_tokens > sum(seq_lens) (what a device backend allocates without KVKERNELS_DEBUG): the extra
