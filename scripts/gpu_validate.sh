@@ -3,9 +3,10 @@
 # 520: the device tool runs a command for at most 10 minutes, and a session has 15 minutes of device time,
 # the machine's start included). Builds the extension with the machine's torch and nvcc for sm_90a, checks
 # that every op got a CUDA kernel and that ptxas reports no spills, runs the CUDA tests in priority
-# order, short benchmarks, the two full-size decode targets and the A/B of the decode and prefill kernels'
-# two configurations each (b_variants, b_pvariants), then opcheck / bad input, the torch.compile tests and
-# (t_amx) the CPU's AMX path on the host's own tile unit where it has one, while time remains.
+# order, short benchmarks, the two full-size decode targets, the A/B of the decode and prefill kernels'
+# two configurations each (b_variants, b_pvariants) and of the two mla_decompress kernels (b_decomp),
+# then opcheck / bad input, the torch.compile tests and (t_amx) the CPU's AMX path on the host's own
+# tile unit where it has one, while time remains.
 #
 #   device tool:  command "bash scripts/gpu_validate.sh", timeout_s 600 (add "carry": [".whl"] when
 #                 wheels are carried, see csrc/cuda/README.md)
@@ -258,6 +259,17 @@ step_b_sizes() {
   return $rc
 }
 
+# The mla_decompress A/B: the persist kernel (the default) with 64- and 128-row token tiles against tile64
+# (the first) and the torch matmul of the same GEMM on the same latent rows, in one process, alternating
+# batches; T 2048 and 32768 x 16 and 128 heads, bf16 cache first, then fp8 (the cap stops what does not
+# fit; rows are written as each case ends). "variant:" lines give each time and its speed-up over tile64.
+step_b_decomp() {
+  bench -m kvkernels.bench.cuda_mla --mla-batches '' --mla-dtypes bfloat16,fp8_e4m3 --mla-heads 16,128 \
+    --mla-decompress-tokens 2048,32768 --decompress-variants tile64,persist64,persist128 --mla-reps 5 \
+    --mla-min-ms 10 \
+    --json "$SCRATCH/results/bench/cuda-mla-decomp-$STAMP.json"
+}
+
 # ---- the run ----------------------------------------------------------------------------------------
 
 # name cap(s), in priority order
@@ -278,6 +290,7 @@ b_targets 120
 b_variants 60
 b_pvariants 60
 b_sizes 90
+b_decomp 45
 t_bad 120
 t_compile 150
 t_amx 90"
@@ -307,6 +320,8 @@ done <<<"$PLAN"
   cat "$SCRATCH/targets-b_variants.txt" 2>/dev/null
   echo "---- prefill kernel A/B, wide vs deep vs SDPA flash (bench.log)"
   cat "$SCRATCH/targets-b_pvariants.txt" 2>/dev/null
+  echo "---- mla_decompress A/B, tile64 vs persist64 / persist128 vs torch matmul (bench.log)"
+  cat "$SCRATCH/targets-b_decomp.txt" 2>/dev/null
 } | tee -a "$OUT/summary.txt"
 gpu_finish
 status=$?

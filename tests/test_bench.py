@@ -283,3 +283,54 @@ def test_cuda_attention_prefill_variants_options_and_report(capsys):
                         "bfloat16,fp8_e4m3"]) == 0
         out = capsys.readouterr().out
         assert "no CUDA device" in out and "target: decode" not in out
+
+
+def test_cuda_mla_decompress_variants_options_and_report(capsys, monkeypatch):
+    """kvkernels.bench.cuda_mla --decompress-variants (the GPU script's b_decomp step): the names are checked
+    when parsed; KVKERNELS_CUDA_DECOMPRESS is set inside a variant's batches and restored after them; the
+    report gives each variant's time, its speed-up over the first named and the torch matmul's time, from rows
+    (synthetic here: timing needs a GPU); without a GPU the run says so."""
+    import argparse
+
+    from kvkernels.bench import cuda_mla as cm
+
+    parser = argparse.ArgumentParser()
+    cm.add_arguments(parser)
+    assert parser.parse_args(["--decompress-variants", "tile64,persist"]).decompress_variants == ["tile64", "persist"]
+    assert parser.parse_args([]).decompress_variants == []
+    for bad in ("tile64,tile128", "persist64,persist64"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--decompress-variants", bad])
+    assert parser.parse_args(["--decompress-variants", "tile64,persist64,persist128"]).decompress_variants == [
+        "tile64", "persist64", "persist128"]
+    capsys.readouterr()
+
+    monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "tile64")
+    with cm.decompress_env("persist"):
+        assert cm.os.environ["KVKERNELS_CUDA_DECOMPRESS"] == "persist"
+    with cm.decompress_env(None):  # the torch matmul's batches: unchanged
+        assert cm.os.environ["KVKERNELS_CUDA_DECOMPRESS"] == "tile64"
+    assert cm.os.environ["KVKERNELS_CUDA_DECOMPRESS"] == "tile64"
+    monkeypatch.delenv("KVKERNELS_CUDA_DECOMPRESS")
+    with cm.decompress_env("tile64"):
+        pass
+    assert "KVKERNELS_CUDA_DECOMPRESS" not in cm.os.environ
+
+    def row(case, impl, ms, tflops, checked=True):
+        return dict(case=case, kind="decompress", impl=impl, ms=ms, tflops=tflops, checked=checked, skipped=None)
+
+    a, b = "mla decompress bfloat16 T2048 h16", "mla decompress bfloat16 T2048 h128"
+    rows = [dict(case="copy bandwidth", kind="copy", impl="copy", ms=None),
+            row(a, "kvkernels-tile64", 0.4, 21.5), row(a, "kvkernels-persist", 0.1, 86.0),
+            row(a, "torch-matmul", 0.02, 430.0), row(b, "kvkernels-tile64", 2.0, 34.4),
+            row(b, "kvkernels-persist", 1.0, 68.7, checked=False), row(b, "torch-matmul", None, None)]
+    rows[-1]["skipped"] = "RuntimeError: boom"
+    assert cm.decompress_variant_lines(rows, ["tile64", "persist"]) == [
+        f"{a}: tile64 0.4000 ms (22 TFLOP/s), persist 0.1000 ms (86 TFLOP/s) = 4.00x tile64, "
+        f"torch-matmul 0.0200 ms (430 TFLOP/s)",
+        f"{b}: tile64 2.0000 ms (34 TFLOP/s), persist 1.0000 ms (69 TFLOP/s) = 2.00x tile64 MISMATCH, "
+        f"torch-matmul skipped: RuntimeError: boom"]
+
+    if not torch.cuda.is_available():
+        assert cm.main(["--decompress-variants", "tile64,persist", "--mla-batches", ""]) == 0
+        assert "no CUDA device" in capsys.readouterr().out

@@ -11,7 +11,8 @@ attention_binding.cpp), which tests/test_cuda_ops.py, tests/test_cuda_attention.
 parameters of the other tests cover on a GPU (mla_binding.cpp: tests/test_cuda_mla.py).
 
 The MLA kernels (csrc/cuda/mla_*: mla_paged_attention on every path the planner has, SIMT, tensor cores
-16 / 64 rows, with splits and the merge; mla_decompress with its cp.async and TMA weight pipelines) run
+16 / 64 rows, with splits and the merge; mla_decompress's persist kernel with 64- and 128-row token tiles
+and its tile64 kernel with cp.async and TMA weight pipelines) run
 on the emulator too, through kvkernels_emu.mla_* ops that use the real planners and launchers, against
 the float64 reference with tests/test_cuda_mla.py's tolerances; shapes are smaller than the GPU tests'
 where the emulator would be slow (it runs a 64-row CTA of 576-wide rows in about 0.1 s).
@@ -894,11 +895,19 @@ def test_mla_unaligned_cache_rows(emu, dtype, fp8, mla_path):
 # mla_decompress (csrc/cuda/mla_decompress.cu / .cuh): the cp.async weight pipeline
 # ---------------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def no_tma(monkeypatch):
-    """KVKERNELS_CUDA_NO_TMA=1: the launcher takes the cp.async weight pipeline."""
+DECOMPRESS_VARIANTS = ("persist64", "persist128", "tile64")
+
+
+@pytest.fixture(params=DECOMPRESS_VARIANTS)
+def variant(request, monkeypatch):
+    """KVKERNELS_CUDA_DECOMPRESS=<variant>: the persist kernel with 64- or 128-row token tiles (the default,
+    "persist", picks one by the device's shared memory; float32 weights run tile64's CUDA-core kernel under
+    every value) or the tile64 kernel on its cp.async weight pipeline
+    (KVKERNELS_CUDA_NO_TMA=1; its TMA pipeline has its own tests below)."""
     monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
     monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "1")
+    monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", request.param)
+    return request.param
 
 
 def run_emu_decompress(emu, case, seq_lens, seed=2, w_offset=0):
@@ -947,19 +956,19 @@ MLA_DECOMPRESS_CASES = dict(DECOMPRESS_CASES, **{
 
 
 @pytest.mark.parametrize("case", MLA_DECOMPRESS_CASES.values(), ids=MLA_DECOMPRESS_CASES.keys())
-def test_mla_decompress(emu, case, no_tma):
+def test_mla_decompress(emu, case, variant):
     # 70 + 1 + b + 200 + 5 tokens: partial last token tiles (BM 64 / 32).
     run_emu_decompress(emu, case, [5, 0, 70, 1, case[8], 200])
 
 
 @pytest.mark.parametrize("dtype", [f32, bf16])
-def test_mla_decompress_many_tokens(emu, dtype, no_tma):
+def test_mla_decompress_many_tokens(emu, dtype, variant):
     """More token tiles than one wave, sequences spanning many blocks, a partial last tile."""
     run_emu_decompress(emu, (dtype, None, 512, 64, 2, 32, 32, True, 64, True), [301, 17, 250, 0, 64], seed=9)
 
 
 @pytest.mark.parametrize("with_num_tokens", [False, True])
-def test_mla_decompress_no_tokens(emu, with_num_tokens, no_tma):
+def test_mla_decompress_no_tokens(emu, with_num_tokens, variant):
     from helpers import make_paged_mla
     run_emu_decompress(emu, (bf16, None, 64, 16, 2, 16, 16, True, 16, with_num_tokens), [0, 0, 0])
     mla = make_paged_mla([5], 64, 16, 16, dtype=bf16, seed=3)
@@ -970,7 +979,7 @@ def test_mla_decompress_no_tokens(emu, with_num_tokens, no_tma):
 
 
 @pytest.mark.parametrize("dtype", [f16, bf16, f32])
-def test_mla_decompress_unaligned_weight(emu, dtype, no_tma):
+def test_mla_decompress_unaligned_weight(emu, dtype, variant):
     """w_kv_b at a 1-element offset into its storage: element loads instead of cp.async."""
     run_emu_decompress(emu, (dtype, None, 64, 16, 2, 16, 24, True, 16, False), [9, 40, 3], seed=63, w_offset=1)
 
@@ -994,6 +1003,8 @@ MLA_TMA_SEQ_LENS = [5, 0, 70, 1, 130, 37]
 
 
 def _tma_env(monkeypatch, tma: bool):
+    """The tile64 kernel (the one with a TMA pipeline) with TMA required, or on cp.async."""
+    monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "tile64")
     monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
     monkeypatch.delenv("KVKERNELS_CUDA_NO_TMA", raising=False)
     monkeypatch.setenv("KVKERNELS_CUDA_TMA" if tma else "KVKERNELS_CUDA_NO_TMA", "require" if tma else "1")
@@ -1030,17 +1041,134 @@ def test_mla_decompress_tma_require_float32(emu, monkeypatch):
         run_emu_decompress(emu, (f32, None, 64, 16, 2, 16, 24, False, 16, False), [9, 3])
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["cp.async", "tma"])
-def test_mla_decompress_rounds_the_latent(emu, tma, monkeypatch):
+@pytest.mark.parametrize("kernel", ["persist", "tile64-cp.async", "tile64-tma"])
+def test_mla_decompress_rounds_the_latent(emu, kernel, monkeypatch):
     """docs/ops.md: the normalised latent is rounded to w_kv_b's dtype before the product."""
     from test_mla import check_decompress_rounding
-    _tma_env(monkeypatch, tma)
+    _tma_env(monkeypatch, kernel == "tile64-tma")
+    if kernel == "persist":
+        monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "persist")
+        monkeypatch.delenv("KVKERNELS_CUDA_NO_TMA")
 
     def op(kv_cache, block_tables, seq_lens, w, *, kv_lora_rank, qk_nope_head_dim, v_head_dim, norm_eps,
            norm_weight):
         return emu.mla_decompress(kv_cache, block_tables, seq_lens, w, kv_lora_rank, qk_nope_head_dim, v_head_dim,
                                   norm_weight, norm_eps, None, None)
     check_decompress_rounding(op)
+
+
+# ---------------------------------------------------------------------------------------------------
+# mla_decompress: the persist kernel's work decomposition (csrc/cuda/mla_decompress_persist.cuh)
+# ---------------------------------------------------------------------------------------------------
+
+# With KVKERNELS_EMU_SM_COUNT=1 the launcher sees 2 CTA slots for persist64 (two CTAs of <= 112 KiB share
+# the emulated 228 KiB SM) and 1 for persist128, and launch_persist's cost model (waves x (column tiles per
+# CTA + 1)) gives:
+#   243 tokens (persist64: 4 token tiles, the last 51 rows; persist128: 2, the last 115): one run per token
+#     tile, so every CTA streams all of its column tiles through one ring (N = 264: 3 tiles of 128, the
+#     last 8 columns wide; N = 200: 2);
+#   53 tokens (1 token tile), N = 552 (5 tiles, the last 40 wide): persist64 2 runs of 3 and 2 tiles, whose
+#     CTAs split the k_pe copies by heads (2 + 1); persist128 1 run of 5.
+# id: w dtype, cache fp8, R, P, heads, dn, dv, RMSNorm, block size, pass num_tokens
+SEQ_243 = [5, 0, 70, 1, 130, 37]
+PERSIST_CASES = {
+    "e4m3-bf16-R512-P64-H3-dn48-dv40-norm-b64": ((bf16, "e4m3", 512, 64, 3, 48, 40, True, 64, True), SEQ_243),
+    "f16-R200-P8-H5-dn24-dv16-b16": ((f16, None, 200, 8, 5, 24, 16, False, 16, False), SEQ_243),
+    # dn, dv, P odd: element stores (no pairs); N = 11 x 12 = 132: 2 tiles, the second 4 columns wide.
+    "bf16-R64-P3-H11-dn5-dv7-norm-b1": ((bf16, None, 64, 3, 11, 5, 7, True, 1, True), SEQ_243),
+    "e5m2-bf16-R128-P16-H3-dn96-dv88-b16": ((bf16, "e5m2", 128, 16, 3, 96, 88, False, 16, True), [40, 0, 13]),
+}
+
+
+@pytest.mark.parametrize("case,seq_lens", PERSIST_CASES.values(), ids=PERSIST_CASES.keys())
+def test_mla_decompress_persist_equals_tile64(emu, case, seq_lens, monkeypatch):
+    """Several column tiles per CTA (the weight ring streaming across tile boundaries), partial last
+    column and token tiles, CTAs of one token tile splitting the k_pe copies: the persist kernel (64- and
+    128-row token tiles) matches the float64 reference and the tile64 kernel bit for bit (the same
+    mma.sync chain per element)."""
+    monkeypatch.setenv("KVKERNELS_EMU_SM_COUNT", "1")
+    monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
+    monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "1")
+    results = {}
+    for variant in DECOMPRESS_VARIANTS:
+        monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", variant)
+        results[variant] = run_emu_decompress(emu, case, seq_lens, seed=71)
+    for variant in ("persist64", "persist128"):
+        for i, name in enumerate(("key", "value")):
+            assert_bytes_equal(results[variant][i], results["tile64"][i], msg=f"{name}: {variant} vs tile64")
+
+
+# (KVKERNELS_EMU_SMEM_OPTIN, KVKERNELS_EMU_SMEM_PER_SM) of a smaller part -> what launch_persist_variant does
+# at R 512 (latent tile 64 KiB at BM 64, 128 KiB at BM 128; ring stages of 16 KiB):
+#   sm_86 / sm_89 (99 / 100 KiB): persist128 does not fit (fails); persist64: 2 stages, one CTA per SM;
+#     persist (auto) takes persist64;
+#   A100 (163 / 164 KiB): persist128: 2 stages (160 KiB); persist64: 4 stages (one CTA); auto: persist64.
+SMALL_SMEM = {"sm86": (99 * 1024, 100 * 1024), "a100": (163 * 1024, 164 * 1024)}
+
+
+@pytest.mark.parametrize("part", SMALL_SMEM.keys())
+def test_mla_decompress_persist_with_less_shared_memory(emu, part, monkeypatch):
+    """The persist kernel's 2- and 4-stage rings (an H100's 227 KiB gives BM 64 3 stages and BM 128 4 at
+    R 512) and its token-tile choice on parts with less shared memory: every kernel that fits matches
+    tile64 bit for bit (several column tiles per CTA); one that does not fit fails, naming the others."""
+    optin, per_sm = SMALL_SMEM[part]
+    monkeypatch.setenv("KVKERNELS_EMU_SMEM_OPTIN", str(optin))
+    monkeypatch.setenv("KVKERNELS_EMU_SMEM_PER_SM", str(per_sm))
+    monkeypatch.setenv("KVKERNELS_EMU_SM_COUNT", "1")
+    monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
+    monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "1")
+    case = (bf16, "e4m3", 512, 64, 3, 48, 40, True, 64, True)
+    monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "tile64")
+    expected = run_emu_decompress(emu, case, SEQ_243, seed=73)
+    variants = ["persist", "persist64"]
+    if part == "sm86":
+        monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "persist128")
+        with pytest.raises(RuntimeError, match=r"persist128 does not fit .*persist64 or tile64"):
+            run_emu_decompress(emu, case, SEQ_243, seed=73)
+    else:
+        variants.append("persist128")
+    for variant in variants:
+        monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", variant)
+        got = run_emu_decompress(emu, case, SEQ_243, seed=73)
+        for i, name in enumerate(("key", "value")):
+            assert_bytes_equal(got[i], expected[i], msg=f"{name}: {variant} vs tile64 on {part}")
+
+
+@pytest.mark.parametrize("variant", DECOMPRESS_VARIANTS)
+def test_mla_decompress_tokens_past_the_sequences_are_zero(emu, variant, monkeypatch):
+    """num_tokens > sum(seq_lens) (what a device backend allocates without KVKERNELS_DEBUG): the extra
+    rows are zeros (key and value; k_pe included), the others what num_tokens = sum(seq_lens) gives."""
+    from helpers import make_paged_mla
+    from test_mla import random_weight
+    monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
+    monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "1")
+    monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", variant)
+    r, p, h, dn, dv = 128, 16, 3, 48, 40
+    seq_lens = [30, 0, 41]
+    mla = make_paged_mla(seq_lens, r, p, 16, dtype=bf16, seed=5)
+    w = random_weight(h * (dn + dv), r, bf16, generator(6))
+    t = sum(seq_lens)
+    outs = {n: emu.mla_decompress(mla.kv_cache, mla.block_tables, mla.seq_lens, w, r, dn, dv, None, 1e-6, None, n)
+            for n in (t, t + 70)}
+    for i, name in enumerate(("key", "value")):
+        assert_bytes_equal(outs[t + 70][i][:t], outs[t][i], msg=f"{name}: the tokens of the sequences")
+        extra = outs[t + 70][i][t:]
+        assert torch.equal(extra, torch.zeros_like(extra)), f"{name}: rows past sum(seq_lens)"
+
+
+def test_mla_decompress_variant_errors(emu, monkeypatch):
+    """An unknown KVKERNELS_CUDA_DECOMPRESS raises naming the variable; KVKERNELS_CUDA_TMA=require with the
+    persist kernel (no TMA path) raises saying so."""
+    case = (bf16, None, 64, 16, 2, 16, 24, False, 16, False)
+    monkeypatch.delenv("KVKERNELS_CUDA_NO_TMA", raising=False)
+    monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
+    monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "tile128")
+    with pytest.raises(RuntimeError, match=r"kvkernels\.mla_decompress: .*KVKERNELS_CUDA_DECOMPRESS must be persist"):
+        run_emu_decompress(emu, case, [9, 3])
+    monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "persist")
+    monkeypatch.setenv("KVKERNELS_CUDA_TMA", "require")
+    with pytest.raises(RuntimeError, match=r"the persist kernel has no TMA path"):
+        run_emu_decompress(emu, case, [9, 3])
 
 
 # ---------------------------------------------------------------------------------------------------

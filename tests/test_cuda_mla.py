@@ -10,7 +10,10 @@ long contexts that the planner splits, and a CUDA-graph capture replayed with ne
 runs the cases of test_mla.py and more (many heads, block size 1, odd head dims, norm on / off, fp8,
 num_tokens given or not, zero tokens) and, on sm_90 devices, its TMA weight pipeline against the cp.async
 one (KVKERNELS_CUDA_TMA=require / KVKERNELS_CUDA_NO_TMA=1: partial token, row and column tiles, R 512 and
-200, fp8, norm on / off; both against the reference and bit-identical to each other). Then: the absorbed
+200, fp8, norm on / off; both against the reference and bit-identical to each other). Both decompress
+kernels (KVKERNELS_CUDA_DECOMPRESS=persist64 / persist128, the persist kernel's two token tiles, and tile64)
+run those cases, and the persist kernel is bit-identical to tile64 on DeepSeek shapes (several column tiles per CTA), odd dims and fp8; tokens past
+sum(seq_lens) are zeros; an unknown variant raises. Then: the absorbed
 formulation equals decompress-then-attend on CUDA, opcheck on CUDA tensors, bad input raises an error
 naming the argument, debug-mode index checks.
 
@@ -206,6 +209,21 @@ DECOMPRESS_CUDA_CASES = dict(DECOMPRESS_CASES, **{
 })
 
 
+DECOMPRESS_VARIANTS = ("persist64", "persist128", "tile64")
+
+
+@pytest.fixture(params=DECOMPRESS_VARIANTS)
+def variant(request, monkeypatch):
+    """KVKERNELS_CUDA_DECOMPRESS=<variant>: the persist kernel with 64- or 128-row token tiles (the default,
+    "persist", picks one by the device's shared memory; float32 weights run tile64's CUDA-core kernel under
+    every value) or the tile64 kernel with its default weight pipeline (TMA on sm_90 where
+    eligible, else cp.async; the TMA tests below force each)."""
+    monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
+    monkeypatch.delenv("KVKERNELS_CUDA_NO_TMA", raising=False)
+    monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", request.param)
+    return request.param
+
+
 def run_decompress(case, seq_lens, seed=2):
     dtype, fp8, r, p, h, dn, dv, norm, b, with_num_tokens = case
     gen = generator(seed)
@@ -236,18 +254,18 @@ def run_decompress(case, seq_lens, seed=2):
 
 
 @pytest.mark.parametrize("case", DECOMPRESS_CUDA_CASES.values(), ids=DECOMPRESS_CUDA_CASES.keys())
-def test_mla_decompress(case):
+def test_mla_decompress(case, variant):
     run_decompress(case, [5, 0, 70, 1, case[8], 200])
 
 
 @pytest.mark.parametrize("dtype", [f32, bf16])
-def test_mla_decompress_many_tokens(dtype):
+def test_mla_decompress_many_tokens(dtype, variant):
     """More token tiles than one wave, sequences spanning many blocks, a partial last tile."""
     run_decompress((dtype, None, 512, 64, 4, 64, 64, True, 64, True), [3001, 17, 1000, 0, 64], seed=9)
 
 
 @pytest.mark.parametrize("with_num_tokens", [False, True])
-def test_mla_decompress_no_tokens(with_num_tokens):
+def test_mla_decompress_no_tokens(with_num_tokens, variant):
     run_decompress((bf16, None, 64, 16, 2, 16, 16, True, 16, with_num_tokens), [0, 0, 0])
     # An empty batch.
     mla = make_paged_mla([5], 64, 16, 16, dtype=bf16, seed=3)
@@ -285,8 +303,10 @@ def _require_sm90():
 
 
 def _tma_env(monkeypatch, tma: bool):
-    """KVKERNELS_CUDA_TMA=require (the launch fails, with the reason, unless it takes TMA) or
+    """The tile64 kernel (KVKERNELS_CUDA_DECOMPRESS=tile64: the one with a TMA pipeline) with
+    KVKERNELS_CUDA_TMA=require (the launch fails, with the reason, unless it takes TMA) or
     KVKERNELS_CUDA_NO_TMA=1 (the cp.async path)."""
+    monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "tile64")
     monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
     monkeypatch.delenv("KVKERNELS_CUDA_NO_TMA", raising=False)
     if tma:
@@ -344,6 +364,71 @@ def test_mla_decompress_tma_unaligned_weight(dtype, monkeypatch):
                                                   **kwargs)
     assert_close(key.cpu(), ref_key, dtype, msg="key")
     assert_close(value.cpu(), ref_value, dtype, msg="value")
+
+
+# ----------------------------------------------------------------------------------------------------
+# mla_decompress: the persist kernel against the tile64 kernel
+# ----------------------------------------------------------------------------------------------------
+
+# id: w dtype, cache fp8, R, P, heads, dn, dv, RMSNorm, block size, pass num_tokens; token counts. DeepSeek
+# shapes (N = 4096 and 32768 columns: 32 / 256 column tiles, several per CTA on any GPU), a short batch
+# (one token tile: the column tiles split into runs over many CTAs), N not a multiple of 128, odd dims
+# (element stores), R 200 (a partial last K-tile), fp8 caches.
+PERSIST_CASES = {
+    "bf16-R512-P64-H16-d128-norm-b64": ((bf16, None, 512, 64, 16, 128, 128, True, 64, False), [1500, 0, 70, 555]),
+    "e4m3-bf16-R512-P64-H128-d128-norm-b64": ((bf16, "e4m3", 512, 64, 128, 128, 128, True, 64, True), [300, 37]),
+    "f16-R512-P64-H16-d128-b64-short": ((f16, None, 512, 64, 16, 128, 128, False, 64, True), [20, 3, 17]),
+    "e5m2-bf16-R200-P8-H5-dn24-dv16-b16": ((bf16, "e5m2", 200, 8, 5, 24, 16, False, 16, False), [5, 0, 70, 1, 130, 37]),
+    "f16-R64-P3-H11-dn5-dv7-norm-b1": ((f16, None, 64, 3, 11, 5, 7, True, 1, True), [5, 0, 70, 1, 130, 37]),
+}
+
+
+@pytest.mark.parametrize("case,seq_lens", PERSIST_CASES.values(), ids=PERSIST_CASES.keys())
+def test_mla_decompress_persist_equals_tile64(case, seq_lens, monkeypatch):
+    """The persist kernel (KVKERNELS_CUDA_DECOMPRESS=persist64 / persist128) matches the float64 reference and
+    the tile64 kernel on cp.async bit for bit: the same mma.sync chain (K-tile by K-tile) per output element."""
+    monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
+    monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "1")
+    results = {}
+    for variant in DECOMPRESS_VARIANTS:
+        monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", variant)
+        results[variant] = run_decompress(case, seq_lens, seed=81)
+    for variant in ("persist64", "persist128"):
+        for i, name in enumerate(("key", "value")):
+            assert_bytes_equal(results[variant][i], results["tile64"][i], msg=f"{name}: {variant} vs tile64")
+
+
+def test_mla_decompress_tokens_past_the_sequences_are_zero(variant, monkeypatch):
+    """num_tokens > sum(seq_lens) without KVKERNELS_DEBUG (the output is allocated as num_tokens says):
+    the extra rows are zeros, the others what num_tokens = sum(seq_lens) gives."""
+    monkeypatch.delenv("KVKERNELS_DEBUG", raising=False)
+    r, p, h, dn, dv = 512, 64, 16, 128, 128
+    seq_lens = [100, 0, 41]
+    mla = make_paged_mla(seq_lens, r, p, 64, dtype=bf16, seed=5)
+    w = random_weight(h * (dn + dv), r, bf16, generator(6)).to(DEV)
+    args = (like_on(mla.kv_cache), mla.block_tables.to(DEV), mla.seq_lens.to(DEV), w)
+    kwargs = dict(kv_lora_rank=r, qk_nope_head_dim=dn, v_head_dim=dv)
+    t = sum(seq_lens)
+    exact = [x.cpu() for x in ops.mla_decompress(*args, num_tokens=t, **kwargs)]
+    poison_allocator(4 * (t + 90) * h * (dn + p + dv) * 2)
+    longer = [x.cpu() for x in ops.mla_decompress(*args, num_tokens=t + 90, **kwargs)]
+    for i, name in enumerate(("key", "value")):
+        assert_bytes_equal(longer[i][:t], exact[i], msg=f"{name}: the tokens of the sequences")
+        assert torch.equal(longer[i][t:], torch.zeros_like(longer[i][t:])), f"{name}: rows past sum(seq_lens)"
+
+
+def test_mla_decompress_variant_errors(monkeypatch):
+    """An unknown KVKERNELS_CUDA_DECOMPRESS raises naming the variable; KVKERNELS_CUDA_TMA=require with the
+    persist kernel (no TMA path) raises saying so."""
+    monkeypatch.delenv("KVKERNELS_CUDA_NO_TMA", raising=False)
+    monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
+    monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "tile128")
+    with pytest.raises(RuntimeError, match=r"kvkernels\.mla_decompress: .*KVKERNELS_CUDA_DECOMPRESS must be persist"):
+        run_decompress((bf16, None, 64, 16, 2, 16, 24, False, 16, False), [9, 3])
+    monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "persist")
+    monkeypatch.setenv("KVKERNELS_CUDA_TMA", "require")
+    with pytest.raises(RuntimeError, match=r"the persist kernel has no TMA path"):
+        run_decompress((bf16, None, 64, 16, 2, 16, 24, False, 16, False), [9, 3])
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -43,10 +43,12 @@ cuda::Status launch_mla_attention(const AttentionParams& p, const MlaPlan& plan,
 
 // mla_decompress. p.token_start is ignored: the launcher first fills `token_start_scratch`
 // (device, num_seqs + 1 int64) from p.kv.seq_lens, on the same stream. Needs compute capability
-// 8.0+ (cp.async, bf16 mma) on `device`. fp16 / bf16 weights on a 9.x device take the TMA weight
-// pipeline when eligible (mla_decompress.cu, use_tma); environment overrides:
-// KVKERNELS_CUDA_NO_TMA=1 (always cp.async) and KVKERNELS_CUDA_TMA=require (fail, with the reason,
-// instead of falling back to cp.async).
+// 8.0+ (cp.async, bf16 mma) on `device`. KVKERNELS_CUDA_DECOMPRESS picks the kernel for fp16 / bf16
+// weights: persist (unset or empty: the default; its token tile from the device's shared memory),
+// persist64 / persist128 (that tile) or tile64; any other value fails. tile64 on a 9.x
+// device takes the TMA weight pipeline when eligible (mla_decompress.cu, use_tma); environment
+// overrides: KVKERNELS_CUDA_NO_TMA=1 (always cp.async) and KVKERNELS_CUDA_TMA=require (fail, with the
+// reason, instead of falling back to cp.async; under persist, which has no TMA path, always).
 cuda::Status mla_decompress(const MlaDecompressParams& p, int device, int64_t* token_start_scratch,
                             cudaStream_t stream);
 

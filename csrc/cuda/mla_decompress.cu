@@ -1,10 +1,17 @@
-// Launcher of the CUDA mla_decompress (mla_decompress.cuh): token starts on the device
-// (token_starts_kernel of gather.cuh), then one GEMM launch over (token tiles, column tiles).
-// Instances: every weight dtype over its own cache dtype and both fp8 formats; fp16 / bf16 weights
-// also have the TMA variant (w_kv_b tiles by the Hopper copy engine), chosen at run time by
-// use_tma() below. The tensor map is encoded on the host for each call (no device work, no
-// allocation: capturable) through cuTensorMapEncodeTiled, looked up once with
-// cudaGetDriverEntryPoint[ByVersion] (libcuda is not linked). Compiled, not run on a GPU.
+// Launcher of the CUDA mla_decompress: token starts on the device (token_starts_kernel of
+// gather.cuh), then one GEMM launch of one of two kernels, chosen per call by
+// KVKERNELS_CUDA_DECOMPRESS (decompress_variant below):
+//   - persist (the default; mla_decompress_persist.cuh): fp16 / bf16 weights; a CTA keeps its latent
+//     tile (64 or 128 tokens: launch_persist_variant; persist64 / persist128 force one) and streams a
+//     run of column tiles; grid sized to the SMs by launch_persist;
+//   - tile64 (mla_decompress.cuh): one CTA per 64 x 64 output tile; the only kernel for float32
+//     weights (CUDA cores), under either value. fp16 / bf16 weights also have its TMA variant
+//     (w_kv_b tiles by the Hopper copy engine), chosen at run time by use_tma() below. The tensor
+//     map is encoded on the host for each call (no device work, no allocation: capturable) through
+//     cuTensorMapEncodeTiled, looked up once with cudaGetDriverEntryPoint[ByVersion] (libcuda is not
+//     linked).
+// Instances: every weight dtype over its own cache dtype and both fp8 formats. tile64 ran on an
+// H200; persist is compiled and emulated, not run on a GPU.
 #include <cuda.h>
 
 #include <algorithm>
@@ -16,6 +23,7 @@
 #include "gather.cuh"
 #include "mla_api.h"
 #include "mla_decompress.cuh"
+#include "mla_decompress_persist.cuh"
 
 namespace kvkernels::mla_cuda {
 namespace {
@@ -153,11 +161,134 @@ cuda::Status launch(DecompressArgs d, const CUtensorMap& wmap, cudaStream_t stre
   return cuda::Status{cudaGetLastError(), nullptr};
 }
 
+// ---- persist (mla_decompress_persist.cuh) ----------------------------------------------------------
+
+// Shared memory of the persist kernel with BM-row token tiles: ring depth and CTAs per SM (the most
+// stages, 2..4, that let two CTAs share an SM - BM 64 only: BM 128's launch bounds ask for one -
+// else the most that fit one), or stages = 0 when not even 2 stages fit.
+struct PersistFit {
+  int stages = 0, ctas = 0;
+};
+template <int BM>
+PersistFit persist_fit(int rpad, int optin, int per_sm) {
+  using Cfg = PersistCfg<BM>;
+  PersistFit f;
+  for (int want = Cfg::MIN_CTAS; want >= 1 && f.stages == 0; --want)
+    for (int st = Cfg::MAX_STAGES; st >= Cfg::MIN_STAGES; --st) {
+      const int bytes = Cfg::smem(rpad, st);
+      if (bytes <= optin && want * (bytes + 1024) <= per_sm) {  // 1 KiB: the runtime's per-CTA share
+        f.stages = st, f.ctas = want;
+        break;
+      }
+    }
+  return f;
+}
+
+// The persist kernel's launch: `fit` from persist_fit<BM>, then the grid: token tiles x column-tile
+// runs, the run length chosen so that the CTAs fill the SMs' slots with the least modelled time
+// (waves x (tiles per CTA + 1): the +1 stands for staging the latent rows, about one column tile's
+// worth of loads), fewer runs on ties (less re-staging).
+template <typename T, typename C, int BM>
+cuda::Status launch_persist(DecompressArgs d, PersistFit fit, int sms, cudaStream_t stream) {
+  using Cfg = PersistCfg<BM>;
+  const MlaDecompressParams& p = d.p;
+  d.rpad = (p.kv_lora_rank + Cfg::BK - 1) / Cfg::BK * Cfg::BK;
+  const int64_t vec_bytes = std::min<int64_t>(16, 8 * int64_t(sizeof(C)));
+  d.row_vec = aligned(p.kv.k, vec_bytes) && (p.kv.k_stride_block * int64_t(sizeof(C))) % vec_bytes == 0 &&
+              (p.kv.k_stride_slot * int64_t(sizeof(C))) % vec_bytes == 0;
+  d.w_async = aligned(p.w_kv_b, 16);
+  d.pair_out = p.qk_nope_head_dim % 2 == 0 && p.v_head_dim % 2 == 0 && p.rope_dim % 2 == 0 &&
+               aligned(p.key, 4) && aligned(p.value, 4);
+  d.stages = fit.stages;
+  const int64_t m_tiles = (p.num_tokens + Cfg::BM - 1) / Cfg::BM;
+  d.n_tiles = (d.n_total + Cfg::BN - 1) / Cfg::BN;
+  if (m_tiles > 0x7fffffff || d.n_total > 0x7fffffff - Cfg::BN)  // column offsets stay in int
+    return failed("too many tokens / heads for one launch");
+  const int64_t slots = int64_t(std::max(sms, 1)) * fit.ctas;
+  int64_t best_cost = -1;
+  for (int64_t runs = 1; runs <= std::min<int64_t>(d.n_tiles, slots); ++runs) {
+    const int64_t per = (d.n_tiles + runs - 1) / runs;
+    const int64_t used = (d.n_tiles + per - 1) / per;  // runs that get a tile
+    const int64_t waves = (m_tiles * used + slots - 1) / slots;
+    const int64_t cost = waves * (per + 1);
+    if (best_cost < 0 || cost < best_cost) best_cost = cost, d.tiles_per_cta = static_cast<int>(per);
+  }
+  const int64_t grid_y = (d.n_tiles + d.tiles_per_cta - 1) / d.tiles_per_cta;
+  const int smem = Cfg::smem(d.rpad, fit.stages);
+  static std::atomic<int> configured[64] = {};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return cuda::Status{err, nullptr};
+  std::atomic<int>& done = configured[dev < 64 ? dev : 63];
+  int have = done.load(std::memory_order_acquire);
+  if (dev >= 64 || smem > have) {
+    err = cudaFuncSetAttribute(mla_decompress_persist_kernel<T, C, BM>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return cuda::Status{err, nullptr};
+    while (have < smem && !done.compare_exchange_weak(have, smem, std::memory_order_acq_rel)) {
+    }
+  }
+  mla_decompress_persist_kernel<T, C, BM>
+      <<<dim3(unsigned(m_tiles), unsigned(grid_y)), Cfg::NT, smem, stream>>>(d);
+  return cuda::Status{cudaGetLastError(), nullptr};
+}
+
+// Picks the persist kernel's token tile. `persist` (auto): BM 128 where it gets at least 3 stages
+// (H100 / H200 at R 512: 4 stages, 192 KiB), else BM 64 (A100: 4 stages, 1 CTA; 99-KiB parts: 2
+// stages) - 128 rows halve the weight bytes each output costs (the heaviest stream: every token tile
+// reads all of w_kv_b), at one CTA per SM instead of two. persist64 / persist128 force one (A/B).
+template <typename T, typename C>
+cuda::Status launch_persist_variant(const DecompressArgs& d, int device, int bm, cudaStream_t stream) {
+  int sms = 0, optin = 0, per_sm = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+  if (err != cudaSuccess) return cuda::Status{err, nullptr};
+  const int rpad = (d.p.kv_lora_rank + 63) / 64 * 64;
+  const PersistFit f128 = persist_fit<128>(rpad, optin, per_sm);
+  if (bm == 128 || (bm == 0 && f128.stages >= 3)) {
+    if (f128.stages == 0)
+      return failed("persist128 does not fit this device's shared memory per block "
+                    "(KVKERNELS_CUDA_DECOMPRESS=persist64 or tile64)");
+    return launch_persist<T, C, 128>(d, f128, sms, stream);
+  }
+  const PersistFit f64 = persist_fit<64>(rpad, optin, per_sm);
+  if (f64.stages == 0)
+    return failed("the persist decompress kernel does not fit this device's shared memory per block "
+                  "(KVKERNELS_CUDA_DECOMPRESS=tile64 selects the tile64 kernel)");
+  return launch_persist<T, C, 64>(d, f64, sms, stream);
+}
+
+// KVKERNELS_CUDA_DECOMPRESS (read per call): unset, empty or "persist" -> the persist kernel with its
+// token tile picked by launch_persist_variant (*bm = 0), "persist64" / "persist128" -> that tile
+// (*bm = 64 / 128), "tile64" -> the tile64 kernel (cp.async or TMA; *bm = -1); false for anything
+// else. float32 weights run the tile64 kernel's CUDA-core path under every value.
+bool decompress_variant(int* bm) {
+  const char* v = std::getenv("KVKERNELS_CUDA_DECOMPRESS");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "persist") == 0) *bm = 0;
+  else if (std::strcmp(v, "persist64") == 0) *bm = 64;
+  else if (std::strcmp(v, "persist128") == 0) *bm = 128;
+  else if (std::strcmp(v, "tile64") == 0) *bm = -1;
+  else return false;
+  return true;
+}
+
 // Picks the variant. KVKERNELS_CUDA_NO_TMA=1 forces cp.async; KVKERNELS_CUDA_TMA=require makes a
 // launch that would not take TMA on a 9.x device fail with the reason (tests use it to be sure
 // they exercised the TMA path).
 template <typename T, typename C>
-cuda::Status launch_variant(const DecompressArgs& d, int cc_major, int dev, cudaStream_t stream) {
+cuda::Status launch_variant(const DecompressArgs& d, int cc_major, int dev, int persist_bm,
+                            cudaStream_t stream) {
+  if constexpr (sizeof(T) == 2) {
+    if (persist_bm >= 0) {
+      if (env_is("KVKERNELS_CUDA_TMA", "require"))
+        return failed("KVKERNELS_CUDA_TMA=require: the persist kernel has no TMA path "
+                      "(KVKERNELS_CUDA_DECOMPRESS=tile64 selects the tile64 kernel)");
+      return launch_persist_variant<T, C>(d, dev, persist_bm, stream);
+    }
+  }
   CUtensorMap wmap;
   std::memset(&wmap, 0, sizeof(wmap));
   const char* why = nullptr;
@@ -188,6 +319,9 @@ cuda::Status mla_decompress(const MlaDecompressParams& p, int device, int64_t* t
   if (p.num_tokens == 0) return cuda::Status{};
   if (p.kv_lora_rank <= 0 || p.kv_lora_rank % 8 != 0 || p.kv_lora_rank > kMaxValueWidth)
     return failed("kv_lora_rank must be a positive multiple of 8 up to 512");
+  int persist_bm = 0;
+  if (!decompress_variant(&persist_bm))
+    return failed("KVKERNELS_CUDA_DECOMPRESS must be persist (the default), persist64, persist128 or tile64");
   int major = 0;
   cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (err != cudaSuccess) return cuda::Status{err, nullptr};
@@ -205,7 +339,7 @@ cuda::Status mla_decompress(const MlaDecompressParams& p, int device, int64_t* t
   if (err != cudaSuccess) return cuda::Status{err, nullptr};
   return kc::dispatch_float_and_cache(p.w_format, p.kv.format, [&](auto wt, auto ct) {
     return launch_variant<typename decltype(wt)::type, typename decltype(ct)::type>(d, major, device,
-                                                                                    stream);
+                                                                                    persist_bm, stream);
   });
 }
 

@@ -2,7 +2,9 @@
 // tiled GEMM  C[T, N] = latent[T, R] x w_kv_b[N, R]^T  with N = num_heads * (qk_nope + v_head)
 // (DeepSeek's kv_b_proj layout), whose columns are scattered into key / value by the epilogue.
 // Torch-free; launched by mla_decompress.cu after token_starts_kernel (gather.cuh) has turned
-// seq_lens into cumulative token starts on the device (no host read). Compiled, not run on a GPU.
+// seq_lens into cumulative token starts on the device (no host read). This is the "tile64" kernel
+// (KVKERNELS_CUDA_DECOMPRESS=tile64; ran on an H200): since then fp16 / bf16 weights default to the
+// persist kernel of mla_decompress_persist.cuh, which reuses the helpers above its kernel here.
 //
 // One CTA (128 threads) owns an output tile of BM tokens x 64 columns:
 //   1. prologue: the first STAGES - 1 K-tiles of w_kv_b (64 rows x 128 bytes each) are put in
@@ -54,6 +56,11 @@ struct DecompressArgs {
   int n_total = 0;        // num_heads * (qk_nope_head_dim + v_head_dim)
   int row_vec = 0;        // latent rows allow 8-element vector loads
   int w_async = 0;        // w_kv_b base 16-byte aligned: cp.async (rows always are: R % 8 == 0)
+  // The persist kernel only (mla_decompress_persist.cuh):
+  int stages = 0;         // weight-ring depth (2..4), from the device's shared memory
+  int n_tiles = 0;        // column tiles of PersistCfg::BN columns
+  int tiles_per_cta = 0;  // consecutive column tiles per CTA (blockIdx.y picks the run)
+  int pair_out = 0;       // qk_nope, v, rope even and key / value 4-byte aligned: paired stores
 };
 
 template <typename T>
@@ -140,17 +147,18 @@ __device__ __forceinline__ void load_latent8(const C* src, bool vec, float scale
   for (int i = 0; i < 8; ++i) x[i] = latent_to_float(src[i]) * scale;
 }
 
-// Issues K-tile kt of the CTA's 64 weight rows: row n, 16-byte chunk c -> swizzled slot.
-template <typename T>
+// Issues K-tile kt (128 bytes of each row) of the BN weight rows from n0, by NT threads: row n,
+// 16-byte chunk c -> swizzled slot. Rows past N and chunks past R are zero-filled.
+template <typename T, int BN = DecCfg<T>::BN, int NT = DecCfg<T>::NT>
 __device__ __forceinline__ void issue_w_tile(const DecompressArgs& d, int n0, int kt, char* dst) {
-  using Cfg = DecCfg<T>;
   constexpr int EPC = 16 / int(sizeof(T));  // elements per chunk
+  constexpr int BK = 128 / int(sizeof(T));
   const int R = d.p.kv_lora_rank;
   const T* w = static_cast<const T*>(d.p.w_kv_b);
-  for (int idx = threadIdx.x; idx < Cfg::BN * 8; idx += Cfg::NT) {
+  for (int idx = threadIdx.x; idx < BN * 8; idx += NT) {
     const int n = idx >> 3, c = idx & 7;
     const int64_t row = int64_t(n0) + n;
-    const int k = kt * Cfg::BK + c * EPC;
+    const int k = kt * BK + c * EPC;
     const bool valid = row < d.n_total && k < R;  // R % 8 == 0: a chunk is all in or all out
     const char* src = reinterpret_cast<const char*>(valid ? w + row * R + k : w);
     char* s = dst + (n * 8 + (c ^ (n & 7))) * 16;

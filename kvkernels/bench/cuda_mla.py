@@ -19,22 +19,37 @@ Cases:
            normalized, contiguous bfloat16 latent (the GEMM alone, a lower bound for any unfused
            implementation); "speedup_vs" = baseline_ms / kvkernels_ms, "tflops" = 2 T R N / time.
 
-Each implementation rotates through enough copies of its data that the bytes touched between two reuses
-exceed ``--rotate-mib`` (so no case times an L2-resident cache).
+Decompress kernel A/B (``--decompress-variants tile64,persist64,persist128``): mla_decompress has two CUDA
+kernels for fp16 / bf16 weights, chosen per call by KVKERNELS_CUDA_DECOMPRESS (csrc/cuda/README.md):
+``persist`` (the default: a CTA keeps its latent tile and streams many 128-column weight tiles; ``persist64``
+/ ``persist128`` force its 64- or 128-token tile, ``persist`` picks one from the device's shared memory) and
+``tile64`` (the first: one CTA per 64 x 64 output tile). With the option every decompress case checks each
+named variant and times them and the torch matmul in one process on the same data, in alternating batches
+(A B C, C B A, ...),
+as rows ``kvkernels-<variant>`` and ``torch-matmul``; the matmul's latent is the case's own latent rows,
+gathered, normalized and rounded to bfloat16 beforehand. "variant:" lines give each time and the speed-up of
+every variant over the first named.
+
+Each decode implementation rotates through enough copies of its data that the bytes touched between two reuses
+exceed ``--rotate-mib`` (so no case times an L2-resident cache); the decompress cases use one copy (bf16
+latent rows: 2.25 MiB at T = 2048, L2-resident; 36 MiB at T = 32768).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
 from typing import Callable, Optional
 
 import torch
 
 from kvkernels import ops
-from kvkernels.bench.cuda_attention import _ints, _row, attempt, copy_bandwidth, rotation_copies, row_text
+from kvkernels.bench.cuda_attention import (_ints, _row, attempt, copy_bandwidth, rotation_copies, row_text,
+                                            time_paired)
 
 RANK, ROPE, BLOCK = 512, 64, 64
 NOPE, VDIM = 128, 128
@@ -45,6 +60,34 @@ DECOMPRESS_TOKENS = (4096, 32768)
 FP8_SCALE = 0.05
 SCALE = (NOPE + ROPE) ** -0.5
 DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+# --decompress-variants names = KVKERNELS_CUDA_DECOMPRESS values (csrc/cuda/mla_decompress.cu).
+DECOMPRESS_VARIANTS = ("persist", "persist64", "persist128", "tile64")
+
+
+def _variants(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    bad = [x for x in names if x not in DECOMPRESS_VARIANTS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown decompress variant(s) {bad}: choose from {DECOMPRESS_VARIANTS}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"a decompress variant named twice: {names}")
+    return names
+
+
+@contextlib.contextmanager
+def decompress_env(value: Optional[str]):
+    """KVKERNELS_CUDA_DECOMPRESS = value (None: unchanged) inside the block; the launcher reads it per call."""
+    name = "KVKERNELS_CUDA_DECOMPRESS"
+    before = os.environ.get(name)
+    try:
+        if value is not None:
+            os.environ[name] = value
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mla-heads", type=_ints, default=list(DECODE_HEADS))
     g.add_argument("--mla-dtypes", default="bfloat16,fp8_e4m3", help="latent cache dtypes")
     g.add_argument("--mla-decompress-tokens", type=_ints, default=list(DECOMPRESS_TOKENS))
+    g.add_argument("--decompress-variants", type=_variants, default=[],
+                   help="A/B of the mla_decompress kernels, e.g. tile64,persist (KVKERNELS_CUDA_DECOMPRESS values): "
+                        "each decompress case times them and the torch matmul in alternating batches")
     g.add_argument("--mla-reps", type=int, default=10, help="timed batches per implementation")
     g.add_argument("--mla-min-ms", type=float, default=20.0, help="minimum milliseconds per timed batch")
     g.add_argument("--mla-rotate-mib", type=int, default=200, help="bytes between reuses of one data copy")
@@ -146,8 +192,10 @@ def decompress_case(dtype_name: str, tokens: int, heads: int, args, gen: torch.G
     dtype = DTYPES[dtype_name]
     n = heads * (NOPE + VDIM)
     case = f"mla decompress {dtype_name} T{tokens} h{heads}"
+    variants = getattr(args, "decompress_variants", None) or []
+    impls = [f"kvkernels-{v}" for v in variants] if variants else ["kvkernels"]
     rows = [_row(case, "decompress", dtype_name, 1, tokens, impl, heads=heads)
-            for impl in ("kvkernels", "torch-matmul")]
+            for impl in impls + ["torch-matmul"]]
     out_bytes = tokens * heads * (NOPE + ROPE + VDIM) * 2
     if not _fits(3 * out_bytes + 4 * tokens * (RANK + ROPE) * 4, args):
         for r in rows:
@@ -171,16 +219,80 @@ def decompress_case(dtype_name: str, tokens: int, heads: int, args, gen: torch.G
                    float((kv[..., NOPE:] - value[:256].float()).abs().max()))
         return diff, 5e-2
 
-    attempt(rows[0], call, args.mla_reps, args.mla_min_ms, check)
-    latent = torch.randn(tokens, RANK, generator=gen, device="cuda").to(torch.bfloat16)
-    attempt(rows[1], lambda i: latent @ w.T, args.mla_reps, args.mla_min_ms)
+    base = rows[-1]
+    if variants:
+        decompress_variant_rows(rows, variants, call, check, data, w, norm, tokens, args)
+    else:
+        attempt(rows[0], call, args.mla_reps, args.mla_min_ms, check)
+        latent = torch.randn(tokens, RANK, generator=gen, device="cuda").to(torch.bfloat16)
+        attempt(base, lambda i: latent @ w.T, args.mla_reps, args.mla_min_ms)
     flops = 2.0 * tokens * RANK * n
     for r in rows:
         if r["ms"]:
             r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
-    if rows[0]["ms"] and rows[1]["ms"]:
-        rows[0]["speedup_vs"] = {"torch-matmul": rows[1]["ms"] / rows[0]["ms"]}
+    for r in rows[:-1]:
+        if r["ms"] and base["ms"]:
+            r["speedup_vs"] = {"torch-matmul": base["ms"] / r["ms"]}
     return rows
+
+
+def decompress_variant_rows(rows: list[dict], variants: list[str], call: Callable[[int], object],
+                            check: Callable, data: "LatentCache", w: torch.Tensor, norm: torch.Tensor,
+                            tokens: int, args) -> None:
+    """Fills rows (one per variant, then torch-matmul): each variant checked, then every variant and the
+    matmul timed by ``time_paired`` on the same data (a variant that raises is skipped, the others run).
+    The matmul multiplies this case's latent rows, gathered, normalized and rounded beforehand."""
+    calls, settings = {}, {}
+    for v, row in zip(variants, rows):
+        others = [x for x in variants if x != v] + ["torch-matmul"]
+        row["note"] = (f"KVKERNELS_CUDA_DECOMPRESS={v}; timed in batches alternating with {', '.join(others)}")
+        try:
+            with decompress_env(v):
+                out = call(0)
+                torch.cuda.synchronize()
+            row["max_abs_diff"], row["tolerance"] = check(out)
+            row["checked"] = row["max_abs_diff"] <= row["tolerance"]
+            calls[row["impl"]], settings[row["impl"]] = call, v
+        except Exception as error:  # noqa: BLE001 - one failing variant must not end the run
+            row["skipped"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+            torch.cuda.synchronize()
+    lat = data.rows(0)[:, :RANK]
+    lat = (lat * torch.rsqrt(lat.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.float()).to(torch.bfloat16)
+    rows[-1]["note"] = "latent @ w_kv_b.T on this case's latent rows (gathered, normalized, bfloat16)"
+    calls["torch-matmul"], settings["torch-matmul"] = (lambda i: lat @ w.T), None
+    by_impl = {r["impl"]: r for r in rows}
+    try:
+        for impl, ms in time_paired(calls, args.mla_reps, args.mla_min_ms,
+                                    lambda impl: decompress_env(settings[impl])).items():
+            by_impl[impl]["ms"] = ms
+    except Exception as error:  # noqa: BLE001
+        for impl in calls:
+            by_impl[impl]["skipped"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+        torch.cuda.synchronize()
+
+
+def decompress_variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
+    """Per decompress case timed with --decompress-variants: each variant's time and TFLOP/s, its speed-up over
+    the first variant named, and the torch matmul's time (the A/B of one run, same data)."""
+    lines = []
+    for case in dict.fromkeys(r["case"] for r in rows if r.get("kind") == "decompress"):
+        by = {r["impl"]: r for r in rows if r["case"] == case}
+        first = by.get(f"kvkernels-{variants[0]}")
+        parts = []
+        for impl in [f"kvkernels-{v}" for v in variants] + ["torch-matmul"]:
+            r = by.get(impl)
+            name = impl.replace("kvkernels-", "")
+            if r is None or not r.get("ms"):
+                parts.append(f"{name} {'missing' if r is None else 'skipped: ' + str(r.get('skipped'))}")
+                continue
+            text = f"{name} {r['ms']:.4f} ms" + (f" ({r['tflops']:.0f} TFLOP/s)" if r.get("tflops") else "")
+            if impl.startswith("kvkernels-") and r is not first and first and first.get("ms"):
+                text += f" = {first['ms'] / r['ms']:.2f}x {variants[0]}"
+            if r.get("checked") is False:
+                text += " MISMATCH"
+            parts.append(text)
+        lines.append(f"{case}: " + ", ".join(parts))
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -243,7 +355,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(done, f, indent=1)
 
-    run(args, emit)
+    rows = run(args, emit)
+    if args.decompress_variants:
+        for line in decompress_variant_lines(rows, args.decompress_variants):
+            print("variant:", line)
     return 0
 
 

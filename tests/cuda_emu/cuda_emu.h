@@ -612,8 +612,18 @@ inline cudaError_t get_device(int* d) {
   *d = 0;
   return cudaSuccess;
 }
+// An integer from the environment, or `fallback` when unset or empty.
+inline int env_int(const char* name, int fallback) {
+  const char* e = std::getenv(name);
+  return e && *e ? std::atoi(e) : fallback;
+}
+
 // A small sm_90 part: few SMs so that the attention planner splits the keys of few work items
-// (KVKERNELS_EMU_SM_COUNT overrides; attention.cu caches the value per process).
+// (KVKERNELS_EMU_SM_COUNT overrides; attention.cu caches the value per process). Shared memory as on
+// an H100 / H200 (227 KiB per block opt-in, 228 KiB per SM); KVKERNELS_EMU_SMEM_OPTIN /
+// KVKERNELS_EMU_SMEM_PER_SM (bytes) model smaller parts (mla_decompress.cu reads them per call; the
+// MLA attention planner caches its first answer per process).
+inline int smem_optin() { return env_int("KVKERNELS_EMU_SMEM_OPTIN", 227 * 1024); }
 inline cudaError_t device_get_attribute(int* v, cudaDeviceAttr attr, int) {
   switch (attr) {
     case cudaDevAttrMultiProcessorCount: {
@@ -624,15 +634,16 @@ inline cudaError_t device_get_attribute(int* v, cudaDeviceAttr attr, int) {
     case cudaDevAttrComputeCapabilityMajor: *v = 9; break;
     case cudaDevAttrComputeCapabilityMinor: *v = 0; break;
     case cudaDevAttrMaxPitch: *v = INT_MAX; break;
-    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = 227 * 1024; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = smem_optin(); break;
+    case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *v = env_int("KVKERNELS_EMU_SMEM_PER_SM", 228 * 1024); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaSuccess;
 }
-// Opt-in dynamic shared memory: sm_90 allows 227 KiB per block.
+// Opt-in dynamic shared memory: sm_90 allows 227 KiB per block (or KVKERNELS_EMU_SMEM_OPTIN).
 template <typename K>
 cudaError_t func_set_attribute(K, cudaFuncAttribute attr, int value) {
-  if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize && (value < 0 || value > 227 * 1024))
+  if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize && (value < 0 || value > smem_optin()))
     return cudaErrorInvalidValue;
   return cudaSuccess;
 }
