@@ -84,3 +84,47 @@ def prompts(n: int, length: int, seed: int = 1, shared: int = 0) -> list[list[in
     g = torch.Generator().manual_seed(seed)
     common = torch.randint(3, VOCAB, (shared,), generator=g).tolist()
     return [common + torch.randint(3, VOCAB, (length - shared,), generator=g).tolist() for _ in range(n)]
+
+
+# ---- encoder-only (pooling) models -------------------------------------------------------------------
+
+# BERT (multi-head, learned positions) and a Llama whose config says is_causal=False (vLLM builds its
+# attention as ENCODER_ONLY: bidirectional, GQA 4 / 2 heads). Both are loaded by vLLM with
+# runner="pooling"; pooling needs a tokenizer even for token-id prompts, so a word-piece tokenizer over a
+# made-up vocabulary of VOCAB entries is saved with each.
+ENCODERS = {
+    "bert": (tf.BertConfig, dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=256, max_position_embeddings=512, initializer_range=0.1),
+             tf.BertModel),
+    "llama_bidirectional": (tf.LlamaConfig, dict(COMMON, is_causal=False), tf.LlamaModel),
+}
+
+
+def _save_tokenizer(dest: str) -> None:
+    import tempfile
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(VOCAB - 5)]
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "vocab.txt"), "w") as f:
+            f.write("\n".join(vocab) + "\n")
+        tf.BertTokenizer(os.path.join(tmp, "vocab.txt")).save_pretrained(dest)
+
+
+def save_encoder(kind: str, dest: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> str:
+    """Save the tiny encoder-only ``kind`` model (ENCODERS) with its tokenizer to ``dest`` (once)."""
+    if not os.path.exists(os.path.join(dest, "config.json")):
+        config_cls, settings, model_cls = ENCODERS[kind]
+        config = config_cls(**settings)
+        config.torch_dtype = dtype
+        torch.manual_seed(seed)
+        model_cls(config).eval().to(dtype).save_pretrained(dest)
+        _save_tokenizer(dest)
+    return dest
+
+
+@torch.no_grad()
+def transformers_hidden_states(path: str, prompts: list[list[int]], dtype: torch.dtype = torch.float32):
+    """The last hidden state ``[len, hidden]`` of each prompt (one at a time: no padding) from
+    transformers' own model class for the checkpoint (eager attention)."""
+    model = tf.AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+    return [model(torch.tensor([p])).last_hidden_state[0] for p in prompts]
