@@ -294,10 +294,10 @@ class KVKernelsImpl(AttentionImpl[KVKernelsMetadata]):
         if self.encoder and sliding_window is not None:
             # The selector sends such layers to vLLM's backend: the ops' non-causal window is one-sided.
             raise NotImplementedError("kvkernels vLLM backend: sliding window on an encoder layer")
-        if self.encoder and alibi_slopes is not None:
+        if attn_type != AttentionType.DECODER and alibi_slopes is not None:
             # Bidirectional ALiBi models use -slope * |i - j|; the ops add slope * (j - pos), which grows
-            # for the keys after the query.
-            raise NotImplementedError("kvkernels vLLM backend: ALiBi on an encoder layer")
+            # for the keys after the query (and cross-attention has no common position axis).
+            raise NotImplementedError(f"kvkernels vLLM backend: ALiBi on a {attn_type} layer")
         if not KVKernelsBackend.supports_head_size(head_size):
             raise NotImplementedError(f"kvkernels vLLM backend: head_size {head_size}")
         self.num_heads = num_heads

@@ -242,8 +242,9 @@ def test_decoder_impl_follows_metadata_causal(causal):
 
 def test_unsupported_cases_are_refused():
     """Per-request causal flags (a tensor) are refused by the builder; encoder layers with a sliding
-    window or ALiBi by the impl (the selector sends windowed ones to vLLM's backend; no vLLM 0.32
-    encoder model has ALiBi); a windowed decoder layer in a causal=False step by forward."""
+    window, and encoder or cross-attention layers with ALiBi, by the impl (the selector sends windowed
+    ones to vLLM's backend; no vLLM 0.32 encoder or encoder-decoder model has ALiBi); a windowed decoder
+    layer in a causal=False step by forward."""
     from vllm.v1.attention.backend import AttentionType
 
     from kvkernels.integrations.vllm_backend import KVKernelsImpl
@@ -254,8 +255,9 @@ def test_unsupported_cases_are_refused():
         _builder(None).build(0, common)
     with pytest.raises(NotImplementedError, match="sliding window"):
         KVKernelsImpl(4, 32, 0.1, 2, None, 8, "auto", attn_type=AttentionType.ENCODER_ONLY)
-    with pytest.raises(NotImplementedError, match="ALiBi"):
-        KVKernelsImpl(4, 32, 0.1, 2, [0.5] * 4, None, "auto", attn_type=AttentionType.ENCODER)
+    for attn_type in (AttentionType.ENCODER_ONLY, AttentionType.ENCODER, AttentionType.ENCODER_DECODER):
+        with pytest.raises(NotImplementedError, match="ALiBi"):
+            KVKernelsImpl(4, 32, 0.1, 2, [0.5] * 4, None, "auto", attn_type=attn_type)
     with pytest.raises(NotImplementedError, match="attention type"):
         KVKernelsImpl(4, 32, 0.1, 2, None, None, "auto", attn_type="no such type")
     impl = KVKernelsImpl(4, 32, 0.1, 2, None, 8, "auto")
