@@ -304,3 +304,61 @@ def test_compiled_noncausal_prefill_has_no_graph_break():
         out, lse = compiled(query, causal)
         want_out, want_lse = step(query, causal)
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+# The vLLM backend's encoder layers (kvkernels/integrations/vllm_backend.py) attend the step's own
+# contiguous key/value [T, Hkv, D] without copying them into a cache: key.unsqueeze(1) is a cache of block
+# size 1 (token t is block t) and row i of the block table lists sequence i's token indices.
+def own_kv_call(q, key, value, lens, **kw):
+    qsl = query_start_loc(lens)
+    width = max(max(lens), 1)
+    table = qsl[:-1, None] + torch.arange(width, dtype=torch.int32)[None, :]  # past a length: never read
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return ops.paged_attention(q, key.unsqueeze(1), value.unsqueeze(1), table, seq_lens, qsl, causal=False,
+                               **kw), qsl
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d", [(f32, 4, 2, 64), (bf16, 8, 2, 128), (f16, 4, 4, 32)],
+                         ids=["f32-gqa", "bf16-gqa", "f16-mha"])
+def test_encoder_over_own_kv_as_block_size_1_cache(isa, dtype, hq, hkv, d):
+    """Bidirectional self-attention over the step's own K/V presented as a block-size-1 cache equals
+    unmasked softmax attention per sequence in float64 (GQA, a one-token and a 70-token sequence: the
+    tile kernels), on every CPU ISA path; key/value are strided slices of one qkv buffer, as in vLLM."""
+    gen = generator(61)
+    lens = [37, 1, 70, 5]
+    total = sum(lens)
+    qkv = randn(total, (hq + 2 * hkv) * d, gen=gen, dtype=dtype)
+    q, key, value = (t.view(total, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=1))
+    assert not key.is_contiguous()
+    (out, lse), qsl = own_kv_call(q, key, value, lens, soft_cap=0.0)
+    group = hq // hkv
+    for s in range(len(lens)):
+        a, e = int(qsl[s]), int(qsl[s + 1])
+        k = upcast(key[a:e]).repeat_interleave(group, dim=1).transpose(0, 1)
+        v = upcast(value[a:e]).repeat_interleave(group, dim=1).transpose(0, 1)
+        want = torch.nn.functional.scaled_dot_product_attention(upcast(q[a:e]).transpose(0, 1), k, v)
+        assert_close(out[a:e], want.transpose(0, 1), dtype, msg=f"sequence {s}")
+        logits = upcast(q[a:e]).transpose(0, 1) @ k.transpose(1, 2) * d ** -0.5
+        assert_close(lse[a:e], torch.logsumexp(logits, -1).transpose(0, 1), f32, msg=f"lse of sequence {s}")
+
+
+def test_compiled_encoder_over_own_kv_has_no_graph_break():
+    """The block-size-1 view, the token table and causal=False trace with fullgraph=True and dynamic
+    shapes: a second batch of other lengths runs the same graph (no recompile)."""
+    from torch._dynamo.testing import CompileCounter
+
+    def step(q, key, value, qsl, seq_lens, width):
+        table = qsl[:-1, None] + torch.arange(width, dtype=torch.int32)[None, :]
+        return ops.paged_attention(q, key.unsqueeze(1), value.unsqueeze(1), table, seq_lens, qsl, causal=False)
+
+    counter = CompileCounter()
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend=counter)
+    gen = generator(62)
+    for lens in ([9, 30, 4], [17, 2, 40, 6]):
+        total = sum(lens)
+        # 8 query heads: no size of the first batch equals another's (duck sizing would tie them).
+        q, key, value = randn(total, 8, 32, gen=gen), randn(total, 2, 32, gen=gen), randn(total, 2, 32, gen=gen)
+        args = (q, key, value, query_start_loc(lens), torch.tensor(lens, dtype=torch.int32), max(lens))
+        got, want = compiled(*args), step(*args)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert counter.frame_count == 1, f"compiled {counter.frame_count} times"

@@ -28,9 +28,16 @@ Selection. vLLM asks its platform for each attention layer's backend
 whatever was asked for, and the CUDA platform raises for a selected backend that cannot serve a
 layer. ``register()`` therefore wraps that classmethod of the current platform: when ``CUSTOM`` is
 selected and points to this backend, a layer the backend can serve gets it, and any other layer
-(encoder, cross-attention, MLA, sparse, per-head fp8 scales, a KV connector, batch invariance, a head
-size or dtype the kernels do not take) gets what the platform picks on its own, with the reason
-logged. Every other call goes to the platform's own method unchanged.
+(MLA, sparse, per-head fp8 scales, a KV connector, batch invariance, a head size or dtype the kernels
+do not take, a sliding window on a non-causal layer) gets what the platform picks on its own, with the
+reason logged. Every other call goes to the platform's own method unchanged.
+
+Layer types served (``kvkernels.integrations.vllm_backend``): decoder self-attention (``DECODER``, causal,
+or ``causal=False`` when the step's metadata says so); encoder self-attention (``ENCODER_ONLY`` — BERT-style
+pooling models, decoders configured ``is_causal=False`` — and ``ENCODER``): bidirectional over the step's
+own keys/values, no cache; cross-attention (``ENCODER_DECODER``, e.g. Whisper's decoder) over the
+encoder keys/values vLLM writes once per request. Falling back: windowed non-causal layers (the ops'
+non-causal window bounds only the left side, vLLM's bidirectional windows both).
 """
 
 from __future__ import annotations

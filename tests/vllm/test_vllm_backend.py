@@ -64,8 +64,8 @@ class Engine:
     """``with Engine(path, backend=..., **llm_kwargs) as e: e.greedy(prompts)``."""
 
     def __init__(self, path: str, backend, dtype: str = "float32", block_size: int = 16, **kw):
-        self.kw = dict(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype, block_size=block_size,
-                       attention_backend=backend, max_model_len=512, seed=0, **kw)
+        self.kw = {**dict(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype=dtype, block_size=block_size,
+                          attention_backend=backend, max_model_len=512, seed=0), **kw}  # kw may override
 
     def __enter__(self):
         from vllm import LLM
@@ -149,9 +149,9 @@ def _call_log(directory) -> list[tuple]:
 
 def test_selection_and_fallback():
     """The plugin (loaded from its entry point) registers CUSTOM, the alias KVKERNELS parses to it, and
-    the platform's selection gives decoder layers the kvkernels backend and every layer the backend
-    cannot serve — encoder, cross-attention, MLA, odd head sizes, per-head fp8 scales — vLLM's own
-    choice; without the selection the platform answers as before."""
+    the platform's selection gives decoder (and encoder) layers the kvkernels backend and every layer the
+    backend cannot serve — MLA, odd head sizes, per-head fp8 scales, KV connectors —
+    vLLM's own choice; without the selection the platform answers as before."""
     from vllm.config.attention import AttentionConfig
     from vllm.platforms import current_platform
     from vllm.plugins import load_general_plugins
@@ -176,8 +176,8 @@ def test_selection_and_fallback():
     assert pick(custom) == BACKEND_PATH
     assert pick(custom, has_sink=True, has_sliding_window=True, kv_cache_dtype="fp8_e5m2") == BACKEND_PATH
     assert pick(None) == stock
-    for kw in (dict(attn_type=AttentionType.ENCODER_ONLY), dict(attn_type=AttentionType.ENCODER),
-               dict(attn_type=AttentionType.ENCODER_DECODER), dict(head_size=20), dict(head_size=512),
+    assert pick(custom, attn_type=AttentionType.ENCODER_ONLY) == BACKEND_PATH  # test_vllm_encoder.py
+    for kw in (dict(head_size=20), dict(head_size=512),
                dict(use_per_head_quant_scales=True), dict(use_kv_connector=True)):
         assert pick(custom, **kw) == pick(None, **kw), kw
     assert pick(custom, use_mla=True, head_size=576) == pick(None, use_mla=True, head_size=576) != BACKEND_PATH

@@ -84,3 +84,91 @@ def prompts(n: int, length: int, seed: int = 1, shared: int = 0) -> list[list[in
     g = torch.Generator().manual_seed(seed)
     common = torch.randint(3, VOCAB, (shared,), generator=g).tolist()
     return [common + torch.randint(3, VOCAB, (length - shared,), generator=g).tolist() for _ in range(n)]
+
+
+# ---- encoder-only (pooling) models -------------------------------------------------------------------
+
+# BERT (multi-head, learned positions) and a Llama whose config says is_causal=False (vLLM builds its
+# attention as ENCODER_ONLY: bidirectional, GQA 4 / 2 heads). Both are loaded by vLLM with
+# runner="pooling"; pooling needs a tokenizer even for token-id prompts, so a word-piece tokenizer over a
+# made-up vocabulary of VOCAB entries is saved with each.
+ENCODERS = {
+    "bert": (tf.BertConfig, dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=256, max_position_embeddings=512, initializer_range=0.1),
+             tf.BertModel),
+    "llama_bidirectional": (tf.LlamaConfig, dict(COMMON, is_causal=False), tf.LlamaModel),
+}
+
+
+def _save_tokenizer(dest: str) -> None:
+    import tempfile
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(VOCAB - 5)]
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "vocab.txt"), "w") as f:
+            f.write("\n".join(vocab) + "\n")
+        tf.BertTokenizer(os.path.join(tmp, "vocab.txt")).save_pretrained(dest)
+
+
+def save_encoder(kind: str, dest: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> str:
+    """Save the tiny encoder-only ``kind`` model (ENCODERS) with its tokenizer to ``dest`` (once)."""
+    if not os.path.exists(os.path.join(dest, "config.json")):
+        config_cls, settings, model_cls = ENCODERS[kind]
+        config = config_cls(**settings)
+        config.torch_dtype = dtype
+        torch.manual_seed(seed)
+        model_cls(config).eval().to(dtype).save_pretrained(dest)
+        _save_tokenizer(dest)
+    return dest
+
+
+@torch.no_grad()
+def transformers_hidden_states(path: str, prompts: list[list[int]], dtype: torch.dtype = torch.float32):
+    """The last hidden state ``[len, hidden]`` of each prompt (one at a time: no padding) from
+    transformers' own model class for the checkpoint (eager attention)."""
+    model = tf.AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+    return [model(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+
+
+# ---- an encoder-decoder model: Whisper -----------------------------------------------------------------
+
+WHISPER_SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|translate|>", "<|transcribe|>",
+                    "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]
+
+
+def save_whisper(dest: str, seed: int = 0) -> dict:
+    """A tiny random Whisper (2 + 2 layers, 4 heads of 32) with a byte-level tokenizer (256 byte tokens and
+    Whisper's special tokens, no merges) and the stock 80-bin feature extractor, saved to ``dest`` (once);
+    returns the special tokens' ids. vLLM runs its encoder with its own multimodal-encoder attention and
+    its decoder's self-attention (DECODER) and cross-attention (ENCODER_DECODER) on the attention backend."""
+    import json
+    import tempfile
+
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    for s in WHISPER_SPECIALS:
+        vocab[s] = len(vocab)
+    ids = {s: vocab[s] for s in WHISPER_SPECIALS}
+    if os.path.exists(os.path.join(dest, "config.json")):
+        return ids
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "vocab.json"), "w") as f:
+            json.dump(vocab, f)
+        with open(os.path.join(tmp, "merges.txt"), "w") as f:
+            f.write("#version: 0.2\n")
+        tokenizer = tf.WhisperTokenizer(os.path.join(tmp, "vocab.json"), os.path.join(tmp, "merges.txt"),
+                                        additional_special_tokens=WHISPER_SPECIALS[1:])
+    tf.WhisperProcessor(feature_extractor=tf.WhisperFeatureExtractor(feature_size=80),
+                        tokenizer=tokenizer).save_pretrained(dest)
+    eot = ids["<|endoftext|>"]
+    config = tf.WhisperConfig(
+        vocab_size=len(vocab), num_mel_bins=80, d_model=128, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256,
+        max_source_positions=1500, max_target_positions=128, eos_token_id=eot, bos_token_id=eot, pad_token_id=eot,
+        decoder_start_token_id=ids["<|startoftranscript|>"], init_std=0.1)
+    torch.manual_seed(seed)
+    model = tf.WhisperForConditionalGeneration(config).eval()
+    model.generation_config.forced_decoder_ids = None
+    model.save_pretrained(dest)
+    return ids
