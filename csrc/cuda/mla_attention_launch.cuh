@@ -11,23 +11,12 @@
 
 namespace kvkernels::mla_cuda {
 
-// Launches `kernel` with `smem` bytes of dynamic shared memory. The opt-in limit is raised to the
-// largest size this process has asked for on the device (a function attribute, not a stream
-// operation, so legal during graph capture); smem varies with the row width and stage count.
+// Launches `kernel` with `smem` bytes of dynamic shared memory (raise_smem_limit, mla_common.cuh).
 template <typename Kernel>
 cudaError_t launch_with_smem(Kernel kernel, std::atomic<int>* configured, int smem, int threads,
                              dim3 grid, cudaStream_t stream, const MlaArgs& m) {
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
+  const cudaError_t err = raise_smem_limit(kernel, configured, smem);
   if (err != cudaSuccess) return err;
-  std::atomic<int>& done = configured[dev < 64 ? dev : 63];
-  int have = done.load(std::memory_order_acquire);
-  if (dev >= 64 || smem > have) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return err;
-    while (have < smem && !done.compare_exchange_weak(have, smem, std::memory_order_acq_rel)) {
-    }
-  }
   kernel<<<grid, threads, smem, stream>>>(m);
   return cudaGetLastError();
 }

@@ -12,6 +12,8 @@
 // from the device's shared memory).
 #pragma once
 
+#include <atomic>
+
 #include "attention_common.cuh"
 
 namespace kvkernels::mla_cuda {
@@ -176,5 +178,25 @@ cudaError_t launch_mla_mma_bf16(const MlaArgs& m, MlaPath path, dim3 grid, int s
                                 cudaStream_t stream);
 cudaError_t launch_mla_simt(const MlaArgs& m, dim3 grid, int smem, cudaStream_t stream);
 cudaError_t launch_mla_merge(const MlaArgs& m, cudaStream_t stream);
+
+// Raises `kernel`'s opt-in limit of dynamic shared memory to `smem` bytes unless this process already
+// set at least that much on the current device (a function attribute, not a stream operation, so
+// legal during graph capture). `configured`: the kernel's own record (a static array of 64 per kernel
+// instance), the largest size set per device; smem varies with the row width and stage count.
+template <typename Kernel>
+cudaError_t raise_smem_limit(Kernel kernel, std::atomic<int>* configured, int smem) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  std::atomic<int>& done = configured[dev < 64 ? dev : 63];
+  int have = done.load(std::memory_order_acquire);
+  if (dev >= 64 || smem > have) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+    while (have < smem && !done.compare_exchange_weak(have, smem, std::memory_order_acq_rel)) {
+    }
+  }
+  return cudaSuccess;
+}
 
 }  // namespace kvkernels::mla_cuda

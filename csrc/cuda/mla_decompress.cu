@@ -142,20 +142,9 @@ cuda::Status launch(DecompressArgs d, const CUtensorMap& wmap, cudaStream_t stre
   const int64_t grid_y = (int64_t(d.n_total) + Cfg::BN - 1) / Cfg::BN;
   if (grid_x > 0x7fffffff || grid_y > 65535) return failed("too many tokens / heads for one launch");
   const int smem = Cfg::smem(d.rpad) + (TMA ? Cfg::TMA_EXTRA : 0);
-  // Raise the opt-in limit once per device and size (a function attribute: legal during capture).
   static std::atomic<int> configured[64] = {};
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
+  const cudaError_t err = raise_smem_limit(mla_decompress_kernel<T, C, TMA>, configured, smem);
   if (err != cudaSuccess) return cuda::Status{err, nullptr};
-  std::atomic<int>& done = configured[dev < 64 ? dev : 63];
-  int have = done.load(std::memory_order_acquire);
-  if (dev >= 64 || smem > have) {
-    err = cudaFuncSetAttribute(mla_decompress_kernel<T, C, TMA>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return cuda::Status{err, nullptr};
-    while (have < smem && !done.compare_exchange_weak(have, smem, std::memory_order_acq_rel)) {
-    }
-  }
   mla_decompress_kernel<T, C, TMA>
       <<<dim3(unsigned(grid_x), unsigned(grid_y)), Cfg::NT, smem, stream>>>(d, wmap);
   return cuda::Status{cudaGetLastError(), nullptr};
@@ -216,18 +205,8 @@ cuda::Status launch_persist(DecompressArgs d, PersistFit fit, int sms, cudaStrea
   const int64_t grid_y = (d.n_tiles + d.tiles_per_cta - 1) / d.tiles_per_cta;
   const int smem = Cfg::smem(d.rpad, fit.stages);
   static std::atomic<int> configured[64] = {};
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
+  const cudaError_t err = raise_smem_limit(mla_decompress_persist_kernel<T, C, BM>, configured, smem);
   if (err != cudaSuccess) return cuda::Status{err, nullptr};
-  std::atomic<int>& done = configured[dev < 64 ? dev : 63];
-  int have = done.load(std::memory_order_acquire);
-  if (dev >= 64 || smem > have) {
-    err = cudaFuncSetAttribute(mla_decompress_persist_kernel<T, C, BM>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return cuda::Status{err, nullptr};
-    while (have < smem && !done.compare_exchange_weak(have, smem, std::memory_order_acq_rel)) {
-    }
-  }
   mla_decompress_persist_kernel<T, C, BM>
       <<<dim3(unsigned(m_tiles), unsigned(grid_y)), Cfg::NT, smem, stream>>>(d);
   return cuda::Status{cudaGetLastError(), nullptr};
