@@ -229,6 +229,24 @@ def time_paired(calls: dict, reps: int, min_ms: float, setting: Callable[[str], 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def skip_reason(error: BaseException) -> str:
+    """What a result row says when its implementation raised: the type and the first line of the message."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+
+
+def time_paired_into(by_impl: dict, calls: dict, reps: int, min_ms: float,
+                     setting: Callable[[str], object]) -> None:
+    """``time_paired`` over ``calls``, each median into ``by_impl[name]["ms"]``; if the timing raises, every
+    timed row is marked skipped with the error (the rows' checks stay)."""
+    try:
+        for name, ms in time_paired(calls, reps, min_ms, setting).items():
+            by_impl[name]["ms"] = ms
+    except Exception as error:  # noqa: BLE001 - report the failure in the rows, keep the run going
+        for name in calls:
+            by_impl[name]["skipped"] = skip_reason(error)
+        torch.cuda.synchronize()
+
+
 def copy_bandwidth(nbytes: int, reps: int) -> float:
     """GB/s of dst.copy_(src) on the device, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.int16, device="cuda").random_()
@@ -326,7 +344,7 @@ def attempt(row: dict, call: Callable[[int], object], reps: int, min_ms: float,
             row["checked"] = row["max_abs_diff"] <= row["tolerance"]
         row["ms"] = time_cuda(call, reps, min_ms)
     except Exception as error:  # noqa: BLE001 - one failing implementation must not end the run
-        row["skipped"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+        row["skipped"] = skip_reason(error)
         torch.cuda.synchronize()
 
 
@@ -446,7 +464,7 @@ def decode_case(dtype_name: str, batch: int, context: int, copy_gbps: float, arg
             try:
                 attempt(fx, flex_paged_decode(data), args.attn_reps, args.attn_min_ms, check)
             except Exception as error:  # noqa: BLE001
-                fx["skipped"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+                fx["skipped"] = skip_reason(error)
             rows.append(fx)
     for r in rows:
         if r["ms"]:
@@ -481,17 +499,10 @@ def variant_rows(name: str, kind: str, dtype_name: str, batch: int, context: int
             row["checked"] = row["max_abs_diff"] <= row["tolerance"]
             calls[v] = kernel
         except Exception as error:  # noqa: BLE001 - one failing variant must not end the run
-            row["skipped"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+            row["skipped"] = skip_reason(error)
             torch.cuda.synchronize()
     if calls:
-        try:
-            for v, ms in time_paired(calls, args.attn_reps, args.attn_min_ms,
-                                     lambda v: attn_path_env(env_values[v])).items():
-                rows[v]["ms"] = ms
-        except Exception as error:  # noqa: BLE001
-            for v in calls:
-                rows[v]["skipped"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
-            torch.cuda.synchronize()
+        time_paired_into(rows, calls, args.attn_reps, args.attn_min_ms, lambda v: attn_path_env(env_values[v]))
     return list(rows.values())
 
 
@@ -626,53 +637,46 @@ def targets(rows: list[dict], impl: str = "kvkernels", prefill_impl: str = "kvke
     return lines
 
 
-def variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
-    """Per decode case timed with --decode-variants: each variant's time and fraction of the copy bandwidth,
-    and how much faster each is than the first variant named (the A/B of one run, same data)."""
+def ab_lines(rows: list[dict], kind: str, variants: list[str], detail: Callable[[dict], str],
+             peer: Optional[tuple[str, str]] = None) -> list[str]:
+    """One line per case of ``kind`` timed with --<kind>-variants (the A/B of one run, same data): each
+    variant's time with ``detail(row)``, how much faster it is than the first variant named, MISMATCH where
+    its check failed; then, if its row exists, the peer (``(impl, name)``: SDPA flash, the torch matmul)."""
     lines = []
-    for case in dict.fromkeys(r["case"] for r in rows if r.get("kind") == "decode"):
-        by = {v: next((r for r in rows if r["case"] == case and r["impl"] == f"kvkernels-{v}"), None)
-              for v in variants}
-        parts, base = [], by.get(variants[0])
-        for v, r in by.items():
+    for case in dict.fromkeys(r["case"] for r in rows if r.get("kind") == kind):
+        by = {r["impl"]: r for r in rows if r["case"] == case}
+        first = by.get(f"kvkernels-{variants[0]}")
+        entries = [(v, by.get(f"kvkernels-{v}"), True) for v in variants]
+        if peer is not None and peer[0] in by:
+            entries.append((peer[1], by[peer[0]], False))
+        parts = []
+        for name, r, ours in entries:
             if r is None or not r.get("ms"):
-                parts.append(f"{v} {'missing' if r is None else 'skipped: ' + str(r.get('skipped'))}")
+                parts.append(f"{name} {'missing' if r is None else 'skipped: ' + str(r.get('skipped'))}")
                 continue
-            frac = r.get("fraction_of_copy_bw")
-            text = f"{v} {r['ms']:.4f} ms" + (f" ({frac:.2f} of copy)" if frac else "")
-            if v != variants[0] and base and base.get("ms"):
-                text += f" = {base['ms'] / r['ms']:.2f}x {variants[0]}"
+            text = f"{name} {r['ms']:.4f} ms" + detail(r)
+            if ours and r is not first and first and first.get("ms"):
+                text += f" = {first['ms'] / r['ms']:.2f}x {variants[0]}"
             if r.get("checked") is False:
                 text += " MISMATCH"
             parts.append(text)
         lines.append(f"{case}: " + ", ".join(parts))
     return lines
+
+
+def variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
+    """--decode-variants: each variant's time and fraction of the copy bandwidth (ab_lines)."""
+    return ab_lines(rows, "decode", variants, lambda r: f" ({r['fraction_of_copy_bw']:.2f} of copy)"
+                    if r.get("fraction_of_copy_bw") else "")
 
 
 def prefill_variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
-    """Per prefill case timed with --prefill-variants: each variant's time and speed against SDPA flash (the
-    issue's 0.8x target), and how much faster each is than the first variant named (same data, one run)."""
-    lines = []
-    for case in dict.fromkeys(r["case"] for r in rows if r.get("kind") == "prefill"):
-        by = {v: next((r for r in rows if r["case"] == case and r["impl"] == f"kvkernels-{v}"), None)
-              for v in variants}
-        parts, base = [], by.get(variants[0])
-        for v, r in by.items():
-            if r is None or not r.get("ms"):
-                parts.append(f"{v} {'missing' if r is None else 'skipped: ' + str(r.get('skipped'))}")
-                continue
-            sdpa = (r.get("speedup_vs") or {}).get("sdpa-flash-contiguous")
-            text = f"{v} {r['ms']:.4f} ms" + (f" ({sdpa:.2f}x SDPA flash)" if sdpa else "")
-            if v != variants[0] and base and base.get("ms"):
-                text += f" = {base['ms'] / r['ms']:.2f}x {variants[0]}"
-            if r.get("checked") is False:
-                text += " MISMATCH"
-            parts.append(text)
-        sd = next((r for r in rows if r["case"] == case and r["impl"] == "sdpa-flash-contiguous"), None)
-        if sd is not None:
-            parts.append(f"sdpa-flash {sd['ms']:.4f} ms" if sd.get("ms") else f"sdpa-flash skipped: {sd.get('skipped')}")
-        lines.append(f"{case}: " + ", ".join(parts))
-    return lines
+    """--prefill-variants: each variant's time and speed against SDPA flash (the issue's 0.8x target), then
+    SDPA flash's own time (ab_lines)."""
+    def detail(r):
+        sdpa = (r.get("speedup_vs") or {}).get("sdpa-flash-contiguous")
+        return f" ({sdpa:.2f}x SDPA flash)" if sdpa else ""
+    return ab_lines(rows, "prefill", variants, detail, peer=("sdpa-flash-contiguous", "sdpa-flash"))
 
 
 def row_text(r: dict) -> tuple[str, str]:

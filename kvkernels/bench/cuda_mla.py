@@ -48,8 +48,8 @@ from typing import Callable, Optional
 import torch
 
 from kvkernels import ops
-from kvkernels.bench.cuda_attention import (_ints, _row, attempt, copy_bandwidth, rotation_copies, row_text,
-                                            time_paired)
+from kvkernels.bench.cuda_attention import (_ints, _row, ab_lines, attempt, copy_bandwidth, rotation_copies,
+                                            row_text, skip_reason, time_paired_into)
 
 RANK, ROPE, BLOCK = 512, 64, 64
 NOPE, VDIM = 128, 128
@@ -254,45 +254,21 @@ def decompress_variant_rows(rows: list[dict], variants: list[str], call: Callabl
             row["checked"] = row["max_abs_diff"] <= row["tolerance"]
             calls[row["impl"]], settings[row["impl"]] = call, v
         except Exception as error:  # noqa: BLE001 - one failing variant must not end the run
-            row["skipped"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+            row["skipped"] = skip_reason(error)
             torch.cuda.synchronize()
     lat = data.rows(0)[:, :RANK]
     lat = (lat * torch.rsqrt(lat.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.float()).to(torch.bfloat16)
     rows[-1]["note"] = "latent @ w_kv_b.T on this case's latent rows (gathered, normalized, bfloat16)"
     calls["torch-matmul"], settings["torch-matmul"] = (lambda i: lat @ w.T), None
-    by_impl = {r["impl"]: r for r in rows}
-    try:
-        for impl, ms in time_paired(calls, args.mla_reps, args.mla_min_ms,
-                                    lambda impl: decompress_env(settings[impl])).items():
-            by_impl[impl]["ms"] = ms
-    except Exception as error:  # noqa: BLE001
-        for impl in calls:
-            by_impl[impl]["skipped"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
-        torch.cuda.synchronize()
+    time_paired_into({r["impl"]: r for r in rows}, calls, args.mla_reps, args.mla_min_ms,
+                     lambda impl: decompress_env(settings[impl]))
 
 
 def decompress_variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
-    """Per decompress case timed with --decompress-variants: each variant's time and TFLOP/s, its speed-up over
-    the first variant named, and the torch matmul's time (the A/B of one run, same data)."""
-    lines = []
-    for case in dict.fromkeys(r["case"] for r in rows if r.get("kind") == "decompress"):
-        by = {r["impl"]: r for r in rows if r["case"] == case}
-        first = by.get(f"kvkernels-{variants[0]}")
-        parts = []
-        for impl in [f"kvkernels-{v}" for v in variants] + ["torch-matmul"]:
-            r = by.get(impl)
-            name = impl.replace("kvkernels-", "")
-            if r is None or not r.get("ms"):
-                parts.append(f"{name} {'missing' if r is None else 'skipped: ' + str(r.get('skipped'))}")
-                continue
-            text = f"{name} {r['ms']:.4f} ms" + (f" ({r['tflops']:.0f} TFLOP/s)" if r.get("tflops") else "")
-            if impl.startswith("kvkernels-") and r is not first and first and first.get("ms"):
-                text += f" = {first['ms'] / r['ms']:.2f}x {variants[0]}"
-            if r.get("checked") is False:
-                text += " MISMATCH"
-            parts.append(text)
-        lines.append(f"{case}: " + ", ".join(parts))
-    return lines
+    """--decompress-variants: each variant's time and TFLOP/s, its speed-up over the first variant named, and
+    the torch matmul's time (ab_lines)."""
+    return ab_lines(rows, "decompress", variants, lambda r: f" ({r['tflops']:.0f} TFLOP/s)" if r.get("tflops") else "",
+                    peer=("torch-matmul", "torch-matmul"))
 
 
 # ----------------------------------------------------------------------------------------------------
