@@ -3,6 +3,7 @@ record's fields and numbers, the baseline time limit, and the PNG; a --quick run
 run in every output and, without --out, writes to a temporary directory."""
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -307,14 +308,14 @@ def test_cuda_mla_decompress_variants_options_and_report(capsys, monkeypatch):
 
     monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "tile64")
     with cm.decompress_env("persist"):
-        assert cm.os.environ["KVKERNELS_CUDA_DECOMPRESS"] == "persist"
+        assert os.environ["KVKERNELS_CUDA_DECOMPRESS"] == "persist"
     with cm.decompress_env(None):  # the torch matmul's batches: unchanged
-        assert cm.os.environ["KVKERNELS_CUDA_DECOMPRESS"] == "tile64"
-    assert cm.os.environ["KVKERNELS_CUDA_DECOMPRESS"] == "tile64"
+        assert os.environ["KVKERNELS_CUDA_DECOMPRESS"] == "tile64"
+    assert os.environ["KVKERNELS_CUDA_DECOMPRESS"] == "tile64"
     monkeypatch.delenv("KVKERNELS_CUDA_DECOMPRESS")
     with cm.decompress_env("tile64"):
         pass
-    assert "KVKERNELS_CUDA_DECOMPRESS" not in cm.os.environ
+    assert "KVKERNELS_CUDA_DECOMPRESS" not in os.environ
 
     def row(case, impl, ms, tflops, checked=True):
         return dict(case=case, kind="decompress", impl=impl, ms=ms, tflops=tflops, checked=checked, skipped=None)

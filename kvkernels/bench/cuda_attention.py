@@ -178,21 +178,26 @@ def time_cuda(call: Callable[[int], object], reps: int, min_ms: float) -> float:
 
 
 @contextlib.contextmanager
-def attn_path_env(value: Optional[str]):
-    """KVKERNELS_CUDA_ATTN_PATH = value (None: unset) inside the block; the planner reads it per call."""
-    name = "KVKERNELS_CUDA_ATTN_PATH"
+def env_var(name: str, value: Optional[str], none_unsets: bool = True):
+    """os.environ[name] = value inside the block (None: unset, or with none_unsets=False left as it is),
+    restored after it; the CUDA planners and launchers read their switches on every call."""
     before = os.environ.get(name)
     try:
-        if value is None:
-            os.environ.pop(name, None)
-        else:
+        if value is not None:
             os.environ[name] = value
+        elif none_unsets:
+            os.environ.pop(name, None)
         yield
     finally:
         if before is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
+
+
+def attn_path_env(value: Optional[str]):
+    """KVKERNELS_CUDA_ATTN_PATH = value (None: unset) inside the block."""
+    return env_var("KVKERNELS_CUDA_ATTN_PATH", value)
 
 
 def time_paired(calls: dict, reps: int, min_ms: float, setting: Callable[[str], object]) -> dict:

@@ -38,18 +38,16 @@ latent rows: 2.25 MiB at T = 2048, L2-resident; 36 MiB at T = 32768).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
-import os
 import sys
 from typing import Callable, Optional
 
 import torch
 
 from kvkernels import ops
-from kvkernels.bench.cuda_attention import (_ints, _row, ab_lines, attempt, copy_bandwidth, rotation_copies,
-                                            row_text, skip_reason, time_paired_into)
+from kvkernels.bench.cuda_attention import (_ints, _row, ab_lines, attempt, copy_bandwidth, env_var,
+                                            rotation_copies, row_text, skip_reason, time_paired_into)
 
 RANK, ROPE, BLOCK = 512, 64, 64
 NOPE, VDIM = 128, 128
@@ -74,20 +72,9 @@ def _variants(text: str) -> list[str]:
     return names
 
 
-@contextlib.contextmanager
 def decompress_env(value: Optional[str]):
-    """KVKERNELS_CUDA_DECOMPRESS = value (None: unchanged) inside the block; the launcher reads it per call."""
-    name = "KVKERNELS_CUDA_DECOMPRESS"
-    before = os.environ.get(name)
-    try:
-        if value is not None:
-            os.environ[name] = value
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
+    """KVKERNELS_CUDA_DECOMPRESS = value (None: unchanged) inside the block."""
+    return env_var("KVKERNELS_CUDA_DECOMPRESS", value, none_unsets=False)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
