@@ -32,6 +32,19 @@ cuda::Status failed(const char* message) { return cuda::Status{cudaSuccess, mess
 
 bool aligned(const void* ptr, int64_t a) { return reinterpret_cast<uintptr_t>(ptr) % a == 0; }
 
+// What both kernels' launches derive alike from the params: kv_lora_rank padded to the K tile `bk`,
+// whether the latent rows allow vector loads (8 elements of C, at most 16 bytes), whether w_kv_b
+// allows 16-byte cp.async.
+template <typename C>
+void set_load_args(DecompressArgs& d, int bk) {
+  const MlaDecompressParams& p = d.p;
+  d.rpad = (p.kv_lora_rank + bk - 1) / bk * bk;
+  const int64_t vec_bytes = std::min<int64_t>(16, 8 * int64_t(sizeof(C)));
+  d.row_vec = aligned(p.kv.k, vec_bytes) && (p.kv.k_stride_block * int64_t(sizeof(C))) % vec_bytes == 0 &&
+              (p.kv.k_stride_slot * int64_t(sizeof(C))) % vec_bytes == 0;
+  d.w_async = aligned(p.w_kv_b, 16);
+}
+
 bool env_is(const char* name, const char* value) {
   const char* v = std::getenv(name);
   return v != nullptr && std::strcmp(v, value) == 0;
@@ -133,11 +146,7 @@ template <typename T, typename C, bool TMA>
 cuda::Status launch(DecompressArgs d, const CUtensorMap& wmap, cudaStream_t stream) {
   using Cfg = DecCfg<T>;
   const MlaDecompressParams& p = d.p;
-  d.rpad = (p.kv_lora_rank + Cfg::BK - 1) / Cfg::BK * Cfg::BK;
-  const int64_t vec_bytes = std::min<int64_t>(16, 8 * int64_t(sizeof(C)));
-  d.row_vec = aligned(p.kv.k, vec_bytes) && (p.kv.k_stride_block * int64_t(sizeof(C))) % vec_bytes == 0 &&
-              (p.kv.k_stride_slot * int64_t(sizeof(C))) % vec_bytes == 0;
-  d.w_async = aligned(p.w_kv_b, 16);
+  set_load_args<C>(d, Cfg::BK);
   const int64_t grid_x = (p.num_tokens + Cfg::BM - 1) / Cfg::BM;
   const int64_t grid_y = (int64_t(d.n_total) + Cfg::BN - 1) / Cfg::BN;
   if (grid_x > 0x7fffffff || grid_y > 65535) return failed("too many tokens / heads for one launch");
@@ -181,11 +190,7 @@ template <typename T, typename C, int BM>
 cuda::Status launch_persist(DecompressArgs d, PersistFit fit, int sms, cudaStream_t stream) {
   using Cfg = PersistCfg<BM>;
   const MlaDecompressParams& p = d.p;
-  d.rpad = (p.kv_lora_rank + Cfg::BK - 1) / Cfg::BK * Cfg::BK;
-  const int64_t vec_bytes = std::min<int64_t>(16, 8 * int64_t(sizeof(C)));
-  d.row_vec = aligned(p.kv.k, vec_bytes) && (p.kv.k_stride_block * int64_t(sizeof(C))) % vec_bytes == 0 &&
-              (p.kv.k_stride_slot * int64_t(sizeof(C))) % vec_bytes == 0;
-  d.w_async = aligned(p.w_kv_b, 16);
+  set_load_args<C>(d, Cfg::BK);
   d.pair_out = p.qk_nope_head_dim % 2 == 0 && p.v_head_dim % 2 == 0 && p.rope_dim % 2 == 0 &&
                aligned(p.key, 4) && aligned(p.value, 4);
   d.stages = fit.stages;
