@@ -58,16 +58,13 @@ MODES = {
 
 class EmulatedCuda:
     """The CUDA kernels on the CPU emulator (torch.ops.kvkernels_emu, positional schemas) with the
-    signatures of kvkernels.ops."""
+    signatures of kvkernels.ops; paged_attention is test_cuda_emulated's adapter."""
 
     def __init__(self, emu):
-        self.emu = emu
+        import test_cuda_emulated
 
-    def paged_attention(self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
-                        scale=None, window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None,
-                        v_scale=None, causal=True):
-        return self.emu.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                        scale, window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal)
+        self.emu = emu
+        self.paged_attention = functools.partial(test_cuda_emulated.emulated_paged_attention, emu)
 
     def mla_paged_attention(self, q, kv_cache, block_tables, seq_lens, *, kv_lora_rank, scale,
                             query_start_loc=None, kv_scale=None):
@@ -80,13 +77,12 @@ class EmulatedCuda:
 
 @functools.lru_cache(maxsize=None)
 def emulated_cuda():
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emu"))
-    import build_emu
+    import test_cuda_emulated  # puts tests/cuda_emu on sys.path
 
-    ok, why = build_emu.available()
+    ok, why = test_cuda_emulated.build_emu.available()
     if not ok:
         pytest.skip(why)
-    return EmulatedCuda(build_emu.build())
+    return EmulatedCuda(test_cuda_emulated.build_emu.build())
 
 
 @pytest.fixture(params=BACKENDS)
