@@ -1157,7 +1157,7 @@ def test_mla_decompress_tokens_past_the_sequences_are_zero(emu, variant, monkeyp
 
 
 def test_mla_decompress_variant_errors(emu, monkeypatch):
-    """An unknown KVKERNELS_CUDA_DECOMPRESS raises naming the variable; KVKERNELS_CUDA_TMA=require with the
+    """An unknown KVKERNELS_CUDA_DECOMPRESS raises naming the variable (on a call with no tokens too); KVKERNELS_CUDA_TMA=require with the
     persist kernel (no TMA path) raises saying so."""
     case = (bf16, None, 64, 16, 2, 16, 24, False, 16, False)
     monkeypatch.delenv("KVKERNELS_CUDA_NO_TMA", raising=False)
@@ -1165,6 +1165,8 @@ def test_mla_decompress_variant_errors(emu, monkeypatch):
     monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "tile128")
     with pytest.raises(RuntimeError, match=r"kvkernels\.mla_decompress: .*KVKERNELS_CUDA_DECOMPRESS must be persist"):
         run_emu_decompress(emu, case, [9, 3])
+    with pytest.raises(RuntimeError, match=r"KVKERNELS_CUDA_DECOMPRESS must be persist"):
+        run_emu_decompress(emu, case, [0, 0])  # no tokens: checked all the same
     monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "persist")
     monkeypatch.setenv("KVKERNELS_CUDA_TMA", "require")
     with pytest.raises(RuntimeError, match=r"the persist kernel has no TMA path"):

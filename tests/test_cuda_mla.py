@@ -418,13 +418,15 @@ def test_mla_decompress_tokens_past_the_sequences_are_zero(variant, monkeypatch)
 
 
 def test_mla_decompress_variant_errors(monkeypatch):
-    """An unknown KVKERNELS_CUDA_DECOMPRESS raises naming the variable; KVKERNELS_CUDA_TMA=require with the
+    """An unknown KVKERNELS_CUDA_DECOMPRESS raises naming the variable (on a call with no tokens too); KVKERNELS_CUDA_TMA=require with the
     persist kernel (no TMA path) raises saying so."""
     monkeypatch.delenv("KVKERNELS_CUDA_NO_TMA", raising=False)
     monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
     monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "tile128")
     with pytest.raises(RuntimeError, match=r"kvkernels\.mla_decompress: .*KVKERNELS_CUDA_DECOMPRESS must be persist"):
         run_decompress((bf16, None, 64, 16, 2, 16, 24, False, 16, False), [9, 3])
+    with pytest.raises(RuntimeError, match=r"KVKERNELS_CUDA_DECOMPRESS must be persist"):
+        run_decompress((bf16, None, 64, 16, 2, 16, 24, False, 16, False), [0, 0])  # no tokens: checked all the same
     monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "persist")
     monkeypatch.setenv("KVKERNELS_CUDA_TMA", "require")
     with pytest.raises(RuntimeError, match=r"the persist kernel has no TMA path"):

@@ -45,7 +45,8 @@ std::tuple<Tensor, Tensor> mla_decompress_cuda(
                                                 kv_lora_rank, qk_nope_head_dim, v_head_dim,
                                                 norm_weight, norm_eps, scale, num_tokens, count);
   MlaDecompressParams& p = r.params;
-  if (p.num_tokens == 0) return {r.key, r.value};
+  // Called with no tokens too: the launcher rejects an unknown KVKERNELS_CUDA_DECOMPRESS first, then
+  // returns without a launch.
   Tensor starts = torch::stable::new_empty(kv_cache, {p.kv.num_seqs + 1}, ScalarType::Long);
   check_launch(c,
                mla_decompress(p, scope.device(), static_cast<int64_t*>(starts.mutable_data_ptr()),

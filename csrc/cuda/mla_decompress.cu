@@ -300,12 +300,14 @@ cuda::Status launch_variant(const DecompressArgs& d, int cc_major, int dev, int 
 
 cuda::Status mla_decompress(const MlaDecompressParams& p, int device, int64_t* token_start_scratch,
                             cudaStream_t stream) {
-  if (p.num_tokens == 0) return cuda::Status{};
-  if (p.kv_lora_rank <= 0 || p.kv_lora_rank % 8 != 0 || p.kv_lora_rank > kMaxValueWidth)
-    return failed("kv_lora_rank must be a positive multiple of 8 up to 512");
+  // The switch is checked before the empty-call return: a misspelt A/B fails on every call, not only
+  // on calls with tokens.
   int persist_bm = 0;
   if (!decompress_variant(&persist_bm))
     return failed("KVKERNELS_CUDA_DECOMPRESS must be persist (the default), persist64, persist128 or tile64");
+  if (p.num_tokens == 0) return cuda::Status{};
+  if (p.kv_lora_rank <= 0 || p.kv_lora_rank % 8 != 0 || p.kv_lora_rank > kMaxValueWidth)
+    return failed("kv_lora_rank must be a positive multiple of 8 up to 512");
   int major = 0;
   cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (err != cudaSuccess) return cuda::Status{err, nullptr};

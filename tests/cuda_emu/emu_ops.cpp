@@ -252,9 +252,10 @@ std::tuple<Tensor, Tensor> mla_decompress(const Tensor& kv_cache, const Tensor& 
                                                 qk_nope_head_dim, v_head_dim, norm_weight, norm_eps, scale,
                                                 num_tokens, count);
   MlaDecompressParams& p = r.params;
-  if (p.num_tokens == 0) return {r.key, r.value};
-  std::memset(r.key.mutable_data_ptr(), 0xff, size_t(r.key.numel()) * r.key.element_size());
-  std::memset(r.value.mutable_data_ptr(), 0xff, size_t(r.value.numel()) * r.value.element_size());
+  if (p.num_tokens > 0) {  // (no memset of an empty tensor's null pointer)
+    std::memset(r.key.mutable_data_ptr(), 0xff, size_t(r.key.numel()) * r.key.element_size());
+    std::memset(r.value.mutable_data_ptr(), 0xff, size_t(r.value.numel()) * r.value.element_size());
+  }
   Tensor starts = torch::stable::new_empty(kv_cache, {p.kv.num_seqs + 1}, ScalarType::Long);
   std::memset(starts.mutable_data_ptr(), 0xff, size_t(p.kv.num_seqs + 1) * sizeof(int64_t));
   check(c, mla_cuda::mla_decompress(p, 0, static_cast<int64_t*>(starts.mutable_data_ptr()), nullptr));
