@@ -231,10 +231,11 @@ step_b_targets() {
 }
 # The A/B of the tensor-core decode kernel's configurations at the same shapes, bf16 and fp8, in one process
 # on the same data (alternating batches): wide (the first: 2 stages at head dim 128) vs deep (the default,
-# 4 stages). "variant:" lines give both times and deep's speed-up over wide.
+# 4 stages), and deep with the split counts of the first planner (1 at b64 x 4k, 33 at b1 x 32k on 132 SMs)
+# against the wave-filling counts it now picks. "variant:" lines give each time and its speed-up over wide.
 step_b_variants() {
   bench -m kvkernels.bench.cuda_attention --no-flex --no-baselines --attn-prefill '' \
-    --attn-shapes 64x4096,1x32768 --decode-variants wide,deep \
+    --attn-shapes 64x4096,1x32768 --decode-variants wide,deep,deep-s1,deep-s33 \
     --json "$SCRATCH/results/bench/cuda-attention-variants-$STAMP.json"
 }
 # The A/B of the tensor-core prefill kernel's configurations: the full-size prefill (4096 queries over 4096
@@ -287,7 +288,7 @@ b_ops 60
 b_attn 45
 b_mla 45
 b_targets 120
-b_variants 60
+b_variants 90
 b_pvariants 60
 b_sizes 90
 b_decomp 45

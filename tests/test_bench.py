@@ -202,11 +202,27 @@ def test_cuda_attention_decode_variants_options_and_report(capsys, monkeypatch):
     parser = argparse.ArgumentParser()
     ca.add_arguments(parser)
     assert parser.parse_args(["--decode-variants", "wide,deep"]).decode_variants == ["wide", "deep"]
+    assert parser.parse_args(["--decode-variants", "deep,deep-s1,wide-s33"]).decode_variants == [
+        "deep", "deep-s1", "wide-s33"]
     assert parser.parse_args([]).decode_variants == []
-    for bad in ("wide,wdie", "deep,deep"):
+    for bad in ("wide,wdie", "deep,deep", "deep-s0", "deep-s", "deep-sx", "deep-s1,deep-s1", "s1"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--decode-variants", bad])
     capsys.readouterr()
+
+    # A -s<N> variant runs with the split count forced, a plain one with the planner's (the variable unset
+    # inside, whatever it was outside); both restored after.
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_SPLITS", "7")
+    with ca.variant_env("deep-s3", ca.DECODE_VARIANTS):
+        assert ca.os.environ["KVKERNELS_CUDA_ATTN_SPLITS"] == "3"
+        assert ca.os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "mma-decode-deep"
+    with ca.variant_env("wide", ca.DECODE_VARIANTS):
+        assert "KVKERNELS_CUDA_ATTN_SPLITS" not in ca.os.environ
+        assert ca.os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "mma-decode-wide"
+    assert ca.os.environ["KVKERNELS_CUDA_ATTN_SPLITS"] == "7" and "KVKERNELS_CUDA_ATTN_PATH" not in ca.os.environ
+    monkeypatch.delenv("KVKERNELS_CUDA_ATTN_SPLITS")
+    assert ca.variant_setting("deep-s3", ca.DECODE_VARIANTS) == (
+        "KVKERNELS_CUDA_ATTN_PATH=mma-decode-deep KVKERNELS_CUDA_ATTN_SPLITS=3")
 
     monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", "simt")
     with ca.attn_path_env("mma-decode-wide"):

@@ -415,6 +415,62 @@ def test_decode_plan_depends_on_shapes_only(emu, dtype):
     assert plan_of(emu, narrow, query, None)["splits"] == 1
 
 
+# The planners on an emulated H200 (KVKERNELS_EMU_SM_COUNT=132, 227 / 228 KiB of shared memory per block / SM;
+# attention.cu caches the SM count per process, hence a process of its own): only shapes are needed, so the
+# caches are 4 blocks and the tables all zeros. Case -> (op, batch, keys, heads, cache dtype, expected splits).
+H200_DECODE_SPLITS = {
+    # paged_attention, deep decode, head dim 128, 32 / 8 heads, bf16: 3 CTAs per SM, 396 slots. 512 work items
+    # over 128 key tiles: 3 splits (4 waves of 1536 CTAs) instead of 1 (2 waves, the second 29% full).
+    "attn-b64-4k-bf16": ("attn", 64, 4096, 32, "bfloat16", 3),
+    # 8 work items over 1024 tiles: 49 splits fill one wave of 392 CTAs (the first planner: 33).
+    "attn-b1-32k-bf16": ("attn", 1, 32768, 32, "bfloat16", 49),
+    # e4m3: 4 CTAs per SM, 528 slots: 512 items are one wave already.
+    "attn-b64-4k-e4m3": ("attn", 64, 4096, 32, "float8_e4m3fn", 1),
+    # 66 splits would fill 528 slots; 64 already give 16 tiles per CTA, the least time, and win the tie.
+    "attn-b1-32k-e4m3": ("attn", 1, 32768, 32, "float8_e4m3fn", 64),
+    # mla_paged_attention, 16 heads: the 16-row kernel, 2 CTAs per SM (264 slots): 4 splits make 256 CTAs,
+    # one wave (the first planner: 5, 320 CTAs in two waves).
+    "mla-b64-4k-h16": ("mla", 64, 4096, 16, "bfloat16", 4),
+    # 128 heads: the 64-row kernel, 1 CTA per SM (132 slots): 128 work items are one wave (the first planner: 2
+    # splits, two waves).
+    "mla-b64-4k-h128": ("mla", 64, 4096, 128, "bfloat16", 1),
+}
+_H200_PLAN = """
+import json, sys, torch, build_emu
+emu = build_emu.build()
+out = {}
+for name, (op, batch, keys, heads, dtype, _) in json.loads(sys.argv[1]).items():
+    tables = torch.zeros(batch, keys // 16, dtype=torch.int32)
+    lens = torch.full((batch,), keys, dtype=torch.int32)
+    if op == "attn":
+        cache = torch.zeros(4, 16, 8, 128).to(getattr(torch, dtype))
+        scale = torch.ones(1) if dtype.startswith("float8") else None
+        query = torch.zeros(batch, heads, 128, dtype=torch.bfloat16)
+        out[name] = emu.attention_plan(query, cache, cache, tables, lens, None, scale, scale)[2]
+    else:
+        cache = torch.zeros(4, 16, 576, dtype=getattr(torch, dtype))
+        query = torch.zeros(batch, heads, 576, dtype=torch.bfloat16)
+        out[name] = emu.mla_attention_plan(query, cache, tables, lens, 512, None, None)[6]
+print(json.dumps(out))
+"""
+
+
+def test_decode_splits_fill_whole_waves():
+    """Decode splits minimise wave-quantized time (attention_common.cuh choose_splits) with each kernel's
+    residency (the deep decode: 3 or 4 CTAs per SM on sm_90, from its shared memory), at the issue-24 target
+    shapes of paged_attention and mla_paged_attention."""
+    import json
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVKERNELS_CUDA_ATTN_", "KVKERNELS_CUDA_MLA_"))}
+    env["KVKERNELS_EMU_SM_COUNT"] = "132"
+    done = subprocess.run([sys.executable, "-c", _H200_PLAN, json.dumps(H200_DECODE_SPLITS)], env=env,
+                          cwd=os.path.join(os.path.dirname(__file__), "cuda_emu"), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {name: case[-1] for name, case in H200_DECODE_SPLITS.items()}
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_decode_variant_override(emu, d, monkeypatch):
     """KVKERNELS_CUDA_ATTN_PATH picks the decode configuration (read per call): deep by default (also for

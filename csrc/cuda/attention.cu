@@ -18,8 +18,10 @@
 // error, so a misspelt A/B cannot time the same kernel twice.
 //
 // Split count: a function of the number of work items (from shapes), the longest context a block
-// table row can describe (block_tables.shape[1] * block_size) and the SM count; never of
-// seq_lens, so the launch is the same for every step of a decode loop and CUDA-graph safe.
+// table row can describe (block_tables.shape[1] * block_size), the SM count and the kernel's resident
+// CTAs per SM; never of seq_lens, so the launch is the same for every step of a decode loop and
+// CUDA-graph safe. Decode: the count with the least wave-quantized time (choose_splits); prefill:
+// splits only when the work items alone leave SMs idle.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -30,13 +32,14 @@
 
 #include "attention_api.cuh"
 #include "attention_common.cuh"
+#include "attention_mma.cuh"  // MmaCfg: the deep decode kernel's shared memory and CTA guarantee
 
 namespace kvkernels::attn_cuda {
 namespace {
 
 constexpr int kMaxSplits = 128;
 constexpr int kMinKeysPerSplit = 256;  // a split below this costs more in merging than it saves
-constexpr int kCtasPerSm = 2;          // resident CTAs per SM the split heuristic aims to fill
+constexpr int kCtasPerSm = 2;          // resident CTAs per SM assumed for all but the deep decode
 
 void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess)
@@ -47,28 +50,30 @@ void check(cudaError_t err, const char* what) {
 struct DeviceInfo {
   int sm_count = 0;
   int major = 0;
+  int smem_per_sm = 0;  // bytes of shared memory per SM
 };
 
 // SM count and compute capability per device, queried once (cudaDeviceGetAttribute, no sync).
 DeviceInfo device_info(int device) {
   static std::mutex mu;
   static DeviceInfo cache[64];
-  if (device < 0 || device >= 64) {
-    DeviceInfo info;
+  auto query = [device](DeviceInfo& info) {
     check(cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device),
           "SM count");
     check(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device),
           "compute capability");
+    check(cudaDeviceGetAttribute(&info.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
+                                 device),
+          "shared memory per SM");
+  };
+  if (device < 0 || device >= 64) {
+    DeviceInfo info;
+    query(info);
     return info;
   }
   std::lock_guard<std::mutex> lock(mu);
   DeviceInfo& info = cache[device];
-  if (info.sm_count == 0) {
-    check(cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device),
-          "SM count");
-    check(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device),
-          "compute capability");
-  }
+  if (info.sm_count == 0) query(info);
   return info;
 }
 
@@ -117,6 +122,31 @@ PathChoice path_choice() {
 
 int64_t floats_aligned8(int64_t n) { return (n + 7) / 8 * 8; }
 
+// Resident CTAs per SM of a kernel, for the split heuristic. The deep decode kernel's
+// __launch_bounds__ reserve registers for as many CTAs as sm_90's shared memory holds
+// (MmaCfg::MIN_BLOCKS), so its residency is what this device's shared memory per SM holds (1 KiB
+// reserved per CTA), up to that guarantee: 3 at head dim 64 / 128 / 256 with 16-bit caches on an
+// H100 / H200, 4 with fp8 at head dim 64 / 128. The other kernels: kCtasPerSm.
+template <CacheFormat CF, int D>
+int deep_decode_ctas(int smem_per_sm) {
+  using C = MmaCfg<__nv_bfloat16, CF, D, Path::kMmaDecode>;  // the query type changes no size
+  const int fit = smem_per_sm / (C::SMEM + 1024);
+  return std::max(1, std::min(fit, C::MIN_BLOCKS));
+}
+
+int resident_ctas(Path path, int dpad, CacheFormat format, int smem_per_sm) {
+  if (path != Path::kMmaDecode) return kCtasPerSm;
+  const bool fp8 = is_fp8(format);
+  switch (dpad) {
+    case 64: return fp8 ? deep_decode_ctas<CacheFormat::kFp8E4M3, 64>(smem_per_sm)
+                        : deep_decode_ctas<CacheFormat::kBFloat16, 64>(smem_per_sm);
+    case 128: return fp8 ? deep_decode_ctas<CacheFormat::kFp8E4M3, 128>(smem_per_sm)
+                         : deep_decode_ctas<CacheFormat::kBFloat16, 128>(smem_per_sm);
+    default: return fp8 ? deep_decode_ctas<CacheFormat::kFp8E4M3, 256>(smem_per_sm)
+                        : deep_decode_ctas<CacheFormat::kBFloat16, 256>(smem_per_sm);
+  }
+}
+
 }  // namespace
 
 LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
@@ -164,19 +194,21 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
   const int64_t max_keys = p.kv.max_blocks_per_seq * p.kv.block_size;
   const int64_t items = plan.grid_x * plan.grid_y;
   int64_t splits = 1;
-  const int forced = env_int("KVKERNELS_CUDA_ATTN_SPLITS", 0);
-  if (forced > 0) {
-    splits = forced;
-  } else if (items > 0) {
-    const int64_t target = int64_t(dev.sm_count) * kCtasPerSm;
-    if (items < target) {
-      const int64_t wanted = (target + items - 1) / items;
-      const int64_t most = std::max<int64_t>(1, max_keys / kMinKeysPerSplit);
-      splits = std::min(wanted, most);
-    }
-  }
   // More splits than key tiles would only add empty CTAs.
   const int64_t max_tiles = std::max<int64_t>(1, (max_keys + kt - 1) / kt);
+  const int forced = env_int("KVKERNELS_CUDA_ATTN_SPLITS", 0);
+  const int64_t most = std::min<int64_t>(
+      {std::max<int64_t>(1, max_keys / kMinKeysPerSplit), kMaxSplits, max_tiles});
+  if (forced > 0) {
+    splits = forced;
+  } else if (items > 0 && decode) {
+    const int64_t slots =
+        int64_t(dev.sm_count) * resident_ctas(path, plan.dpad, p.kv.format, dev.smem_per_sm);
+    splits = choose_splits(items, max_tiles, std::max<int64_t>(1, slots), most);
+  } else if (items > 0) {
+    const int64_t target = int64_t(dev.sm_count) * kCtasPerSm;
+    if (items < target) splits = std::min((target + items - 1) / items, most);
+  }
   splits = std::max<int64_t>(1, std::min<int64_t>({splits, kMaxSplits, max_tiles}));
   plan.num_splits = static_cast<int>(splits);
   plan.grid_z = plan.num_splits;

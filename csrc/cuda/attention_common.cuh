@@ -71,6 +71,26 @@ struct AttnArgs {
 // Padded head dim the kernels are instantiated for: every head dim that is a multiple of 8 runs on
 // the smallest of 64 / 128 / 256 that holds it (columns past head_dim are zero-filled). With a
 // value head dim different from the key's, both run on the padding of the larger one.
+// Decode KV splits (the paged-attention and MLA planners): CTAs of equal work run in waves of `slots`
+// (SMs x resident CTAs), so the time of s splits of `items` work items over `tiles` key tiles is about
+// waves(s) x (tiles / s + kCtaOverheadTiles) + (s > 1 ? kMergeTiles : 0) key-tile times, with
+// waves(s) = ceil(items x s / slots): a CTA's fixed work (query load, pipeline fill, epilogue) and the
+// merge pass, in tile times. Returns the count in [1, most] with the least such time, the smallest on
+// ties. Example (H200, 132 SMs, deep decode at head dim 128: 3 CTAs per SM, 396 slots): 64 sequences x 8
+// kv heads over 4096 keys (128 tiles) run as 3 splits, 4 waves of 1536 CTAs, not 2 waves of 512 whose
+// second is 29% full; 1 sequence x 8 heads over 32768 keys as 49 splits (392 CTAs, one wave).
+constexpr int64_t kCtaOverheadTiles = 2;
+constexpr int64_t kMergeTiles = 1;
+inline int64_t choose_splits(int64_t items, int64_t tiles, int64_t slots, int64_t most) {
+  int64_t best = 1, best_cost = -1;
+  for (int64_t s = 1; s <= most; ++s) {
+    const int64_t waves = (items * s + slots - 1) / slots;
+    const int64_t cost = waves * ((tiles + s - 1) / s + kCtaOverheadTiles) + (s > 1 ? kMergeTiles : 0);
+    if (best_cost < 0 || cost < best_cost) best = s, best_cost = cost;
+  }
+  return best;
+}
+
 // log2(block_size) when it is a power of two, else -1 (AttnArgs::bs_shift: shifts instead of
 // divisions when locating a key's block and slot).
 __host__ __device__ constexpr int block_shift(int bs) {
@@ -246,6 +266,20 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src
   ::emu::cp_async16(smem, gmem, src_bytes);
 #else
   (void)smem, (void)gmem, (void)src_bytes;
+#endif
+}
+
+// The same with the destination as a shared-window address (smem_u32 of a pointer), for loops
+// that convert their stage's pointer once.
+__device__ __forceinline__ void cp_async16_at(uint32_t smem_addr, const void* gmem, int src_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem),
+               "r"(src_bytes)
+               : "memory");
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::cp_async16(::emu::shared_at(smem_addr, 16), gmem, src_bytes);
+#else
+  (void)smem_addr, (void)gmem, (void)src_bytes;
 #endif
 }
 
@@ -480,63 +514,102 @@ struct TileLoader {
   int row0;
   int ids[RPT];
   int col_bytes, col_bytes_v;  // valid bytes of this thread's chunk column (0..16) in K / in V
+  // This thread's chunk column of the work item's kv head in block 0, slot 0 (K / V), and the
+  // block / slot strides in bytes: a row's source is base + id * block + slot * slot_bytes, two
+  // 32 x 64-bit multiply-adds (the ids and slots are non-negative ints, the strides int64).
+  const char* k_base;
+  const char* v_base;
+  uint64_t k_block, k_slot, v_block, v_slot;
 
-  __device__ __forceinline__ void init(const AttentionParams& p) {
+  __device__ __forceinline__ void init(const AttentionParams& p, const Work& w) {
+    const paged_kv_t& kv = p.kv;
     col = threadIdx.x % CPR;
     row0 = threadIdx.x / CPR;
-    const int b = p.kv.head_dim * ESZ - col * 16, bv = p.kv.head_dim_v * ESZ - col * 16;
+    const int b = kv.head_dim * ESZ - col * 16, bv = kv.head_dim_v * ESZ - col * 16;
     col_bytes = b < 0 ? 0 : (b > 16 ? 16 : b);
     col_bytes_v = bv < 0 ? 0 : (bv > 16 ? 16 : bv);
+    const int64_t kh = int64_t(w.kv_head) * kv.k_stride_head + col * (16 / ESZ);
+    const int64_t vh = int64_t(w.kv_head) * kv.v_stride_head + col * (16 / ESZ);
+    k_base = static_cast<const char*>(kv.k) + kh * ESZ;
+    v_base = static_cast<const char*>(kv.v) + vh * ESZ;
+    k_block = uint64_t(kv.k_stride_block) * ESZ, k_slot = uint64_t(kv.k_stride_slot) * ESZ;
+    v_block = uint64_t(kv.v_stride_block) * ESZ, v_slot = uint64_t(kv.v_stride_slot) * ESZ;
   }
 
+  // Block ids of this thread's rows of `tile` (-1: key outside [w.lo, w.hi], or an id out of
+  // range). The power-of-two test is uniform, so it is taken once, outside the row loop.
   __device__ __forceinline__ void fetch(const AttnArgs& a, const Work& w, int tile) {
     const paged_kv_t& kv = a.p.kv;
     const int32_t* bt = kv.block_tables + int64_t(w.seq) * kv.max_blocks_per_seq;
+    auto rows = [&](auto block_of) {
 #pragma unroll
-    for (int i = 0; i < RPT; ++i) {
-      const int r = row0 + i * RPP;
-      const int key = tile * KT + r;
-      ids[i] = -1;
-      if (r < KT && key >= w.lo && key <= w.hi) {
-        const int lb = a.bs_shift >= 0 ? key >> a.bs_shift : key / kv.block_size;
-        const int id = bt[lb];
+      for (int i = 0; i < RPT; ++i) {
+        const int r = row0 + i * RPP;
+        const int key = tile * KT + r;
+        int id = -1;
+        if (r < KT && key >= w.lo && key <= w.hi) id = __ldg(bt + block_of(key));
         ids[i] = (id >= 0 && id < kv.num_blocks) ? id : -1;
       }
+    };
+    if (a.bs_shift >= 0) {
+      const int shift = a.bs_shift;
+      rows([shift](int key) { return key >> shift; });
+    } else {
+      const int bs = kv.block_size;
+      rows([bs](int key) { return key / bs; });
     }
   }
 
-  // dst_k / dst_v: shared memory of the stage; off(r, c): byte offset of chunk c of row r.
+  // dst_k / dst_v: shared memory of the stage; off(r, c): byte offset of chunk c of row r. Rows of
+  // a cache with 16-byte aligned rows go through cp.async with the addresses above and the
+  // destinations as shared-window offsets (one conversion per call, not per row); other caches
+  // through the synchronous element loads below.
   template <typename Off>
-  __device__ __forceinline__ void issue(const AttnArgs& a, const Work& w, int tile, char* dst_k,
-                                        char* dst_v, Off off) const {
-    const paged_kv_t& kv = a.p.kv;
-    const char* kbase = static_cast<const char*>(kv.k);
-    const char* vbase = static_cast<const char*>(kv.v);
-    const int64_t kh = int64_t(w.kv_head) * kv.k_stride_head + col * (16 / ESZ);
-    const int64_t vh = int64_t(w.kv_head) * kv.v_stride_head + col * (16 / ESZ);
+  __device__ __forceinline__ void issue(const AttnArgs& a, int tile, char* dst_k, char* dst_v,
+                                        Off off) const {
+    if (!a.kv_aligned) {
+      issue_unaligned(a, tile, dst_k, dst_v, off);
+      return;
+    }
+    const uint32_t sk = smem_u32(dst_k), sv = smem_u32(dst_v);
+    auto rows = [&](auto slot_of) {
+#pragma unroll
+      for (int i = 0; i < RPT; ++i) {
+        const int r = row0 + i * RPP;
+        if (RPT * RPP > KT && r >= KT) continue;
+        const bool ok = ids[i] >= 0;
+        const uint32_t id = ok ? uint32_t(ids[i]) : 0u;
+        const uint32_t slot = ok ? uint32_t(slot_of(tile * KT + r)) : 0u;
+        const char* gk = k_base + (uint64_t(id) * k_block + uint64_t(slot) * k_slot);
+        const char* gv = v_base + (uint64_t(id) * v_block + uint64_t(slot) * v_slot);
+        const uint32_t o = uint32_t(off(r, col));
+        cp_async16_at(sk + o, gk, ok ? col_bytes : 0);
+        cp_async16_at(sv + o, gv, ok ? col_bytes_v : 0);
+      }
+    };
+    if (a.bs_shift >= 0) {
+      const int mask = (1 << a.bs_shift) - 1;
+      rows([mask](int key) { return key & mask; });
+    } else {
+      const int bs = a.p.kv.block_size;
+      rows([bs](int key) { return key % bs; });
+    }
+  }
+
+  template <typename Off>
+  __device__ __forceinline__ void issue_unaligned(const AttnArgs& a, int tile, char* dst_k,
+                                                  char* dst_v, Off off) const {
+    const int bs = a.p.kv.block_size;
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       const int r = row0 + i * RPP;
       if (r >= KT) continue;
-      const int bytes = ids[i] >= 0 ? col_bytes : 0;
-      const int bytes_v = ids[i] >= 0 ? col_bytes_v : 0;
-      const char* gk = kbase;
-      const char* gv = vbase;
-      if (ids[i] >= 0) {
-        const int key = tile * KT + r;
-        const int slot = a.bs_shift >= 0 ? key & ((1 << a.bs_shift) - 1) : key % kv.block_size;
-        gk += (int64_t(ids[i]) * kv.k_stride_block + int64_t(slot) * kv.k_stride_slot + kh) * ESZ;
-        gv += (int64_t(ids[i]) * kv.v_stride_block + int64_t(slot) * kv.v_stride_slot + vh) * ESZ;
-      }
-      char* sk = dst_k + off(r, col);
-      char* sv = dst_v + off(r, col);
-      if (a.kv_aligned) {
-        cp_async16(sk, gk, bytes);
-        cp_async16(sv, gv, bytes_v);
-      } else {
-        copy_chunk(sk, gk, bytes);
-        copy_chunk(sv, gv, bytes_v);
-      }
+      const bool ok = ids[i] >= 0;
+      const int slot = ok ? (tile * KT + r) % bs : 0;
+      const char* gk = k_base + (uint64_t(ok ? ids[i] : 0) * k_block + uint64_t(slot) * k_slot);
+      const char* gv = v_base + (uint64_t(ok ? ids[i] : 0) * v_block + uint64_t(slot) * v_slot);
+      copy_chunk(dst_k + off(r, col), gk, ok ? col_bytes : 0);
+      copy_chunk(dst_v + off(r, col), gv, ok ? col_bytes_v : 0);
     }
   }
 

@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
   const LogitOps ops = logit_ops(p, w);
 
   TileLoader<KT, NT, C::CPR, C::ESZ> ld;
-  ld.init(p);
+  ld.init(p, w);
   auto stage_k = [&](int s) { return smain + s * C::STAGE_BYTES; };
   auto off = [](int r, int c) {
     if constexpr (C::FP8) return (r * C::CPR + c) * 16;
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
   if (ntiles > 0) ld.fetch(a, w, w.tile_begin);
   auto prime = [&](int s) {  // the first STAGES - 1 tiles, before the loop
     if (s < ntiles) {
-      ld.issue(a, w, w.tile_begin + s, stage_k(s), stage_k(s) + C::RAW_TILE, off);
+      ld.issue(a, w.tile_begin + s, stage_k(s), stage_k(s) + C::RAW_TILE, off);
       if (s + 1 < ntiles) ld.fetch(a, w, w.tile_begin + s + 1);
     }
     cp_async_commit();
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
     {
       const int nx = it + STAGES - 1;
       if (nx < ntiles) {
-        ld.issue(a, w, w.tile_begin + nx, stage_k(nx % STAGES), stage_k(nx % STAGES) + C::RAW_TILE,
+        ld.issue(a, w.tile_begin + nx, stage_k(nx % STAGES), stage_k(nx % STAGES) + C::RAW_TILE,
                  off);
         if (nx + 1 < ntiles) ld.fetch(a, w, w.tile_begin + nx + 1);
       }
@@ -223,8 +223,11 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
     const int k0 = (w.tile_begin + it) * KT;
     const bool need_mask = tile_needs_mask(w, k0, KT, ops);
     // A tile whose keys some rows see and others do not (prefill: diagonal, window edge) with an
-    // inf / NaN value: see attention_common.cuh ("keys some rows of a CTA see").
-    const bool fix_nonfinite = w.nq > 1 && need_mask && tile_has_nonfinite<T, NT>(tv, KT * DPAD / 8);
+    // inf / NaN value: see attention_common.cuh ("keys some rows of a CTA see"). The decode kernel's
+    // rows are the heads of one query, which all see the same keys: compiled out there.
+    constexpr bool kMultiQuery = PATH == Path::kMmaPrefill || PATH == Path::kMmaPrefillWide;
+    const bool fix_nonfinite =
+        kMultiQuery && w.nq > 1 && need_mask && tile_has_nonfinite<T, NT>(tv, KT * DPAD / 8);
 
     // S = Q K^T for this warp's 16 rows x KW keys.
     float s[KW / 8][4];
@@ -249,23 +252,33 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
       }
     }
 
-    // Logits (log2 units, masked) and the online-softmax update of both rows.
+    // Logits (log2 units, masked) and the online-softmax update of both rows. The uniform tests
+    // sit outside the element loops, so a plain tile without a mask (most tiles of a decode) is
+    // one multiply per logit, with no branch between them.
+    if (ops.plain && !need_mask) {
 #pragma unroll
-    for (int i = 0; i < KW / 8; ++i) {
+      for (int i = 0; i < KW / 8; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = k0 + wn * KW + i * 8 + 2 * t4 + (e & 1);
-        const int pos = e < 2 ? ra.pos : rb.pos;
-        float x = s[i][e];
-        if (ops.plain) {
-          x *= plain_mul;
-          if (need_mask && !key_visible(key, pos, ops)) x = -INFINITY;
-        } else {
-          x = transform_logit(x * qk_mul, ops, e < 2 ? slope_a : slope_b, key, pos, need_mask);
+        for (int e = 0; e < 4; ++e) s[i][e] *= plain_mul;
+    } else {
+#pragma unroll
+      for (int i = 0; i < KW / 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = k0 + wn * KW + i * 8 + 2 * t4 + (e & 1);
+          const int pos = e < 2 ? ra.pos : rb.pos;
+          float x = s[i][e];
+          if (ops.plain) {
+            x *= plain_mul;
+            if (need_mask && !key_visible(key, pos, ops)) x = -INFINITY;
+          } else {
+            x = transform_logit(x * qk_mul, ops, e < 2 ? slope_a : slope_b, key, pos, need_mask);
+          }
+          s[i][e] = x;
         }
-        s[i][e] = x;
       }
     }
+    float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = -INFINITY;
@@ -275,7 +288,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(m2[h], mx);
       const float base = m_new == -INFINITY ? 0.0f : m_new;  // nothing seen yet: all weights 0
-      const float alpha = exp2f(m2[h] - base);                // m2 = -inf gives 0
+      alpha[h] = exp2f(m2[h] - base);                         // m2 = -inf gives 0
       m2[h] = m_new;
       float sum = 0.0f;
 #pragma unroll
@@ -284,9 +297,17 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
         s[i][2 * h + 1] = exp2f(s[i][2 * h + 1] - base);
         sum += s[i][2 * h] + s[i][2 * h + 1];
       }
-      dsum[h] = dsum[h] * alpha + sum;  // per-thread partial; the quad is summed at the end
+      dsum[h] = dsum[h] * alpha[h] + sum;  // per-thread partial; the quad is summed at the end
+    }
+    // The output is rescaled only when some row of the warp has a new maximum: alpha is exactly 1
+    // otherwise (exp2f(0)), and past the first tiles of a long context the maximum rarely moves, so
+    // most tiles skip DPAD / 2 multiplies per thread. NaN compares unequal and still rescales.
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-      for (int i = 0; i < DPAD / 8; ++i) o[i][2 * h] *= alpha, o[i][2 * h + 1] *= alpha;
+      for (int i = 0; i < DPAD / 8; ++i) {
+        o[i][0] *= alpha[0], o[i][1] *= alpha[0];
+        o[i][2] *= alpha[1], o[i][3] *= alpha[1];
+      }
     }
 
     if (fix_nonfinite) {

@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(128, 1)
   }
 
   TileLoader<KT, NT, C::CPR, C::ESZ> ld;
-  ld.init(p);
+  ld.init(p, w);
   auto stage_k = [&](int s) { return smain + s * C::STAGE_BYTES; };
   auto off = [](int r, int c) { return r * C::RAW_STRIDE + c * 16; };
   const int ntiles = w.tile_end - w.tile_begin;
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(128, 1)
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < ntiles) {
-      ld.issue(a, w, w.tile_begin + s, stage_k(s), stage_k(s) + C::RAW_TILE, off);
+      ld.issue(a, w.tile_begin + s, stage_k(s), stage_k(s) + C::RAW_TILE, off);
       if (s + 1 < ntiles) ld.fetch(a, w, w.tile_begin + s + 1);
     }
     cp_async_commit();
@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(128, 1)
     {
       const int nx = it + STAGES - 1;
       if (nx < ntiles) {
-        ld.issue(a, w, w.tile_begin + nx, stage_k(nx % STAGES), stage_k(nx % STAGES) + C::RAW_TILE,
+        ld.issue(a, w.tile_begin + nx, stage_k(nx % STAGES), stage_k(nx % STAGES) + C::RAW_TILE,
                  off);
         if (nx + 1 < ntiles) ld.fetch(a, w, w.tile_begin + nx + 1);
       }

@@ -11,8 +11,10 @@
 //   otherwise fp16 / bf16                        -> tensor cores, 16 rows per CTA (<= 94 KiB)
 // Pipeline depth: as many 32-key stages as fit so that two CTAs share an SM, else one CTA; 2 to 4.
 // Split count: from the number of work items (shapes), the longest context a block-table row can
-// describe (block_tables.shape[1] * block_size) and the SM count, never from seq_lens, so the
-// launch is the same for every step of a decode loop.
+// describe (block_tables.shape[1] * block_size), the SM count and the CTAs per SM, never from
+// seq_lens, so the launch is the same for every step of a decode loop. Decode takes the count with
+// the least wave-quantized time (attention_common.cuh choose_splits), prefill splits only when the
+// work items alone leave SMs idle.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -121,23 +123,25 @@ cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* o
     return failed("too many sequences / tokens / heads for one launch");
   plan.grid_y = plan.head_chunks;
 
-  // Split the keys of each work item when the items alone leave SMs idle.
+  // Split the keys of each work item: decode by the least wave-quantized time (ac::choose_splits),
+  // prefill when the items alone leave SMs idle.
   const int kt = mla_key_tile(path);
   const int64_t max_keys = p.kv.max_blocks_per_seq * p.kv.block_size;
   const int64_t items = plan.grid_x * plan.grid_y;
   const int ctas_per_sm = 2 * (plan.smem + 1024) <= dev.smem_optin ? 2 : 1;
+  const int64_t max_tiles = std::max<int64_t>(1, (max_keys + kt - 1) / kt);
+  const int64_t most = std::min<int64_t>(
+      {std::max<int64_t>(1, max_keys / kMinKeysPerSplit), kMaxSplits, max_tiles});
+  const int64_t slots = int64_t(dev.sm_count) * ctas_per_sm;
   int64_t splits = 1;
   const char* forced_splits = env("KVKERNELS_CUDA_MLA_SPLITS");
   if (forced_splits) {
     splits = std::atoll(forced_splits);
-  } else if (items > 0) {
-    const int64_t target = int64_t(dev.sm_count) * ctas_per_sm;
-    if (items < target) {
-      const int64_t wanted = (target + items - 1) / items;
-      splits = std::min(wanted, std::max<int64_t>(1, max_keys / kMinKeysPerSplit));
-    }
+  } else if (items > 0 && decode) {
+    splits = ac::choose_splits(items, max_tiles, slots, most);
+  } else if (items > 0 && items < slots) {
+    splits = std::min((slots + items - 1) / items, most);
   }
-  const int64_t max_tiles = std::max<int64_t>(1, (max_keys + kt - 1) / kt);
   splits = std::max<int64_t>(1, std::min<int64_t>({splits, kMaxSplits, max_tiles}));
   plan.num_splits = static_cast<int>(splits);
   if (plan.num_splits > 1) {

@@ -225,12 +225,17 @@ __global__ void __launch_bounds__(mla_threads(PATH), 1)
       if (tid % TPR == 0) sAlpha[srow] = alpha;
     }
     __syncthreads();
-    // 3. O = alpha O + P V over this warp's columns.
+    // 3. O = alpha O + P V over this warp's columns. A row block is rescaled only when one of its
+    // 16 rows has a new maximum (alpha is exactly 1 otherwise; NaN compares unequal and rescales):
+    // past the first tiles of a long context most tiles skip the multiplies.
 #pragma unroll
     for (int mi = 0; mi < WM; ++mi) {
       const float al = sAlpha[mi * 16 + g], bl = sAlpha[mi * 16 + g + 8];
+      if (__any_sync(0xffffffffu, al != 1.0f || bl != 1.0f)) {
 #pragma unroll
-      for (int n = 0; n < NB; ++n) o[mi][n][0] *= al, o[mi][n][1] *= al, o[mi][n][2] *= bl, o[mi][n][3] *= bl;
+        for (int n = 0; n < NB; ++n)
+          o[mi][n][0] *= al, o[mi][n][1] *= al, o[mi][n][2] *= bl, o[mi][n][3] *= bl;
+      }
     }
     if (fix_nonfinite) {
       // Each thread adds, to its output elements, the non-finite values of the keys their rows

@@ -138,35 +138,46 @@ __device__ __forceinline__ void load_q8_tail(const QT* src, int c, int d, bool a
 // without being read (so NaN in unused cache slots never reaches the math). With `aligned`
 // (cache base and row strides multiples of 16 bytes) the copies are cp.async; otherwise plain
 // element loads (odd views).
+// A warp takes whole rows, its lanes the row's chunks: the block id (one address for the warp) and
+// the row's source address are found once per row, not per 16-byte chunk, and the rows' block ids
+// are all loaded before the first copy is issued.
 template <int KT, int NT, int ESZ, typename Off>
 __device__ __forceinline__ void issue_key_tile(const MlaArgs& m, const ac::Work& w, int tile,
                                                char* dst, Off off) {
+  static_assert(NT % 32 == 0 && KT % (NT / 32) == 0, "whole rows per warp");
+  constexpr int NW = NT / 32, RPW = KT / NW;  // rows per warp
   const ac::AttnArgs& a = m.a;
   const paged_kv_t& kv = a.p.kv;
   const int cpr = m.dp * ESZ / 16;
   const int row_bytes = kv.head_dim * ESZ;
   const int32_t* bt = kv.block_tables + int64_t(w.seq) * kv.max_blocks_per_seq;
   const char* base = static_cast<const char*>(kv.k);
-  const int k0 = tile * KT;
-  for (int idx = threadIdx.x; idx < KT * cpr; idx += NT) {
-    const int r = idx / cpr, c = idx - r * cpr;
-    const int key = k0 + r;
-    int bytes = 0;
-    const char* src = base;
-    if (key >= w.lo && key <= w.hi) {
-      const int lb = a.bs_shift >= 0 ? key >> a.bs_shift : key / kv.block_size;
-      const int id = bt[lb];
-      const int b = row_bytes - c * 16;
-      if (id >= 0 && id < kv.num_blocks && b > 0) {
-        bytes = b > 16 ? 16 : b;
-        const int slot = a.bs_shift >= 0 ? key & ((1 << a.bs_shift) - 1) : key % kv.block_size;
-        src = base + (int64_t(id) * kv.k_stride_block + int64_t(slot) * kv.k_stride_slot) * ESZ +
-              c * 16;
-      }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int k0 = tile * KT + warp;
+  int ids[RPW];
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+    const int key = k0 + i * NW;
+    int id = -1;
+    if (key >= w.lo && key <= w.hi)
+      id = __ldg(bt + (a.bs_shift >= 0 ? key >> a.bs_shift : key / kv.block_size));
+    ids[i] = (id >= 0 && id < kv.num_blocks) ? id : -1;
+  }
+  const uint64_t sb = uint64_t(kv.k_stride_block) * ESZ, ss = uint64_t(kv.k_stride_slot) * ESZ;
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+    const int r = warp + i * NW, key = k0 + i * NW;
+    const bool ok = ids[i] >= 0;
+    const int slot = !ok ? 0 : a.bs_shift >= 0 ? key & ((1 << a.bs_shift) - 1) : key % kv.block_size;
+    const char* row = base + (uint64_t(ok ? ids[i] : 0) * sb + uint64_t(slot) * ss);
+    for (int c = lane; c < cpr; c += 32) {
+      const int b = ok ? row_bytes - c * 16 : 0;
+      const int bytes = b < 0 ? 0 : (b > 16 ? 16 : b);
+      const char* src = bytes > 0 ? row + c * 16 : base;
+      char* d = dst + off(r, c);
+      if (a.kv_aligned) ac::cp_async16(d, src, bytes);
+      else ac::TileLoader<1, 1, 1, ESZ>::copy_chunk(d, src, bytes);  // element loads, zero-filled
     }
-    char* d = dst + off(r, c);
-    if (a.kv_aligned) ac::cp_async16(d, src, bytes);
-    else ac::TileLoader<1, 1, 1, ESZ>::copy_chunk(d, src, bytes);  // element loads, zero-filled
   }
 }
 

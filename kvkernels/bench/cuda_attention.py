@@ -37,7 +37,9 @@ chosen per call by KVKERNELS_CUDA_ATTN_PATH (csrc/cuda/README.md): ``deep`` (the
 flight) and ``wide`` (the first one: 64 keys per stage, 2 stages at head dim 128). With the option, every
 decode case times each named variant on the same data in one process, in alternating batches (A B B A ...),
 as rows ``kvkernels-<variant>`` instead of ``kvkernels``; ``targets`` and ``variant_lines`` report each
-against the targets and against each other.
+against the targets and against each other. A name may force the KV split count: ``deep-s1`` is the deep
+configuration with KVKERNELS_CUDA_ATTN_SPLITS=1 (``deep`` alone: the planner's own count), so ``deep,deep-s1``
+times the planner's wave-filling splits against none.
 
 Prefill variants (``--prefill-variants wide,deep``): the same for the tensor-core prefill kernel's two
 configurations (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-wide / mma-prefill-deep: ``deep``, the default, has 16 KiB
@@ -98,12 +100,27 @@ PREFILL_VARIANTS = {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide"}
 PREFILL_DTYPES = ("bfloat16", "fp8_e4m3")
 
 
+def _variant_parts(name: str) -> tuple[str, Optional[str]]:
+    """"deep" -> ("deep", None); "deep-s3" -> ("deep", "3"): the configuration and the forced KV split count
+    (KVKERNELS_CUDA_ATTN_SPLITS; None: the planner's own)."""
+    config, sep, splits = name.partition("-s")
+    if config not in DECODE_VARIANTS or (sep and not (splits.isdigit() and int(splits) >= 1)):
+        raise ValueError(name)
+    return config, splits if sep else None
+
+
 def _variants(text: str) -> list[str]:
-    """"wide,deep" -> ["wide", "deep"] (known names, no repeats; the same names for decode and prefill)."""
+    """"wide,deep,deep-s1" -> ["wide", "deep", "deep-s1"] (known configurations, each with an optional
+    -s<N>: N KV splits forced; no repeats; the same names for decode and prefill)."""
     names = [x for x in text.split(",") if x]
-    bad = [x for x in names if x not in DECODE_VARIANTS]
-    if bad or len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"expected distinct names of {sorted(DECODE_VARIANTS)}, got {text!r}")
+    try:
+        for name in names:
+            _variant_parts(name)
+        if len(set(names)) != len(names):
+            raise ValueError(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected distinct names of {sorted(DECODE_VARIANTS)}, each optionally "
+                                         f"with -s<splits>, got {text!r}") from None
     return names
 
 
@@ -134,7 +151,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-flex", action="store_true", help="skip the FlexAttention baseline (compile time)")
     g.add_argument("--decode-variants", type=_variants, default=[],
                    help="time these configurations of the tensor-core decode kernel (deep: the default, wide: "
-                        "the first one) on the same data, alternating batches: rows kvkernels-<variant>")
+                        "the first one; -s<N> forces N KV splits, e.g. deep-s1) on the same data, alternating "
+                        "batches: rows kvkernels-<variant>")
     g.add_argument("--prefill-variants", type=_variants, default=[],
                    help="time these configurations of the tensor-core prefill kernel (deep: the default, wide: "
                         "the first one) on the same data, alternating batches: rows kvkernels-<variant>")
@@ -198,6 +216,23 @@ def env_var(name: str, value: Optional[str], none_unsets: bool = True):
 def attn_path_env(value: Optional[str]):
     """KVKERNELS_CUDA_ATTN_PATH = value (None: unset) inside the block."""
     return env_var("KVKERNELS_CUDA_ATTN_PATH", value)
+
+
+def variant_env(name: str, paths: dict) -> contextlib.ExitStack:
+    """The environment of a --decode-variants / --prefill-variants name inside the block:
+    KVKERNELS_CUDA_ATTN_PATH = paths[configuration], and KVKERNELS_CUDA_ATTN_SPLITS = N for <config>-s<N>
+    (unset otherwise: the planner chooses)."""
+    config, splits = _variant_parts(name)
+    stack = contextlib.ExitStack()
+    stack.enter_context(attn_path_env(paths[config]))
+    stack.enter_context(env_var("KVKERNELS_CUDA_ATTN_SPLITS", splits))
+    return stack
+
+
+def variant_setting(name: str, paths: dict) -> str:
+    """What a variant's row notes: its environment (variant_env)."""
+    config, splits = _variant_parts(name)
+    return f"KVKERNELS_CUDA_ATTN_PATH={paths[config]}" + (f" KVKERNELS_CUDA_ATTN_SPLITS={splits}" if splits else "")
 
 
 def time_paired(calls: dict, reps: int, min_ms: float, setting: Callable[[str], object]) -> dict:
@@ -487,17 +522,18 @@ def decode_case(dtype_name: str, batch: int, context: int, copy_gbps: float, arg
 def variant_rows(name: str, kind: str, dtype_name: str, batch: int, context: int, copies: int,
                  variants: list[str], env_values: dict, kernel: Callable[[int], object], check: Callable,
                  args, note: str = "") -> list[dict]:
-    """One ``kvkernels-<variant>`` row per kernel configuration (``env_values``: variant ->
-    KVKERNELS_CUDA_ATTN_PATH): each checked against the reference, then all timed together by ``time_paired``
-    (a variant that raises is recorded as skipped, the others still run)."""
+    """One ``kvkernels-<variant>`` row per kernel configuration (``env_values``: configuration ->
+    KVKERNELS_CUDA_ATTN_PATH; a -s<N> suffix forces N KV splits, variant_env): each checked against the
+    reference, then all timed together by ``time_paired`` (a variant that raises is recorded as skipped, the
+    others still run)."""
     rows, calls = {}, {}
     for v in variants:
         row = _row(name, kind, dtype_name, batch, context, f"kvkernels-{v}", copies=copies,
-                   note=f"{note}KVKERNELS_CUDA_ATTN_PATH={env_values[v]}; timed in batches alternating with "
+                   note=f"{note}{variant_setting(v, env_values)}; timed in batches alternating with "
                         f"{', '.join(x for x in variants if x != v) or 'nothing'}")
         rows[v] = row
         try:
-            with attn_path_env(env_values[v]):
+            with variant_env(v, env_values):
                 out = kernel(0)
                 torch.cuda.synchronize()
             row["max_abs_diff"], row["tolerance"] = check(out)
@@ -507,7 +543,7 @@ def variant_rows(name: str, kind: str, dtype_name: str, batch: int, context: int
             row["skipped"] = skip_reason(error)
             torch.cuda.synchronize()
     if calls:
-        time_paired_into(rows, calls, args.attn_reps, args.attn_min_ms, lambda v: attn_path_env(env_values[v]))
+        time_paired_into(rows, calls, args.attn_reps, args.attn_min_ms, lambda v: variant_env(v, env_values))
     return list(rows.values())
 
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Nsight Compute profiles of the issue-24 target kernels (decode b64 x 4k bf16 / e4m3, b1 x 32k, prefill
-# 4096 in the deep default and the wide first configuration, mla_decompress 2k, MLA decode b64 x 4k): for each case, the 3rd launch of each kvkernels kernel
-# (warm caches, warm clocks) with the sections that say why a kernel is slow — speed of light (DRAM and
-# SM throughput vs peak), occupancy and its limiter, launch stats (registers, shared memory, waves),
-# memory workload, warp stall reasons. Text in $OUT/profile.txt; one ncu report per case in
+# Nsight Compute profiles of the issue-24 target kernels (decode b64 x 4k bf16 in the deep default and the
+# wide first configuration, e4m3, b1 x 32k, prefill 4096 deep and wide, MLA decode b64 x 4k,
+# mla_decompress 2k): for each case, the 3rd launch of each kvkernels kernel (warm caches, warm clocks)
+# with the sections that say why a kernel is slow — speed of light (DRAM and SM throughput vs peak),
+# occupancy and its limiter, launch stats (registers, shared memory, waves), memory workload, warp
+# stall reasons, and the source counters (the SASS / source lines with the most stall samples; the
+# build has -lineinfo). Text in $OUT/profile.txt; one ncu report per case in
 # $OUT/profiles.tar.gz. Reuses the build in the tree (run after scripts/gpu_validate.sh on the warm
 # machine; builds first if there is none). BUDGET seconds in all (default 150).
 set -u
@@ -23,14 +25,17 @@ elif ! python3 -c "import torch, kvkernels, sys; sys.exit(0 if torch._C._dispatc
     { echo "build failed"; exit 1; }
 fi
 mkdir -p /tmp/ncu
-for c in decode-bf16-b64-4k decode-e4m3-b64-4k decode-bf16-b1-32k prefill-bf16-4k prefill-bf16-4k-wide mla-decompress-2k mla-decode-b64-4k; do
+for c in decode-bf16-b64-4k decode-bf16-b64-4k-wide decode-e4m3-b64-4k decode-bf16-b1-32k prefill-bf16-4k prefill-bf16-4k-wide mla-decode-b64-4k mla-decompress-2k; do
   [ "$(left)" -lt 25 ] && { echo "== deadline: $c and later cases skipped"; break; }
   echo "== $c"
   if [ -z "$NCU" ]; then python3 scripts/probe/profile_cases.py "$c"; continue; fi
-  timeout -k 5 $(( $(left) - 10 )) "$NCU" --target-processes all --kernel-name-base demangled \
+  # --clock-control none: ncu would otherwise lock the clocks to base for the run; the card's settings
+  # are left as they are found (the device machine's rules), so the kernels run at the clocks the
+  # benchmarks see.
+  timeout -k 5 $(( $(left) - 10 )) "$NCU" --clock-control none --target-processes all --kernel-name-base demangled \
     --kernel-name 'regex:kvkernels' --launch-skip 2 --launch-count 2 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
-    --section WarpStateStats --section SchedulerStats \
+    --section WarpStateStats --section SchedulerStats --section SourceCounters \
     -o "/tmp/ncu/$c" -f python3 scripts/probe/profile_cases.py "$c" 2>&1 | grep -v "^==PROF==" | tail -5
   # The report's details as text (a report written with -o is not printed by the profiling run).
   [ -f "/tmp/ncu/$c.ncu-rep" ] && "$NCU" -i "/tmp/ncu/$c.ncu-rep" --page details 2>&1 | grep -v "^\s*$" | cut -c1-160

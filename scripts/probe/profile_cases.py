@@ -17,7 +17,11 @@ def gen():
     return torch.Generator(device="cuda").manual_seed(0)
 
 
-def decode(batch, context, dtype):
+def decode(batch, context, dtype, path=None):
+    """``path``: KVKERNELS_CUDA_ATTN_PATH for the run (``mma-decode-wide``: the decode kernel's first
+    configuration; None: the default, deep)."""
+    if path is not None:
+        os.environ["KVKERNELS_CUDA_ATTN_PATH"] = path
     data = Paged(batch, context, batch, dtype, 1, gen())  # the benchmark's cache and queries
     return lambda: ops.paged_attention(data.query, data.keys[0], data.values[0], data.block_tables,
                                        data.seq_lens, k_scale=data.scale, v_scale=data.scale)
@@ -50,6 +54,7 @@ def mla_decode(batch, context, heads=128):
 
 CASES = {
     "decode-bf16-b64-4k": lambda: decode(64, 4096, torch.bfloat16),
+    "decode-bf16-b64-4k-wide": lambda: decode(64, 4096, torch.bfloat16, "mma-decode-wide"),
     "decode-e4m3-b64-4k": lambda: decode(64, 4096, torch.float8_e4m3fn),
     "decode-bf16-b1-32k": lambda: decode(1, 32768, torch.bfloat16),
     "prefill-bf16-4k": lambda: prefill(4096),

@@ -11,7 +11,7 @@
 //
 // Each CTA runs as blockDim.x cooperative fibers (ucontext) on the calling thread; __syncthreads()
 // switches to the next fiber, and a barrier completes when every live fiber of the CTA reached it.
-// Warp collectives (__shfl_up_sync, __shfl_xor_sync, __syncwarp, ldmatrix, mma.sync) go through an
+// Warp collectives (__shfl_up_sync, __shfl_xor_sync, __any_sync, __syncwarp, ldmatrix, mma.sync) go through an
 // exchange array between two warp-level barriers (every live fiber of the warp; the kernels only
 // use them with full warps). CTAs run one after another, blockIdx.x fastest. Launch syntax is
 // rewritten by the test (kernel<<<g, b, s, st>>>(args) -> emu::launch(kernel, g, b, s, st, args)).
@@ -243,6 +243,12 @@ void launch(K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*stream*
 
 inline void __syncthreads() { emu::wait_at(emu::kAtBlockBarrier); }
 
+// ld.global.nc (read-only data cache): a plain load here.
+template <typename T>
+inline T __ldg(const T* p) {
+  return *p;
+}
+
 namespace emu {
 
 // Slot i of thread t in the exchange array.
@@ -300,6 +306,24 @@ T __shfl_sync(unsigned /*mask*/, T x, int src_lane, int width = 32) {
 }
 
 inline void __syncwarp(unsigned /*mask*/ = 0xffffffffu) { emu::wait_at(emu::kAtWarpBarrier); }
+
+// vote.any over the full warp (mask 0xffffffff only, the kernels' use): every lane publishes its
+// predicate, then reads all 32.
+inline int __any_sync(unsigned mask, int pred) {
+  if (mask != 0xffffffffu) throw std::logic_error("emu: __any_sync with a partial mask");
+  const int me = static_cast<int>(emu::threadIdx_.x), lane = me % 32;
+  emu::put(me, 0, pred != 0 ? 1 : 0);
+  emu::wait_at(emu::kAtWarpBarrier);
+  int any = 0;
+  for (int l = 0; l < 32; ++l) {
+    const int t = me - lane + l;
+    if (t >= static_cast<int>(emu::blockDim_.x) || emu::sched.state[t] == emu::kDone)
+      throw std::logic_error("emu: __any_sync with a lane that is not in the warp");
+    any |= emu::get<int>(t, 0);
+  }
+  emu::wait_at(emu::kAtWarpBarrier);
+  return any;
+}
 
 // __syncthreads that also ORs a predicate over the CTA's live threads: publish, barrier, read every
 // thread's slot, barrier (so no thread overwrites its slot before all have read it).
