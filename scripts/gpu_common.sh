@@ -131,6 +131,34 @@ pytest_step() {
   return "$rc"
 }
 
+# clocks_start / clocks_stop: around a benchmark, nvidia-smi samples the card's clocks, power and
+# temperature every 200 ms (read only: the clocks are measured as found, never set) into
+# results/clocks-<step>.csv; clocks_stop ends the sampling and prints scripts/gpu_clocks.py's one-line
+# summary (nothing where nvidia-smi is missing, as on a machine without a GPU).
+CLOCK_FIELDS=timestamp,utilization.gpu,clocks.sm,clocks.mem,power.draw,temperature.gpu
+clocks_start() {
+  CLOCKS_PID="" CLOCKS_FILE="$SCRATCH/results/clocks-$STEP_NAME.csv"
+  command -v nvidia-smi >/dev/null 2>&1 || return 0
+  local fields=$CLOCK_FIELDS,clocks_event_reasons.active
+  # An older driver without the event-reason field rejects the whole query: sample without it.
+  timeout 10 nvidia-smi --query-gpu="$fields" --format=csv,noheader,nounits >/dev/null 2>&1 || fields=$CLOCK_FIELDS
+  nvidia-smi --query-gpu="$fields" --format=csv,noheader,nounits -lms 200 >"$CLOCKS_FILE" 2>&1 &
+  CLOCKS_PID=$!
+}
+clocks_stop() {
+  [ -n "${CLOCKS_PID:-}" ] || return 0
+  kill "$CLOCKS_PID" 2>/dev/null
+  local i
+  for i in 1 2 3 4 5 6 7 8 9 10; do  # up to 1 s for SIGTERM, then SIGKILL: the wait must not hang
+    kill -0 "$CLOCKS_PID" 2>/dev/null || break
+    sleep 0.1
+  done
+  kill -9 "$CLOCKS_PID" 2>/dev/null
+  wait "$CLOCKS_PID" 2>/dev/null
+  CLOCKS_PID=""
+  "$PYTHON" "$ROOT/scripts/gpu_clocks.py" "$CLOCKS_FILE" 2>&1 | head -1
+}
+
 # gpu_finish: the closing summary line, the $OUT limits, the summary on stdout; exit status 0 when no
 # step failed or timed out, else 1.
 gpu_finish() {

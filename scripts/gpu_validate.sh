@@ -24,8 +24,10 @@
 #   env.txt          nvidia-smi, nvcc, torch, python modules, tools
 #   build.log        the build (ptxas -v register / spill report of every kernel included)
 #   tests.log        every pytest run, one section each (-v: a test's id is written before it runs)
-#   bench.log        every benchmark's output (rows as each case ends; target lines)
-#   results.tar.gz   results/: junit-<step>.xml, bench JSON/TXT, ptxas.txt (rewritten after each step)
+#   bench.log        every benchmark's output (rows as each case ends; target lines; a `clocks:` line per
+#                    step: the card's SM clock while it ran, from nvidia-smi samples, see gpu_common.sh)
+#   results.tar.gz   results/: junit-<step>.xml, bench JSON/TXT, ptxas.txt, clocks-<step>.csv (rewritten
+#                    after each step)
 #
 # Environment: BUDGET (s, default 520), OUT, PYTHON (default python3), DRY_RUN=1, SKIP_BUILD=1 (use the
 # build in the tree), TORCH_CUDA_ARCH_LIST (default 9.0a), MAX_JOBS (default 16), WORKERS (pytest-xdist
@@ -202,12 +204,14 @@ bench() {  # python arguments: output appended to bench.log; its target lines to
   local rc offset section
   offset=$(stat -c %s "$OUT/bench.log" 2>/dev/null || echo 0)
   printf '\n===== %s: python %s (limit %ss, %s)\n' "$STEP_NAME" "$*" "$STEP_LIMIT" "$(date +%H:%M:%S)" >>"$OUT/bench.log"
+  clocks_start
   capped "$PYTHON" "$@" >>"$OUT/bench.log" 2>&1
   rc=$?
+  clocks_stop >>"$OUT/bench.log"
   section=$(tail -c +$((offset + 1)) "$OUT/bench.log")
-  printf '%s\n' "$section" | grep -E "^(target|variant):" >"$SCRATCH/targets-$STEP_NAME.txt"
-  STEP_DETAIL=$(printf '%s\n' "$section" | grep -E "^(target|variant):|no CUDA device|Error|MISMATCH" | tr -s ' ' |
-    head -8 | tr '\n' ';' | cut -c1-700)
+  printf '%s\n' "$section" | grep -E "^(target|variant|clocks):" >"$SCRATCH/targets-$STEP_NAME.txt"
+  STEP_DETAIL=$(printf '%s\n' "$section" | grep -E "^(target|variant|clocks):|no CUDA device|Error|MISMATCH" |
+    tr -s ' ' | head -9 | tr '\n' ';' | cut -c1-900)
   # Without a GPU the benchmarks can only say so (after parsing their arguments): not a failure there.
   if [ "$DRY_RUN" = 1 ] && printf '%s\n' "$section" | grep -q "no CUDA device"; then
     STEP_DETAIL="dry run: $(printf '%s\n' "$section" | grep -m1 -o "no CUDA device.*" | tr -s ' ')"

@@ -678,6 +678,49 @@ def test_paged_attention_nonfinite_values_past_dk(emu, dtype):
     assert out[:20].isfinite().all() and out[20:70, :, 40].isnan().any() and out[41:70, :, 95].isinf().any()
 
 
+def between_nan_blocks(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` [N, ...] copied into blocks 1..N of an [N + 2, ...] allocation whose blocks 0 and N + 1
+    are NaN: a read of block id -1 or N through the returned view finds NaN."""
+    big = torch.full((cache.shape[0] + 2, *cache.shape[1:]), float("nan"), dtype=cache.dtype)
+    big[1:-1] = cache
+    return big[1:-1]
+
+
+def out_of_range_ids(table: torch.Tensor, used: list, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``table`` with the (row, column) entries of ``used`` (blocks the sequences read) set to -1, N,
+    INT32_MIN and INT32_MAX in turn, and the table the reference reads instead: those entries -> N,
+    a zero block appended to the cache (without KVKERNELS_DEBUG the CUDA kernels read an out-of-range
+    id as a zero row, docs/design.md section 6)."""
+    bad, ref = table.clone(), table.clone()
+    for (row, col), value in zip(used, (-1, n, -2**31, 2**31 - 1)):
+        bad[row, col], ref[row, col] = value, n
+    return bad, ref
+
+
+@pytest.mark.parametrize("kind", [None, "simt"], ids=["planned", "simt"])
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+def test_paged_attention_out_of_range_block_ids_read_nothing(emu, mode, kind, monkeypatch):
+    """Block ids -1, N, INT32_MIN and INT32_MAX in visible blocks: zero rows, nothing read outside the
+    caches (they sit between NaN blocks; the two extreme ids would fault). The loaders check an id where
+    they use it, a tile after loading it (csrc/cuda/attention_common.cuh, TileLoader)."""
+    force_cuda_plan(monkeypatch, "ATTN", kind, None)
+    b, seq_lens = 16, [3 * 16 + 5, 2 * 16, 16 + 1]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=2, head_dim=128, block_size=b, dtype=bf16, seed=71)
+    n = kv.key_cache.shape[0]
+    k, v = between_nan_blocks(kv.key_cache), between_nan_blocks(kv.value_cache)
+    table, ref_table = out_of_range_ids(kv.block_tables, [(0, 1), (1, 0), (0, 3), (2, 1)], n)
+    q_lens = [1] * 3 if mode == "decode" else [20, 1, 17]
+    qsl = None if mode == "decode" else query_start_loc(q_lens)
+    query = make_query(sum(q_lens), 8, 128, bf16, generator(72))
+    out, lse = emulated_paged_attention(emu, query, k, v, table, kv.seq_lens, qsl)
+    zero = torch.zeros(1, *k.shape[1:], dtype=k.dtype)
+    ref_out, ref_lse = reference.paged_attention(upcast(query), upcast(torch.cat([k, zero])),
+                                                 upcast(torch.cat([v, zero])), ref_table, kv.seq_lens, qsl)
+    assert out.isfinite().all()
+    assert_close(out, ref_out, bf16, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
+
+
 @pytest.mark.parametrize("mode", ["decode", "varlen"])
 def test_paged_attention_value_cache_a_prefix_view(emu, mode):
     """value_cache = key_cache[..., :64]: the same first byte as the key cache (read-only ops may take
@@ -829,6 +872,26 @@ def test_mla_paged_attention_deepseek(emu, case, mode, monkeypatch):
                                         path=expected_mla_path(dtype, h, mode == "decode", None))
     if mode == "decode":
         assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+
+
+@pytest.mark.parametrize("kind", [None, "simt"], ids=["planned", "simt"])
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+def test_mla_paged_attention_out_of_range_block_ids_read_nothing(emu, mode, kind, monkeypatch):
+    """As test_paged_attention_out_of_range_block_ids_read_nothing, for the latent cache: the MLA
+    loaders fetch a tile's block ids a tile ahead and check them where they use them (mla_common.cuh)."""
+    force_cuda_plan(monkeypatch, "MLA", kind, None)
+    b, seq_lens = 16, [3 * 16 + 5, 2 * 16, 16 + 1]
+    mla, q, qsl = make_mla_case(mode, seq_lens, bf16, None, 64, 16, 8, b, q_lens=[20, 1, 17])
+    n = mla.kv_cache.shape[0]
+    cache = between_nan_blocks(mla.kv_cache)
+    table, ref_table = out_of_range_ids(mla.block_tables, [(0, 1), (1, 0), (0, 3), (2, 1)], n)
+    out, lse = emu.mla_paged_attention(q, cache, table, mla.seq_lens, 64, 80 ** -0.5, qsl, None)
+    ref_cache = torch.cat([cache, torch.zeros(1, *cache.shape[1:], dtype=cache.dtype)])
+    ref_out, ref_lse = reference.mla_paged_attention(upcast(q), upcast(ref_cache), ref_table, mla.seq_lens,
+                                                     kv_lora_rank=64, scale=80 ** -0.5, query_start_loc=qsl)
+    assert out.isfinite().all()
+    assert_close(out, ref_out, bf16, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
 
 
 @pytest.mark.parametrize("splits", [None, 1, 128], ids=["planned", "1", "128"])

@@ -106,6 +106,73 @@ echo "finish=$?"
     assert sorted(os.listdir(out)) == ["results.tar.gz", "summary.txt", "tests.log"]
 
 
+def _clocks_module():
+    spec = importlib.util.spec_from_file_location("gpu_clocks", os.path.join(SCRIPTS, "gpu_clocks.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_clock_summary():
+    """Busy samples only (utilization > 0), median / min / max SM clock, the event reasons by name
+    (idle left out: it is what an idle sample says); N/A power and junk lines are passed over."""
+    summary = _clocks_module().summary
+    lines = ["2026/11/26 11:00:00.000, 0, 345, 2619, 76.1, 40, 0x0000000000000001",
+             "2026/11/26 11:00:00.200, 100, 1980, 2619, 650.2, 55, 0x0000000000000000",
+             "2026/11/26 11:00:00.400, 97, 1755, 2619, [N/A], 58, 0x0000000000000004",
+             "2026/11/26 11:00:00.600, 100, 1980, 2619, 690.7, 60, 0x0000000000000000",
+             "Unable to determine the device handle",
+             ""]
+    line = summary(lines)
+    assert line.startswith("clocks: sm 1980 MHz (min 1755, max 1980) in 3 busy of 4 samples"), line
+    assert "mem 2619 MHz" in line and "power max 691 W" in line and "temp max 60 C" in line
+    assert line.endswith("held below max by: sw power cap"), line
+    assert summary(lines[:1]).startswith("clocks: sm 345 MHz (min 345, max 345) in 1 samples, none busy")
+    assert summary(["2026/11/26 11:00:00.000, 100, 1980, 2619, 650.2, 55"]).endswith("temp max 55 C")
+    assert summary(["No devices were found"]) == "clocks: no samples (nvidia-smi gave none)"
+
+
+@pytest.mark.parametrize("reasons_field", [True, False], ids=["event-reasons", "older-driver"])
+def test_bench_step_samples_clocks(tmp_path, reasons_field):
+    """clocks_start / clocks_stop around a command, with a stand-in nvidia-smi on PATH: the samples land
+    in results/clocks-<step>.csv, the sampler is stopped, one summary line comes back; a driver that
+    rejects the event-reason field is sampled without it."""
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    reject = "" if reasons_field else 'case "$*" in *clocks_event_reasons*) echo "not a valid field"; exit 2;; esac\n'
+    fake.write_text("#!/usr/bin/env bash\n" + reject +
+                    'line="2026/11/26 11:00:00.000, 100, 1980, 2619, 650.2, 55"\n'
+                    'case "$*" in *clocks_event_reasons*) line="$line, 0x0000000000000004";; esac\n'
+                    'case "$*" in *-lms*) while true; do echo "$line"; sleep 0.1; done;; esac\n'
+                    'echo "$line"\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    driver = f"""
+set -u
+BUDGET=60
+source {SCRIPTS}/gpu_common.sh
+gpu_init selftest
+step_bench() {{
+  clocks_start; sampler=$CLOCKS_PID; sleep 1
+  clocks_stop >"$SCRATCH/clocks.txt"; STEP_DETAIL=$(cat "$SCRATCH/clocks.txt")
+  kill -0 "$sampler" 2>/dev/null && echo "sampler still running" || echo "sampler stopped"
+}}
+run_step bench 30 step_bench
+gpu_finish
+"""
+    env = _env(OUT=out)
+    env["PATH"] = f"{fake.parent}:{env['PATH']}"
+    result = subprocess.run([BASH, "-c", driver], capture_output=True, text=True, timeout=60, env=env)
+    summary = (out / "summary.txt").read_text()
+    assert "sampler stopped" in result.stdout, result.stdout + result.stderr
+    bench = next(line for line in summary.splitlines() if "] bench " in line)
+    assert re.search(r"clocks: sm 1980 MHz \(min 1980, max 1980\) in \d+ busy of \d+ samples", bench), bench
+    assert ("held below max by: sw power cap" in bench) == reasons_field, bench
+    with tarfile.open(out / "results.tar.gz") as tar:
+        samples = tar.extractfile("results/clocks-bench.csv").read().decode().splitlines()
+    assert len(samples) >= 3 and all(line.startswith("2026/11/26") for line in samples), samples
+
+
 def test_out_limits(tmp_path):
     """More than 8 files, a path too deep, a bad name, a link and an oversized log: afterwards at most 8
     plain files no deeper than out/a/b/file, the log cut to the size limit with a note, the rest in

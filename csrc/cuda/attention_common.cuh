@@ -512,7 +512,8 @@ struct TileLoader {
   static constexpr int RPT = (KT + RPP - 1) / RPP;    // rows per thread
   int col;
   int row0;
-  int ids[RPT];
+  int ids[RPT];                // raw block ids of the fetched tile's rows (-1: key not in range)
+  uint32_t nblk;               // min(num_blocks, 2^31): an id is valid iff uint32_t(id) < nblk
   int col_bytes, col_bytes_v;  // valid bytes of this thread's chunk column (0..16) in K / in V
   // This thread's chunk column of the work item's kv head in block 0, slot 0 (K / V), and the
   // block / slot strides in bytes: a row's source is base + id * block + slot * slot_bytes, two
@@ -528,6 +529,7 @@ struct TileLoader {
     const int b = kv.head_dim * ESZ - col * 16, bv = kv.head_dim_v * ESZ - col * 16;
     col_bytes = b < 0 ? 0 : (b > 16 ? 16 : b);
     col_bytes_v = bv < 0 ? 0 : (bv > 16 ? 16 : bv);
+    nblk = kv.num_blocks > (int64_t(1) << 31) ? (1u << 31) : uint32_t(kv.num_blocks);
     const int64_t kh = int64_t(w.kv_head) * kv.k_stride_head + col * (16 / ESZ);
     const int64_t vh = int64_t(w.kv_head) * kv.v_stride_head + col * (16 / ESZ);
     k_base = static_cast<const char*>(kv.k) + kh * ESZ;
@@ -536,8 +538,12 @@ struct TileLoader {
     v_block = uint64_t(kv.v_stride_block) * ESZ, v_slot = uint64_t(kv.v_stride_slot) * ESZ;
   }
 
-  // Block ids of this thread's rows of `tile` (-1: key outside [w.lo, w.hi], or an id out of
-  // range). The power-of-two test is uniform, so it is taken once, outside the row loop.
+  // Loads the block ids of this thread's rows of `tile` (-1: key outside [w.lo, w.hi]) as they are
+  // in the table. The kernels fetch a tile's ids one tile before they issue its copies, so the
+  // loads fly while a tile is computed; the range check against num_blocks (valid()) is made at
+  // issue, since any use right after the load would stall the warp for its whole latency (the
+  // check sat here once, and the SASS waited for the block table on every tile). The
+  // power-of-two test is uniform, so it is taken once, outside the row loop.
   __device__ __forceinline__ void fetch(const AttnArgs& a, const Work& w, int tile) {
     const paged_kv_t& kv = a.p.kv;
     const int32_t* bt = kv.block_tables + int64_t(w.seq) * kv.max_blocks_per_seq;
@@ -548,7 +554,7 @@ struct TileLoader {
         const int key = tile * KT + r;
         int id = -1;
         if (r < KT && key >= w.lo && key <= w.hi) id = __ldg(bt + block_of(key));
-        ids[i] = (id >= 0 && id < kv.num_blocks) ? id : -1;
+        ids[i] = id;
       }
     };
     if (a.bs_shift >= 0) {
@@ -559,6 +565,9 @@ struct TileLoader {
       rows([bs](int key) { return key / bs; });
     }
   }
+
+  // Row i's block id is one to read: in [0, num_blocks) (negative ids wrap to large unsigned).
+  __device__ __forceinline__ bool valid(int i) const { return uint32_t(ids[i]) < nblk; }
 
   // dst_k / dst_v: shared memory of the stage; off(r, c): byte offset of chunk c of row r. Rows of
   // a cache with 16-byte aligned rows go through cp.async with the addresses above and the
@@ -577,7 +586,7 @@ struct TileLoader {
       for (int i = 0; i < RPT; ++i) {
         const int r = row0 + i * RPP;
         if (RPT * RPP > KT && r >= KT) continue;
-        const bool ok = ids[i] >= 0;
+        const bool ok = valid(i);
         const uint32_t id = ok ? uint32_t(ids[i]) : 0u;
         const uint32_t slot = ok ? uint32_t(slot_of(tile * KT + r)) : 0u;
         const char* gk = k_base + (uint64_t(id) * k_block + uint64_t(slot) * k_slot);
@@ -604,7 +613,7 @@ struct TileLoader {
     for (int i = 0; i < RPT; ++i) {
       const int r = row0 + i * RPP;
       if (r >= KT) continue;
-      const bool ok = ids[i] >= 0;
+      const bool ok = valid(i);
       const int slot = ok ? (tile * KT + r) % bs : 0;
       const char* gk = k_base + (uint64_t(ok ? ids[i] : 0) * k_block + uint64_t(slot) * k_slot);
       const char* gv = v_base + (uint64_t(ok ? ids[i] : 0) * v_block + uint64_t(slot) * v_slot);

@@ -96,9 +96,14 @@ __global__ void __launch_bounds__(mla_threads(PATH), 1)
     if constexpr (C::FP8) return (r * (cpr16 / 2) + c) * 16;  // plain rows, converted later
     else return swz_rt(r, c, cpr16);
   };
+  // Block ids travel a tile ahead of the copies that use them (fetch_key_ids).
+  int key_ids = ntiles > 0 ? fetch_key_ids<KT, NT>(m, w, w.tile_begin) : -1;
   for (int s = 0; s < stages - 1; ++s) {
-    if (s < ntiles)
-      issue_key_tile<KT, NT, C::ESZ>(m, w, w.tile_begin + s, sstage + s * L.stage_bytes, raw_off);
+    if (s < ntiles) {
+      issue_key_tile<KT, NT, C::ESZ>(m, w, w.tile_begin + s, key_ids, sstage + s * L.stage_bytes,
+                                     raw_off);
+      if (s + 1 < ntiles) key_ids = fetch_key_ids<KT, NT>(m, w, w.tile_begin + s + 1);
+    }
     ac::cp_async_commit();
   }
 
@@ -146,9 +151,11 @@ __global__ void __launch_bounds__(mla_threads(PATH), 1)
     __syncthreads();  // tile `it` landed for every thread; the previous tile is fully consumed
     {
       const int nx = it + stages - 1;
-      if (nx < ntiles)
-        issue_key_tile<KT, NT, C::ESZ>(m, w, w.tile_begin + nx,
+      if (nx < ntiles) {
+        issue_key_tile<KT, NT, C::ESZ>(m, w, w.tile_begin + nx, key_ids,
                                        sstage + (nx % stages) * L.stage_bytes, raw_off);
+        if (nx + 1 < ntiles) key_ids = fetch_key_ids<KT, NT>(m, w, w.tile_begin + nx + 1);
+      }
       ac::cp_async_commit();
     }
     char* tile = sstage + (it % stages) * L.stage_bytes;

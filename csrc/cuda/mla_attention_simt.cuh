@@ -73,9 +73,14 @@ __global__ void __launch_bounds__(kSimtThreads, 1)
   const int ntiles = w.tile_end - w.tile_begin;
   const int srow_bytes = L.stage_row;
   auto raw_off = [srow_bytes](int r, int c) { return r * srow_bytes + c * 16; };
+  // Block ids travel a tile ahead of the copies that use them (fetch_key_ids).
+  int key_ids = ntiles > 0 ? fetch_key_ids<KT, NT>(m, w, w.tile_begin) : -1;
   for (int s = 0; s < stages - 1; ++s) {
-    if (s < ntiles)
-      issue_key_tile<KT, NT, ESZ>(m, w, w.tile_begin + s, sstage + s * L.stage_bytes, raw_off);
+    if (s < ntiles) {
+      issue_key_tile<KT, NT, ESZ>(m, w, w.tile_begin + s, key_ids, sstage + s * L.stage_bytes,
+                                  raw_off);
+      if (s + 1 < ntiles) key_ids = fetch_key_ids<KT, NT>(m, w, w.tile_begin + s + 1);
+    }
     ac::cp_async_commit();
   }
 
@@ -118,9 +123,11 @@ __global__ void __launch_bounds__(kSimtThreads, 1)
     __syncthreads();
     {
       const int nx = it + stages - 1;
-      if (nx < ntiles)
-        issue_key_tile<KT, NT, ESZ>(m, w, w.tile_begin + nx, sstage + (nx % stages) * L.stage_bytes,
-                                    raw_off);
+      if (nx < ntiles) {
+        issue_key_tile<KT, NT, ESZ>(m, w, w.tile_begin + nx, key_ids,
+                                    sstage + (nx % stages) * L.stage_bytes, raw_off);
+        if (nx + 1 < ntiles) key_ids = fetch_key_ids<KT, NT>(m, w, w.tile_begin + nx + 1);
+      }
       ac::cp_async_commit();
     }
     const char* tile = sstage + (it % stages) * L.stage_bytes;

@@ -132,44 +132,56 @@ __device__ __forceinline__ void load_q8_tail(const QT* src, int c, int d, bool a
   for (int i = 0; i < 8; ++i) x[i] = c + i < d ? ac::to_float(src[c + i]) : 0.0f;
 }
 
+// Loads the block ids of key tile `tile`'s rows that this warp copies: lane i (< rows per warp)
+// holds row warp + i * NW's id as it is in the table (-1: key outside [w.lo, w.hi]). The kernels
+// fetch a tile's ids one tile before they issue its copies, so the load flies while a tile is
+// computed; the range check against num_blocks is made in issue_key_tile, where the id is used
+// (any use right after the load would stall the warp for its whole latency on every tile).
+template <int KT, int NT>
+__device__ __forceinline__ int fetch_key_ids(const MlaArgs& m, const ac::Work& w, int tile) {
+  constexpr int NW = NT / 32, RPW = KT / NW;  // rows per warp
+  static_assert(NT % 32 == 0 && KT % NW == 0 && RPW <= 32, "whole rows per warp, a lane each");
+  const ac::AttnArgs& a = m.a;
+  const paged_kv_t& kv = a.p.kv;
+  const int lane = threadIdx.x % 32;
+  const int key = tile * KT + threadIdx.x / 32 + lane * NW;
+  int id = -1;
+  if (lane < RPW && key >= w.lo && key <= w.hi) {
+    const int32_t* bt = kv.block_tables + int64_t(w.seq) * kv.max_blocks_per_seq;
+    id = __ldg(bt + (a.bs_shift >= 0 ? key >> a.bs_shift : key / kv.block_size));
+  }
+  return id;
+}
+
 // Issues the copies of key tile `tile` (keys [tile * KT, tile * KT + KT)) of the CTA's sequence
-// into `dst`: raw cache bytes, 16 per chunk, row r / chunk c at off(r, c). Keys outside
-// [w.lo, w.hi], rows whose block id is out of range and bytes past head_dim are zero-filled
-// without being read (so NaN in unused cache slots never reaches the math). With `aligned`
-// (cache base and row strides multiples of 16 bytes) the copies are cp.async; otherwise plain
-// element loads (odd views).
-// A warp takes whole rows, its lanes the row's chunks: the block id (one address for the warp) and
-// the row's source address are found once per row, not per 16-byte chunk, and the rows' block ids
-// are all loaded before the first copy is issued.
+// into `dst`: raw cache bytes, 16 per chunk, row r / chunk c at off(r, c); `ids`: this lane's
+// fetch_key_ids of the tile. Keys outside [w.lo, w.hi], rows whose block id is out of range and
+// bytes past head_dim are zero-filled without being read (so NaN in unused cache slots never
+// reaches the math). With `aligned` (cache base and row strides multiples of 16 bytes) the copies
+// are cp.async; otherwise plain element loads (odd views).
+// A warp takes whole rows, its lanes the row's chunks: the block id (shuffled from the lane that
+// loaded it) and the row's source address are found once per row, not per 16-byte chunk.
 template <int KT, int NT, int ESZ, typename Off>
 __device__ __forceinline__ void issue_key_tile(const MlaArgs& m, const ac::Work& w, int tile,
-                                               char* dst, Off off) {
-  static_assert(NT % 32 == 0 && KT % (NT / 32) == 0, "whole rows per warp");
+                                               int ids, char* dst, Off off) {
   constexpr int NW = NT / 32, RPW = KT / NW;  // rows per warp
   const ac::AttnArgs& a = m.a;
   const paged_kv_t& kv = a.p.kv;
   const int cpr = m.dp * ESZ / 16;
   const int row_bytes = kv.head_dim * ESZ;
-  const int32_t* bt = kv.block_tables + int64_t(w.seq) * kv.max_blocks_per_seq;
   const char* base = static_cast<const char*>(kv.k);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int k0 = tile * KT + warp;
-  int ids[RPW];
-#pragma unroll
-  for (int i = 0; i < RPW; ++i) {
-    const int key = k0 + i * NW;
-    int id = -1;
-    if (key >= w.lo && key <= w.hi)
-      id = __ldg(bt + (a.bs_shift >= 0 ? key >> a.bs_shift : key / kv.block_size));
-    ids[i] = (id >= 0 && id < kv.num_blocks) ? id : -1;
-  }
+  // Valid ids are < num_blocks; negative ones wrap to >= 2^31 as unsigned.
+  const uint32_t nblk = kv.num_blocks > (int64_t(1) << 31) ? (1u << 31) : uint32_t(kv.num_blocks);
   const uint64_t sb = uint64_t(kv.k_stride_block) * ESZ, ss = uint64_t(kv.k_stride_slot) * ESZ;
 #pragma unroll
   for (int i = 0; i < RPW; ++i) {
     const int r = warp + i * NW, key = k0 + i * NW;
-    const bool ok = ids[i] >= 0;
+    const int id = __shfl_sync(0xffffffffu, ids, i);
+    const bool ok = uint32_t(id) < nblk;
     const int slot = !ok ? 0 : a.bs_shift >= 0 ? key & ((1 << a.bs_shift) - 1) : key % kv.block_size;
-    const char* row = base + (uint64_t(ok ? ids[i] : 0) * sb + uint64_t(slot) * ss);
+    const char* row = base + (uint64_t(ok ? id : 0) * sb + uint64_t(slot) * ss);
     for (int c = lane; c < cpr; c += 32) {
       const int b = ok ? row_bytes - c * 16 : 0;
       const int bytes = b < 0 ? 0 : (b > 16 ? 16 : b);
