@@ -68,9 +68,6 @@ struct AttnArgs {
   float* part_lse = nullptr;  // [num_splits, num_tokens, num_heads], log2 units
 };
 
-// Padded head dim the kernels are instantiated for: every head dim that is a multiple of 8 runs on
-// the smallest of 64 / 128 / 256 that holds it (columns past head_dim are zero-filled). With a
-// value head dim different from the key's, both run on the padding of the larger one.
 // Decode KV splits (the paged-attention and MLA planners): CTAs of equal work run in waves of `slots`
 // (SMs x resident CTAs), so the time of s splits of `items` work items over `tiles` key tiles is about
 // waves(s) x (tiles / s + kCtaOverheadTiles) + (s > 1 ? kMergeTiles : 0) key-tile times, with
@@ -91,6 +88,17 @@ inline int64_t choose_splits(int64_t items, int64_t tiles, int64_t slots, int64_
   return best;
 }
 
+// Block ids from a block table are checked where the copy that uses them is issued (a tile after
+// they are loaded: a check right after the load would stall the warp for its latency): valid ids
+// are in [0, num_blocks), and as unsigned, negative ones wrap to >= 2^31, so one compare against
+// block_id_limit() = min(num_blocks, 2^31) decides.
+__host__ __device__ inline uint32_t block_id_limit(const paged_kv_t& kv) {
+  return kv.num_blocks > (int64_t(1) << 31) ? (1u << 31) : uint32_t(kv.num_blocks);
+}
+__host__ __device__ inline bool block_id_ok(int id, uint32_t limit) {
+  return uint32_t(id) < limit;
+}
+
 // log2(block_size) when it is a power of two, else -1 (AttnArgs::bs_shift: shifts instead of
 // divisions when locating a key's block and slot).
 __host__ __device__ constexpr int block_shift(int bs) {
@@ -100,6 +108,9 @@ __host__ __device__ constexpr int block_shift(int bs) {
   return s;
 }
 
+// Padded head dim the kernels are instantiated for: every head dim that is a multiple of 8 runs on
+// the smallest of 64 / 128 / 256 that holds it (columns past head_dim are zero-filled). With a
+// value head dim different from the key's, both run on the padding of the larger one.
 __host__ __device__ constexpr int dpad_of(int head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
 
 __host__ __device__ constexpr int cache_esize(CacheFormat f) {
@@ -513,7 +524,7 @@ struct TileLoader {
   int col;
   int row0;
   int ids[RPT];                // raw block ids of the fetched tile's rows (-1: key not in range)
-  uint32_t nblk;               // min(num_blocks, 2^31): an id is valid iff uint32_t(id) < nblk
+  uint32_t nblk;               // block_id_limit of the cache
   int col_bytes, col_bytes_v;  // valid bytes of this thread's chunk column (0..16) in K / in V
   // This thread's chunk column of the work item's kv head in block 0, slot 0 (K / V), and the
   // block / slot strides in bytes: a row's source is base + id * block + slot * slot_bytes, two
@@ -529,7 +540,7 @@ struct TileLoader {
     const int b = kv.head_dim * ESZ - col * 16, bv = kv.head_dim_v * ESZ - col * 16;
     col_bytes = b < 0 ? 0 : (b > 16 ? 16 : b);
     col_bytes_v = bv < 0 ? 0 : (bv > 16 ? 16 : bv);
-    nblk = kv.num_blocks > (int64_t(1) << 31) ? (1u << 31) : uint32_t(kv.num_blocks);
+    nblk = block_id_limit(kv);
     const int64_t kh = int64_t(w.kv_head) * kv.k_stride_head + col * (16 / ESZ);
     const int64_t vh = int64_t(w.kv_head) * kv.v_stride_head + col * (16 / ESZ);
     k_base = static_cast<const char*>(kv.k) + kh * ESZ;
@@ -566,8 +577,8 @@ struct TileLoader {
     }
   }
 
-  // Row i's block id is one to read: in [0, num_blocks) (negative ids wrap to large unsigned).
-  __device__ __forceinline__ bool valid(int i) const { return uint32_t(ids[i]) < nblk; }
+  // Row i's block id is one to read (block_id_ok).
+  __device__ __forceinline__ bool valid(int i) const { return block_id_ok(ids[i], nblk); }
 
   // dst_k / dst_v: shared memory of the stage; off(r, c): byte offset of chunk c of row r. Rows of
   // a cache with 16-byte aligned rows go through cp.async with the addresses above and the

@@ -172,14 +172,13 @@ __device__ __forceinline__ void issue_key_tile(const MlaArgs& m, const ac::Work&
   const char* base = static_cast<const char*>(kv.k);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int k0 = tile * KT + warp;
-  // Valid ids are < num_blocks; negative ones wrap to >= 2^31 as unsigned.
-  const uint32_t nblk = kv.num_blocks > (int64_t(1) << 31) ? (1u << 31) : uint32_t(kv.num_blocks);
+  const uint32_t nblk = ac::block_id_limit(kv);
   const uint64_t sb = uint64_t(kv.k_stride_block) * ESZ, ss = uint64_t(kv.k_stride_slot) * ESZ;
 #pragma unroll
   for (int i = 0; i < RPW; ++i) {
     const int r = warp + i * NW, key = k0 + i * NW;
     const int id = __shfl_sync(0xffffffffu, ids, i);
-    const bool ok = uint32_t(id) < nblk;
+    const bool ok = ac::block_id_ok(id, nblk);
     const int slot = !ok ? 0 : a.bs_shift >= 0 ? key & ((1 << a.bs_shift) - 1) : key % kv.block_size;
     const char* row = base + (uint64_t(ok ? id : 0) * sb + uint64_t(slot) * ss);
     for (int c = lane; c < cpr; c += 32) {
