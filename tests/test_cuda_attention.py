@@ -4,8 +4,8 @@ Every attention case of test_attention.py (all CONFIGS and FEATURE_CONFIGS, deco
 contexts, empty sequences, partial blocks, shuffled block ids with junk past each sequence, GQA ratios,
 window edges) runs here on CUDA tensors, on the kernel the planner picks ("auto": tensor cores for fp16 /
 bf16 queries, CUDA cores for float32) and on the generic CUDA-core kernel for every dtype
-(KVKERNELS_CUDA_ATTN_PATH=simt) and on the tensor-core kernels' first configurations
-(KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide,mma-prefill-wide, kept for A/B runs), without and with forced KV splits (KVKERNELS_CUDA_ATTN_SPLITS, which
+(KVKERNELS_CUDA_ATTN_PATH=simt) and on the tensor-core kernels' deep configurations
+(KVKERNELS_CUDA_ATTN_PATH=mma-decode-deep,mma-prefill-deep, kept for A/B runs), without and with forced KV splits (KVKERNELS_CUDA_ATTN_SPLITS, which
 exercises the split-K partials and the merge kernel even on small cases). Then: head dims and block sizes
 off the fast paths, unaligned cache views (the plain-load fallback), opcheck on CUDA, bad input on CUDA,
 debug-mode index checks, a non-default stream, and a CUDA-graph capture of a decode step replayed with
@@ -37,13 +37,13 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 pytestmark = cuda_only("paged_attention")
 
 DEV = "cuda"
-# (path, splits): the planner's choice (tensor-core decode and prefill in their deep configurations for fp16 /
-# bf16), the tensor-core decode and prefill in their first, wide configurations
-# (KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide,mma-prefill-wide: kept for A/B runs; float32 cases run as in
+# (path, splits): the planner's choice (tensor-core decode and prefill in their wide configurations for fp16 /
+# bf16), the tensor-core decode and prefill in their deep configurations
+# (KVKERNELS_CUDA_ATTN_PATH=mma-decode-deep,mma-prefill-deep: kept for A/B runs; float32 cases run as in
 # "auto"), the CUDA-core kernel, and each with 5 forced KV splits.
-WIDE = "mma-decode-wide,mma-prefill-wide"
-PATHS = {"auto": (None, None), "wide": (WIDE, None), "simt": ("simt", None),
-         "auto-split5": (None, 5), "wide-split5": (WIDE, 5), "simt-split5": ("simt", 5)}
+DEEP = "mma-decode-deep,mma-prefill-deep"
+PATHS = {"auto": (None, None), "deep": (DEEP, None), "simt": ("simt", None),
+         "auto-split5": (None, 5), "deep-split5": (DEEP, 5), "simt-split5": ("simt", 5)}
 
 
 @pytest.fixture(params=list(PATHS), ids=list(PATHS))
@@ -275,7 +275,7 @@ def test_tensor_core_and_simt_agree(dtype, fp8, mode, monkeypatch):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype,fp8", [(bf16, None), (f16, "e4m3"), (bf16, "e5m2")])
 def test_decode_variants_agree(dtype, fp8, d, monkeypatch):
-    """The tensor-core decode kernel's deep (default) and wide (KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide)
+    """The tensor-core decode kernel's wide (default) and deep (KVKERNELS_CUDA_ATTN_PATH=mma-decode-deep)
     configurations on the same inputs, sequences of many key tiles (the deep pipeline's ring wraps), planned
     and with 7 forced splits: each matches the reference, and they agree to the query dtype's tolerance
     (their key slices differ, so their float32 sums round differently)."""
@@ -284,9 +284,9 @@ def test_decode_variants_agree(dtype, fp8, d, monkeypatch):
     rtol, atol = TOLERANCES[dtype]
     for splits in (None, 7):
         force_cuda_plan(monkeypatch, "ATTN", None, splits)
-        deep = run_cuda(kv, query, soft_cap=5.0)
-        force_cuda_plan(monkeypatch, "ATTN", "mma-decode-wide", splits)
         wide = run_cuda(kv, query, soft_cap=5.0)
+        force_cuda_plan(monkeypatch, "ATTN", "mma-decode-deep", splits)
+        deep = run_cuda(kv, query, soft_cap=5.0)
         assert_close(deep[0], wide[0].double(), dtype, rtol=2 * rtol, atol=2 * atol, msg="out")
         assert_close(deep[1], wide[1].double(), f32, rtol=1e-4, atol=1e-4, msg="lse")
 
@@ -294,7 +294,7 @@ def test_decode_variants_agree(dtype, fp8, d, monkeypatch):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype,fp8", [(bf16, None), (f16, "e4m3"), (bf16, "e5m2")])
 def test_prefill_variants_agree(dtype, fp8, d, monkeypatch):
-    """The tensor-core prefill kernel's deep (default) and wide (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-wide)
+    """The tensor-core prefill kernel's wide (default) and deep (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-deep)
     configurations on the same inputs: full and chunked prefill of sequences of many key tiles (the deep
     pipeline's ring wraps, causal diagonal tiles of both key-tile sizes), a sliding window and a soft cap,
     planned and with 3 forced splits: each matches the reference, and they agree to the query dtype's
@@ -307,9 +307,9 @@ def test_prefill_variants_agree(dtype, fp8, d, monkeypatch):
     rtol, atol = TOLERANCES[dtype]
     for splits in (None, 3):
         force_cuda_plan(monkeypatch, "ATTN", None, splits)
-        deep = run_cuda(kv, query, qsl, soft_cap=5.0, window_left=200)
-        force_cuda_plan(monkeypatch, "ATTN", "mma-prefill-wide", splits)
         wide = run_cuda(kv, query, qsl, soft_cap=5.0, window_left=200)
+        force_cuda_plan(monkeypatch, "ATTN", "mma-prefill-deep", splits)
+        deep = run_cuda(kv, query, qsl, soft_cap=5.0, window_left=200)
         assert_close(deep[0], wide[0].double(), dtype, rtol=2 * rtol, atol=2 * atol, msg="out")
         assert_close(deep[1], wide[1].double(), f32, rtol=1e-4, atol=1e-4, msg="lse")
 

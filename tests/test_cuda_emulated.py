@@ -217,18 +217,18 @@ def test_merge_attention_states(emu, dtype):
 # paged attention
 # ---------------------------------------------------------------------------------------------------
 
-SIMT, MMA_DECODE, MMA_PREFILL, MMA_DECODE_WIDE, MMA_PREFILL_WIDE = 0, 1, 2, 3, 4
+SIMT, MMA_DECODE, MMA_PREFILL, MMA_DECODE_DEEP, MMA_PREFILL_DEEP = 0, 1, 2, 3, 4
 # The tensor-core kernels' two configurations each (csrc/cuda/attention_common.cuh, mma_wn / key_tile_of):
-# "deep", the default (16 KiB stages, 4 in flight), and "wide", the first one (decode: 64 keys per stage, 2
-# stages at head dim 128 / 256; prefill: 64 keys per stage, 32 at head dim 256, 2 stages at head dim 128 /
-# 256), chosen by KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide / mma-prefill-wide. A test mode "decode-wide" is a
-# decode case run with the first set, expecting MMA_DECODE_WIDE where the planner would take MMA_DECODE;
-# "varlen-wide" a varlen case with the second, expecting MMA_PREFILL_WIDE where it would take MMA_PREFILL.
-VARIANT_ENV = {"decode": None, "decode-wide": "mma-decode-wide", "varlen": None, "varlen-wide": "mma-prefill-wide"}
+# "wide", the default (decode: 64 keys per stage, 2 stages at head dim 128 / 256; prefill: 64 keys per stage,
+# 32 at head dim 256, 2 stages at head dim 128 / 256), and "deep" (16 KiB stages, 4 in flight), chosen by
+# KVKERNELS_CUDA_ATTN_PATH=mma-decode-deep / mma-prefill-deep. A test mode "decode-deep" is a decode case run
+# with the first set, expecting MMA_DECODE_DEEP where the planner would take MMA_DECODE; "varlen-deep" a
+# varlen case with the second, expecting MMA_PREFILL_DEEP where it would take MMA_PREFILL.
+VARIANT_ENV = {"decode": None, "decode-deep": "mma-decode-deep", "varlen": None, "varlen-deep": "mma-prefill-deep"}
 
 
 def use_mode(mode: str, monkeypatch) -> str:
-    """Sets KVKERNELS_CUDA_ATTN_PATH for a test mode ("decode", "decode-wide", "varlen", "varlen-wide");
+    """Sets KVKERNELS_CUDA_ATTN_PATH for a test mode ("decode", "decode-deep", "varlen", "varlen-deep");
     returns the mode make_case takes ("decode" / "varlen")."""
     monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
     if VARIANT_ENV.get(mode):
@@ -237,22 +237,22 @@ def use_mode(mode: str, monkeypatch) -> str:
 
 
 def expected_path(path, env: str | None):
-    """The kernel a case meant for ``path`` runs with KVKERNELS_CUDA_ATTN_PATH=``env`` (a wide configuration
+    """The kernel a case meant for ``path`` runs with KVKERNELS_CUDA_ATTN_PATH=``env`` (a deep configuration
     where it is asked for)."""
-    wide = (env or "").split(",")
-    if path == MMA_DECODE and "mma-decode-wide" in wide:
-        return MMA_DECODE_WIDE
-    if path == MMA_PREFILL and "mma-prefill-wide" in wide:
-        return MMA_PREFILL_WIDE
+    deep = (env or "").split(",")
+    if path == MMA_DECODE and "mma-decode-deep" in deep:
+        return MMA_DECODE_DEEP
+    if path == MMA_PREFILL and "mma-prefill-deep" in deep:
+        return MMA_PREFILL_DEEP
     return path
 
 
 def modes_for(configs: dict, dtype_of=lambda config: config[0]) -> list:
     """(config, mode) parameters: every config in decode and varlen, and the 16-bit ones (the tensor-core
-    kernels) in decode-wide and varlen-wide as well (float32 queries run the SIMT kernel in every mode)."""
+    kernels) in decode-deep and varlen-deep as well (float32 queries run the SIMT kernel in every mode)."""
     return [pytest.param(config, mode, id=f"{name}-{mode}") for name, config in configs.items()
-            for mode in ("decode", "decode-wide", "varlen", "varlen-wide")
-            if not mode.endswith("-wide") or dtype_of(config) != f32]
+            for mode in ("decode", "decode-deep", "varlen", "varlen-deep")
+            if not mode.endswith("-deep") or dtype_of(config) != f32]
 
 
 def plan_of(emu, kv, query, qsl):
@@ -282,8 +282,8 @@ def check_plan(plan, path, splits) -> None:
 def run_emu_attention(emu, kv, query, qsl=None, *, path=None, splits=None, **kwargs):
     """Emulated CUDA kernels vs the float64 reference (test_attention.run_paged_attention's checks);
     `path` / `splits`: the plan the case is meant to exercise, asserted so it cannot drift (with
-    KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide set, a case meant for MMA_DECODE must run MMA_DECODE_WIDE, and
-    with mma-prefill-wide one meant for MMA_PREFILL MMA_PREFILL_WIDE)."""
+    KVKERNELS_CUDA_ATTN_PATH=mma-decode-deep set, a case meant for MMA_DECODE must run MMA_DECODE_DEEP, and
+    with mma-prefill-deep one meant for MMA_PREFILL MMA_PREFILL_DEEP)."""
     plan = plan_of(emu, kv, query, qsl)
     check_plan(plan, expected_path(path, os.environ.get("KVKERNELS_CUDA_ATTN_PATH")), splits)
     out, lse = run_paged_attention(kv, query, qsl, op=functools.partial(emulated_paged_attention, emu), **kwargs)
@@ -417,29 +417,41 @@ def test_decode_plan_depends_on_shapes_only(emu, dtype):
 
 # The planners on an emulated H200 (KVKERNELS_EMU_SM_COUNT=132, 227 / 228 KiB of shared memory per block / SM;
 # attention.cu caches the SM count per process, hence a process of its own): only shapes are needed, so the
-# caches are 4 blocks and the tables all zeros. Case -> (op, batch, keys, heads, cache dtype, expected splits).
+# caches are 4 blocks and the tables all zeros. Case -> (op, batch, keys, heads, cache dtype,
+# KVKERNELS_CUDA_ATTN_PATH or None, expected splits).
 H200_DECODE_SPLITS = {
-    # paged_attention, deep decode, head dim 128, 32 / 8 heads, bf16: 3 CTAs per SM, 396 slots. 512 work items
-    # over 128 key tiles: 3 splits (4 waves of 1536 CTAs) instead of 1 (2 waves, the second 29% full).
-    "attn-b64-4k-bf16": ("attn", 64, 4096, 32, "bfloat16", 3),
-    # 8 work items over 1024 tiles: 49 splits fill one wave of 392 CTAs (the first planner: 33).
-    "attn-b1-32k-bf16": ("attn", 1, 32768, 32, "bfloat16", 49),
+    # paged_attention, the default (wide) decode, head dim 128, 32 / 8 heads, bf16: 2 CTAs per SM, 264 slots.
+    # 512 work items over 64 key tiles: 1 split (2 waves, the second 94% full; 2 splits would be 4 waves).
+    "attn-b64-4k-bf16": ("attn", 64, 4096, 32, "bfloat16", None, 1),
+    # 8 work items over 512 tiles: 32 splits fill one wave of 256 CTAs (33 would too, at the same 16 tiles
+    # per CTA: the smaller count wins the tie).
+    "attn-b1-32k-bf16": ("attn", 1, 32768, 32, "bfloat16", None, 32),
+    "attn-b64-4k-e4m3": ("attn", 64, 4096, 32, "float8_e4m3fn", None, 1),
+    "attn-b1-32k-e4m3": ("attn", 1, 32768, 32, "float8_e4m3fn", None, 32),
+    # The deep decode (mma-decode-deep): 3 CTAs per SM, 396 slots. 512 work items over 128 key tiles: 3 splits
+    # (4 waves of 1536 CTAs) instead of 1 (2 waves, the second 29% full).
+    "attn-deep-b64-4k-bf16": ("attn", 64, 4096, 32, "bfloat16", "mma-decode-deep", 3),
+    # 8 work items over 1024 tiles: 49 splits fill one wave of 392 CTAs.
+    "attn-deep-b1-32k-bf16": ("attn", 1, 32768, 32, "bfloat16", "mma-decode-deep", 49),
     # e4m3: 4 CTAs per SM, 528 slots: 512 items are one wave already.
-    "attn-b64-4k-e4m3": ("attn", 64, 4096, 32, "float8_e4m3fn", 1),
+    "attn-deep-b64-4k-e4m3": ("attn", 64, 4096, 32, "float8_e4m3fn", "mma-decode-deep", 1),
     # 66 splits would fill 528 slots; 64 already give 16 tiles per CTA, the least time, and win the tie.
-    "attn-b1-32k-e4m3": ("attn", 1, 32768, 32, "float8_e4m3fn", 64),
+    "attn-deep-b1-32k-e4m3": ("attn", 1, 32768, 32, "float8_e4m3fn", "mma-decode-deep", 64),
     # mla_paged_attention, 16 heads: the 16-row kernel, 2 CTAs per SM (264 slots): 4 splits make 256 CTAs,
     # one wave (the first planner: 5, 320 CTAs in two waves).
-    "mla-b64-4k-h16": ("mla", 64, 4096, 16, "bfloat16", 4),
+    "mla-b64-4k-h16": ("mla", 64, 4096, 16, "bfloat16", None, 4),
     # 128 heads: the 64-row kernel, 1 CTA per SM (132 slots): 128 work items are one wave (the first planner: 2
     # splits, two waves).
-    "mla-b64-4k-h128": ("mla", 64, 4096, 128, "bfloat16", 1),
+    "mla-b64-4k-h128": ("mla", 64, 4096, 128, "bfloat16", None, 1),
 }
 _H200_PLAN = """
-import json, sys, torch, build_emu
+import json, os, sys, torch, build_emu
 emu = build_emu.build()
 out = {}
-for name, (op, batch, keys, heads, dtype, _) in json.loads(sys.argv[1]).items():
+for name, (op, batch, keys, heads, dtype, path, _) in json.loads(sys.argv[1]).items():
+    os.environ.pop("KVKERNELS_CUDA_ATTN_PATH", None)
+    if path:
+        os.environ["KVKERNELS_CUDA_ATTN_PATH"] = path  # read per call
     tables = torch.zeros(batch, keys // 16, dtype=torch.int32)
     lens = torch.full((batch,), keys, dtype=torch.int32)
     if op == "attn":
@@ -457,7 +469,7 @@ print(json.dumps(out))
 
 def test_decode_splits_fill_whole_waves():
     """Decode splits minimise wave-quantized time (attention_common.cuh choose_splits) with each kernel's
-    residency (the deep decode: 3 or 4 CTAs per SM on sm_90, from its shared memory), at the issue-24 target
+    residency (2 CTAs per SM; the deep decode: 3 or 4 on sm_90, from its shared memory), at the issue-24 target
     shapes of paged_attention and mla_paged_attention."""
     import json
     import subprocess
@@ -473,8 +485,8 @@ def test_decode_splits_fill_whole_waves():
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_decode_variant_override(emu, d, monkeypatch):
-    """KVKERNELS_CUDA_ATTN_PATH picks the decode configuration (read per call): deep by default (also for
-    `auto` / `mma-decode-deep`), wide when asked; varlen stays on the prefill kernel and float32 queries on
+    """KVKERNELS_CUDA_ATTN_PATH picks the decode configuration (read per call): wide by default (also for
+    `auto` / `mma-decode-wide`), deep when asked; varlen stays on the prefill kernel and float32 queries on
     SIMT whatever it says; the split cap counts the chosen kernel's key tiles (16 / 32 / 64 keys deep, 32 / 64
     wide); an unknown value is an error instead of a silent default (a misspelt A/B would time one kernel
     twice)."""
@@ -486,10 +498,10 @@ def test_decode_variant_override(emu, d, monkeypatch):
                                      block_size=16, seed=44)
     monkeypatch.setenv("KVKERNELS_CUDA_ATTN_SPLITS", "128")
     max_keys = kv.block_tables.shape[1] * 16
-    for value, path, key_tile in ((None, MMA_DECODE, {64: 64, 128: 32, 256: 16}[d]),
-                                  ("auto", MMA_DECODE, {64: 64, 128: 32, 256: 16}[d]),
-                                  ("mma-decode-deep", MMA_DECODE, {64: 64, 128: 32, 256: 16}[d]),
-                                  ("mma-decode-wide", MMA_DECODE_WIDE, {64: 64, 128: 64, 256: 32}[d])):
+    for value, path, key_tile in ((None, MMA_DECODE, {64: 64, 128: 64, 256: 32}[d]),
+                                  ("auto", MMA_DECODE, {64: 64, 128: 64, 256: 32}[d]),
+                                  ("mma-decode-wide", MMA_DECODE, {64: 64, 128: 64, 256: 32}[d]),
+                                  ("mma-decode-deep", MMA_DECODE_DEEP, {64: 64, 128: 32, 256: 16}[d])):
         monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
         if value:
             monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", value)
@@ -504,8 +516,8 @@ def test_decode_variant_override(emu, d, monkeypatch):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_prefill_variant_override(emu, d, monkeypatch):
-    """KVKERNELS_CUDA_ATTN_PATH picks the prefill configuration as it picks the decode one: deep by default
-    (also for `auto` / `mma-prefill-deep`), wide when asked, alone or next to a decode choice (a comma-separated
+    """KVKERNELS_CUDA_ATTN_PATH picks the prefill configuration as it picks the decode one: wide by default
+    (also for `auto` / `mma-prefill-wide`), deep when asked, alone or next to a decode choice (a comma-separated
     list); decode plans stay as they were and float32 queries on SIMT; the split cap counts the chosen kernel's
     key tiles (64 / 32 / 16 keys deep, 64 / 64 / 32 wide); a list naming one kernel twice, `simt` with anything
     else, an empty item or an unknown name is an error."""
@@ -519,14 +531,14 @@ def test_prefill_variant_override(emu, d, monkeypatch):
     max_keys = kv.block_tables.shape[1] * 16
     deep, wide = {64: 64, 128: 32, 256: 16}[d], {64: 64, 128: 64, 256: 32}[d]
     for value, path, key_tile, decode_path in (
-            (None, MMA_PREFILL, deep, MMA_DECODE),
-            ("auto", MMA_PREFILL, deep, MMA_DECODE),
-            ("mma-prefill-deep", MMA_PREFILL, deep, MMA_DECODE),
-            ("mma-prefill-wide", MMA_PREFILL_WIDE, wide, MMA_DECODE),
-            ("mma-decode-wide", MMA_PREFILL, deep, MMA_DECODE_WIDE),
-            ("mma-decode-wide,mma-prefill-wide", MMA_PREFILL_WIDE, wide, MMA_DECODE_WIDE),
-            ("mma-prefill-wide,mma-decode-deep", MMA_PREFILL_WIDE, wide, MMA_DECODE),
-            ("auto,mma-prefill-deep", MMA_PREFILL, deep, MMA_DECODE)):
+            (None, MMA_PREFILL, wide, MMA_DECODE),
+            ("auto", MMA_PREFILL, wide, MMA_DECODE),
+            ("mma-prefill-wide", MMA_PREFILL, wide, MMA_DECODE),
+            ("mma-prefill-deep", MMA_PREFILL_DEEP, deep, MMA_DECODE),
+            ("mma-decode-deep", MMA_PREFILL, wide, MMA_DECODE_DEEP),
+            ("mma-decode-deep,mma-prefill-deep", MMA_PREFILL_DEEP, deep, MMA_DECODE_DEEP),
+            ("mma-prefill-deep,mma-decode-wide", MMA_PREFILL_DEEP, deep, MMA_DECODE),
+            ("auto,mma-prefill-wide", MMA_PREFILL, wide, MMA_DECODE)):
         monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
         if value:
             monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", value)
@@ -1313,14 +1325,14 @@ def _poke(cache, block_ids, seq_len, pos, head, col, value):
 
 # id: dtype, fp8, Hq, Hkv, D, mode, path, forced splits. Prefill (MMA_PREFILL) puts the values on the
 # causal diagonal of a tile, which takes the tensor-core kernel's fix-up of keys some rows do not see; in
-# both prefill configurations (MMA_PREFILL_WIDE: KVKERNELS_CUDA_ATTN_PATH=mma-prefill-wide), whose key tiles
+# both prefill configurations (MMA_PREFILL_DEEP: KVKERNELS_CUDA_ATTN_PATH=mma-prefill-deep), whose key tiles
 # differ at head dim 128 / 256 (deep: 32 / 16 keys, wide: 64 / 32).
 NONFINITE_ATTN = {
     "f32-simt-varlen": (f32, None, 4, 2, 64, "varlen", SIMT, None),
     "bf16-mma-decode": (bf16, None, 8, 2, 64, "decode", MMA_DECODE, None),
     "f16-mma-prefill": (f16, None, 2, 2, 64, "prefill", MMA_PREFILL, None),
     "e5m2-bf16-mma-prefill-d128": (bf16, "e5m2", 4, 1, 128, "prefill", MMA_PREFILL, None),
-    "e5m2-bf16-mma-prefill-wide-d128": (bf16, "e5m2", 4, 1, 128, "prefill", MMA_PREFILL_WIDE, None),
+    "e5m2-bf16-mma-prefill-deep-d128": (bf16, "e5m2", 4, 1, 128, "prefill", MMA_PREFILL_DEEP, None),
     "bf16-mma-prefill-d256": (bf16, None, 4, 1, 256, "prefill", MMA_PREFILL, None),
     "bf16-split3": (bf16, None, 4, 2, 64, "decode", MMA_DECODE, 3),
 }
@@ -1329,7 +1341,7 @@ NONFINITE_ATTN = {
 @pytest.mark.parametrize("config", NONFINITE_ATTN.values(), ids=NONFINITE_ATTN.keys())
 def test_paged_attention_nonfinite(emu, config, monkeypatch):
     dtype, fp8, hq, hkv, d, mode, path, splits = config
-    force_cuda_plan(monkeypatch, "ATTN", "mma-prefill-wide" if path == MMA_PREFILL_WIDE else None, splits)
+    force_cuda_plan(monkeypatch, "ATTN", "mma-prefill-deep" if path == MMA_PREFILL_DEEP else None, splits)
     seq_lens = [70, 5]
     kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=d, block_size=16, dtype=dtype, fp8=fp8,
                        seed=31)

@@ -6,15 +6,15 @@
 // Path choice:
 //   float32 queries                          -> SIMT (float32 math end to end)
 //   fp16 / bf16, decode, group <= 16         -> tensor-core decode (16 rows, warps split keys;
-//                                               the deep configuration: 4-stage pipeline)
+//                                               the wide configuration: 64-key stages)
 //   fp16 / bf16, varlen, or decode group > 16 -> tensor-core prefill (64 rows, warps split rows;
-//                                               the deep configuration: 4-stage pipeline)
+//                                               the wide configuration: 64-key stages)
 // KVKERNELS_CUDA_ATTN_PATH (read per call; tests and A/B benchmarks): a comma-separated list of
 // `simt` (the SIMT kernel for every dtype; alone), `mma-decode-wide` / `mma-decode-deep` (the
-// tensor-core decode in its first configuration, 64 keys per stage and 2 stages at head dim 128 /
-// 256, or in the deep default), `mma-prefill-wide` / `mma-prefill-deep` (the same choice for the
-// tensor-core prefill: 64 keys per stage, 32 at head dim 256, or the deep default) and `auto`;
-// empty or `auto`: every default. A value names each kernel at most once; anything else is an
+// tensor-core decode in its default wide configuration, 64 keys per stage and 2 stages at head
+// dim 128 / 256, or in the deep one, 16 KiB stages and 4 of them), `mma-prefill-wide` /
+// `mma-prefill-deep` (the same choice for the tensor-core prefill) and `auto`; empty or `auto`:
+// every default. A value names each kernel at most once; anything else is an
 // error, so a misspelt A/B cannot time the same kernel twice.
 //
 // Split count: a function of the number of work items (from shapes), the longest context a block
@@ -87,7 +87,7 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 // KVKERNELS_CUDA_ATTN_PATH, parsed (see the top of this file).
 struct PathChoice {
-  bool simt = false, decode_wide = false, prefill_wide = false;
+  bool simt = false, decode_deep = false, prefill_deep = false;
 };
 
 PathChoice path_choice() {
@@ -102,10 +102,10 @@ PathChoice path_choice() {
     const std::string item = value.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
     ++items;
     if (item == "simt") c.simt = true, ++simt;
-    else if (item == "mma-decode-wide") c.decode_wide = true, ++decode;
-    else if (item == "mma-decode-deep") ++decode;
-    else if (item == "mma-prefill-wide") c.prefill_wide = true, ++prefill;
-    else if (item == "mma-prefill-deep") ++prefill;
+    else if (item == "mma-decode-wide") ++decode;
+    else if (item == "mma-decode-deep") c.decode_deep = true, ++decode;
+    else if (item == "mma-prefill-wide") ++prefill;
+    else if (item == "mma-prefill-deep") c.prefill_deep = true, ++prefill;
     else if (item != "auto") ok = false;
     if (comma == std::string::npos) break;
     at = comma + 1;
@@ -129,13 +129,13 @@ int64_t floats_aligned8(int64_t n) { return (n + 7) / 8 * 8; }
 // H100 / H200, 4 with fp8 at head dim 64 / 128. The other kernels: kCtasPerSm.
 template <CacheFormat CF, int D>
 int deep_decode_ctas(int smem_per_sm) {
-  using C = MmaCfg<__nv_bfloat16, CF, D, Path::kMmaDecode>;  // the query type changes no size
+  using C = MmaCfg<__nv_bfloat16, CF, D, Path::kMmaDecodeDeep>;  // the query type changes no size
   const int fit = smem_per_sm / (C::SMEM + 1024);
   return std::max(1, std::min(fit, C::MIN_BLOCKS));
 }
 
 int resident_ctas(Path path, int dpad, CacheFormat format, int smem_per_sm) {
-  if (path != Path::kMmaDecode) return kCtasPerSm;
+  if (path != Path::kMmaDecodeDeep) return kCtasPerSm;
   const bool fp8 = is_fp8(format);
   switch (dpad) {
     case 64: return fp8 ? deep_decode_ctas<CacheFormat::kFp8E4M3, 64>(smem_per_sm)
@@ -172,9 +172,9 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
   if (p.q_format == FloatFormat::kFloat32 || choice.simt)
     path = Path::kSimt;
   else if (decode && plan.group <= rows_of(Path::kMmaDecode))
-    path = choice.decode_wide ? Path::kMmaDecodeWide : Path::kMmaDecode;
+    path = choice.decode_deep ? Path::kMmaDecodeDeep : Path::kMmaDecode;
   else
-    path = choice.prefill_wide ? Path::kMmaPrefillWide : Path::kMmaPrefill;
+    path = choice.prefill_deep ? Path::kMmaPrefillDeep : Path::kMmaPrefill;
   plan.path = static_cast<int>(path);
 
   const int rows = rows_of(path);

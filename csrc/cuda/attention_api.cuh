@@ -13,7 +13,7 @@ namespace kvkernels::attn_cuda {
 // captured in a CUDA graph.
 struct LaunchPlan {
   int path = 0;           // attention_common.cuh Path: 0 SIMT, 1 tensor-core decode, 2 prefill,
-                          // 3 / 4 tensor-core decode / prefill in the wide configuration
+                          // 3 / 4 tensor-core decode / prefill in the deep configuration
   int dpad = 0;           // padded head dim of the kernel instance (64 / 128 / 256)
   int num_splits = 1;     // KV splits per work item (> 1: partials + merge kernel)
   int group = 1;          // query heads per kv head
@@ -28,9 +28,9 @@ struct LaunchPlan {
 // Throws std::runtime_error when the device or the shapes cannot run (compute capability < 8.0,
 // head dims outside [8, 256], grid limits, an unknown KVKERNELS_CUDA_ATTN_PATH). `device`: CUDA
 // device index of the tensors. Environment overrides, for tests and benchmarks:
-// KVKERNELS_CUDA_ATTN_PATH=simt (the CUDA-core kernel for every dtype), =mma-decode-wide (the
-// tensor-core decode kernel's first configuration instead of the deep default, =mma-decode-deep),
-// =mma-prefill-wide (the same for the tensor-core prefill, =mma-prefill-deep), or a comma-separated
+// KVKERNELS_CUDA_ATTN_PATH=simt (the CUDA-core kernel for every dtype), =mma-decode-deep (the
+// tensor-core decode kernel's deep configuration instead of the wide default, =mma-decode-wide),
+// =mma-prefill-deep (the same for the tensor-core prefill, =mma-prefill-wide), or a comma-separated
 // list of one decode and one prefill choice (attention.cu), and KVKERNELS_CUDA_ATTN_SPLITS=<n> (that
 // many KV splits, capped to 128).
 LaunchPlan plan_paged_attention(const AttentionParams& p, int device);

@@ -40,17 +40,19 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 enum class Path : int {
   kSimt = 0,        // CUDA-core kernel: every dtype, the only one for float32 queries
-  kMmaDecode = 1,   // tensor cores, 16 rows per CTA, warps split the keys of each tile; "deep":
-                    // few keys per stage, 4 stages in flight at every head dim (the default)
+  kMmaDecode = 1,   // tensor cores, 16 rows per CTA, warps split the keys of each tile; "wide"
+                    // (the default): 64 keys per stage (32 at head dim 256), room for 2 stages at
+                    // head dim 128 / 256
   kMmaPrefill = 2,  // tensor cores, 64 rows per CTA (4 warps x 16 rows), 1 warp per row block;
-                    // "deep": 16 KiB 16-bit stages (64 / 32 / 16 keys at head dim 64 / 128 / 256),
-                    // 4 stages in flight at every head dim (the default)
-  kMmaDecodeWide = 3,  // the decode kernel's first configuration, kept for A/B runs
-                       // (KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide): 64 keys per stage (32 at
-                       // head dim 256), which leaves room for 2 stages at head dim 128 / 256
-  kMmaPrefillWide = 4,  // the prefill kernel's first configuration, kept for A/B runs
-                        // (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-wide): 64 keys per stage (32 at
-                        // head dim 256): 32 KiB stages, 2 of them at head dim 128 / 256
+                    // "wide" (the default): 64 keys per stage (32 at head dim 256): 32 KiB stages,
+                    // 2 of them at head dim 128 / 256
+  kMmaDecodeDeep = 3,  // the decode kernel's "deep" configuration, kept for A/B runs
+                       // (KVKERNELS_CUDA_ATTN_PATH=mma-decode-deep): few keys per stage, 4 stages
+                       // in flight at every head dim; 0.82x the wide one on an H100 (bf16,
+                       // benchmarks/results/gpu-20261126-h100)
+  kMmaPrefillDeep = 4,  // the prefill kernel's "deep" configuration, kept for A/B runs
+                        // (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-deep): 16 KiB 16-bit stages (64 /
+                        // 32 / 16 keys at head dim 64 / 128 / 256), 4 stages; 0.83x the wide one
 };
 
 // Everything a kernel needs: the validated params and the host-side plan.
@@ -120,40 +122,41 @@ __host__ __device__ constexpr int cache_esize(CacheFormat f) {
 }
 
 __host__ __device__ constexpr bool is_mma_decode(Path path) {
-  return path == Path::kMmaDecode || path == Path::kMmaDecodeWide;
+  return path == Path::kMmaDecode || path == Path::kMmaDecodeDeep;
 }
 
 __host__ __device__ constexpr bool is_mma_prefill(Path path) {
-  return path == Path::kMmaPrefill || path == Path::kMmaPrefillWide;
+  return path == Path::kMmaPrefill || path == Path::kMmaPrefillDeep;
 }
 
 // Rows (query x head pairs) per CTA.
 __host__ __device__ constexpr int rows_of(Path path) { return is_mma_prefill(path) ? 64 : 16; }
 
 // Warps of the tensor-core kernels: (WM row blocks of 16) x (WN key slices of 16 keys each).
-// Decode: a stage holds 16 * WN keys of K and V. The wide configuration keeps 4 slices (2 at head
-// dim 256): 32 KiB stages in 16 bits at head dim 128 / 256, so only 2 fit the 64 KiB pipeline budget
-// and the loop waits for every copy in flight before it issues the next tile. The deep one (the
-// default) keeps the stage at 16 KiB in 16 bits (8 KiB raw fp8) at every head dim, 64 x 64, 32 x 128
+// Decode: a stage holds 16 * WN keys of K and V. The wide configuration (the default) keeps 4 slices
+// (2 at head dim 256): 32 KiB stages in 16 bits at head dim 128 / 256, so only 2 fit the 64 KiB
+// pipeline budget and the loop waits for every copy in flight before it issues the next tile. The
+// deep one keeps the stage at 16 KiB in 16 bits (8 KiB raw fp8) at every head dim, 64 x 64, 32 x 128
 // or 16 x 256, so 4 stages fit: 3 tiles in flight while one is computed. Each warp's work per tile
-// (16 keys of the full row) is the same in both, only the CTA is narrower.
+// (16 keys of the full row) is the same in both, only the CTA is narrower. Measured on an H100
+// (bf16, head dim 128), the wide one is the faster: 1.22x at b64 x 4k and b1 x 32k.
 // Prefill: 4 row blocks (64 rows), each warp walks every key of the tile. The wide configuration
-// (the first one) has 64 keys per stage (32 at head dim 256): 32 KiB 16-bit stages at head dim 128 /
-// 256, 2 stages, and a wait for every copy before the next issue. The deep one (the default) keeps
-// the stage at 16 KiB (64 x 64, 32 x 128, 16 x 256 keys x dims), 4 stages.
+// (the default) has 64 keys per stage (32 at head dim 256): 32 KiB 16-bit stages at head dim 128 /
+// 256, 2 stages, and a wait for every copy before the next issue. The deep one keeps the stage at
+// 16 KiB (64 x 64, 32 x 128, 16 x 256 keys x dims), 4 stages; 0.83x the wide one on the H100.
 __host__ __device__ constexpr int mma_wm(Path path) { return is_mma_prefill(path) ? 4 : 1; }
 __host__ __device__ constexpr int mma_wn(Path path, int dpad) {
   return is_mma_prefill(path)            ? 1
-         : path == Path::kMmaDecodeWide ? (dpad == 256 ? 2 : 4)
-                                         : (dpad == 64 ? 4 : dpad == 128 ? 2 : 1);
+         : path == Path::kMmaDecodeDeep ? (dpad == 64 ? 4 : dpad == 128 ? 2 : 1)
+                                         : (dpad == 256 ? 2 : 4);
 }
 
 // Keys per pipeline stage.
 __host__ __device__ constexpr int key_tile_of(Path path, int dpad) {
   return path == Path::kSimt              ? (dpad == 256 ? 16 : 32)
          : is_mma_decode(path)            ? 16 * mma_wn(path, dpad)
-         : path == Path::kMmaPrefillWide ? (dpad == 256 ? 32 : 64)
-                                          : 64 * 64 / dpad;  // deep prefill: 16 KiB of 16-bit K + V
+         : path == Path::kMmaPrefillDeep ? 64 * 64 / dpad  // 16 KiB of 16-bit K + V
+                                          : (dpad == 256 ? 32 : 64);
 }
 
 __host__ __device__ constexpr int threads_of(Path path, int dpad) {

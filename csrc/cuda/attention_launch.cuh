@@ -60,12 +60,12 @@ cudaError_t launch_for_cache(const AttnArgs& a, Path path, int dpad, dim3 grid,
     if constexpr (kMma) {                                                             \
       if (path == Path::kMmaDecode)                                                   \
         return launch_mma<QT, CF, D, Path::kMmaDecode>(a, grid, stream);              \
-      if (path == Path::kMmaDecodeWide)                                               \
-        return launch_mma<QT, CF, D, Path::kMmaDecodeWide>(a, grid, stream);          \
+      if (path == Path::kMmaDecodeDeep)                                               \
+        return launch_mma<QT, CF, D, Path::kMmaDecodeDeep>(a, grid, stream);          \
       if (path == Path::kMmaPrefill)                                                  \
         return launch_mma<QT, CF, D, Path::kMmaPrefill>(a, grid, stream);             \
-      if (path == Path::kMmaPrefillWide)                                              \
-        return launch_mma<QT, CF, D, Path::kMmaPrefillWide>(a, grid, stream);         \
+      if (path == Path::kMmaPrefillDeep)                                              \
+        return launch_mma<QT, CF, D, Path::kMmaPrefillDeep>(a, grid, stream);         \
     }                                                                                 \
     return cudaErrorInvalidValue;                                                     \
   }

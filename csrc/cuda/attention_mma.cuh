@@ -1,24 +1,25 @@
 // Tensor-core paged attention for fp16 / bf16 queries (caches of the query dtype, or fp8 e4m3 /
-// e5m2 dequantized to the query dtype in shared memory). One template, three configurations:
+// e5m2 dequantized to the query dtype in shared memory). One template, four configurations:
 //
-//   Path::kMmaDecode   (WM = 1, WN = 4 / 2 / 1 for head dim 64 / 128 / 256): a CTA holds 16
-//                      rows (the query heads of one GQA group for one decode query) and its
-//                      warps split the keys of each tile, 16 keys per warp, each with its own
-//                      online-softmax state; the warp states are merged exactly in the epilogue.
-//                      64 / 32 / 16 keys per stage: 16 KiB of 16-bit K and V (8 KiB raw fp8),
-//                      so 4 stages fit at every head dim and cache format ("deep", the default).
-//   Path::kMmaDecodeWide  the same kernel with the first decode configuration (WN = 4, or 2 for
-//                      head dim 256: 64 / 64 / 32 keys per stage; 2 stages at head dim 128 / 256),
-//                      kept selectable (KVKERNELS_CUDA_ATTN_PATH=mma-decode-wide) for A/B runs.
+//   Path::kMmaDecode   (WM = 1, WN = 4, or 2 for head dim 256): a CTA holds 16 rows (the query
+//                      heads of one GQA group for one decode query) and its warps split the keys
+//                      of each tile, 16 keys per warp, each with its own online-softmax state; the
+//                      warp states are merged exactly in the epilogue. 64 / 64 / 32 keys per stage
+//                      at head dim 64 / 128 / 256; 2 stages at head dim 128 / 256 ("wide", the
+//                      default: the faster on an H100, benchmarks/results/gpu-20261126-h100).
+//   Path::kMmaDecodeDeep  the same kernel with WN = 4 / 2 / 1: 64 / 32 / 16 keys per stage, 16 KiB
+//                      of 16-bit K and V (8 KiB raw fp8), so 4 stages fit at every head dim and
+//                      cache format; selectable (KVKERNELS_CUDA_ATTN_PATH=mma-decode-deep) for A/B
+//                      runs (0.82x the wide one at bf16 head dim 128 on the H100, 1.02x with e4m3).
 //   Path::kMmaPrefill  (WM = 4, WN = 1): 64 rows per CTA (q_tile queries x the group's heads),
-//                      each warp owns 16 rows and walks every key of the tile. "Deep", the
-//                      default: 64 / 32 / 16 keys per stage at head dim 64 / 128 / 256, 16 KiB of
-//                      16-bit K and V (8 KiB raw fp8), 4 stages at every head dim and cache format.
-//                      Key tiles wholly past the causal diagonal or before the sliding window are
-//                      never loaded; tiles wholly visible skip the mask.
-//   Path::kMmaPrefillWide  the same kernel with the first prefill configuration (64 keys per stage,
-//                      32 at head dim 256: 32 KiB stages, 2 of them at head dim 128 / 256), kept
-//                      selectable (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-wide) for A/B runs.
+//                      each warp owns 16 rows and walks every key of the tile. "Wide", the
+//                      default: 64 keys per stage, 32 at head dim 256 (32 KiB stages, 2 of them at
+//                      head dim 128 / 256). Key tiles wholly past the causal diagonal or before the
+//                      sliding window are never loaded; tiles wholly visible skip the mask.
+//   Path::kMmaPrefillDeep  the same kernel with 64 / 32 / 16 keys per stage at head dim 64 / 128 /
+//                      256, 16 KiB of 16-bit K and V (8 KiB raw fp8), 4 stages at every head dim
+//                      and cache format; selectable (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-deep)
+//                      for A/B runs (0.83x the wide one on the H100).
 //
 // Per tile and warp: S = Q K^T with mma.sync.m16n8k16 (A = Q from registers or ldmatrix, B = K
 // via ldmatrix from a swizzled [key][dim] tile), logits scaled / capped / biased / masked in fp32,
@@ -60,18 +61,18 @@ struct MmaCfg {
   static constexpr int SMEM = MD_OFF + MD_BYTES;
   static constexpr bool Q_IN_REGS = DPAD <= 128;
   static_assert(SMEM <= kMaxSmem, "shared memory of the tensor-core kernel");
-  static_assert(PATH != Path::kMmaDecode || STAGES >= 4, "the deep decode pipeline keeps 4 stages");
-  static_assert(PATH != Path::kMmaPrefill || STAGES >= 4, "the deep prefill pipeline keeps 4 stages");
+  static_assert(PATH != Path::kMmaDecodeDeep || STAGES >= 4, "the deep decode pipeline keeps 4 stages");
+  static_assert(PATH != Path::kMmaPrefillDeep || STAGES >= 4, "the deep prefill pipeline keeps 4 stages");
   // __launch_bounds__ minimum CTAs per SM: for the deep decode kernel, as many as sm_90's 228 KiB of
   // shared memory per SM hold (1 KiB reserved per CTA), so ptxas keeps the registers low enough for
   // them (a cap only at 128 threads: 64 or 32 threads never run out of registers first). The wide
-  // decode and both prefill kernels keep 1 (the first configuration, unchanged for the A/B). The deep
+  // decode and both prefill kernels keep 1 (the first configuration, unchanged). The deep
   // prefill gets 3 CTAs per SM at head dim 64 and 2 at 128 / 256 without a cap; only with an fp8
   // cache at head dim 128 would shared memory allow 3, which a cap would buy by squeezing a
   // ~190-register kernel into 168.
   static constexpr int SM90_CTAS = (228 * 1024) / (SMEM + 1024);
   static constexpr int MIN_BLOCKS =
-      PATH != Path::kMmaDecode ? 1 : SM90_CTAS < 1 ? 1 : SM90_CTAS > 4 ? 4 : SM90_CTAS;
+      PATH != Path::kMmaDecodeDeep ? 1 : SM90_CTAS < 1 ? 1 : SM90_CTAS > 4 ? 4 : SM90_CTAS;
 };
 
 // Byte offset of 16-byte chunk c of row r in a [rows][DPAD] 16-bit tile: chunks are XOR-swizzled
@@ -171,7 +172,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
     }
     cp_async_commit();
   };
-  if constexpr (PATH == Path::kMmaDecode) {
+  if constexpr (PATH == Path::kMmaDecodeDeep) {
     // Not unrolled in the deep decode kernel: unrolled, its 3 issues kept their addresses live side
     // by side and the head-dim-256 instance ran out of registers (ptxas: 255 and spills). The other
     // configurations keep the unrolled loop (and their code, for the A/B).
@@ -225,7 +226,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
     // A tile whose keys some rows see and others do not (prefill: diagonal, window edge) with an
     // inf / NaN value: see attention_common.cuh ("keys some rows of a CTA see"). The decode kernel's
     // rows are the heads of one query, which all see the same keys: compiled out there.
-    constexpr bool kMultiQuery = PATH == Path::kMmaPrefill || PATH == Path::kMmaPrefillWide;
+    constexpr bool kMultiQuery = is_mma_prefill(PATH);
     const bool fix_nonfinite =
         kMultiQuery && w.nq > 1 && need_mask && tile_has_nonfinite<T, NT>(tv, KT * DPAD / 8);
 

@@ -33,8 +33,8 @@ bfloat16 and >= 70% at batch 1 x 32k; fp8 >= 1.6x bfloat16 (same batch / context
 flash on contiguous keys.
 
 Decode variants (``--decode-variants wide,deep``): the tensor-core decode kernel has two configurations,
-chosen per call by KVKERNELS_CUDA_ATTN_PATH (csrc/cuda/README.md): ``deep`` (the default: 16 KiB stages, 4 in
-flight) and ``wide`` (the first one: 64 keys per stage, 2 stages at head dim 128). With the option, every
+chosen per call by KVKERNELS_CUDA_ATTN_PATH (csrc/cuda/README.md): ``wide`` (the default: 64 keys per stage,
+2 stages at head dim 128) and ``deep`` (16 KiB stages, 4 in flight). With the option, every
 decode case times each named variant on the same data in one process, in alternating batches (A B B A ...),
 as rows ``kvkernels-<variant>`` instead of ``kvkernels``; ``targets`` and ``variant_lines`` report each
 against the targets and against each other. A name may force the KV split count: ``deep-s1`` is the deep
@@ -42,8 +42,8 @@ configuration with KVKERNELS_CUDA_ATTN_SPLITS=1 (``deep`` alone: the planner's o
 times the planner's wave-filling splits against none.
 
 Prefill variants (``--prefill-variants wide,deep``): the same for the tensor-core prefill kernel's two
-configurations (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-wide / mma-prefill-deep: ``deep``, the default, has 16 KiB
-stages, 4 in flight; ``wide``, the first one, 64 keys per stage, 2 stages at head dim 128): rows
+configurations (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-wide / mma-prefill-deep: ``wide``, the default, has 64
+keys per stage, 2 stages at head dim 128; ``deep`` 16 KiB stages, 4 in flight): rows
 ``kvkernels-<variant>`` of each prefill case, timed in alternating batches on the same data, each against
 SDPA flash (``prefill_variant_lines``).
 
@@ -150,12 +150,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-baselines", action="store_true")
     g.add_argument("--no-flex", action="store_true", help="skip the FlexAttention baseline (compile time)")
     g.add_argument("--decode-variants", type=_variants, default=[],
-                   help="time these configurations of the tensor-core decode kernel (deep: the default, wide: "
-                        "the first one; -s<N> forces N KV splits, e.g. deep-s1) on the same data, alternating "
+                   help="time these configurations of the tensor-core decode kernel (wide: the default, "
+                        "deep: 4-stage; -s<N> forces N KV splits, e.g. deep-s1) on the same data, alternating "
                         "batches: rows kvkernels-<variant>")
     g.add_argument("--prefill-variants", type=_variants, default=[],
-                   help="time these configurations of the tensor-core prefill kernel (deep: the default, wide: "
-                        "the first one) on the same data, alternating batches: rows kvkernels-<variant>")
+                   help="time these configurations of the tensor-core prefill kernel (wide: the default, "
+                        "deep: 4-stage) on the same data, alternating batches: rows kvkernels-<variant>")
     g.add_argument("--quick", action="store_true", help="small shapes, few reps (a smoke run)")
 
 
