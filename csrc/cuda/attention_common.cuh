@@ -224,11 +224,20 @@ __device__ __forceinline__ float2 unpack2_bf16(uint32_t u) {
   return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
 }
 
-// ---- fp8 -> fp16 bit conversion (exact) --------------------------------------------------------
-// e5m2 is the top byte of an fp16. An e4m3 byte b maps to the fp16 whose bits are
-// sign | (b & 0x7f) << 7, which is the e4m3 value times 2^-8 (normals and subnormals alike, and
-// every e4m3 value is exactly representable that way); NaN (0x7f / 0xff) is kept NaN. The factor
-// 256 of e4m3 is folded into the k/v multipliers (fp8_unit below).
+// ---- fp8 -> fp16 conversion (exact) ------------------------------------------------------------
+// e5m2 is the top byte of an fp16. e4m3: sm_89 and newer convert a pair in one instruction
+// (cvt.rn.f16x2.e4m3x2: exact, NaN kept NaN); the CPU emulator of these kernels models that
+// instruction (::emu::cvt_f16x2_e4m3x2). Older GPUs use bits: an e4m3 byte b maps to the fp16 whose
+// bits are sign | (b & 0x7f) << 7, which is the e4m3 value times 2^-8 (normals and subnormals
+// alike, and every e4m3 value is exactly representable that way); NaN (0x7f / 0xff) is kept NaN.
+// There the factor 256 is folded into the k/v multipliers (fp8_unit below). The hardware
+// conversion is one instruction per pair where the bits take about eight (the e4m3 decode's
+// shared-memory tile conversion was its largest cost in the H100 profile, scripts/probe/ncu_hot.py).
+#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890) || defined(KVKERNELS_CUDA_EMU)
+#define KVK_E4M3_CVT 1
+#else
+#define KVK_E4M3_CVT 0
+#endif
 
 // Bytes 0,1 (sel 0x1404) or 2,3 (sel 0x3424) of w, each as the high byte of a 16-bit lane.
 __device__ __forceinline__ uint32_t fp8_pair_hi(uint32_t w, uint32_t sel) {
@@ -247,17 +256,38 @@ __device__ __forceinline__ uint32_t fp8x2_to_half2_bits(uint32_t hi_bytes) {
   }
 }
 
-// 4 fp8 values (one 32-bit word, element 0 in the low byte) -> 2 registers of half2.
-template <CacheFormat CF>
-__device__ __forceinline__ void fp8x4_to_half2x2(uint32_t w, uint32_t* lo, uint32_t* hi) {
-  *lo = fp8x2_to_half2_bits<CF>(fp8_pair_hi(w, 0x1404u));
-  *hi = fp8x2_to_half2_bits<CF>(fp8_pair_hi(w, 0x3424u));
+// Two e4m3 values (the low 16 bits of `pair`, element 0 in the low byte) -> half2 bits, exact.
+__device__ __forceinline__ uint32_t cvt_e4m3x2(uint32_t pair) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"(static_cast<unsigned short>(pair)));
+  return h;
+#elif defined(KVKERNELS_CUDA_EMU)
+  return ::emu::cvt_f16x2_e4m3x2(pair & 0xffffu);
+#else
+  (void)pair;
+  return 0u;  // not reached: KVK_E4M3_CVT is 0 here
+#endif
 }
 
-// What one unit of a converted fp8 value is worth: e4m3 values are stored times 2^-8.
+// 4 fp8 values (one 32-bit word, element 0 in the low byte) -> 2 registers of half2, in units of
+// fp8_unit<CF>().
+template <CacheFormat CF>
+__device__ __forceinline__ void fp8x4_to_half2x2(uint32_t w, uint32_t* lo, uint32_t* hi) {
+  if constexpr (CF == CacheFormat::kFp8E4M3 && KVK_E4M3_CVT) {
+    *lo = cvt_e4m3x2(w);
+    *hi = cvt_e4m3x2(w >> 16);
+  } else {
+    *lo = fp8x2_to_half2_bits<CF>(fp8_pair_hi(w, 0x1404u));
+    *hi = fp8x2_to_half2_bits<CF>(fp8_pair_hi(w, 0x3424u));
+  }
+}
+
+// What one unit of a converted fp8 value is worth: e4m3 values converted through bits come out
+// times 2^-8.
 template <CacheFormat CF>
 __host__ __device__ constexpr float fp8_unit() {
-  return CF == CacheFormat::kFp8E4M3 ? 256.0f : 1.0f;
+  return CF == CacheFormat::kFp8E4M3 && !KVK_E4M3_CVT ? 256.0f : 1.0f;
 }
 
 // ---- PTX wrappers ------------------------------------------------------------------------------

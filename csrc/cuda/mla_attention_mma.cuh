@@ -42,7 +42,7 @@ struct MlaMmaCfg {
 };
 
 // One stage of raw fp8 keys [KT][dp] bytes -> swizzled 16-bit tile [KT][dp] of the q dtype.
-// e4m3 values come out times 2^-8 (fp8_unit folds the factor back in).
+// Values come out in units of fp8_unit (2^-8 for e4m3 converted through bits; folded back in).
 template <typename T, CacheFormat CF, int KT, int NT>
 __device__ __forceinline__ void convert_fp8_tile(const char* raw, char* cvt, int dp) {
   const int cpr8 = dp / 16, cpr16 = dp / 8;

@@ -18,8 +18,8 @@
 
 namespace kvkernels::mla_cuda {
 
-// Elements [c, c + 4) of a raw key row in shared memory, as floats (fp8 e4m3 values times 2^-8,
-// folded back through fp8_unit).
+// Elements [c, c + 4) of a raw key row in shared memory, as floats (fp8 values in units of
+// fp8_unit, folded back in by the caller).
 template <CacheFormat CF>
 __device__ __forceinline__ float4 load4_raw(const char* row, int c) {
   if constexpr (CF == CacheFormat::kFloat32) {

@@ -99,15 +99,16 @@ __device__ __forceinline__ const C* locate_latent(const MlaDecompressParams& p, 
   return static_cast<const C*>(kv.k) + kv.k_offset(id, j % kv.block_size, 0);
 }
 
-// One cache element as float32 (fp8 through the exact fp8 -> fp16 bit conversion: the same value
-// as kvkernels/fp8.h's decoder, without its branches).
+// One cache element as float32 (fp8 through the exact fp8 -> fp16 conversion of
+// attention_common.cuh: the same value as kvkernels/fp8.h's decoder, without its branches).
 template <typename C>
 __device__ __forceinline__ float latent_to_float(C x) {
   if constexpr (kc::is_fp8_type<C>) {
     constexpr CacheFormat CF =
         std::is_same_v<C, kc::fp8_e4m3> ? CacheFormat::kFp8E4M3 : CacheFormat::kFp8E5M2;
-    const uint32_t h = ac::fp8x2_to_half2_bits<CF>(uint32_t(x.bits) << 8);
-    return ac::unpack2_half(h).x * ac::fp8_unit<CF>();  // times 2^8 for e4m3: exact
+    uint32_t lo, hi;
+    ac::fp8x4_to_half2x2<CF>(x.bits, &lo, &hi);
+    return ac::unpack2_half(lo).x * ac::fp8_unit<CF>();  // times 2^8 where the unit is 2^-8: exact
   } else {
     return kc::to_float(x);
   }
@@ -126,8 +127,8 @@ __device__ __forceinline__ void load_latent8(const C* src, bool vec, float scale
 #pragma unroll
       for (int i = 0; i < 8; ++i) x[i] = kc::to_float(a.v[i]) * scale;
     } else {
-      // fp8: one 8-byte load and the exact fp8 -> fp16 bit conversion of attention_common.cuh
-      // (e4m3 comes out times 2^-8; multiplying by 2^8 * scale gives float(x) * scale exactly).
+      // fp8: one 8-byte load and the exact fp8 -> fp16 conversion of attention_common.cuh (in units
+      // of fp8_unit: multiplying by fp8_unit * scale gives float(x) * scale exactly).
       constexpr CacheFormat CF =
           std::is_same_v<C, kc::fp8_e4m3> ? CacheFormat::kFp8E4M3 : CacheFormat::kFp8E5M2;
       const float mul = ac::fp8_unit<CF>() * scale;

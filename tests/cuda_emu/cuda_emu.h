@@ -366,6 +366,23 @@ inline unsigned __vcmpeq2(unsigned a, unsigned b) {
 
 namespace emu {
 
+// ---- cvt.rn.f16x2.e4m3x2 (sm_89+) -------------------------------------------------------------
+// Two OCP e4m3 bytes (element 0 in the low byte of the low 16 bits) -> two fp16 of the same values
+// (every e4m3 value is exact in fp16), element 0 in the low half; NaN (S.1111.111) -> fp16 NaN.
+// Decoded here from the format's definition, not through the kernels' own bit conversion.
+inline uint32_t cvt_f16x2_e4m3x2(uint32_t pair) {
+  auto one = [](uint32_t b) -> uint32_t {
+    const uint32_t e = (b >> 3) & 0xfu, m = b & 0x7u;
+    float v;
+    if (e == 0xfu && m == 0x7u) v = NAN;
+    else if (e == 0) v = std::ldexp(float(m), -9);               // subnormal: m / 8 * 2^-6
+    else v = std::ldexp(1.0f + float(m) / 8.0f, int(e) - 7);     // bias 7
+    if (b & 0x80u) v = -v;
+    return __half_as_ushort(__float2half_rn(v));
+  };
+  return one(pair & 0xffu) | (one((pair >> 8) & 0xffu) << 16);
+}
+
 // ---- shared addresses -------------------------------------------------------------------------
 // A shared-window address is the byte offset into the CTA's dynamic shared memory.
 inline uint32_t smem_u32(const void* p) {
