@@ -231,3 +231,73 @@ def test_readme_step_table_lists_every_validate_step_with_its_cap():
         for name in re.findall(r"`(\w+)`", names):
             documented[name] = cap
     assert documented == caps
+
+
+class _Metric:
+    """An instanced ncu metric: one value per SASS instruction (pc)."""
+
+    def __init__(self, by_pc: dict):
+        self.pcs, self.values = list(by_pc), list(by_pc.values())
+
+    def num_instances(self):
+        return len(self.values)
+
+    def has_correlation_ids(self):
+        return True
+
+    def correlation_ids(self):
+        ids = _Metric({})
+        ids.values = self.pcs
+        return ids
+
+    def as_uint64(self, i):
+        return self.values[i]
+
+    def as_double(self):
+        return 125000.0
+
+
+class _Action:
+    def __init__(self, metrics: dict):
+        self.metrics = metrics
+
+    def name(self):
+        return "merge_splits_kernel"
+
+    def metric_names(self):
+        return list(self.metrics) + ["gpu__time_duration.sum"]
+
+    def metric_by_name(self, name):
+        return self.metrics.get(name, _Metric({}))
+
+    def source_info(self, pc):
+        info = type("Info", (), {"file_name": lambda s: "/x/attention_merge.cuh", "line": lambda s: pc // 16})
+        return info()
+
+    def sass_by_pc(self, pc):
+        return f"  FFMA R{pc}, R1, R2, R3"
+
+
+def test_ncu_hot_sums_samples_by_reason_line_and_instruction(monkeypatch, capsys):
+    """scripts/probe/ncu_hot.py on a stub ncu_report: the *_not_issued twins are not counted again, samples
+    sum per reason, per source line and per instruction, hottest first."""
+    prefix = "smsp__pcsamp_warps_issue_stalled_"
+    action = _Action({prefix + "long_scoreboard": _Metric({32: 60, 48: 20, 64: 0}),
+                      prefix + "long_scoreboard_not_issued": _Metric({32: 55}),
+                      prefix + "wait": _Metric({32: 10, 80: 10})})
+    rng = type("Range", (), {"num_actions": lambda s: 1, "action_by_idx": lambda s, i: action})()
+    ctx = type("Ctx", (), {"num_ranges": lambda s: 1, "range_by_idx": lambda s, i: rng})()
+    monkeypatch.setitem(sys.modules, "ncu_report", type(sys)("ncu_report"))
+    sys.modules["ncu_report"].load_report = lambda path: ctx
+    spec = importlib.util.spec_from_file_location("ncu_hot", os.path.join(SCRIPTS, "probe", "ncu_hot.py"))
+    hot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hot)
+    hot.main(["report.ncu-rep", "--top", "2"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "-- merge_splits_kernel: 125.0 us, 100 samples"
+    assert out[2] == "   reasons: long_scoreboard 80%, wait 20%"
+    # pc 32 and 48 are line 2 and 3 (pc // 16), pc 80 line 5: line 2 has 70 samples, 60 of them long_scoreboard.
+    assert out[4].split() == ["70.0%", "attention_merge.cuh:2", "long_scoreboard", "86%,", "wait", "14%"]
+    assert out[5].split()[:2] == ["20.0%", "attention_merge.cuh:3"]
+    assert len([line for line in out if line.startswith("   ") and "%" in line.split()[0]]) == 4  # --top 2, twice
+    assert out[7].split()[:4] == ["70.0%", "attention_merge.cuh:2", "FFMA", "R32,"]

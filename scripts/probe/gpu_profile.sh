@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Nsight Compute profiles of the issue-24 target kernels (decode b64 x 4k bf16 in the deep default and the
-# wide first configuration, e4m3, b1 x 32k, prefill 4096 deep and wide, MLA decode b64 x 4k,
+# Nsight Compute profiles of the issue-24 target kernels (decode b64 x 4k bf16 in the wide default and the
+# deep configuration, e4m3, b1 x 32k, prefill 4096 wide and deep, MLA decode b64 x 4k,
 # mla_decompress 2k): for each case, the 3rd launch of each kvkernels kernel (warm caches, warm clocks)
 # with the sections that say why a kernel is slow — speed of light (DRAM and SM throughput vs peak),
 # occupancy and its limiter, launch stats (registers, shared memory, waves), memory workload, warp
 # stall reasons, and the source counters (the SASS / source lines with the most stall samples; the
-# build has -lineinfo). Text in $OUT/profile.txt; one ncu report per case in
-# $OUT/profiles.tar.gz. Reuses the build in the tree (run after scripts/gpu_validate.sh on the warm
+# build has -lineinfo), then scripts/probe/ncu_hot.py's summary of the report: the warp-state samples by
+# reason, source line and instruction, hottest first (it reads the report with NVIDIA's ncu_report
+# module: Nsight Compute's own copy next to ncu, or a carried ncu_report wheel in .whl/). Text in
+# $OUT/profile.txt; one ncu report per case in $OUT/profiles.tar.gz. Reuses the build in the tree (run after scripts/gpu_validate.sh on the warm
 # machine; builds first if there is none). BUDGET seconds in all (default 150).
 set -u
 cd "$(dirname "$0")/../.."
@@ -25,7 +27,14 @@ elif ! python3 -c "import torch, kvkernels, sys; sys.exit(0 if torch._C._dispatc
     { echo "build failed"; exit 1; }
 fi
 mkdir -p /tmp/ncu
-for c in decode-bf16-b64-4k decode-bf16-b64-4k-wide decode-e4m3-b64-4k decode-bf16-b1-32k prefill-bf16-4k prefill-bf16-4k-wide mla-decode-b64-4k mla-decompress-2k; do
+if [ -n "$NCU" ]; then  # ncu_report for ncu_hot.py: next to ncu, else a carried wheel
+  export PYTHONPATH="$PYTHONPATH:$(dirname "$(readlink -f "$NCU")")/extras/python"
+  for w in .whl/ncu_report-*.whl; do
+    [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/ncu_site "$w" &&
+      export PYTHONPATH="$PYTHONPATH:/tmp/ncu_site"
+  done
+fi
+for c in decode-bf16-b64-4k decode-e4m3-b64-4k decode-bf16-b1-32k prefill-bf16-4k mla-decode-b64-4k mla-decompress-2k decode-bf16-b64-4k-deep prefill-bf16-4k-deep; do
   [ "$(left)" -lt 25 ] && { echo "== deadline: $c and later cases skipped"; break; }
   echo "== $c"
   if [ -z "$NCU" ]; then python3 scripts/probe/profile_cases.py "$c"; continue; fi
@@ -39,6 +48,7 @@ for c in decode-bf16-b64-4k decode-bf16-b64-4k-wide decode-e4m3-b64-4k decode-bf
     -o "/tmp/ncu/$c" -f python3 scripts/probe/profile_cases.py "$c" 2>&1 | grep -v "^==PROF==" | tail -5
   # The report's details as text (a report written with -o is not printed by the profiling run).
   [ -f "/tmp/ncu/$c.ncu-rep" ] && "$NCU" -i "/tmp/ncu/$c.ncu-rep" --page details 2>&1 | grep -v "^\s*$" | cut -c1-160
+  [ -f "/tmp/ncu/$c.ncu-rep" ] && timeout 60 python3 scripts/probe/ncu_hot.py --top 12 "/tmp/ncu/$c.ncu-rep" 2>&1 | cut -c1-170
 done
 tar -czf "$OUT/profiles.tar.gz" -C /tmp ncu 2>/dev/null
 echo "== done in $((SECONDS - T0))s"
