@@ -20,6 +20,7 @@ where the emulator would be slow (it runs a 64-row CTA of 576-wide rows in about
 
 import dataclasses
 import functools
+import math
 import os
 import sys
 
@@ -1412,6 +1413,77 @@ def test_merge_attention_states_nonfinite(emu):
     ref_out, ref_lse = reference.merge_attention_states(upcast(out_a), lse_a, upcast(out_b), lse_b)
     assert_close(out, ref_out, bf16, msg="out")
     assert_close(lse, ref_lse, f32, msg="lse")
+
+
+def merge_splits_reference(part_o, part_lse, seq_lens, sinks=None):
+    """float64 merge of split partials (attention_merge.cuh, docs/ops.md "Non-finite values"): part_o
+    [S, T, H, Dv], part_lse [S, T, H] in log2 units, one token per sequence. A split whose lse is -inf
+    is not read; a NaN or +inf lse makes the row NaN; no finite lse and no sink: 0 / -inf without keys,
+    NaN with keys. Returns out [T, H, Dv] and lse [T, H] (natural log)."""
+    inf = float("inf")
+    o, l = part_o.double(), part_lse.double()
+    finite = l.isfinite()
+    m = torch.where(finite, l, -inf).amax(0)
+    w = torch.where(finite, torch.exp2(l - m), 0.0)
+    num = (w[..., None] * torch.where(finite[..., None], o, 0.0)).sum(0)
+    den = w.sum(0)
+    sink = torch.full_like(m, -inf) if sinks is None else (sinks.double() / math.log(2.0)).expand_as(m)
+    top = torch.maximum(m, sink)
+    keys_part = torch.where(m > -inf, torch.exp2(m - top), 0.0)
+    den = den * keys_part + torch.where(sink > -inf, torch.exp2(sink - top), 0.0)
+    out = num * (keys_part / den)[..., None]
+    lse = (top + torch.log2(den)) * math.log(2.0)
+    none = top == -inf  # no finite lse, no sink
+    has_keys = (seq_lens > 0)[:, None].expand_as(m)
+    out = torch.where(none[..., None], torch.where(has_keys, float("nan"), 0.0)[..., None], out)
+    lse = torch.where(none, torch.where(has_keys, float("nan"), -inf), lse)
+    bad = (l.isnan() | (l == inf)).any(0)
+    return torch.where(bad[..., None], float("nan"), out), torch.where(bad, float("nan"), lse)
+
+
+# id: splits, value head dim, output dtype (Dv <= 128: 4 columns per lane, else 8)
+MERGE_SPLITS_CASES = {"s2-dv8-f32": (2, 8, f32), "s5-dv64-f16": (5, 64, f16), "s49-dv128-bf16": (49, 128, bf16),
+                      "s49-dv256-f32": (49, 256, f32), "s130-dv136-bf16": (130, 136, bf16)}
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sinks"])
+@pytest.mark.parametrize("case", MERGE_SPLITS_CASES)
+def test_merge_splits_skips_empty_splits(emu, case, with_sinks):
+    """The split merge alone (kvkernels_emu.merge_splits) on written partials: a split whose lse is -inf
+    has NaN / inf garbage in its out row, which must be skipped, not weighted by 0 (0 * NaN is NaN), also in
+    runs of empty splits as long as a whole batch of the kernel; a finite lse whose weight underflows to 0
+    is still read; a NaN or +inf lse, all splits empty (with and without keys) and sinks as documented."""
+    splits, dv, dtype = MERGE_SPLITS_CASES[case]
+    t, h = 3, 4
+    gen = generator(61)
+    part_o = randn(splits, t, h, dv, gen=gen)
+    part_lse = randn(splits, t, h, gen=gen, std=3.0)
+    empty = torch.zeros(splits, t, h, dtype=torch.bool)
+    empty[1::3] = True
+    empty[8:16] = True  # a whole batch (8 splits at Dv <= 128, two of 4 above)
+    empty[-1] = splits > 2
+    empty[:, 1, 0] = True  # token 1 has keys: 0 / 0, NaN (or the sink)
+    empty[:, 2, 1] = True  # token 2 has none: 0 / -inf (or the sink)
+    part_lse[empty] = float("-inf")
+    part_o[empty] = float("nan")
+    part_o[..., 1::4] = torch.where(empty[..., None], float("inf"), part_o[..., 1::4])
+    part_o[..., 2::4] = torch.where(empty[..., None], float("-inf"), part_o[..., 2::4])
+    part_lse[splits // 2, 0, 3] = float("nan")
+    part_lse[-2 if splits > 2 else 0, 2, 3] = float("inf")
+    live = (~empty[:, 1, 2]).nonzero()[0, 0]  # weight 2^-200 rounds to 0 in float32 but is read
+    part_lse[live, 1, 2] = part_lse[:, 1, 2].max() - 200.0
+    part_o[live, 1, 2, 0] = float("nan")
+    seq_lens = torch.tensor([5, 7, 0], dtype=torch.int32)
+    sinks = torch.tensor([0.3, 2.0, float("-inf"), -1.0]) if with_sinks else None
+    out, lse = emu.merge_splits(part_o, part_lse, seq_lens, dtype, sinks)
+    ref_out, ref_lse = merge_splits_reference(part_o, part_lse, seq_lens, sinks)
+    assert ref_out[0, :3].isfinite().all() and ref_out[1, 2, 0].isnan() and ref_out[1, 2, 1:].isfinite().all()
+    assert_close(out, ref_out, dtype, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
+    # A non-finite v_scale (already in the partials) makes every output NaN, rows without keys too.
+    out, lse = emu.merge_splits(part_o, part_lse, seq_lens, dtype, sinks, torch.tensor([float("inf")]))
+    assert out.isnan().all()
+    assert_close(lse, ref_lse, f32, msg="lse with v_scale inf")
 
 
 # ---------------------------------------------------------------------------------------------------

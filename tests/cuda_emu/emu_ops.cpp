@@ -11,6 +11,7 @@
 #include <torch/csrc/stable/ops.h>
 
 #include "attention_api.cuh"  // csrc/cuda/attention.cu (+ attention_{f32,f16,bf16}.cu), built for the emulator
+#include "attention_common.cuh"  // AttnArgs and launch_merge_* (merge_splits below)
 #include "index_checks.h"
 #include "mla_api.h"  // csrc/cuda/mla_attention*.cu and mla_decompress.cu, built for the emulator
 #include "prepare.h"
@@ -166,6 +167,58 @@ void paged_attention_out(const Tensor& query, const Tensor& key_cache, const Ten
                        soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal, {out, lse});
 }
 
+// attention_merge.cuh's split merge alone (launch_merge_* of attention_{f32,f16,bf16}.cu) on partials the
+// test writes: the attention kernels write zeros to the out row of a split that saw no finite logit, so
+// only here does that row hold garbage (NaN, inf) that the merge must skip, not weight by 0.
+// part_o [S, T, H, Dv] (Dv a multiple of 8 up to 256) and part_lse [S, T, H] (log2 units), float32 and
+// contiguous; decode rows (token t has seq_lens[t] keys, which tells "no key" from "every logit -inf");
+// sinks [H] and v_scale [1] optional; out in `dtype`, poisoned before the launch like lse.
+std::tuple<Tensor, Tensor> merge_splits(const Tensor& part_o, const Tensor& part_lse, const Tensor& seq_lens,
+                                        ScalarType dtype, std::optional<Tensor> sinks,
+                                        std::optional<Tensor> v_scale) {
+  const ArgCheck c("merge_splits");
+  c.dim(part_o, "part_o", 4);
+  c.dtype(part_o, "part_o", {ScalarType::Float});
+  c.dtype(part_lse, "part_lse", {ScalarType::Float});
+  c.dtype(seq_lens, "seq_lens", {ScalarType::Int});
+  c.dtype(sinks.value_or(part_o), "sinks", {ScalarType::Float});
+  c.dtype(v_scale.value_or(part_o), "v_scale", {ScalarType::Float});
+  const int64_t S = part_o.size(0), T = part_o.size(1), H = part_o.size(2), Dv = part_o.size(3);
+  c.dim(part_lse, "part_lse", 3);
+  c.size(part_lse, "part_lse", 0, S, "part_o");
+  c.size(part_lse, "part_lse", 1, T, "part_o");
+  c.size(part_lse, "part_lse", 2, H, "part_o");
+  c.size(seq_lens, "seq_lens", 0, T, "part_o");
+  if (sinks) c.size(*sinks, "sinks", 0, H, "part_o");
+  if (v_scale) c.size(*v_scale, "v_scale", 0, 1, "one scale");
+  c.expect(Dv > 0 && Dv <= 256 && Dv % 8 == 0, "part_o", "head_dim_v a multiple of 8 up to 256");
+  c.expect(part_o.is_contiguous() && part_lse.is_contiguous() && seq_lens.is_contiguous(), "part_o",
+           "contiguous inputs only");
+  Tensor out = torch::stable::new_empty(part_o, {T, H, Dv}, dtype);
+  Tensor lse = torch::stable::new_empty(part_o, {T, H}, ScalarType::Float);
+  poison(out.mutable_data_ptr(), out.numel(), out.element_size());
+  poison(lse.mutable_data_ptr(), lse.numel(), sizeof(float));
+  attn_cuda::AttnArgs a;
+  AttentionParams& p = a.p;
+  p.num_tokens = T;
+  p.num_heads = static_cast<int>(H);
+  p.kv.head_dim_v = static_cast<int>(Dv);
+  p.kv.num_seqs = T;
+  p.kv.seq_lens = static_cast<const int32_t*>(seq_lens.const_data_ptr());
+  p.kv.v_scale = v_scale ? static_cast<const float*>(v_scale->const_data_ptr()) : nullptr;
+  p.sinks = sinks ? static_cast<const float*>(sinks->const_data_ptr()) : nullptr;
+  p.out = out.mutable_data_ptr();
+  p.lse = static_cast<float*>(lse.mutable_data_ptr());
+  a.num_splits = static_cast<int>(S);
+  a.part_o = const_cast<float*>(static_cast<const float*>(part_o.const_data_ptr()));
+  a.part_lse = const_cast<float*>(static_cast<const float*>(part_lse.const_data_ptr()));
+  cudaError_t err = dtype == ScalarType::Half       ? attn_cuda::launch_merge_f16(a, nullptr)
+                    : dtype == ScalarType::BFloat16 ? attn_cuda::launch_merge_bf16(a, nullptr)
+                                                    : attn_cuda::launch_merge_f32(a, nullptr);
+  check(c, cuda::Status{err, nullptr});
+  return {out, lse};
+}
+
 // The plan the launch above would use: (path, dpad, num_splits, heads_per_cta, q_tile, grid_x, grid_y).
 std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> attention_plan(
     const Tensor& query, const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_tables,
@@ -295,6 +348,8 @@ STABLE_TORCH_LIBRARY(kvkernels_emu, m) {
   m.def("mla_decompress(Tensor kv_cache, Tensor block_tables, Tensor seq_lens, Tensor w_kv_b, int kv_lora_rank, "
         "int qk_nope_head_dim, int v_head_dim, Tensor? norm_weight=None, float norm_eps=1e-6, "
         "Tensor? scale=None, int? num_tokens=None) -> (Tensor key, Tensor value)");
+  m.def("merge_splits(Tensor part_o, Tensor part_lse, Tensor seq_lens, ScalarType dtype, Tensor? sinks=None, "
+        "Tensor? v_scale=None) -> (Tensor, Tensor)");
   m.def("attention_plan(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor? query_start_loc=None, Tensor? k_scale=None, Tensor? v_scale=None) -> (int, int, int, int, int, int, int)");
 }
@@ -314,4 +369,5 @@ STABLE_TORCH_LIBRARY_IMPL(kvkernels_emu, CPU, m) {
   m.impl("mla_attention_plan", TORCH_BOX(&emu_ops::mla_attention_plan));
   m.impl("mla_decompress", TORCH_BOX(&emu_ops::mla_decompress));
   m.impl("attention_plan", TORCH_BOX(&emu_ops::attention_plan));
+  m.impl("merge_splits", TORCH_BOX(&emu_ops::merge_splits));
 }
