@@ -234,17 +234,17 @@ step_b_targets() {
     --json "$SCRATCH/results/bench/cuda-attention-targets-$STAMP.json"
 }
 # The A/B of the tensor-core decode kernel's configurations at the same shapes, bf16 and fp8, in one process
-# on the same data (alternating batches): wide (the first: 2 stages at head dim 128) vs deep (the default,
-# 4 stages), and deep with the split counts of the first planner (1 at b64 x 4k, 33 at b1 x 32k on 132 SMs)
-# against the wave-filling counts it now picks. "variant:" lines give each time and its speed-up over wide.
+# on the same data (alternating batches): wide (the default: 2 stages at head dim 128) vs deep (4 stages),
+# and wide with 16 and 64 splits against the planner's counts (1 at b64 x 4k, 32 at b1 x 32k on 132 SMs).
+# "variant:" lines give each time and its speed-up over wide.
 step_b_variants() {
   bench -m kvkernels.bench.cuda_attention --no-flex --no-baselines --attn-prefill '' \
-    --attn-shapes 64x4096,1x32768 --decode-variants wide,deep,deep-s1,deep-s33 \
+    --attn-shapes 64x4096,1x32768 --decode-variants wide,deep,wide-s16,wide-s64 \
     --json "$SCRATCH/results/bench/cuda-attention-variants-$STAMP.json"
 }
 # The A/B of the tensor-core prefill kernel's configurations: the full-size prefill (4096 queries over 4096
-# keys, causal, bf16 queries over a bf16 and an e4m3 cache), wide (the first: 2 stages at head dim 128) vs
-# deep (the default, 4 stages) in alternating batches on the same data, and SDPA flash on contiguous bf16 K/V.
+# keys, causal, bf16 queries over a bf16 and an e4m3 cache), wide (the default: 2 stages at head dim 128)
+# vs deep (4 stages) in alternating batches on the same data, and SDPA flash on contiguous bf16 K/V.
 # "variant:" lines give each one's time, its speed against SDPA flash and deep's speed-up over wide.
 step_b_pvariants() {
   bench -m kvkernels.bench.cuda_attention --no-flex --attn-dtypes '' --attn-prefill 4096,4096 \
