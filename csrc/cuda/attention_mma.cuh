@@ -230,13 +230,20 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
     const bool fix_nonfinite =
         kMultiQuery && w.nq > 1 && need_mask && tile_has_nonfinite<T, NT>(tv, KT * DPAD / 8);
 
-    // S = Q K^T for this warp's 16 rows x KW keys.
+    // S = Q K^T for this warp's 16 rows x KW keys. At head dims 128 / 256 every k-step of the
+    // padding runs, also past head_dim: the Q and K columns there are zeros (zero-filled, never
+    // read), so they add exact zeros. A `kk * 16 >= d` test cost more than those steps at the
+    // common head dims: it split the loop into one block per k-step, so ptxas could not load the
+    // next step's K fragments before this step's mma (the H100 profile's mma stalls waiting on
+    // ldmatrix). At 64 the test stays: without it the prefill kernels need 9 more registers, which
+    // costs them their third CTA per SM (a __launch_bounds__ cap to keep it spills with fp8).
+    constexpr bool kSkipPadding = DPAD == 64;
     float s[KW / 8][4];
 #pragma unroll
     for (int i = 0; i < KW / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < DPAD / 16; ++kk) {
-      if (kk * 16 >= d) continue;
+      if (kSkipPadding && kk * 16 >= d) continue;
       uint32_t af[4];
       if constexpr (C::Q_IN_REGS) {
         af[0] = qf[kk][0], af[1] = qf[kk][1], af[2] = qf[kk][2], af[3] = qf[kk][3];
@@ -362,8 +369,8 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
       pa[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
       pa[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
-      for (int dn = 0; dn < DPAD / 16; ++dn) {
-        if (dn * 16 >= dv) continue;
+      for (int dn = 0; dn < DPAD / 16; ++dn) {  // V is zero past head_dim_v (see S above)
+        if (kSkipPadding && dn * 16 >= dv) continue;
         uint32_t b[4];
         const int key = wn * KW + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
         ldmatrix_x4_trans(tv_u32 + swz<CPR16>(key, 2 * dn + (lane >> 4)), b);
