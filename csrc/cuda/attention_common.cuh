@@ -256,31 +256,32 @@ __device__ __forceinline__ uint32_t fp8x2_to_half2_bits(uint32_t hi_bytes) {
   }
 }
 
+#if KVK_E4M3_CVT
 // Two e4m3 values (the low 16 bits of `pair`, element 0 in the low byte) -> half2 bits, exact.
 __device__ __forceinline__ uint32_t cvt_e4m3x2(uint32_t pair) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#if defined(KVKERNELS_CUDA_EMU)
+  return ::emu::cvt_f16x2_e4m3x2(pair & 0xffffu);
+#else
   uint32_t h;
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"(static_cast<unsigned short>(pair)));
   return h;
-#elif defined(KVKERNELS_CUDA_EMU)
-  return ::emu::cvt_f16x2_e4m3x2(pair & 0xffffu);
-#else
-  (void)pair;
-  return 0u;  // not reached: KVK_E4M3_CVT is 0 here
 #endif
 }
+#endif
 
 // 4 fp8 values (one 32-bit word, element 0 in the low byte) -> 2 registers of half2, in units of
 // fp8_unit<CF>().
 template <CacheFormat CF>
 __device__ __forceinline__ void fp8x4_to_half2x2(uint32_t w, uint32_t* lo, uint32_t* hi) {
-  if constexpr (CF == CacheFormat::kFp8E4M3 && KVK_E4M3_CVT) {
+#if KVK_E4M3_CVT
+  if constexpr (CF == CacheFormat::kFp8E4M3) {
     *lo = cvt_e4m3x2(w);
     *hi = cvt_e4m3x2(w >> 16);
-  } else {
-    *lo = fp8x2_to_half2_bits<CF>(fp8_pair_hi(w, 0x1404u));
-    *hi = fp8x2_to_half2_bits<CF>(fp8_pair_hi(w, 0x3424u));
+    return;
   }
+#endif
+  *lo = fp8x2_to_half2_bits<CF>(fp8_pair_hi(w, 0x1404u));
+  *hi = fp8x2_to_half2_bits<CF>(fp8_pair_hi(w, 0x3424u));
 }
 
 // What one unit of a converted fp8 value is worth: e4m3 values converted through bits come out
