@@ -173,25 +173,42 @@ __global__ void __launch_bounds__(mla_threads(PATH), 1)
         w.nq > 1 && k0 + KT - 1 > w.pos0 && ac::tile_has_nonfinite<T, NT>(tile, KT * dp / 8);
 
     // 1. S = Q K^T for this warp's 16 rows x NPW * 8 keys.
-    float s[NPW][4];
+    // Even and odd k-steps accumulate apart (summed after): at rank 512 + 64 one accumulator was a
+    // chain of 36 dependent mma per tile, and with a step's loads just before its mma the warp
+    // waited on both (the H100 profile: the S loop's mma samples "wait" and "short_scoreboard").
+    // Two steps per iteration let the second step's loads go out before the first step's mma.
+    float s[NPW][4], s_odd[NPW][4];
 #pragma unroll
-    for (int i = 0; i < NPW; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
-    for (int kk = 0; kk < ksteps; ++kk) {
+    for (int i = 0; i < NPW; ++i) {
+      s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+      s_odd[i][0] = s_odd[i][1] = s_odd[i][2] = s_odd[i][3] = 0.0f;
+    }
+    auto k_step = [&](int kk, float (*acc)[4]) {
       uint32_t af[4];
       ac::ldmatrix_x4(sq_u32 + swz_rt(wm * 16 + (lane & 15), 2 * kk + (lane >> 4), cpr16), af);
       if constexpr (NPW == 2) {
         uint32_t b[4];
         const int key = key_base + (lane & 7) + ((lane >> 4) << 3);
         ac::ldmatrix_x4(tk_u32 + swz_rt(key, 2 * kk + ((lane >> 3) & 1), cpr16), b);
-        ac::mma_16816<T>(s[0], af, b[0], b[1]);
-        ac::mma_16816<T>(s[NPW - 1], af, b[2], b[3]);
+        ac::mma_16816<T>(acc[0], af, b[0], b[1]);
+        ac::mma_16816<T>(acc[NPW - 1], af, b[2], b[3]);
       } else {
         uint32_t b[2];
         ldmatrix_x2(tk_u32 + swz_rt(key_base + (lane & 7), 2 * kk + ((lane >> 3) & 1), cpr16),
                         b);
-        ac::mma_16816<T>(s[0], af, b[0], b[1]);
+        ac::mma_16816<T>(acc[0], af, b[0], b[1]);
       }
+    };
+    int kk = 0;
+    for (; kk + 1 < ksteps; kk += 2) {
+      k_step(kk, s);
+      k_step(kk + 1, s_odd);
     }
+    if (kk < ksteps) k_step(kk, s);
+#pragma unroll
+    for (int i = 0; i < NPW; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[i][e] += s_odd[i][e];
     // 2a. Scaled, causally masked logits (log2 units) -> shared memory.
 #pragma unroll
     for (int i = 0; i < NPW; ++i) {
