@@ -804,18 +804,20 @@ __device__ __forceinline__ float round_p(float p) {
   return std::is_same_v<T, __half> ? __half2float(__float2half_rn(p)) : __bfloat162float(__float2bfloat16_rn(p));
 }
 
-template <typename OT>
-__device__ __forceinline__ void store8(OT* dst, const float* x) {
+// N (4 or 8) floats to N consecutive output elements: float4 stores, or one 8- / 16-byte store
+// of packed 16-bit values. `dst` aligned to the store.
+template <typename OT, int N>
+__device__ __forceinline__ void store_n(OT* dst, const float* x) {
+  static_assert(N == 4 || N == 8, "one or two float4 / one uint2 or uint4");
   if constexpr (std::is_same_v<OT, float>) {
-    reinterpret_cast<float4*>(dst)[0] = make_float4(x[0], x[1], x[2], x[3]);
-    reinterpret_cast<float4*>(dst)[1] = make_float4(x[4], x[5], x[6], x[7]);
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i)
+      reinterpret_cast<float4*>(dst)[i] = make_float4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3]);
+  } else if constexpr (N == 8) {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(pack2<OT>(x[0], x[1]), pack2<OT>(x[2], x[3]),
+                                                pack2<OT>(x[4], x[5]), pack2<OT>(x[6], x[7]));
   } else {
-    uint4 u;
-    u.x = pack2<OT>(x[0], x[1]);
-    u.y = pack2<OT>(x[2], x[3]);
-    u.z = pack2<OT>(x[4], x[5]);
-    u.w = pack2<OT>(x[6], x[7]);
-    *reinterpret_cast<uint4*>(dst) = u;
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<OT>(x[0], x[1]), pack2<OT>(x[2], x[3]));
   }
 }
 
@@ -864,7 +866,7 @@ __device__ __forceinline__ void finalize_rows(const AttnArgs& a, const Work& w, 
       float x[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) x[i] = acc[i] * mul;
-      store8(static_cast<OT*>(p.out) + row * d + c, x);
+      store_n<OT, 8>(static_cast<OT*>(p.out) + row * d + c, x);
       if (c == 0) p.lse[row] = lse2 * kLn2;
     } else {
       // The normalized partial of this split: D = 0 (no finite logit here) gives lse -inf and is
@@ -875,7 +877,7 @@ __device__ __forceinline__ void finalize_rows(const AttnArgs& a, const Work& w, 
       float x[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) x[i] = acc[i] * mul;
-      store8(a.part_o + prow * d + c, x);
+      store_n<float, 8>(a.part_o + prow * d + c, x);
       if (c == 0) a.part_lse[prow] = lse2;
     }
   }

@@ -26,18 +26,6 @@ namespace kvkernels::attn_cuda {
 constexpr int kMergeThreads = 128;
 constexpr unsigned kFullWarp = 0xffffffffu;
 
-// A lane's COLS output columns in the query dtype (COLS = 8: store8; 4: its first half).
-template <typename OT, int COLS>
-__device__ __forceinline__ void store_cols(OT* dst, const float* x) {
-  if constexpr (COLS == 8) {
-    store8(dst, x);
-  } else if constexpr (std::is_same_v<OT, float>) {
-    *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
-  } else {
-    *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<OT>(x[0], x[1]), pack2<OT>(x[2], x[3]));
-  }
-}
-
 // One row, its columns spread over the warp: COLS = 4 when head_dim_v <= 128, so that every lane
 // loads (8 columns per lane would leave half the warp idle at 128), else 8 (up to 256). A batch is
 // 32 / COLS splits, 32 floats in flight per lane (8 rows of 512 bytes or 4 of 1 KiB: 4 KiB per warp
@@ -132,7 +120,7 @@ __device__ __forceinline__ void merge_row(const AttnArgs& a, int64_t row, int64_
     float x[COLS];
 #pragma unroll
     for (int i = 0; i < COLS; ++i) x[i] = acc[i] * mul;
-    store_cols<OT, COLS>(static_cast<OT*>(p.out) + row * d + c, x);
+    store_n<OT, COLS>(static_cast<OT*>(p.out) + row * d + c, x);
   }
   if (lane == 0) p.lse[row] = lse_out * kLn2;
 }
