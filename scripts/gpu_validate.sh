@@ -235,11 +235,12 @@ step_b_targets() {
 }
 # The A/B of the tensor-core decode kernel's configurations at the same shapes, bf16 and fp8, in one process
 # on the same data (alternating batches): wide (the default: 2 stages at head dim 128) vs deep (4 stages),
-# and wide with 16 and 64 splits against the planner's counts (1 at b64 x 4k, 32 at b1 x 32k on 132 SMs).
-# "variant:" lines give each time and its speed-up over wide.
+# wide with the fp8 tiles dequantized in shared memory (fp8smem: the A/B of the register-level fp8
+# conversion; over bf16 the same kernel as wide), and wide with 16 and 64 splits against the planner's
+# counts (1 at b64 x 4k, 32 at b1 x 32k on 132 SMs). "variant:" lines give each time and its speed-up over wide.
 step_b_variants() {
   bench -m kvkernels.bench.cuda_attention --no-flex --no-baselines --attn-prefill '' \
-    --attn-shapes 64x4096,1x32768 --decode-variants wide,deep,wide-s16,wide-s64 \
+    --attn-shapes 64x4096,1x32768 --decode-variants wide,deep,fp8smem,wide-s16,wide-s64 \
     --json "$SCRATCH/results/bench/cuda-attention-variants-$STAMP.json"
 }
 # The A/B of the tensor-core prefill kernel's configurations: the full-size prefill (4096 queries over 4096

@@ -204,6 +204,7 @@ def test_cuda_attention_decode_variants_options_and_report(capsys, monkeypatch):
     assert parser.parse_args(["--decode-variants", "wide,deep"]).decode_variants == ["wide", "deep"]
     assert parser.parse_args(["--decode-variants", "deep,deep-s1,wide-s33"]).decode_variants == [
         "deep", "deep-s1", "wide-s33"]
+    assert parser.parse_args(["--decode-variants", "wide,fp8smem"]).decode_variants == ["wide", "fp8smem"]
     assert parser.parse_args([]).decode_variants == []
     for bad in ("wide,wdie", "deep,deep", "deep-s0", "deep-s", "deep-sx", "deep-s1,deep-s1", "s1"):
         with pytest.raises(SystemExit):
@@ -216,6 +217,8 @@ def test_cuda_attention_decode_variants_options_and_report(capsys, monkeypatch):
     with ca.variant_env("deep-s3", ca.DECODE_VARIANTS):
         assert ca.os.environ["KVKERNELS_CUDA_ATTN_SPLITS"] == "3"
         assert ca.os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "mma-decode-deep"
+    with ca.variant_env("fp8smem", ca.DECODE_VARIANTS):
+        assert ca.os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "mma-decode-fp8-smem"
     with ca.variant_env("wide", ca.DECODE_VARIANTS):
         assert "KVKERNELS_CUDA_ATTN_SPLITS" not in ca.os.environ
         assert ca.os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "mma-decode-wide"

@@ -278,7 +278,9 @@ def test_decode_variants_agree(dtype, fp8, d, monkeypatch):
     """The tensor-core decode kernel's wide (default) and deep (KVKERNELS_CUDA_ATTN_PATH=mma-decode-deep)
     configurations on the same inputs, sequences of many key tiles (the deep pipeline's ring wraps), planned
     and with 7 forced splits: each matches the reference, and they agree to the query dtype's tolerance
-    (their key slices differ, so their float32 sums round differently)."""
+    (their key slices differ, so their float32 sums round differently). Over fp8 caches also the wide kernel
+    with its stages dequantized in shared memory (mma-decode-fp8-smem) against the default, which converts
+    fragments in registers at head dims 64 / 128: the same products in another order."""
     kv, query, _ = make_case("decode", [1500, 64, 1, 333, 0], dtype=dtype, num_heads=16, num_kv_heads=4,
                              head_dim=d, block_size=16, fp8=fp8, per_head=True, seed=38)
     rtol, atol = TOLERANCES[dtype]
@@ -289,6 +291,11 @@ def test_decode_variants_agree(dtype, fp8, d, monkeypatch):
         deep = run_cuda(kv, query, soft_cap=5.0)
         assert_close(deep[0], wide[0].double(), dtype, rtol=2 * rtol, atol=2 * atol, msg="out")
         assert_close(deep[1], wide[1].double(), f32, rtol=1e-4, atol=1e-4, msg="lse")
+        if fp8:
+            force_cuda_plan(monkeypatch, "ATTN", "mma-decode-fp8-smem", splits)
+            smem = run_cuda(kv, query, soft_cap=5.0)
+            assert_close(smem[0], wide[0].double(), dtype, rtol=2 * rtol, atol=2 * atol, msg="out (fp8-smem)")
+            assert_close(smem[1], wide[1].double(), f32, rtol=1e-4, atol=1e-4, msg="lse (fp8-smem)")
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

@@ -218,18 +218,22 @@ def test_merge_attention_states(emu, dtype):
 # paged attention
 # ---------------------------------------------------------------------------------------------------
 
-SIMT, MMA_DECODE, MMA_PREFILL, MMA_DECODE_DEEP, MMA_PREFILL_DEEP = 0, 1, 2, 3, 4
+SIMT, MMA_DECODE, MMA_PREFILL, MMA_DECODE_DEEP, MMA_PREFILL_DEEP, MMA_DECODE_FP8_SMEM = 0, 1, 2, 3, 4, 5
 # The tensor-core kernels' two configurations each (csrc/cuda/attention_common.cuh, mma_wn / key_tile_of):
 # "wide", the default (decode: 64 keys per stage, 2 stages at head dim 128 / 256; prefill: 64 keys per stage,
 # 32 at head dim 256, 2 stages at head dim 128 / 256), and "deep" (16 KiB stages, 4 in flight), chosen by
 # KVKERNELS_CUDA_ATTN_PATH=mma-decode-deep / mma-prefill-deep. A test mode "decode-deep" is a decode case run
 # with the first set, expecting MMA_DECODE_DEEP where the planner would take MMA_DECODE; "varlen-deep" a
-# varlen case with the second, expecting MMA_PREFILL_DEEP where it would take MMA_PREFILL.
-VARIANT_ENV = {"decode": None, "decode-deep": "mma-decode-deep", "varlen": None, "varlen-deep": "mma-prefill-deep"}
+# varlen case with the second, expecting MMA_PREFILL_DEEP where it would take MMA_PREFILL. Over fp8 caches the
+# decode kernels convert K / V fragments in registers (head dims 64 / 128); "decode-fp8-smem" runs a decode case
+# of an fp8 config with KVKERNELS_CUDA_ATTN_PATH=mma-decode-fp8-smem, the wide kernel converting each stage in
+# shared memory (MMA_DECODE_FP8_SMEM), kept for the A/B.
+VARIANT_ENV = {"decode": None, "decode-deep": "mma-decode-deep", "decode-fp8-smem": "mma-decode-fp8-smem",
+               "varlen": None, "varlen-deep": "mma-prefill-deep"}
 
 
 def use_mode(mode: str, monkeypatch) -> str:
-    """Sets KVKERNELS_CUDA_ATTN_PATH for a test mode ("decode", "decode-deep", "varlen", "varlen-deep");
+    """Sets KVKERNELS_CUDA_ATTN_PATH for a test mode (a key of VARIANT_ENV);
     returns the mode make_case takes ("decode" / "varlen")."""
     monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
     if VARIANT_ENV.get(mode):
@@ -243,17 +247,24 @@ def expected_path(path, env: str | None):
     deep = (env or "").split(",")
     if path == MMA_DECODE and "mma-decode-deep" in deep:
         return MMA_DECODE_DEEP
+    if path == MMA_DECODE and "mma-decode-fp8-smem" in deep:  # the modes use it with fp8 caches only
+        return MMA_DECODE_FP8_SMEM
     if path == MMA_PREFILL and "mma-prefill-deep" in deep:
         return MMA_PREFILL_DEEP
     return path
 
 
-def modes_for(configs: dict, dtype_of=lambda config: config[0]) -> list:
-    """(config, mode) parameters: every config in decode and varlen, and the 16-bit ones (the tensor-core
-    kernels) in decode-deep and varlen-deep as well (float32 queries run the SIMT kernel in every mode)."""
+def modes_for(configs: dict, dtype_of=lambda config: config[0], fp8_of=lambda config: config[1]) -> list:
+    """(config, mode) parameters: every config in decode and varlen, the 16-bit ones (the tensor-core
+    kernels) in decode-deep and varlen-deep as well (float32 queries run the SIMT kernel in every mode), and
+    the 16-bit ones over fp8 caches in decode-fp8-smem."""
+    def runs(config, mode):
+        tensor_core = dtype_of(config) != f32
+        if mode == "decode-fp8-smem":
+            return tensor_core and fp8_of(config) is not None
+        return not mode.endswith("-deep") or tensor_core
     return [pytest.param(config, mode, id=f"{name}-{mode}") for name, config in configs.items()
-            for mode in ("decode", "decode-deep", "varlen", "varlen-deep")
-            if not mode.endswith("-deep") or dtype_of(config) != f32]
+            for mode in ("decode", "decode-deep", "decode-fp8-smem", "varlen", "varlen-deep") if runs(config, mode)]
 
 
 def plan_of(emu, kv, query, qsl):
@@ -513,6 +524,19 @@ def test_decode_variant_override(emu, d, monkeypatch):
     monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", "mma-decode-wdie")
     with pytest.raises(RuntimeError, match="KVKERNELS_CUDA_ATTN_PATH=mma-decode-wdie is not one of"):
         plan_of(emu, kv, query, None)
+    # mma-decode-fp8-smem: the wide kernel converting fp8 stages in shared memory, over an fp8 cache only (over
+    # a 16-bit one the wide kernel); the same key tile as wide; one decode choice at a time.
+    kv8, query8, _ = make_case("decode", [300, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=d,
+                               block_size=16, fp8="e4m3", seed=44)
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", "mma-decode-fp8-smem")
+    plan = plan_of(emu, kv8, query8, None)
+    assert plan["path"] == MMA_DECODE_FP8_SMEM and plan["splits"] == -(-max_keys // {64: 64, 128: 64, 256: 32}[d])
+    assert plan_of(emu, kv, query, None)["path"] == MMA_DECODE
+    monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH")
+    assert plan_of(emu, kv8, query8, None)["path"] == MMA_DECODE
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", "mma-decode-fp8-smem,mma-decode-deep")
+    with pytest.raises(RuntimeError, match="is not one of"):
+        plan_of(emu, kv8, query8, None)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

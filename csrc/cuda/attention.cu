@@ -12,7 +12,9 @@
 // KVKERNELS_CUDA_ATTN_PATH (read per call; tests and A/B benchmarks): a comma-separated list of
 // `simt` (the SIMT kernel for every dtype; alone), `mma-decode-wide` / `mma-decode-deep` (the
 // tensor-core decode in its default wide configuration, 64 keys per stage and 2 stages at head
-// dim 128 / 256, or in the deep one, 16 KiB stages and 4 of them), `mma-prefill-wide` /
+// dim 128 / 256, or in the deep one, 16 KiB stages and 4 of them) / `mma-decode-fp8-smem` (the wide
+// one, over fp8 caches with the stage dequantized in shared memory instead of in registers: the
+// A/B of that change; over 16-bit caches the wide kernel), `mma-prefill-wide` /
 // `mma-prefill-deep` (the same choice for the tensor-core prefill) and `auto`; empty or `auto`:
 // every default. A value names each kernel at most once; anything else is an
 // error, so a misspelt A/B cannot time the same kernel twice.
@@ -87,7 +89,7 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 // KVKERNELS_CUDA_ATTN_PATH, parsed (see the top of this file).
 struct PathChoice {
-  bool simt = false, decode_deep = false, prefill_deep = false;
+  bool simt = false, decode_deep = false, decode_fp8_smem = false, prefill_deep = false;
 };
 
 PathChoice path_choice() {
@@ -104,6 +106,7 @@ PathChoice path_choice() {
     if (item == "simt") c.simt = true, ++simt;
     else if (item == "mma-decode-wide") ++decode;
     else if (item == "mma-decode-deep") c.decode_deep = true, ++decode;
+    else if (item == "mma-decode-fp8-smem") c.decode_fp8_smem = true, ++decode;
     else if (item == "mma-prefill-wide") ++prefill;
     else if (item == "mma-prefill-deep") c.prefill_deep = true, ++prefill;
     else if (item != "auto") ok = false;
@@ -115,7 +118,8 @@ PathChoice path_choice() {
   if (!ok)
     throw std::runtime_error("kvkernels.paged_attention (CUDA): KVKERNELS_CUDA_ATTN_PATH=" + value +
                              " is not one of simt, auto, or a comma-separated list of at most one of "
-                             "mma-decode-wide / mma-decode-deep and one of mma-prefill-wide / "
+                             "mma-decode-wide / mma-decode-deep / mma-decode-fp8-smem and one of "
+                             "mma-prefill-wide / "
                              "mma-prefill-deep");
   return c;
 }
@@ -172,7 +176,10 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
   if (p.q_format == FloatFormat::kFloat32 || choice.simt)
     path = Path::kSimt;
   else if (decode && plan.group <= rows_of(Path::kMmaDecode))
-    path = choice.decode_deep ? Path::kMmaDecodeDeep : Path::kMmaDecode;
+    // (mma-decode-fp8-smem differs from the wide kernel only over fp8 caches)
+    path = choice.decode_deep                                   ? Path::kMmaDecodeDeep
+           : choice.decode_fp8_smem && is_fp8(p.kv.format) ? Path::kMmaDecodeFp8Smem
+                                                                : Path::kMmaDecode;
   else
     path = choice.prefill_deep ? Path::kMmaPrefillDeep : Path::kMmaPrefill;
   plan.path = static_cast<int>(path);

@@ -29,7 +29,8 @@ struct LaunchPlan {
 // head dims outside [8, 256], grid limits, an unknown KVKERNELS_CUDA_ATTN_PATH). `device`: CUDA
 // device index of the tensors. Environment overrides, for tests and benchmarks:
 // KVKERNELS_CUDA_ATTN_PATH=simt (the CUDA-core kernel for every dtype), =mma-decode-deep (the
-// tensor-core decode kernel's deep configuration instead of the wide default, =mma-decode-wide),
+// tensor-core decode kernel's deep configuration instead of the wide default, =mma-decode-wide;
+// =mma-decode-fp8-smem: the wide one with fp8 stages dequantized in shared memory),
 // =mma-prefill-deep (the same for the tensor-core prefill, =mma-prefill-wide), or a comma-separated
 // list of one decode and one prefill choice (attention.cu), and KVKERNELS_CUDA_ATTN_SPLITS=<n> (that
 // many KV splits, capped to 128).

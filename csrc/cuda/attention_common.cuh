@@ -53,6 +53,10 @@ enum class Path : int {
   kMmaPrefillDeep = 4,  // the prefill kernel's "deep" configuration, kept for A/B runs
                         // (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-deep): 16 KiB 16-bit stages (64 /
                         // 32 / 16 keys at head dim 64 / 128 / 256), 4 stages; 0.83x the wide one
+  kMmaDecodeFp8Smem = 5,  // fp8 caches only: the wide decode kernel with each fp8 stage dequantized
+                          // into a 16-bit shared-memory tile (the method before the decode kernels
+                          // converted their fragments in registers), kept for A/B runs
+                          // (KVKERNELS_CUDA_ATTN_PATH=mma-decode-fp8-smem)
 };
 
 // Everything a kernel needs: the validated params and the host-side plan.
@@ -122,7 +126,7 @@ __host__ __device__ constexpr int cache_esize(CacheFormat f) {
 }
 
 __host__ __device__ constexpr bool is_mma_decode(Path path) {
-  return path == Path::kMmaDecode || path == Path::kMmaDecodeDeep;
+  return path == Path::kMmaDecode || path == Path::kMmaDecodeDeep || path == Path::kMmaDecodeFp8Smem;
 }
 
 __host__ __device__ constexpr bool is_mma_prefill(Path path) {
@@ -282,6 +286,17 @@ __device__ __forceinline__ void fp8x4_to_half2x2(uint32_t w, uint32_t* lo, uint3
 #endif
   *lo = fp8x2_to_half2_bits<CF>(fp8_pair_hi(w, 0x1404u));
   *hi = fp8x2_to_half2_bits<CF>(fp8_pair_hi(w, 0x3424u));
+}
+
+// 4 fp8 values -> 2 registers of T pairs (elements 0, 1 and 2, 3), in units of fp8_unit<CF>();
+// exact (every fp8 value is a bf16 value).
+template <typename T, CacheFormat CF>
+__device__ __forceinline__ void fp8x4_to_pairs(uint32_t w, uint32_t* lo, uint32_t* hi) {
+  fp8x4_to_half2x2<CF>(w, lo, hi);
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const float2 a = unpack2_half(*lo), b = unpack2_half(*hi);
+    *lo = pack2<__nv_bfloat16>(a.x, a.y), *hi = pack2<__nv_bfloat16>(b.x, b.y);
+  }
 }
 
 // What one unit of a converted fp8 value is worth: e4m3 values converted through bits come out

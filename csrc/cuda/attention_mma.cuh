@@ -1,5 +1,7 @@
 // Tensor-core paged attention for fp16 / bf16 queries (caches of the query dtype, or fp8 e4m3 /
-// e5m2 dequantized to the query dtype in shared memory). One template, four configurations:
+// e5m2 dequantized to the query dtype: by the decode kernels in registers, fragment by fragment, at
+// head dims 64 / 128, otherwise in shared memory one stage at a time; MmaCfg::FP8_REGS). One
+// template, five configurations:
 //
 //   Path::kMmaDecode   (WM = 1, WN = 4, or 2 for head dim 256): a CTA holds 16 rows (the query
 //                      heads of one GQA group for one decode query) and its warps split the keys
@@ -16,6 +18,9 @@
 //                      default: 64 keys per stage, 32 at head dim 256 (32 KiB stages, 2 of them at
 //                      head dim 128 / 256). Key tiles wholly past the causal diagonal or before the
 //                      sliding window are never loaded; tiles wholly visible skip the mask.
+//   Path::kMmaDecodeFp8Smem  fp8 caches only: the wide decode kernel with each stage dequantized in
+//                      shared memory (the method before FP8_REGS), selectable
+//                      (KVKERNELS_CUDA_ATTN_PATH=mma-decode-fp8-smem) for the A/B of that change.
 //   Path::kMmaPrefillDeep  the same kernel with 64 / 32 / 16 keys per stage at head dim 64 / 128 /
 //                      256, 16 KiB of 16-bit K and V (8 KiB raw fp8), 4 stages at every head dim
 //                      and cache format; selectable (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-deep)
@@ -49,8 +54,16 @@ struct MmaCfg {
   static constexpr int Q_BYTES = ROWS * DPAD * 2;
   static constexpr int RAW_TILE = KT * DPAD * ESZ;  // K or V of one stage
   static constexpr int STAGE_BYTES = 2 * RAW_TILE;
+  // fp8 caches, decode, head dim 64 / 128: the K / V fragments are ldmatrix'd from the raw fp8 tile
+  // and converted in registers (each warp reads only its own 16 keys, so every element is converted
+  // once, and no conversion buffer or barrier sits between the copy and the mma). Prefill (every warp
+  // reads every key of the tile), the kMmaDecodeFp8Smem A/B instance and head dim 256 convert each
+  // stage once into a 16-bit tile in shared memory: at 256 the 128 output accumulators leave too few
+  // registers (sm_80 ptxas spilled the register-level version at 255).
+  static constexpr bool FP8_REGS =
+      FP8 && DPAD <= 128 && (PATH == Path::kMmaDecode || PATH == Path::kMmaDecodeDeep);
   static constexpr int CVT_TILE = KT * DPAD * 2;
-  static constexpr int CVT_BYTES = FP8 ? 2 * CVT_TILE : 0;
+  static constexpr int CVT_BYTES = FP8 && !FP8_REGS ? 2 * CVT_TILE : 0;
   static constexpr int STAGES = pipeline_stages(STAGE_BYTES, CVT_BYTES);
   static constexpr int MAIN_BYTES = STAGES * STAGE_BYTES + CVT_BYTES;
   static constexpr int EPI_BYTES = WN * ROWS * (DPAD + 4) * 4;
@@ -82,6 +95,16 @@ __device__ __forceinline__ int swz(int r, int c) {
   return (r * CPR16 + (c ^ (r & 7))) * 16;
 }
 
+// Byte offset of 16-byte chunk c of row r in a [rows][CPR chunks] raw fp8 tile that ldmatrix reads
+// (the register-level conversion): swizzled so the 8 rows of one 8 x 8 matrix hit 8 different bank
+// groups. With 8 or more chunks per row as swz; with 4 (head dim 64) two rows share a 128-byte line,
+// so the chunk is XORed with the row pair instead.
+template <int CPR>
+__device__ __forceinline__ int swz8(int r, int c) {
+  if constexpr (CPR >= 8) return (r * CPR + (c ^ (r & 7))) * 16;
+  else return (r * CPR + (c ^ ((r >> 1) & (CPR - 1)))) * 16;
+}
+
 // Dequantizes one stage of raw fp8 K and V (plain [KT][DPAD] bytes) into swizzled 16-bit tiles.
 template <typename T, CacheFormat CF, int KT, int DPAD, int NT>
 __device__ __forceinline__ void convert_fp8_stage(const char* raw, char* cvt) {
@@ -93,14 +116,7 @@ __device__ __forceinline__ void convert_fp8_stage(const char* raw, char* cvt) {
     const uint32_t w[4] = {u.x, u.y, u.z, u.w};
     uint32_t h[8];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) fp8x4_to_half2x2<CF>(w[i], &h[2 * i], &h[2 * i + 1]);
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float2 f = unpack2_half(h[i]);  // exact
-        h[i] = pack2<__nv_bfloat16>(f.x, f.y);  // exact: every fp8 value fits bf16
-      }
-    }
+    for (int i = 0; i < 4; ++i) fp8x4_to_pairs<T, CF>(w[i], &h[2 * i], &h[2 * i + 1]);
     char* dst = cvt + tensor * CVT_TILE;
     *reinterpret_cast<uint4*>(dst + swz<DPAD / 8>(r, 2 * c)) = make_uint4(h[0], h[1], h[2], h[3]);
     *reinterpret_cast<uint4*>(dst + swz<DPAD / 8>(r, 2 * c + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
@@ -160,7 +176,8 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
   ld.init(p, w);
   auto stage_k = [&](int s) { return smain + s * C::STAGE_BYTES; };
   auto off = [](int r, int c) {
-    if constexpr (C::FP8) return (r * C::CPR + c) * 16;
+    if constexpr (C::FP8_REGS) return swz8<C::CPR>(r, c);
+    else if constexpr (C::FP8) return (r * C::CPR + c) * 16;  // read row-wise by the conversion
     else return swz<CPR16>(r, c);
   };
   const int ntiles = w.tile_end - w.tile_begin;
@@ -189,15 +206,33 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
   float m2[2] = {-INFINITY, -INFINITY}, dsum[2] = {0.0f, 0.0f};
   uint32_t qf[C::Q_IN_REGS ? DPAD / 16 : 1][4];
   const uint32_t sq_u32 = smem_u32(sq);
+  // The A fragment (query) of k-step kk. The K fragments read from raw fp8 (FP8_REGS) hold columns
+  // 16 kk + 4 t4 + {0, 1} (b0) and + {2, 3} (b1), not 2 t4 + {0, 1} and + 8: a 32-bit lane of
+  // ldmatrix is 4 fp8 values. The sum over a k-step does not care which 16 columns pair up, as long
+  // as the query's match, so the query fragment takes the same columns: 8 bytes per row.
+  auto load_qfrag = [&](int kk, uint32_t* af) {
+    if constexpr (C::FP8_REGS) {
+      const int r = wm * 16 + g, c = 2 * kk + (t4 >> 1), byte = (t4 & 1) * 8;
+      const uint2 x = *reinterpret_cast<const uint2*>(sq + swz<CPR16>(r, c) + byte);
+      const uint2 y = *reinterpret_cast<const uint2*>(sq + swz<CPR16>(r + 8, c) + byte);
+      af[0] = x.x, af[1] = y.x, af[2] = x.y, af[3] = y.y;
+    } else {
+      ldmatrix_x4(sq_u32 + swz<CPR16>(wm * 16 + (lane & 15), 2 * kk + (lane >> 4)), af);
+    }
+  };
   __syncthreads();  // queries in shared memory
   if constexpr (C::Q_IN_REGS) {
 #pragma unroll
     for (int kk = 0; kk < DPAD / 16; ++kk) {
       qf[kk][0] = qf[kk][1] = qf[kk][2] = qf[kk][3] = 0u;
-      if (kk * 16 < d)
-        ldmatrix_x4(sq_u32 + swz<CPR16>(wm * 16 + (lane & 15), 2 * kk + (lane >> 4)), qf[kk]);
+      if (kk * 16 < d) load_qfrag(kk, qf[kk]);
     }
   }
+  // Query fragment of k-step kk, from registers or shared memory.
+  auto qfrag = [&](int kk, uint32_t* af) {
+    if constexpr (C::Q_IN_REGS) af[0] = qf[kk][0], af[1] = qf[kk][1], af[2] = qf[kk][2], af[3] = qf[kk][3];
+    else load_qfrag(kk, af);
+  };
 
   for (int it = 0; it < ntiles; ++it) {
     cp_async_wait<STAGES - 2>();
@@ -212,14 +247,15 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
       cp_async_commit();
     }
     char* tk = stage_k(it % STAGES);
-    if constexpr (C::FP8) {
+    if constexpr (C::FP8 && !C::FP8_REGS) {
       char* cvt = smain + STAGES * C::STAGE_BYTES;
       convert_fp8_stage<T, CF, KT, DPAD, NT>(tk, cvt);
       __syncthreads();
       tk = cvt;
     }
     const uint32_t tk_u32 = smem_u32(tk);
-    char* const tv = tk + (C::FP8 ? C::CVT_TILE : C::RAW_TILE);  // V tile, 16-bit, swizzled
+    // V tile: 16-bit and swizzled, or raw fp8 (FP8_REGS)
+    char* const tv = tk + (C::FP8 && !C::FP8_REGS ? C::CVT_TILE : C::RAW_TILE);
     const uint32_t tv_u32 = smem_u32(tv);
     const int k0 = (w.tile_begin + it) * KT;
     const bool need_mask = tile_needs_mask(w, k0, KT, ops);
@@ -227,6 +263,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
     // inf / NaN value: see attention_common.cuh ("keys some rows of a CTA see"). The decode kernel's
     // rows are the heads of one query, which all see the same keys: compiled out there.
     constexpr bool kMultiQuery = is_mma_prefill(PATH);
+    static_assert(!(kMultiQuery && C::FP8_REGS), "the fix-up reads 16-bit values");
     const bool fix_nonfinite =
         kMultiQuery && w.nq > 1 && need_mask && tile_has_nonfinite<T, NT>(tv, KT * DPAD / 8);
 
@@ -241,22 +278,48 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
     float s[KW / 8][4];
 #pragma unroll
     for (int i = 0; i < KW / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+    if constexpr (C::FP8_REGS) {
+      // Raw fp8: one ldmatrix_x4 reads 16 keys x 2 chunks of 16 columns (two k-steps), matrix j =
+      // keys 8 (j & 1) .. + 7 of chunk kk + j / 2; lane (g, t4) gets key g's columns 4 t4 .. 4 t4 + 3
+      // of its chunk, converted to the b0 / b1 pair (see load_qfrag). The second k-step's
+      // query fragment is loaded after the first step's mma (fewer live registers).
 #pragma unroll
-    for (int kk = 0; kk < DPAD / 16; ++kk) {
-      if (kSkipPadding && kk * 16 >= d) continue;
-      uint32_t af[4];
-      if constexpr (C::Q_IN_REGS) {
-        af[0] = qf[kk][0], af[1] = qf[kk][1], af[2] = qf[kk][2], af[3] = qf[kk][3];
-      } else {
-        ldmatrix_x4(sq_u32 + swz<CPR16>(wm * 16 + (lane & 15), 2 * kk + (lane >> 4)), af);
+      for (int kk = 0; kk < DPAD / 16; kk += 2) {
+        if (kSkipPadding && kk * 16 >= d) continue;
+        uint32_t b[KW / 16][4], af[4], lo, hi;
+        qfrag(kk, af);
+#pragma unroll
+        for (int nn = 0; nn < KW / 16; ++nn) {
+          const int key = wn * KW + nn * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+          ldmatrix_x4(tk_u32 + swz8<C::CPR>(key, kk + (lane >> 4)), b[nn]);
+          fp8x4_to_pairs<T, CF>(b[nn][0], &lo, &hi);
+          mma_16816<T>(s[2 * nn], af, lo, hi);
+          fp8x4_to_pairs<T, CF>(b[nn][1], &lo, &hi);
+          mma_16816<T>(s[2 * nn + 1], af, lo, hi);
+        }
+        qfrag(kk + 1, af);
+#pragma unroll
+        for (int nn = 0; nn < KW / 16; ++nn) {
+          fp8x4_to_pairs<T, CF>(b[nn][2], &lo, &hi);
+          mma_16816<T>(s[2 * nn], af, lo, hi);
+          fp8x4_to_pairs<T, CF>(b[nn][3], &lo, &hi);
+          mma_16816<T>(s[2 * nn + 1], af, lo, hi);
+        }
       }
+    } else {
 #pragma unroll
-      for (int nn = 0; nn < KW / 16; ++nn) {
-        uint32_t b[4];
-        const int key = wn * KW + nn * 16 + (lane & 7) + ((lane >> 4) << 3);
-        ldmatrix_x4(tk_u32 + swz<CPR16>(key, 2 * kk + ((lane >> 3) & 1)), b);
-        mma_16816<T>(s[2 * nn], af, b[0], b[1]);
-        mma_16816<T>(s[2 * nn + 1], af, b[2], b[3]);
+      for (int kk = 0; kk < DPAD / 16; ++kk) {
+        if (kSkipPadding && kk * 16 >= d) continue;
+        uint32_t af[4];
+        qfrag(kk, af);
+#pragma unroll
+        for (int nn = 0; nn < KW / 16; ++nn) {
+          uint32_t b[4];
+          const int key = wn * KW + nn * 16 + (lane & 7) + ((lane >> 4) << 3);
+          ldmatrix_x4(tk_u32 + swz<CPR16>(key, 2 * kk + ((lane >> 3) & 1)), b);
+          mma_16816<T>(s[2 * nn], af, b[0], b[1]);
+          mma_16816<T>(s[2 * nn + 1], af, b[2], b[3]);
+        }
       }
     }
 
@@ -368,14 +431,37 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
       pa[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
       pa[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
       pa[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      if constexpr (C::FP8_REGS) {
+        // Raw fp8, transposed: matrix j = keys 8 (j & 1) .. + 7 of chunk dn + j / 2, its 16-bit
+        // elements value pairs; lane (g, t4) gets keys 2 t4, 2 t4 + 1 (+ 8) of values 2g, 2g + 1 as
+        // bytes k0v0 k0v1 k1v0 k1v1, regrouped (byte_perm 0x3120) to (k0v0 k1v0) (k0v1 k1v1): the B
+        // fragments of two n8 tiles, the even values of the chunk (o[2 ch], columns 16 ch + 2 n) and
+        // the odd ones (o[2 ch + 1]); the epilogue puts the columns back in order.
 #pragma unroll
-      for (int dn = 0; dn < DPAD / 16; ++dn) {  // V is zero past head_dim_v (see S above)
-        if (kSkipPadding && dn * 16 >= dv) continue;
-        uint32_t b[4];
-        const int key = wn * KW + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-        ldmatrix_x4_trans(tv_u32 + swz<CPR16>(key, 2 * dn + (lane >> 4)), b);
-        mma_16816<T>(o[2 * dn], pa, b[0], b[1]);
-        mma_16816<T>(o[2 * dn + 1], pa, b[2], b[3]);
+        for (int dn = 0; dn < DPAD / 16; dn += 2) {
+          if (kSkipPadding && dn * 16 >= dv) continue;
+          uint32_t b[4];
+          const int key = wn * KW + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+          ldmatrix_x4_trans(tv_u32 + swz8<C::CPR>(key, dn + (lane >> 4)), b);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            uint32_t e0, o0, e1, o1;
+            fp8x4_to_pairs<T, CF>(__byte_perm(b[2 * h], 0u, 0x3120u), &e0, &o0);
+            fp8x4_to_pairs<T, CF>(__byte_perm(b[2 * h + 1], 0u, 0x3120u), &e1, &o1);
+            mma_16816<T>(o[2 * (dn + h)], pa, e0, e1);
+            mma_16816<T>(o[2 * (dn + h) + 1], pa, o0, o1);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int dn = 0; dn < DPAD / 16; ++dn) {  // V is zero past head_dim_v (see S above)
+          if (kSkipPadding && dn * 16 >= dv) continue;
+          uint32_t b[4];
+          const int key = wn * KW + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+          ldmatrix_x4_trans(tv_u32 + swz<CPR16>(key, 2 * dn + (lane >> 4)), b);
+          mma_16816<T>(o[2 * dn], pa, b[0], b[1]);
+          mma_16816<T>(o[2 * dn + 1], pa, b[2], b[3]);
+        }
       }
     }
   }
@@ -392,11 +478,23 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
   float* eo = reinterpret_cast<float*>(smain);
   constexpr int STRIDE = DPAD + 4;
   const int r0 = wn * ROWS + wm * 16 + g;
+  if constexpr (C::FP8_REGS) {
+    // o[2 ch] holds columns 16 ch + 4 t4 + {0, 2}, o[2 ch + 1] columns 16 ch + 4 t4 + {1, 3} (PV).
 #pragma unroll
-  for (int i = 0; i < DPAD / 8; ++i) {
-    *reinterpret_cast<float2*>(eo + r0 * STRIDE + i * 8 + 2 * t4) = make_float2(o[i][0], o[i][1]);
-    *reinterpret_cast<float2*>(eo + (r0 + 8) * STRIDE + i * 8 + 2 * t4) =
-        make_float2(o[i][2], o[i][3]);
+    for (int ch = 0; ch < DPAD / 16; ++ch) {
+      const float* e = o[2 * ch];
+      const float* x = o[2 * ch + 1];
+      *reinterpret_cast<float4*>(eo + r0 * STRIDE + ch * 16 + 4 * t4) = make_float4(e[0], x[0], e[1], x[1]);
+      *reinterpret_cast<float4*>(eo + (r0 + 8) * STRIDE + ch * 16 + 4 * t4) =
+          make_float4(e[2], x[2], e[3], x[3]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < DPAD / 8; ++i) {
+      *reinterpret_cast<float2*>(eo + r0 * STRIDE + i * 8 + 2 * t4) = make_float2(o[i][0], o[i][1]);
+      *reinterpret_cast<float2*>(eo + (r0 + 8) * STRIDE + i * 8 + 2 * t4) =
+          make_float2(o[i][2], o[i][3]);
+    }
   }
   if (t4 == 0) {
     em[r0] = m2[0], ed[r0] = dsum[0];

@@ -34,7 +34,9 @@ flash on contiguous keys.
 
 Decode variants (``--decode-variants wide,deep``): the tensor-core decode kernel has two configurations,
 chosen per call by KVKERNELS_CUDA_ATTN_PATH (csrc/cuda/README.md): ``wide`` (the default: 64 keys per stage,
-2 stages at head dim 128) and ``deep`` (16 KiB stages, 4 in flight). With the option, every
+2 stages at head dim 128) and ``deep`` (16 KiB stages, 4 in flight); ``fp8smem`` is the wide one with fp8 tiles
+dequantized in shared memory instead of in registers (the same kernel as ``wide`` over 16-bit caches). With
+the option, every
 decode case times each named variant on the same data in one process, in alternating batches (A B B A ...),
 as rows ``kvkernels-<variant>`` instead of ``kvkernels``; ``targets`` and ``variant_lines`` report each
 against the targets and against each other. A name may force the KV split count: ``deep-s1`` is the deep
@@ -95,7 +97,7 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 
 # --decode-variants / --prefill-variants names -> KVKERNELS_CUDA_ATTN_PATH values (csrc/cuda/attention.cu).
-DECODE_VARIANTS = {"deep": "mma-decode-deep", "wide": "mma-decode-wide"}
+DECODE_VARIANTS = {"deep": "mma-decode-deep", "wide": "mma-decode-wide", "fp8smem": "mma-decode-fp8-smem"}
 PREFILL_VARIANTS = {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide"}
 PREFILL_DTYPES = ("bfloat16", "fp8_e4m3")
 
