@@ -245,11 +245,12 @@ step_b_variants() {
 }
 # The A/B of the tensor-core prefill kernel's configurations: the full-size prefill (4096 queries over 4096
 # keys, causal, bf16 queries over a bf16 and an e4m3 cache), wide (the default: 2 stages at head dim 128)
-# vs deep (4 stages) in alternating batches on the same data, and SDPA flash on contiguous bf16 K/V.
+# vs deep (4 stages) vs tall (2 row tiles per warp: the K / V fragments from shared memory feed twice the mma)
+# in alternating batches on the same data, and SDPA flash on contiguous bf16 K/V.
 # "variant:" lines give each one's time, its speed against SDPA flash and deep's speed-up over wide.
 step_b_pvariants() {
   bench -m kvkernels.bench.cuda_attention --no-flex --attn-dtypes '' --attn-prefill 4096,4096 \
-    --attn-prefill-dtypes bfloat16,fp8_e4m3 --prefill-variants wide,deep \
+    --attn-prefill-dtypes bfloat16,fp8_e4m3 --prefill-variants wide,deep,tall \
     --json "$SCRATCH/results/bench/cuda-attention-pvariants-$STAMP.json"
 }
 

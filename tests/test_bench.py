@@ -205,10 +205,13 @@ def test_cuda_attention_decode_variants_options_and_report(capsys, monkeypatch):
     assert parser.parse_args(["--decode-variants", "deep,deep-s1,wide-s33"]).decode_variants == [
         "deep", "deep-s1", "wide-s33"]
     assert parser.parse_args(["--decode-variants", "wide,fp8smem"]).decode_variants == ["wide", "fp8smem"]
+    assert parser.parse_args(["--prefill-variants", "wide,deep,tall"]).prefill_variants == ["wide", "deep", "tall"]
     assert parser.parse_args([]).decode_variants == []
-    for bad in ("wide,wdie", "deep,deep", "deep-s0", "deep-s", "deep-sx", "deep-s1,deep-s1", "s1"):
+    for bad in ("wide,wdie", "deep,deep", "deep-s0", "deep-s", "deep-sx", "deep-s1,deep-s1", "s1", "tall"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--decode-variants", bad])
+    with pytest.raises(SystemExit):  # a decode-only name
+        parser.parse_args(["--prefill-variants", "wide,fp8smem"])
     capsys.readouterr()
 
     # A -s<N> variant runs with the split count forced, a plain one with the planner's (the variable unset
@@ -278,7 +281,7 @@ def test_cuda_attention_prefill_variants_options_and_report(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args([option, bad])
     capsys.readouterr()
-    assert ca.PREFILL_VARIANTS == {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide"}
+    assert ca.PREFILL_VARIANTS == {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide", "tall": "mma-prefill-tall"}
 
     def row(case, impl, ms, sdpa=None, checked=True, skipped=None):
         return dict(case=case, kind="prefill", dtype=case.split()[1], impl=impl, ms=ms, checked=checked,

@@ -305,7 +305,9 @@ def test_prefill_variants_agree(dtype, fp8, d, monkeypatch):
     configurations on the same inputs: full and chunked prefill of sequences of many key tiles (the deep
     pipeline's ring wraps, causal diagonal tiles of both key-tile sizes), a sliding window and a soft cap,
     planned and with 3 forced splits: each matches the reference, and they agree to the query dtype's
-    tolerance (their key tiles differ, so their online-softmax rescalings round differently)."""
+    tolerance (their key tiles differ, so their online-softmax rescalings round differently). The same for the
+    tall configuration (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-tall: 2 row tiles per warp, 32 keys per stage;
+    the wide kernel at head dim 256)."""
     # A CTA of the 300-key sequence sees up to ~216 keys inside the window (201 per row): 4-5 key tiles of 64,
     # 7-8 of 32, 14-15 of 16, so every 4-stage ring wraps; small enough that each float64 reference on the
     # CPU takes well under a second.
@@ -319,6 +321,10 @@ def test_prefill_variants_agree(dtype, fp8, d, monkeypatch):
         deep = run_cuda(kv, query, qsl, soft_cap=5.0, window_left=200)
         assert_close(deep[0], wide[0].double(), dtype, rtol=2 * rtol, atol=2 * atol, msg="out")
         assert_close(deep[1], wide[1].double(), f32, rtol=1e-4, atol=1e-4, msg="lse")
+        force_cuda_plan(monkeypatch, "ATTN", "mma-prefill-tall", splits)
+        tall = run_cuda(kv, query, qsl, soft_cap=5.0, window_left=200)
+        assert_close(tall[0], wide[0].double(), dtype, rtol=2 * rtol, atol=2 * atol, msg="out (tall)")
+        assert_close(tall[1], wide[1].double(), f32, rtol=1e-4, atol=1e-4, msg="lse (tall)")
 
 
 def test_unknown_attention_path_is_an_error(monkeypatch):

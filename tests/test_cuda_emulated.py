@@ -218,7 +218,7 @@ def test_merge_attention_states(emu, dtype):
 # paged attention
 # ---------------------------------------------------------------------------------------------------
 
-SIMT, MMA_DECODE, MMA_PREFILL, MMA_DECODE_DEEP, MMA_PREFILL_DEEP, MMA_DECODE_FP8_SMEM = 0, 1, 2, 3, 4, 5
+SIMT, MMA_DECODE, MMA_PREFILL, MMA_DECODE_DEEP, MMA_PREFILL_DEEP, MMA_DECODE_FP8_SMEM, MMA_PREFILL_TALL = range(7)
 # The tensor-core kernels' two configurations each (csrc/cuda/attention_common.cuh, mma_wn / key_tile_of):
 # "wide", the default (decode: 64 keys per stage, 2 stages at head dim 128 / 256; prefill: 64 keys per stage,
 # 32 at head dim 256, 2 stages at head dim 128 / 256), and "deep" (16 KiB stages, 4 in flight), chosen by
@@ -227,9 +227,11 @@ SIMT, MMA_DECODE, MMA_PREFILL, MMA_DECODE_DEEP, MMA_PREFILL_DEEP, MMA_DECODE_FP8
 # varlen case with the second, expecting MMA_PREFILL_DEEP where it would take MMA_PREFILL. Over fp8 caches the
 # decode kernels convert K / V fragments in registers (head dims 64 / 128); "decode-fp8-smem" runs a decode case
 # of an fp8 config with KVKERNELS_CUDA_ATTN_PATH=mma-decode-fp8-smem, the wide kernel converting each stage in
-# shared memory (MMA_DECODE_FP8_SMEM), kept for the A/B.
+# shared memory (MMA_DECODE_FP8_SMEM), kept for the A/B. "varlen-tall" runs a varlen case with
+# KVKERNELS_CUDA_ATTN_PATH=mma-prefill-tall: the prefill kernel with 2 row tiles per warp (MMA_PREFILL_TALL) over
+# 16-bit caches at head dims up to 128, the wide one elsewhere.
 VARIANT_ENV = {"decode": None, "decode-deep": "mma-decode-deep", "decode-fp8-smem": "mma-decode-fp8-smem",
-               "varlen": None, "varlen-deep": "mma-prefill-deep"}
+               "varlen": None, "varlen-deep": "mma-prefill-deep", "varlen-tall": "mma-prefill-tall"}
 
 
 def use_mode(mode: str, monkeypatch) -> str:
@@ -241,9 +243,10 @@ def use_mode(mode: str, monkeypatch) -> str:
     return "varlen" if mode.startswith("varlen") else "decode"
 
 
-def expected_path(path, env: str | None):
+def expected_path(path, env: str | None, dpad: int = 64, fp8: bool = False):
     """The kernel a case meant for ``path`` runs with KVKERNELS_CUDA_ATTN_PATH=``env`` (a deep configuration
-    where it is asked for)."""
+    where it is asked for; the tall prefill where asked for, over a 16-bit cache at a padded head dim ``dpad``
+    up to 128)."""
     deep = (env or "").split(",")
     if path == MMA_DECODE and "mma-decode-deep" in deep:
         return MMA_DECODE_DEEP
@@ -251,20 +254,23 @@ def expected_path(path, env: str | None):
         return MMA_DECODE_FP8_SMEM
     if path == MMA_PREFILL and "mma-prefill-deep" in deep:
         return MMA_PREFILL_DEEP
+    if path == MMA_PREFILL and "mma-prefill-tall" in deep and dpad <= 128 and not fp8:
+        return MMA_PREFILL_TALL
     return path
 
 
 def modes_for(configs: dict, dtype_of=lambda config: config[0], fp8_of=lambda config: config[1]) -> list:
     """(config, mode) parameters: every config in decode and varlen, the 16-bit ones (the tensor-core
     kernels) in decode-deep and varlen-deep as well (float32 queries run the SIMT kernel in every mode), and
-    the 16-bit ones over fp8 caches in decode-fp8-smem."""
+    the 16-bit ones over fp8 caches in decode-fp8-smem, and the 16-bit ones in varlen-tall."""
     def runs(config, mode):
         tensor_core = dtype_of(config) != f32
         if mode == "decode-fp8-smem":
             return tensor_core and fp8_of(config) is not None
-        return not mode.endswith("-deep") or tensor_core
+        return mode in ("decode", "varlen") or tensor_core
     return [pytest.param(config, mode, id=f"{name}-{mode}") for name, config in configs.items()
-            for mode in ("decode", "decode-deep", "decode-fp8-smem", "varlen", "varlen-deep") if runs(config, mode)]
+            for mode in ("decode", "decode-deep", "decode-fp8-smem", "varlen", "varlen-deep", "varlen-tall")
+            if runs(config, mode)]
 
 
 def plan_of(emu, kv, query, qsl):
@@ -297,7 +303,8 @@ def run_emu_attention(emu, kv, query, qsl=None, *, path=None, splits=None, **kwa
     KVKERNELS_CUDA_ATTN_PATH=mma-decode-deep set, a case meant for MMA_DECODE must run MMA_DECODE_DEEP, and
     with mma-prefill-deep one meant for MMA_PREFILL MMA_PREFILL_DEEP)."""
     plan = plan_of(emu, kv, query, qsl)
-    check_plan(plan, expected_path(path, os.environ.get("KVKERNELS_CUDA_ATTN_PATH")), splits)
+    fp8 = kv.key_cache.element_size() == 1
+    check_plan(plan, expected_path(path, os.environ.get("KVKERNELS_CUDA_ATTN_PATH"), plan["dpad"], fp8), splits)
     out, lse = run_paged_attention(kv, query, qsl, op=functools.partial(emulated_paged_attention, emu), **kwargs)
     return out, lse, plan
 
@@ -572,7 +579,18 @@ def test_prefill_variant_override(emu, d, monkeypatch):
         assert plan["q_tile"] == 64 // 4 and plan["heads_per_cta"] == 4, plan  # 64 rows in both
         assert plan_of(emu, kv, decode_query, None)["path"] == decode_path, value
         assert plan_of(emu, kv32, query32, qsl32)["path"] == SIMT
-    for bad in ("mma-prefill-wdie", "mma-prefill-wide,mma-prefill-deep", "mma-decode-wide,mma-decode-wide",
+    # mma-prefill-tall: 2 row tiles per warp, 128 rows (32 queries x 4 heads) and 32 keys per stage, at head dims
+    # up to 128; at 256 the wide kernel. Decode plans stay as they were.
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", "mma-prefill-tall")
+    plan = plan_of(emu, kv, query, qsl)
+    if d <= 128:
+        assert plan["path"] == MMA_PREFILL_TALL and plan["splits"] == -(-max_keys // 32), plan
+        assert plan["q_tile"] == 128 // 4 and plan["heads_per_cta"] == 4, plan
+    else:
+        assert plan["path"] == MMA_PREFILL and plan["q_tile"] == 64 // 4, plan
+    assert plan_of(emu, kv, decode_query, None)["path"] == MMA_DECODE
+    for bad in ("mma-prefill-tall,mma-prefill-deep", "mma-prefill-wdie", "mma-prefill-wide,mma-prefill-deep",
+                "mma-decode-wide,mma-decode-wide",
                 "simt,mma-prefill-wide", "mma-prefill-wide,", ",", "mma-prefill-wide mma-decode-wide"):
         monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", bad)
         with pytest.raises(RuntimeError, match=f"KVKERNELS_CUDA_ATTN_PATH={bad} is not one of"):

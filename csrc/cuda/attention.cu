@@ -15,7 +15,10 @@
 // dim 128 / 256, or in the deep one, 16 KiB stages and 4 of them) / `mma-decode-fp8-smem` (the wide
 // one, over fp8 caches with the stage dequantized in shared memory instead of in registers: the
 // A/B of that change; over 16-bit caches the wide kernel), `mma-prefill-wide` /
-// `mma-prefill-deep` (the same choice for the tensor-core prefill) and `auto`; empty or `auto`:
+// `mma-prefill-deep` (the same choice for the tensor-core prefill) / `mma-prefill-tall` (2 row
+// tiles of 16 per warp, 128 rows per CTA, over 16-bit caches at head dims 64 / 128; elsewhere the
+// wide one) and
+// `auto`; empty or `auto`:
 // every default. A value names each kernel at most once; anything else is an
 // error, so a misspelt A/B cannot time the same kernel twice.
 //
@@ -89,7 +92,7 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 // KVKERNELS_CUDA_ATTN_PATH, parsed (see the top of this file).
 struct PathChoice {
-  bool simt = false, decode_deep = false, decode_fp8_smem = false, prefill_deep = false;
+  bool simt = false, decode_deep = false, decode_fp8_smem = false, prefill_deep = false, prefill_tall = false;
 };
 
 PathChoice path_choice() {
@@ -109,6 +112,7 @@ PathChoice path_choice() {
     else if (item == "mma-decode-fp8-smem") c.decode_fp8_smem = true, ++decode;
     else if (item == "mma-prefill-wide") ++prefill;
     else if (item == "mma-prefill-deep") c.prefill_deep = true, ++prefill;
+    else if (item == "mma-prefill-tall") c.prefill_tall = true, ++prefill;
     else if (item != "auto") ok = false;
     if (comma == std::string::npos) break;
     at = comma + 1;
@@ -119,7 +123,7 @@ PathChoice path_choice() {
     throw std::runtime_error("kvkernels.paged_attention (CUDA): KVKERNELS_CUDA_ATTN_PATH=" + value +
                              " is not one of simt, auto, or a comma-separated list of at most one of "
                              "mma-decode-wide / mma-decode-deep / mma-decode-fp8-smem and one of "
-                             "mma-prefill-wide / "
+                             "mma-prefill-wide / mma-prefill-tall / "
                              "mma-prefill-deep");
   return c;
 }
@@ -181,7 +185,11 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
            : choice.decode_fp8_smem && is_fp8(p.kv.format) ? Path::kMmaDecodeFp8Smem
                                                                 : Path::kMmaDecode;
   else
-    path = choice.prefill_deep ? Path::kMmaPrefillDeep : Path::kMmaPrefill;
+    // (mma-prefill-tall has instances for 16-bit caches at head dims 64 / 128; elsewhere the wide
+    // kernel runs)
+    path = choice.prefill_deep ? Path::kMmaPrefillDeep
+           : choice.prefill_tall && plan.dpad <= 128 && !is_fp8(p.kv.format) ? Path::kMmaPrefillTall
+                                                                             : Path::kMmaPrefill;
   plan.path = static_cast<int>(path);
 
   const int rows = rows_of(path);

@@ -31,7 +31,8 @@ struct LaunchPlan {
 // KVKERNELS_CUDA_ATTN_PATH=simt (the CUDA-core kernel for every dtype), =mma-decode-deep (the
 // tensor-core decode kernel's deep configuration instead of the wide default, =mma-decode-wide;
 // =mma-decode-fp8-smem: the wide one with fp8 stages dequantized in shared memory),
-// =mma-prefill-deep (the same for the tensor-core prefill, =mma-prefill-wide), or a comma-separated
+// =mma-prefill-deep (the same for the tensor-core prefill, =mma-prefill-wide; =mma-prefill-tall: two
+// row tiles per warp, 16-bit caches at head dims 64 / 128), or a comma-separated
 // list of one decode and one prefill choice (attention.cu), and KVKERNELS_CUDA_ATTN_SPLITS=<n> (that
 // many KV splits, capped to 128).
 LaunchPlan plan_paged_attention(const AttentionParams& p, int device);

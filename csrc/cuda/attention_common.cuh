@@ -57,6 +57,13 @@ enum class Path : int {
                           // into a 16-bit shared-memory tile (the method before the decode kernels
                           // converted their fragments in registers), kept for A/B runs
                           // (KVKERNELS_CUDA_ATTN_PATH=mma-decode-fp8-smem)
+  kMmaPrefillTall = 6,  // 16-bit caches at head dims 64 / 128 only (at 128 the kernel is at 250-255
+                        // registers; with the fp8 conversion it spilled on sm_80): the prefill
+                        // kernel with 2 row tiles per warp (32
+                        // rows, 128 per CTA), so each K / V fragment read from shared memory feeds
+                        // two mma instead of one; 32 keys per stage (4 stages). Not
+                        // yet run on a GPU; selectable for A/B runs
+                        // (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-tall)
 };
 
 // Everything a kernel needs: the validated params and the host-side plan.
@@ -130,11 +137,16 @@ __host__ __device__ constexpr bool is_mma_decode(Path path) {
 }
 
 __host__ __device__ constexpr bool is_mma_prefill(Path path) {
-  return path == Path::kMmaPrefill || path == Path::kMmaPrefillDeep;
+  return path == Path::kMmaPrefill || path == Path::kMmaPrefillDeep || path == Path::kMmaPrefillTall;
 }
 
 // Rows (query x head pairs) per CTA.
-__host__ __device__ constexpr int rows_of(Path path) { return is_mma_prefill(path) ? 64 : 16; }
+__host__ __device__ constexpr int rows_of(Path path) {
+  return path == Path::kMmaPrefillTall ? 128 : is_mma_prefill(path) ? 64 : 16;
+}
+
+// Row tiles of 16 per warp of the tensor-core kernels: 2 in the tall prefill, else 1.
+__host__ __device__ constexpr int mma_mt(Path path) { return path == Path::kMmaPrefillTall ? 2 : 1; }
 
 // Warps of the tensor-core kernels: (WM row blocks of 16) x (WN key slices of 16 keys each).
 // Decode: a stage holds 16 * WN keys of K and V. The wide configuration (the default) keeps 4 slices
@@ -160,6 +172,7 @@ __host__ __device__ constexpr int key_tile_of(Path path, int dpad) {
   return path == Path::kSimt              ? (dpad == 256 ? 16 : 32)
          : is_mma_decode(path)            ? 16 * mma_wn(path, dpad)
          : path == Path::kMmaPrefillDeep ? 64 * 64 / dpad  // 16 KiB of 16-bit K + V
+         : path == Path::kMmaPrefillTall ? 32  // 2 x 16 S registers per row tile pair
                                           : (dpad == 256 ? 32 : 64);
 }
 

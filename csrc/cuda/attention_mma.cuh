@@ -43,7 +43,8 @@ template <typename T, CacheFormat CF, int DPAD, Path PATH>
 struct MmaCfg {
   static constexpr int WM = mma_wm(PATH), WN = mma_wn(PATH, DPAD);
   static constexpr int NT = 32 * WM * WN;
-  static constexpr int ROWS = 16 * WM;
+  static constexpr int MT = mma_mt(PATH);  // m16 row tiles per warp
+  static constexpr int ROWS = 16 * WM * MT;
   static constexpr int KT = key_tile_of(PATH, DPAD);
   static constexpr int KW = KT / WN;  // keys per warp per tile
   static_assert(KW % 16 == 0, "each warp needs whole k16 steps of keys");
@@ -70,9 +71,16 @@ struct MmaCfg {
   static constexpr int MD_BYTES = 2 * WN * ROWS * 4;
   static constexpr int Q_OFF = 0;
   static constexpr int MAIN_OFF = Q_BYTES;
-  static constexpr int MD_OFF = MAIN_OFF + (MAIN_BYTES > EPI_BYTES ? MAIN_BYTES : EPI_BYTES);
+  // The epilogue's buffer overlays the stages; in the tall prefill also the query tile, which is
+  // read no more by then (its 128 x (DPAD + 4) floats would not fit beside it at head dim 128).
+  static constexpr int EPI_OFF = MT > 1 ? 0 : MAIN_OFF;
+  static constexpr int BODY_END = MAIN_OFF + MAIN_BYTES, EPI_END = EPI_OFF + EPI_BYTES;
+  static constexpr int MD_OFF = BODY_END > EPI_END ? BODY_END : EPI_END;
   static constexpr int SMEM = MD_OFF + MD_BYTES;
-  static constexpr bool Q_IN_REGS = DPAD <= 128;
+  // The query fragments of every k-step in registers (one row tile at head dims 64 / 128; the tall
+  // prefill reloads them from shared memory: its accumulators take the registers).
+  static constexpr bool Q_IN_REGS = MT == 1 && DPAD <= 128;
+  static_assert(MT == 1 || !FP8_REGS, "fragments converted in registers: one row tile per warp");
   static_assert(SMEM <= kMaxSmem, "shared memory of the tensor-core kernel");
   static_assert(PATH != Path::kMmaDecodeDeep || STAGES >= 4, "the deep decode pipeline keeps 4 stages");
   static_assert(PATH != Path::kMmaPrefillDeep || STAGES >= 4, "the deep prefill pipeline keeps 4 stages");
@@ -127,7 +135,7 @@ template <typename T, CacheFormat CF, int DPAD, Path PATH>
 __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, DPAD, PATH>::MIN_BLOCKS)
     mma_attention_kernel(const __grid_constant__ AttnArgs a) {
   using C = MmaCfg<T, CF, DPAD, PATH>;
-  constexpr int KT = C::KT, KW = C::KW, NT = C::NT, ROWS = C::ROWS, STAGES = C::STAGES;
+  constexpr int KT = C::KT, KW = C::KW, NT = C::NT, ROWS = C::ROWS, STAGES = C::STAGES, MT = C::MT;
   constexpr int CPR16 = C::CPR16;
   extern __shared__ __align__(128) unsigned char smem[];
 
@@ -162,10 +170,17 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
                    pack2<T>(x[6], x[7]));
   }
 
-  // This thread's two rows (g and g + 8 of its warp's 16).
-  const RowId ra = row_id(a, w, wm * 16 + g), rb = row_id(a, w, wm * 16 + g + 8);
-  const float slope_a = (p.alibi_slopes && ra.valid) ? p.alibi_slopes[ra.head] : 0.0f;
-  const float slope_b = (p.alibi_slopes && rb.valid) ? p.alibi_slopes[rb.head] : 0.0f;
+  // This thread's rows: g and g + 8 of each of its warp's MT row tiles of 16 (h = 0 / 1).
+  RowId rid[MT][2];
+  float slope[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      rid[mt][h] = row_id(a, w, (wm * MT + mt) * 16 + g + 8 * h);
+      slope[mt][h] = (p.alibi_slopes && rid[mt][h].valid) ? p.alibi_slopes[rid[mt][h].head] : 0.0f;
+    }
+  }
   constexpr float unit = C::FP8 ? fp8_unit<CF>() : 1.0f;
   const float qk_mul = p.scale * p.kv.logit_k_scale_of(w.kv_head) * unit;
   const float v_mul = p.kv.v_scale_of(w.kv_head) * unit;
@@ -200,38 +215,50 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
     for (int s = 0; s < STAGES - 1; ++s) prime(s);
   }
 
-  float o[DPAD / 8][4];
+  float o[MT][DPAD / 8][4];
+  float m2[MT][2], dsum[MT][2];
 #pragma unroll
-  for (int i = 0; i < DPAD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-  float m2[2] = {-INFINITY, -INFINITY}, dsum[2] = {0.0f, 0.0f};
-  uint32_t qf[C::Q_IN_REGS ? DPAD / 16 : 1][4];
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < DPAD / 8; ++i) o[mt][i][0] = o[mt][i][1] = o[mt][i][2] = o[mt][i][3] = 0.0f;
+    m2[mt][0] = m2[mt][1] = -INFINITY;
+    dsum[mt][0] = dsum[mt][1] = 0.0f;
+  }
+  uint32_t qf[C::Q_IN_REGS ? MT : 1][C::Q_IN_REGS ? DPAD / 16 : 1][4];
   const uint32_t sq_u32 = smem_u32(sq);
   // The A fragment (query) of k-step kk. The K fragments read from raw fp8 (FP8_REGS) hold columns
   // 16 kk + 4 t4 + {0, 1} (b0) and + {2, 3} (b1), not 2 t4 + {0, 1} and + 8: a 32-bit lane of
   // ldmatrix is 4 fp8 values. The sum over a k-step does not care which 16 columns pair up, as long
   // as the query's match, so the query fragment takes the same columns: 8 bytes per row.
-  auto load_qfrag = [&](int kk, uint32_t* af) {
+  auto load_qfrag = [&](int mt, int kk, uint32_t* af) {
+    const int r16 = (wm * MT + mt) * 16;  // the row tile's first row
     if constexpr (C::FP8_REGS) {
-      const int r = wm * 16 + g, c = 2 * kk + (t4 >> 1), byte = (t4 & 1) * 8;
+      const int r = r16 + g, c = 2 * kk + (t4 >> 1), byte = (t4 & 1) * 8;
       const uint2 x = *reinterpret_cast<const uint2*>(sq + swz<CPR16>(r, c) + byte);
       const uint2 y = *reinterpret_cast<const uint2*>(sq + swz<CPR16>(r + 8, c) + byte);
       af[0] = x.x, af[1] = y.x, af[2] = x.y, af[3] = y.y;
     } else {
-      ldmatrix_x4(sq_u32 + swz<CPR16>(wm * 16 + (lane & 15), 2 * kk + (lane >> 4)), af);
+      ldmatrix_x4(sq_u32 + swz<CPR16>(r16 + (lane & 15), 2 * kk + (lane >> 4)), af);
     }
   };
   __syncthreads();  // queries in shared memory
   if constexpr (C::Q_IN_REGS) {
 #pragma unroll
-    for (int kk = 0; kk < DPAD / 16; ++kk) {
-      qf[kk][0] = qf[kk][1] = qf[kk][2] = qf[kk][3] = 0u;
-      if (kk * 16 < d) load_qfrag(kk, qf[kk]);
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int kk = 0; kk < DPAD / 16; ++kk) {
+        qf[mt][kk][0] = qf[mt][kk][1] = qf[mt][kk][2] = qf[mt][kk][3] = 0u;
+        if (kk * 16 < d) load_qfrag(mt, kk, qf[mt][kk]);
+      }
     }
   }
-  // Query fragment of k-step kk, from registers or shared memory.
-  auto qfrag = [&](int kk, uint32_t* af) {
-    if constexpr (C::Q_IN_REGS) af[0] = qf[kk][0], af[1] = qf[kk][1], af[2] = qf[kk][2], af[3] = qf[kk][3];
-    else load_qfrag(kk, af);
+  // Query fragment of row tile mt, k-step kk, from registers or shared memory.
+  auto qfrag = [&](int mt, int kk, uint32_t* af) {
+    if constexpr (C::Q_IN_REGS) {
+      af[0] = qf[mt][kk][0], af[1] = qf[mt][kk][1], af[2] = qf[mt][kk][2], af[3] = qf[mt][kk][3];
+    } else {
+      load_qfrag(mt, kk, af);
+    }
   };
 
   for (int it = 0; it < ntiles; ++it) {
@@ -275,9 +302,11 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
     // ldmatrix). At 64 the test stays: without it the prefill kernels need 9 more registers, which
     // costs them their third CTA per SM (a __launch_bounds__ cap to keep it spills with fp8).
     constexpr bool kSkipPadding = DPAD == 64;
-    float s[KW / 8][4];
+    float s[MT][KW / 8][4];
 #pragma unroll
-    for (int i = 0; i < KW / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < KW / 8; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.0f;
     if constexpr (C::FP8_REGS) {
       // Raw fp8: one ldmatrix_x4 reads 16 keys x 2 chunks of 16 columns (two k-steps), matrix j =
       // keys 8 (j & 1) .. + 7 of chunk kk + j / 2; lane (g, t4) gets key g's columns 4 t4 .. 4 t4 + 3
@@ -287,132 +316,168 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
       for (int kk = 0; kk < DPAD / 16; kk += 2) {
         if (kSkipPadding && kk * 16 >= d) continue;
         uint32_t b[KW / 16][4], af[4], lo, hi;
-        qfrag(kk, af);
+        qfrag(0, kk, af);
 #pragma unroll
         for (int nn = 0; nn < KW / 16; ++nn) {
           const int key = wn * KW + nn * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
           ldmatrix_x4(tk_u32 + swz8<C::CPR>(key, kk + (lane >> 4)), b[nn]);
           fp8x4_to_pairs<T, CF>(b[nn][0], &lo, &hi);
-          mma_16816<T>(s[2 * nn], af, lo, hi);
+          mma_16816<T>(s[0][2 * nn], af, lo, hi);
           fp8x4_to_pairs<T, CF>(b[nn][1], &lo, &hi);
-          mma_16816<T>(s[2 * nn + 1], af, lo, hi);
+          mma_16816<T>(s[0][2 * nn + 1], af, lo, hi);
         }
-        qfrag(kk + 1, af);
+        qfrag(0, kk + 1, af);
 #pragma unroll
         for (int nn = 0; nn < KW / 16; ++nn) {
           fp8x4_to_pairs<T, CF>(b[nn][2], &lo, &hi);
-          mma_16816<T>(s[2 * nn], af, lo, hi);
+          mma_16816<T>(s[0][2 * nn], af, lo, hi);
           fp8x4_to_pairs<T, CF>(b[nn][3], &lo, &hi);
-          mma_16816<T>(s[2 * nn + 1], af, lo, hi);
+          mma_16816<T>(s[0][2 * nn + 1], af, lo, hi);
         }
       }
     } else {
+      auto s_step = [&](int kk) {
+        uint32_t af[MT][4];
 #pragma unroll
-      for (int kk = 0; kk < DPAD / 16; ++kk) {
-        if (kSkipPadding && kk * 16 >= d) continue;
-        uint32_t af[4];
-        qfrag(kk, af);
+        for (int mt = 0; mt < MT; ++mt) qfrag(mt, kk, af[mt]);
 #pragma unroll
         for (int nn = 0; nn < KW / 16; ++nn) {
           uint32_t b[4];
           const int key = wn * KW + nn * 16 + (lane & 7) + ((lane >> 4) << 3);
           ldmatrix_x4(tk_u32 + swz<CPR16>(key, 2 * kk + ((lane >> 3) & 1)), b);
-          mma_16816<T>(s[2 * nn], af, b[0], b[1]);
-          mma_16816<T>(s[2 * nn + 1], af, b[2], b[3]);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {  // one K fragment for every row tile of the warp
+            mma_16816<T>(s[mt][2 * nn], af[mt], b[0], b[1]);
+            mma_16816<T>(s[mt][2 * nn + 1], af[mt], b[2], b[3]);
+          }
+        }
+      };
+      if constexpr (MT == 1) {
+#pragma unroll
+        for (int kk = 0; kk < DPAD / 16; ++kk) {
+          if (kSkipPadding && kk * 16 >= d) continue;
+          s_step(kk);
+        }
+      } else {
+        // Two k-steps per iteration: fully unrolled, ptxas loaded fragments of many k-steps ahead
+        // next to the 2 x DPAD / 2 accumulators and spilled (head dim 128); rolled, no load of the
+        // next step overlaps this one's mma.
+#pragma unroll 2
+        for (int kk = 0; kk < DPAD / 16; ++kk) {
+          if (kSkipPadding && kk * 16 >= d) continue;
+          s_step(kk);
         }
       }
     }
 
-    // Logits (log2 units, masked) and the online-softmax update of both rows. The uniform tests
-    // sit outside the element loops, so a plain tile without a mask (most tiles of a decode) is
-    // one multiply per logit, with no branch between them.
+    // Logits (log2 units, masked) and the online-softmax update of both rows of each row tile. The
+    // uniform tests sit outside the element loops, so a plain tile without a mask (most tiles of a
+    // decode) is one multiply per logit, with no branch between them.
     if (ops.plain && !need_mask) {
 #pragma unroll
-      for (int i = 0; i < KW / 8; ++i)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[i][e] *= plain_mul;
+        for (int i = 0; i < KW / 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][i][e] *= plain_mul;
     } else {
 #pragma unroll
-      for (int i = 0; i < KW / 8; ++i) {
+      for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = k0 + wn * KW + i * 8 + 2 * t4 + (e & 1);
-          const int pos = e < 2 ? ra.pos : rb.pos;
-          float x = s[i][e];
-          if (ops.plain) {
-            x *= plain_mul;
-            if (need_mask && !key_visible(key, pos, ops)) x = -INFINITY;
-          } else {
-            x = transform_logit(x * qk_mul, ops, e < 2 ? slope_a : slope_b, key, pos, need_mask);
+        for (int i = 0; i < KW / 8; ++i) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = k0 + wn * KW + i * 8 + 2 * t4 + (e & 1);
+            const int pos = rid[mt][e >> 1].pos;
+            float x = s[mt][i][e];
+            if (ops.plain) {
+              x *= plain_mul;
+              if (need_mask && !key_visible(key, pos, ops)) x = -INFINITY;
+            } else {
+              x = transform_logit(x * qk_mul, ops, slope[mt][e >> 1], key, pos, need_mask);
+            }
+            s[mt][i][e] = x;
           }
-          s[i][e] = x;
         }
       }
     }
-    float alpha[2];
+    float alpha[MT][2];
+    bool rescale = false;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int i = 0; i < KW / 8; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * h], s[i][2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m2[h], mx);
-      const float base = m_new == -INFINITY ? 0.0f : m_new;  // nothing seen yet: all weights 0
-      alpha[h] = exp2f(m2[h] - base);                         // m2 = -inf gives 0
-      m2[h] = m_new;
-      float sum = 0.0f;
+      for (int h = 0; h < 2; ++h) {
+        float mx = -INFINITY;
 #pragma unroll
-      for (int i = 0; i < KW / 8; ++i) {
-        s[i][2 * h] = exp2f(s[i][2 * h] - base);
-        s[i][2 * h + 1] = exp2f(s[i][2 * h + 1] - base);
-        sum += s[i][2 * h] + s[i][2 * h + 1];
+        for (int i = 0; i < KW / 8; ++i) mx = fmaxf(mx, fmaxf(s[mt][i][2 * h], s[mt][i][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m2[mt][h], mx);
+        const float base = m_new == -INFINITY ? 0.0f : m_new;  // nothing seen yet: all weights 0
+        alpha[mt][h] = exp2f(m2[mt][h] - base);                 // m2 = -inf gives 0
+        m2[mt][h] = m_new;
+        rescale = rescale || alpha[mt][h] != 1.0f;
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < KW / 8; ++i) {
+          s[mt][i][2 * h] = exp2f(s[mt][i][2 * h] - base);
+          s[mt][i][2 * h + 1] = exp2f(s[mt][i][2 * h + 1] - base);
+          sum += s[mt][i][2 * h] + s[mt][i][2 * h + 1];
+        }
+        dsum[mt][h] = dsum[mt][h] * alpha[mt][h] + sum;  // per-thread partial; the quad sums at the end
       }
-      dsum[h] = dsum[h] * alpha[h] + sum;  // per-thread partial; the quad is summed at the end
     }
     // The output is rescaled only when some row of the warp has a new maximum: alpha is exactly 1
     // otherwise (exp2f(0)), and past the first tiles of a long context the maximum rarely moves, so
-    // most tiles skip DPAD / 2 multiplies per thread. NaN compares unequal and still rescales.
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+    // most tiles skip DPAD / 2 multiplies per thread and row tile. NaN compares unequal and still
+    // rescales.
+    if (__any_sync(0xffffffffu, rescale)) {
 #pragma unroll
-      for (int i = 0; i < DPAD / 8; ++i) {
-        o[i][0] *= alpha[0], o[i][1] *= alpha[0];
-        o[i][2] *= alpha[1], o[i][3] *= alpha[1];
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < DPAD / 8; ++i) {
+          o[mt][i][0] *= alpha[mt][0], o[mt][i][1] *= alpha[mt][0];
+          o[mt][i][2] *= alpha[mt][1], o[mt][i][3] *= alpha[mt][1];
+        }
       }
     }
 
     if (fix_nonfinite) {
-      // Each thread adds, to its output elements (rows ra / rb, columns i * 8 + 2 t4 + {0, 1}), the
-      // non-finite values of the keys its rows see, times their probability rounded as the tile
-      // product rounds it; then the non-finite values are zeroed for the tile product. P of key
-      // i2 * 8 + 2 tq + b of this warp's slice sits in lane (g, tq), s[i2][b] (row ra) and
-      // s[i2][2 + b] (row rb).
+      // Each thread adds, to its output elements (rows rid[mt][0] / [1], columns i * 8 + 2 t4 +
+      // {0, 1}), the non-finite values of the keys its rows see, times their probability rounded as
+      // the tile product rounds it; then the non-finite values are zeroed for the tile product. P of
+      // key i2 * 8 + 2 tq + b of this warp's slice sits in lane (g, tq), s[mt][i2][b] (row
+      // rid[mt][0]) and s[mt][i2][2 + b] (row rid[mt][1]).
 #pragma unroll
-      for (int i2 = 0; i2 < KW / 8; ++i2) {
-        for (int tq = 0; tq < 4; ++tq) {
+      for (int mt = 0; mt < MT; ++mt) {
+        const RowId ra = rid[mt][0], rb = rid[mt][1];
 #pragma unroll
-          for (int b = 0; b < 2; ++b) {
-            const int src = (lane & ~3) | tq;
-            const float pa = round_p<T>(__shfl_sync(0xffffffffu, s[i2][b], src));
-            const float pb = round_p<T>(__shfl_sync(0xffffffffu, s[i2][2 + b], src));
-            const int kl = wn * KW + i2 * 8 + 2 * tq + b;
-            const bool va = ra.valid && key_visible(k0 + kl, ra.pos, ops);
-            const bool vb = rb.valid && key_visible(k0 + kl, rb.pos, ops);
-            if (!va && !vb) continue;
+        for (int i2 = 0; i2 < KW / 8; ++i2) {
+          for (int tq = 0; tq < 4; ++tq) {
 #pragma unroll
-            for (int i = 0; i < DPAD / 8; ++i) {
-              if (i * 8 >= dv) continue;
-              const uint32_t v2 = *reinterpret_cast<const uint32_t*>(tv + swz<CPR16>(kl, i) + 4 * t4);
-              const uint32_t bad = nonfinite2<T>(v2);
-              if (bad == 0u) continue;
-              const float v0 = bits16_to_float<T>(v2 & 0xffffu), v1 = bits16_to_float<T>(v2 >> 16);
-              if (bad & 0xffffu) {
-                if (va) o[i][0] += pa * v0;
-                if (vb) o[i][2] += pb * v0;
-              }
-              if (bad >> 16) {
-                if (va) o[i][1] += pa * v1;
-                if (vb) o[i][3] += pb * v1;
+            for (int b = 0; b < 2; ++b) {
+              const int src = (lane & ~3) | tq;
+              const float pa = round_p<T>(__shfl_sync(0xffffffffu, s[mt][i2][b], src));
+              const float pb = round_p<T>(__shfl_sync(0xffffffffu, s[mt][i2][2 + b], src));
+              const int kl = wn * KW + i2 * 8 + 2 * tq + b;
+              const bool va = ra.valid && key_visible(k0 + kl, ra.pos, ops);
+              const bool vb = rb.valid && key_visible(k0 + kl, rb.pos, ops);
+              if (!va && !vb) continue;
+#pragma unroll
+              for (int i = 0; i < DPAD / 8; ++i) {
+                if (i * 8 >= dv) continue;
+                const uint32_t v2 = *reinterpret_cast<const uint32_t*>(tv + swz<CPR16>(kl, i) + 4 * t4);
+                const uint32_t bad = nonfinite2<T>(v2);
+                if (bad == 0u) continue;
+                const float v0 = bits16_to_float<T>(v2 & 0xffffu), v1 = bits16_to_float<T>(v2 >> 16);
+                if (bad & 0xffffu) {
+                  if (va) o[mt][i][0] += pa * v0;
+                  if (vb) o[mt][i][2] += pb * v0;
+                }
+                if (bad >> 16) {
+                  if (va) o[mt][i][1] += pa * v1;
+                  if (vb) o[mt][i][3] += pb * v1;
+                }
               }
             }
           }
@@ -426,17 +491,20 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
     // O += P V: the S accumulators of two adjacent n8 tiles are the A fragment of one k16 step.
 #pragma unroll
     for (int kk = 0; kk < KW / 16; ++kk) {
-      uint32_t pa[4];
-      pa[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      pa[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      pa[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      uint32_t pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        pa[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pa[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pa[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pa[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
       if constexpr (C::FP8_REGS) {
         // Raw fp8, transposed: matrix j = keys 8 (j & 1) .. + 7 of chunk dn + j / 2, its 16-bit
         // elements value pairs; lane (g, t4) gets keys 2 t4, 2 t4 + 1 (+ 8) of values 2g, 2g + 1 as
         // bytes k0v0 k0v1 k1v0 k1v1, regrouped (byte_perm 0x3120) to (k0v0 k1v0) (k0v1 k1v1): the B
         // fragments of two n8 tiles, the even values of the chunk (o[2 ch], columns 16 ch + 2 n) and
-        // the odd ones (o[2 ch + 1]); the epilogue puts the columns back in order.
+        // the odd ones (o[2 ch + 1]); the epilogue puts the columns back in order. (MT is 1 here.)
 #pragma unroll
         for (int dn = 0; dn < DPAD / 16; dn += 2) {
           if (kSkipPadding && dn * 16 >= dv) continue;
@@ -448,8 +516,8 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
             uint32_t e0, o0, e1, o1;
             fp8x4_to_pairs<T, CF>(__byte_perm(b[2 * h], 0u, 0x3120u), &e0, &o0);
             fp8x4_to_pairs<T, CF>(__byte_perm(b[2 * h + 1], 0u, 0x3120u), &e1, &o1);
-            mma_16816<T>(o[2 * (dn + h)], pa, e0, e1);
-            mma_16816<T>(o[2 * (dn + h) + 1], pa, o0, o1);
+            mma_16816<T>(o[0][2 * (dn + h)], pa[0], e0, e1);
+            mma_16816<T>(o[0][2 * (dn + h) + 1], pa[0], o0, o1);
           }
         }
       } else {
@@ -459,8 +527,11 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
           uint32_t b[4];
           const int key = wn * KW + kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
           ldmatrix_x4_trans(tv_u32 + swz<CPR16>(key, 2 * dn + (lane >> 4)), b);
-          mma_16816<T>(o[2 * dn], pa, b[0], b[1]);
-          mma_16816<T>(o[2 * dn + 1], pa, b[2], b[3]);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {  // one V fragment for every row tile of the warp
+            mma_16816<T>(o[mt][2 * dn], pa[mt], b[0], b[1]);
+            mma_16816<T>(o[mt][2 * dn + 1], pa[mt], b[2], b[3]);
+          }
         }
       }
     }
@@ -470,35 +541,39 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
   // has landed and every warp is past its last tile), then one pass over the rows.
   cp_async_wait<0>();
   __syncthreads();
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 1);
-    dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 2);
-  }
-  float* eo = reinterpret_cast<float*>(smain);
+  float* eo = reinterpret_cast<float*>(smem + C::EPI_OFF);
   constexpr int STRIDE = DPAD + 4;
-  const int r0 = wn * ROWS + wm * 16 + g;
-  if constexpr (C::FP8_REGS) {
-    // o[2 ch] holds columns 16 ch + 4 t4 + {0, 2}, o[2 ch + 1] columns 16 ch + 4 t4 + {1, 3} (PV).
 #pragma unroll
-    for (int ch = 0; ch < DPAD / 16; ++ch) {
-      const float* e = o[2 * ch];
-      const float* x = o[2 * ch + 1];
-      *reinterpret_cast<float4*>(eo + r0 * STRIDE + ch * 16 + 4 * t4) = make_float4(e[0], x[0], e[1], x[1]);
-      *reinterpret_cast<float4*>(eo + (r0 + 8) * STRIDE + ch * 16 + 4 * t4) =
-          make_float4(e[2], x[2], e[3], x[3]);
-    }
-  } else {
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int i = 0; i < DPAD / 8; ++i) {
-      *reinterpret_cast<float2*>(eo + r0 * STRIDE + i * 8 + 2 * t4) = make_float2(o[i][0], o[i][1]);
-      *reinterpret_cast<float2*>(eo + (r0 + 8) * STRIDE + i * 8 + 2 * t4) =
-          make_float2(o[i][2], o[i][3]);
+    for (int h = 0; h < 2; ++h) {
+      dsum[mt][h] += __shfl_xor_sync(0xffffffffu, dsum[mt][h], 1);
+      dsum[mt][h] += __shfl_xor_sync(0xffffffffu, dsum[mt][h], 2);
     }
-  }
-  if (t4 == 0) {
-    em[r0] = m2[0], ed[r0] = dsum[0];
-    em[r0 + 8] = m2[1], ed[r0 + 8] = dsum[1];
+    const int r0 = wn * ROWS + (wm * MT + mt) * 16 + g;
+    if constexpr (C::FP8_REGS) {
+      // o[2 ch] holds columns 16 ch + 4 t4 + {0, 2}, o[2 ch + 1] columns 16 ch + 4 t4 + {1, 3} (PV).
+#pragma unroll
+      for (int ch = 0; ch < DPAD / 16; ++ch) {
+        const float* e = o[mt][2 * ch];
+        const float* x = o[mt][2 * ch + 1];
+        *reinterpret_cast<float4*>(eo + r0 * STRIDE + ch * 16 + 4 * t4) = make_float4(e[0], x[0], e[1], x[1]);
+        *reinterpret_cast<float4*>(eo + (r0 + 8) * STRIDE + ch * 16 + 4 * t4) =
+            make_float4(e[2], x[2], e[3], x[3]);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < DPAD / 8; ++i) {
+        *reinterpret_cast<float2*>(eo + r0 * STRIDE + i * 8 + 2 * t4) =
+            make_float2(o[mt][i][0], o[mt][i][1]);
+        *reinterpret_cast<float2*>(eo + (r0 + 8) * STRIDE + i * 8 + 2 * t4) =
+            make_float2(o[mt][i][2], o[mt][i][3]);
+      }
+    }
+    if (t4 == 0) {
+      em[r0] = m2[mt][0], ed[r0] = dsum[mt][0];
+      em[r0 + 8] = m2[mt][1], ed[r0 + 8] = dsum[mt][1];
+    }
   }
   __syncthreads();
   finalize_rows<T, ROWS, DPAD, C::WN, NT>(a, w, eo, em, ed, v_mul);

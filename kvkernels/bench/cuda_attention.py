@@ -45,7 +45,8 @@ times the planner's wave-filling splits against none.
 
 Prefill variants (``--prefill-variants wide,deep``): the same for the tensor-core prefill kernel's two
 configurations (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-wide / mma-prefill-deep: ``wide``, the default, has 64
-keys per stage, 2 stages at head dim 128; ``deep`` 16 KiB stages, 4 in flight): rows
+keys per stage, 2 stages at head dim 128; ``deep`` 16 KiB stages, 4 in flight; ``tall``, mma-prefill-tall, 2 row
+tiles of 16 per warp and 32 keys per stage, so each K / V fragment feeds two mma): rows
 ``kvkernels-<variant>`` of each prefill case, timed in alternating batches on the same data, each against
 SDPA flash (``prefill_variant_lines``).
 
@@ -98,32 +99,35 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 # --decode-variants / --prefill-variants names -> KVKERNELS_CUDA_ATTN_PATH values (csrc/cuda/attention.cu).
 DECODE_VARIANTS = {"deep": "mma-decode-deep", "wide": "mma-decode-wide", "fp8smem": "mma-decode-fp8-smem"}
-PREFILL_VARIANTS = {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide"}
+PREFILL_VARIANTS = {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide", "tall": "mma-prefill-tall"}
 PREFILL_DTYPES = ("bfloat16", "fp8_e4m3")
 
 
-def _variant_parts(name: str) -> tuple[str, Optional[str]]:
-    """"deep" -> ("deep", None); "deep-s3" -> ("deep", "3"): the configuration and the forced KV split count
-    (KVKERNELS_CUDA_ATTN_SPLITS; None: the planner's own)."""
+def _variant_parts(name: str, known: dict) -> tuple[str, Optional[str]]:
+    """"deep" -> ("deep", None); "deep-s3" -> ("deep", "3"): the configuration (a key of ``known``) and the
+    forced KV split count (KVKERNELS_CUDA_ATTN_SPLITS; None: the planner's own)."""
     config, sep, splits = name.partition("-s")
-    if config not in DECODE_VARIANTS or (sep and not (splits.isdigit() and int(splits) >= 1)):
+    if config not in known or (sep and not (splits.isdigit() and int(splits) >= 1)):
         raise ValueError(name)
     return config, splits if sep else None
 
 
-def _variants(text: str) -> list[str]:
-    """"wide,deep,deep-s1" -> ["wide", "deep", "deep-s1"] (known configurations, each with an optional
-    -s<N>: N KV splits forced; no repeats; the same names for decode and prefill)."""
-    names = [x for x in text.split(",") if x]
-    try:
-        for name in names:
-            _variant_parts(name)
-        if len(set(names)) != len(names):
-            raise ValueError(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected distinct names of {sorted(DECODE_VARIANTS)}, each optionally "
-                                         f"with -s<splits>, got {text!r}") from None
-    return names
+def _variants_of(known: dict) -> Callable[[str], list[str]]:
+    """The parser of --decode-variants (known = DECODE_VARIANTS) / --prefill-variants (PREFILL_VARIANTS):
+    "wide,deep,deep-s1" -> ["wide", "deep", "deep-s1"] (known configurations, each with an optional -s<N>: N KV
+    splits forced; no repeats)."""
+    def parse(text: str) -> list[str]:
+        names = [x for x in text.split(",") if x]
+        try:
+            for name in names:
+                _variant_parts(name, known)
+            if len(set(names)) != len(names):
+                raise ValueError(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected distinct names of {sorted(known)}, each optionally "
+                                             f"with -s<splits>, got {text!r}") from None
+        return names
+    return parse
 
 
 def _prefill_dtypes(text: str) -> list[str]:
@@ -151,11 +155,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-fraction", type=float, default=0.8, help="of free GPU memory a case may use")
     g.add_argument("--no-baselines", action="store_true")
     g.add_argument("--no-flex", action="store_true", help="skip the FlexAttention baseline (compile time)")
-    g.add_argument("--decode-variants", type=_variants, default=[],
+    g.add_argument("--decode-variants", type=_variants_of(DECODE_VARIANTS), default=[],
                    help="time these configurations of the tensor-core decode kernel (wide: the default, "
                         "deep: 4-stage; -s<N> forces N KV splits, e.g. deep-s1) on the same data, alternating "
                         "batches: rows kvkernels-<variant>")
-    g.add_argument("--prefill-variants", type=_variants, default=[],
+    g.add_argument("--prefill-variants", type=_variants_of(PREFILL_VARIANTS), default=[],
                    help="time these configurations of the tensor-core prefill kernel (wide: the default, "
                         "deep: 4-stage) on the same data, alternating batches: rows kvkernels-<variant>")
     g.add_argument("--quick", action="store_true", help="small shapes, few reps (a smoke run)")
@@ -224,7 +228,7 @@ def variant_env(name: str, paths: dict) -> contextlib.ExitStack:
     """The environment of a --decode-variants / --prefill-variants name inside the block:
     KVKERNELS_CUDA_ATTN_PATH = paths[configuration], and KVKERNELS_CUDA_ATTN_SPLITS = N for <config>-s<N>
     (unset otherwise: the planner chooses)."""
-    config, splits = _variant_parts(name)
+    config, splits = _variant_parts(name, paths)
     stack = contextlib.ExitStack()
     stack.enter_context(attn_path_env(paths[config]))
     stack.enter_context(env_var("KVKERNELS_CUDA_ATTN_SPLITS", splits))
@@ -233,7 +237,7 @@ def variant_env(name: str, paths: dict) -> contextlib.ExitStack:
 
 def variant_setting(name: str, paths: dict) -> str:
     """What a variant's row notes: its environment (variant_env)."""
-    config, splits = _variant_parts(name)
+    config, splits = _variant_parts(name, paths)
     return f"KVKERNELS_CUDA_ATTN_PATH={paths[config]}" + (f" KVKERNELS_CUDA_ATTN_SPLITS={splits}" if splits else "")
 
 
