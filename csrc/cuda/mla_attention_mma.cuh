@@ -52,14 +52,7 @@ __device__ __forceinline__ void convert_fp8_tile(const char* raw, char* cvt, int
     const uint32_t wd[4] = {u.x, u.y, u.z, u.w};
     uint32_t h[8];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) ac::fp8x4_to_half2x2<CF>(wd[i], &h[2 * i], &h[2 * i + 1]);
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float2 f = ac::unpack2_half(h[i]);        // exact
-        h[i] = ac::pack2<__nv_bfloat16>(f.x, f.y);     // exact: every fp8 value fits bf16
-      }
-    }
+    for (int i = 0; i < 4; ++i) ac::fp8x4_to_pairs<T, CF>(wd[i], &h[2 * i], &h[2 * i + 1]);
     *reinterpret_cast<uint4*>(cvt + swz_rt(r, 2 * c, cpr16)) = make_uint4(h[0], h[1], h[2], h[3]);
     *reinterpret_cast<uint4*>(cvt + swz_rt(r, 2 * c + 1, cpr16)) = make_uint4(h[4], h[5], h[6], h[7]);
   }
