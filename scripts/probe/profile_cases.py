@@ -19,7 +19,8 @@ def gen():
 
 def decode(batch, context, dtype, path=None):
     """``path``: KVKERNELS_CUDA_ATTN_PATH for the run (``mma-decode-deep``: the decode kernel's deep
-    configuration; None: the default, wide)."""
+    configuration; ``mma-decode-fp8-smem``: the wide one converting fp8 stages in shared memory; None: the
+    default, wide)."""
     if path is not None:
         os.environ["KVKERNELS_CUDA_ATTN_PATH"] = path
     data = Paged(batch, context, batch, dtype, 1, gen())  # the benchmark's cache and queries
@@ -28,8 +29,8 @@ def decode(batch, context, dtype, path=None):
 
 
 def prefill(tokens, path=None):
-    """``path``: KVKERNELS_CUDA_ATTN_PATH for the run (``mma-prefill-deep``: the prefill kernel's deep
-    configuration; None: the default, wide)."""
+    """``path``: KVKERNELS_CUDA_ATTN_PATH for the run (``mma-prefill-deep`` / ``mma-prefill-tall``: the
+    prefill kernel's deep / tall configuration; None: the default, wide)."""
     if path is not None:
         os.environ["KVKERNELS_CUDA_ATTN_PATH"] = path
     data = Paged(1, tokens, tokens, torch.bfloat16, 1, gen())
@@ -56,9 +57,11 @@ CASES = {
     "decode-bf16-b64-4k": lambda: decode(64, 4096, torch.bfloat16),
     "decode-bf16-b64-4k-deep": lambda: decode(64, 4096, torch.bfloat16, "mma-decode-deep"),
     "decode-e4m3-b64-4k": lambda: decode(64, 4096, torch.float8_e4m3fn),
+    "decode-e4m3-b64-4k-fp8smem": lambda: decode(64, 4096, torch.float8_e4m3fn, "mma-decode-fp8-smem"),
     "decode-bf16-b1-32k": lambda: decode(1, 32768, torch.bfloat16),
     "prefill-bf16-4k": lambda: prefill(4096),
     "prefill-bf16-4k-deep": lambda: prefill(4096, "mma-prefill-deep"),
+    "prefill-bf16-4k-tall": lambda: prefill(4096, "mma-prefill-tall"),
     "mla-decompress-2k": lambda: decompress(2048),
     "mla-decode-b64-4k": lambda: mla_decode(64, 4096),
 }
