@@ -546,6 +546,27 @@ def test_decode_variant_override(emu, d, monkeypatch):
         plan_of(emu, kv8, query8, None)
 
 
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp8_decode_bf16_query_range(emu, d, fp8, monkeypatch):
+    """bf16 queries over an fp8 cache: the decode kernels run the mma in fp16 with each query row scaled by a
+    power of two into fp16's range (attention_mma.cuh, Q_RESCALE). Rows far outside it (values up to ~1e6, past
+    fp16's 65504; ~1e-7, fp16 subnormals; one row mixing 4e4 with normal values, one NaN row element) still
+    match the float64 reference, in both decode configurations."""
+    kv, query, _ = make_case("decode", [300, 7, 64], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=d,
+                             block_size=16, fp8=fp8, per_head=True, seed=46)
+    query[:, 0] *= 3e5
+    query[:, 1] *= 1e-7
+    query[:, 2, :5] = 4e4
+    query[1, 3, 7] = float("nan")
+    for value in (None, "mma-decode-deep"):
+        monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
+        if value:
+            monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", value)
+        out, lse, _ = run_emu_attention(emu, kv, query, path=MMA_DECODE)
+        assert out[1, 3].isnan().all() and not out[0].isnan().any()
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_prefill_variant_override(emu, d, monkeypatch):
     """KVKERNELS_CUDA_ATTN_PATH picks the prefill configuration as it picks the decode one: wide by default

@@ -1,7 +1,7 @@
 // Tensor-core paged attention for fp16 / bf16 queries (caches of the query dtype, or fp8 e4m3 /
-// e5m2 dequantized to the query dtype: by the decode kernels in registers, fragment by fragment, at
-// head dims 64 / 128, otherwise in shared memory one stage at a time; MmaCfg::FP8_REGS). One
-// template, five configurations:
+// e5m2: by the decode kernels at head dims 64 / 128 dequantized to fp16 in registers, fragment by
+// fragment, with bf16 query rows scaled into fp16's range (MmaCfg::FP8_REGS, Q_RESCALE); otherwise to
+// the query dtype in shared memory, one stage at a time). One template, six configurations:
 //
 //   Path::kMmaDecode   (WM = 1, WN = 4, or 2 for head dim 256): a CTA holds 16 rows (the query
 //                      heads of one GQA group for one decode query) and its warps split the keys
@@ -25,6 +25,10 @@
 //                      256, 16 KiB of 16-bit K and V (8 KiB raw fp8), 4 stages at every head dim
 //                      and cache format; selectable (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-deep)
 //                      for A/B runs (0.83x the wide one on the H100).
+//   Path::kMmaPrefillTall  16-bit caches, head dims 64 / 128: the prefill kernel with 2 row tiles of
+//                      16 per warp (MT = 2, 128 rows per CTA), 32 keys per stage; each K / V fragment
+//                      feeds two mma. Selectable (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-tall), not run
+//                      on a GPU yet.
 //
 // Per tile and warp: S = Q K^T with mma.sync.m16n8k16 (A = Q from registers or ldmatrix, B = K
 // via ldmatrix from a swizzled [key][dim] tile), logits scaled / capped / biased / masked in fp32,
@@ -63,6 +67,14 @@ struct MmaCfg {
   // registers (sm_80 ptxas spilled the register-level version at 255).
   static constexpr bool FP8_REGS =
       FP8 && DPAD <= 128 && (PATH == Path::kMmaDecode || PATH == Path::kMmaDecodeDeep);
+  // The mma operand type. With fragments converted in registers, fp16 for bf16 queries too: an fp8
+  // value is one cvt from fp16 (exact) but three more instructions from there to bf16, which made
+  // the conversion 8 instructions per 4 values (4x the fp16 cost). The bf16 query rows are scaled by
+  // a power of two each into fp16's range (Q_RESCALE: exact for every value within 2^32 of the
+  // row's largest; smaller ones keep fp16's subnormal precision), the scale folded back into the
+  // row's logit multiplier; P is rounded to fp16 (finer than bf16 over [0, 1]).
+  using MmaT = std::conditional_t<FP8_REGS, __half, T>;
+  static constexpr bool Q_RESCALE = FP8_REGS && std::is_same_v<T, __nv_bfloat16>;
   static constexpr int CVT_TILE = KT * DPAD * 2;
   static constexpr int CVT_BYTES = FP8 && !FP8_REGS ? 2 * CVT_TILE : 0;
   static constexpr int STAGES = pipeline_stages(STAGE_BYTES, CVT_BYTES);
@@ -76,7 +88,8 @@ struct MmaCfg {
   static constexpr int EPI_OFF = MT > 1 ? 0 : MAIN_OFF;
   static constexpr int BODY_END = MAIN_OFF + MAIN_BYTES, EPI_END = EPI_OFF + EPI_BYTES;
   static constexpr int MD_OFF = BODY_END > EPI_END ? BODY_END : EPI_END;
-  static constexpr int SMEM = MD_OFF + MD_BYTES;
+  static constexpr int QX_OFF = MD_OFF + MD_BYTES;  // Q_RESCALE: each row's scale exponent
+  static constexpr int SMEM = QX_OFF + (Q_RESCALE ? ROWS * 4 : 0);
   // The query fragments of every k-step in registers (one row tile at head dims 64 / 128; the tall
   // prefill reloads them from shared memory: its accumulators take the registers).
   static constexpr bool Q_IN_REGS = MT == 1 && DPAD <= 128;
@@ -137,6 +150,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
   using C = MmaCfg<T, CF, DPAD, PATH>;
   constexpr int KT = C::KT, KW = C::KW, NT = C::NT, ROWS = C::ROWS, STAGES = C::STAGES, MT = C::MT;
   constexpr int CPR16 = C::CPR16;
+  using MmaT = typename C::MmaT;
   extern __shared__ __align__(128) unsigned char smem[];
 
   Work w;
@@ -153,6 +167,8 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
   float* ed = em + C::WN * ROWS;
 
   // Queries of the CTA's rows -> shared memory (16-bit, swizzled); zero rows / columns as padding.
+  int* qexp = reinterpret_cast<int*>(smem + C::QX_OFF);
+  static_assert(!C::Q_RESCALE || (ROWS * CPR16) % NT == 0, "every thread in every pass (shuffles)");
   for (int idx = tid; idx < ROWS * CPR16; idx += NT) {
     const int r = idx / CPR16, c = idx - r * CPR16;
     const RowId id = row_id(a, w, r);
@@ -165,9 +181,23 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
 #pragma unroll
       for (int i = 0; i < 8; ++i) x[i] = 0.0f;
     }
+    if constexpr (C::Q_RESCALE) {
+      // The row's largest finite |q| over the CPR16 consecutive lanes that hold its chunks; the row
+      // is scaled by 2^-e so that it lands in [2^14, 2^15) (e = 0 for a row of zeros or non-finite
+      // values only: NaN / inf stay what they are).
+      float mx = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) mx = fmaxf(mx, isfinite(x[i]) ? fabsf(x[i]) : 0.0f);
+#pragma unroll
+      for (int o = CPR16 / 2; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const int e = mx > 0.0f ? ilogbf(mx) - 14 : 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = ldexpf(x[i], -e);
+      if (c == 0) qexp[r] = e;
+    }
     *reinterpret_cast<uint4*>(sq + swz<CPR16>(r, c)) =
-        make_uint4(pack2<T>(x[0], x[1]), pack2<T>(x[2], x[3]), pack2<T>(x[4], x[5]),
-                   pack2<T>(x[6], x[7]));
+        make_uint4(pack2<MmaT>(x[0], x[1]), pack2<MmaT>(x[2], x[3]), pack2<MmaT>(x[4], x[5]),
+                   pack2<MmaT>(x[6], x[7]));
   }
 
   // This thread's rows: g and g + 8 of each of its warp's MT row tiles of 16 (h = 0 / 1).
@@ -186,6 +216,9 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
   const float v_mul = p.kv.v_scale_of(w.kv_head) * unit;
   const float plain_mul = qk_mul * kLog2e;
   const LogitOps ops = logit_ops(p, w);
+  // Logit multipliers of this thread's rows (the query scale folded back in with Q_RESCALE; read
+  // after the barrier below).
+  float row_qk[MT][2], row_plain[MT][2];
 
   TileLoader<KT, NT, C::CPR, C::ESZ> ld;
   ld.init(p, w);
@@ -242,6 +275,14 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
     }
   };
   __syncthreads();  // queries in shared memory
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float f = C::Q_RESCALE ? ldexpf(1.0f, qexp[(wm * MT + mt) * 16 + g + 8 * h]) : 1.0f;
+      row_qk[mt][h] = qk_mul * f, row_plain[mt][h] = plain_mul * f;
+    }
+  }
   if constexpr (C::Q_IN_REGS) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -321,18 +362,18 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
         for (int nn = 0; nn < KW / 16; ++nn) {
           const int key = wn * KW + nn * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
           ldmatrix_x4(tk_u32 + swz8<C::CPR>(key, kk + (lane >> 4)), b[nn]);
-          fp8x4_to_pairs<T, CF>(b[nn][0], &lo, &hi);
-          mma_16816<T>(s[0][2 * nn], af, lo, hi);
-          fp8x4_to_pairs<T, CF>(b[nn][1], &lo, &hi);
-          mma_16816<T>(s[0][2 * nn + 1], af, lo, hi);
+          fp8x4_to_pairs<MmaT, CF>(b[nn][0], &lo, &hi);
+          mma_16816<MmaT>(s[0][2 * nn], af, lo, hi);
+          fp8x4_to_pairs<MmaT, CF>(b[nn][1], &lo, &hi);
+          mma_16816<MmaT>(s[0][2 * nn + 1], af, lo, hi);
         }
         qfrag(0, kk + 1, af);
 #pragma unroll
         for (int nn = 0; nn < KW / 16; ++nn) {
-          fp8x4_to_pairs<T, CF>(b[nn][2], &lo, &hi);
-          mma_16816<T>(s[0][2 * nn], af, lo, hi);
-          fp8x4_to_pairs<T, CF>(b[nn][3], &lo, &hi);
-          mma_16816<T>(s[0][2 * nn + 1], af, lo, hi);
+          fp8x4_to_pairs<MmaT, CF>(b[nn][2], &lo, &hi);
+          mma_16816<MmaT>(s[0][2 * nn], af, lo, hi);
+          fp8x4_to_pairs<MmaT, CF>(b[nn][3], &lo, &hi);
+          mma_16816<MmaT>(s[0][2 * nn + 1], af, lo, hi);
         }
       }
     } else {
@@ -347,8 +388,8 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
           ldmatrix_x4(tk_u32 + swz<CPR16>(key, 2 * kk + ((lane >> 3) & 1)), b);
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {  // one K fragment for every row tile of the warp
-            mma_16816<T>(s[mt][2 * nn], af[mt], b[0], b[1]);
-            mma_16816<T>(s[mt][2 * nn + 1], af[mt], b[2], b[3]);
+            mma_16816<MmaT>(s[mt][2 * nn], af[mt], b[0], b[1]);
+            mma_16816<MmaT>(s[mt][2 * nn + 1], af[mt], b[2], b[3]);
           }
         }
       };
@@ -379,7 +420,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
 #pragma unroll
         for (int i = 0; i < KW / 8; ++i)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][i][e] *= plain_mul;
+          for (int e = 0; e < 4; ++e) s[mt][i][e] *= row_plain[mt][e >> 1];
     } else {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -391,10 +432,10 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
             const int pos = rid[mt][e >> 1].pos;
             float x = s[mt][i][e];
             if (ops.plain) {
-              x *= plain_mul;
+              x *= row_plain[mt][e >> 1];
               if (need_mask && !key_visible(key, pos, ops)) x = -INFINITY;
             } else {
-              x = transform_logit(x * qk_mul, ops, slope[mt][e >> 1], key, pos, need_mask);
+              x = transform_logit(x * row_qk[mt][e >> 1], ops, slope[mt][e >> 1], key, pos, need_mask);
             }
             s[mt][i][e] = x;
           }
@@ -494,10 +535,10 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
       uint32_t pa[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        pa[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        pa[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        pa[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        pa[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        pa[mt][0] = pack2<MmaT>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pa[mt][1] = pack2<MmaT>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pa[mt][2] = pack2<MmaT>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pa[mt][3] = pack2<MmaT>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
       }
       if constexpr (C::FP8_REGS) {
         // Raw fp8, transposed: matrix j = keys 8 (j & 1) .. + 7 of chunk dn + j / 2, its 16-bit
@@ -514,10 +555,10 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             uint32_t e0, o0, e1, o1;
-            fp8x4_to_pairs<T, CF>(__byte_perm(b[2 * h], 0u, 0x3120u), &e0, &o0);
-            fp8x4_to_pairs<T, CF>(__byte_perm(b[2 * h + 1], 0u, 0x3120u), &e1, &o1);
-            mma_16816<T>(o[0][2 * (dn + h)], pa[0], e0, e1);
-            mma_16816<T>(o[0][2 * (dn + h) + 1], pa[0], o0, o1);
+            fp8x4_to_pairs<MmaT, CF>(__byte_perm(b[2 * h], 0u, 0x3120u), &e0, &o0);
+            fp8x4_to_pairs<MmaT, CF>(__byte_perm(b[2 * h + 1], 0u, 0x3120u), &e1, &o1);
+            mma_16816<MmaT>(o[0][2 * (dn + h)], pa[0], e0, e1);
+            mma_16816<MmaT>(o[0][2 * (dn + h) + 1], pa[0], o0, o1);
           }
         }
       } else {
@@ -529,8 +570,8 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
           ldmatrix_x4_trans(tv_u32 + swz<CPR16>(key, 2 * dn + (lane >> 4)), b);
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {  // one V fragment for every row tile of the warp
-            mma_16816<T>(o[mt][2 * dn], pa[mt], b[0], b[1]);
-            mma_16816<T>(o[mt][2 * dn + 1], pa[mt], b[2], b[3]);
+            mma_16816<MmaT>(o[mt][2 * dn], pa[mt], b[0], b[1]);
+            mma_16816<MmaT>(o[mt][2 * dn + 1], pa[mt], b[2], b[3]);
           }
         }
       }
