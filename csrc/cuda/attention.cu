@@ -16,11 +16,9 @@
 // one, over fp8 caches with the stage dequantized in shared memory instead of in registers: the
 // A/B of that change; over 16-bit caches the wide kernel), `mma-prefill-wide` /
 // `mma-prefill-deep` (the same choice for the tensor-core prefill) / `mma-prefill-tall` (2 row
-// tiles of 16 per warp, 128 rows per CTA, over 16-bit caches at head dims 64 / 128; elsewhere the
-// wide one) and
-// `auto`; empty or `auto`:
-// every default. A value names each kernel at most once; anything else is an
-// error, so a misspelt A/B cannot time the same kernel twice.
+// tiles of 16 per warp, 128 rows per CTA, where has_tall_prefill(); elsewhere the wide one) and
+// `auto`; empty or `auto`: every default. A value names each kernel at most once; anything else is
+// an error, so a misspelt A/B cannot time the same kernel twice.
 //
 // Split count: a function of the number of work items (from shapes), the longest context a block
 // table row can describe (block_tables.shape[1] * block_size), the SM count and the kernel's resident
@@ -185,10 +183,8 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
            : choice.decode_fp8_smem && is_fp8(p.kv.format) ? Path::kMmaDecodeFp8Smem
                                                                 : Path::kMmaDecode;
   else
-    // (mma-prefill-tall has instances for 16-bit caches at head dims 64 / 128; elsewhere the wide
-    // kernel runs)
-    path = choice.prefill_deep ? Path::kMmaPrefillDeep
-           : choice.prefill_tall && plan.dpad <= 128 && !is_fp8(p.kv.format) ? Path::kMmaPrefillTall
+    path = choice.prefill_deep                                               ? Path::kMmaPrefillDeep
+           : choice.prefill_tall && has_tall_prefill(p.kv.format, plan.dpad) ? Path::kMmaPrefillTall
                                                                              : Path::kMmaPrefill;
   plan.path = static_cast<int>(path);
 

@@ -57,13 +57,10 @@ enum class Path : int {
                           // into a 16-bit shared-memory tile (the method before the decode kernels
                           // converted their fragments in registers), kept for A/B runs
                           // (KVKERNELS_CUDA_ATTN_PATH=mma-decode-fp8-smem)
-  kMmaPrefillTall = 6,  // 16-bit caches at head dims 64 / 128 only (at 128 the kernel is at 250-255
-                        // registers; with the fp8 conversion it spilled on sm_80): the prefill
-                        // kernel with 2 row tiles per warp (32
-                        // rows, 128 per CTA), so each K / V fragment read from shared memory feeds
-                        // two mma instead of one; 32 keys per stage (4 stages). Not
-                        // yet run on a GPU; selectable for A/B runs
-                        // (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-tall)
+  kMmaPrefillTall = 6,  // the prefill kernel with 2 row tiles per warp (32 rows, 128 per CTA), so
+                        // each K / V fragment read from shared memory feeds two mma instead of one;
+                        // 32 keys per stage (4 stages); where has_tall_prefill() only. Not yet run
+                        // on a GPU; selectable for A/B runs (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-tall)
 };
 
 // Everything a kernel needs: the validated params and the host-side plan.
@@ -143,6 +140,13 @@ __host__ __device__ constexpr bool is_mma_prefill(Path path) {
 // Rows (query x head pairs) per CTA.
 __host__ __device__ constexpr int rows_of(Path path) {
   return path == Path::kMmaPrefillTall ? 128 : is_mma_prefill(path) ? 64 : 16;
+}
+
+// Does the tall prefill exist for this cache format and padded head dim? 16-bit caches at head dims
+// 64 / 128: at 128 the kernel is at 250-255 registers, and with the fp8 conversion in its loop it
+// spilled on sm_80. The planner runs the wide prefill elsewhere; the launcher instantiates it here only.
+__host__ __device__ constexpr bool has_tall_prefill(CacheFormat f, int dpad) {
+  return cache_esize(f) == 2 && dpad <= 128;
 }
 
 // Row tiles of 16 per warp of the tensor-core kernels: 2 in the tall prefill, else 1.

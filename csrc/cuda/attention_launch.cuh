@@ -66,7 +66,7 @@ cudaError_t launch_for_cache(const AttnArgs& a, Path path, int dpad, dim3 grid,
         return launch_mma<QT, CF, D, Path::kMmaPrefill>(a, grid, stream);             \
       if (path == Path::kMmaPrefillDeep)                                              \
         return launch_mma<QT, CF, D, Path::kMmaPrefillDeep>(a, grid, stream);         \
-      if constexpr (D <= 128 && cache_esize(CF) == 2) {                               \
+      if constexpr (has_tall_prefill(CF, D)) {                                        \
         if (path == Path::kMmaPrefillTall)                                            \
           return launch_mma<QT, CF, D, Path::kMmaPrefillTall>(a, grid, stream);       \
       }                                                                               \
