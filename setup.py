@@ -99,6 +99,46 @@ SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
 AMX_EMU = os.environ.get("KVKERNELS_AMX_EMU") == "1"
 
 
+# The GPU architectures the CUDA kernels are written, compile-checked (make cuda-check) and tested for:
+# sm_80 (A100; its SASS also runs on the other 8.x GPUs: A10, L4, ...) and sm_90a (H100 / H200: the
+# Hopper-only instructions need the "a" target, which torch's own default of "9.0" would not give).
+DEFAULT_CUDA_ARCHS = "8.0;9.0a"
+
+
+def cuda_arch_plan(arch_list, visible):
+    """(TORCH_CUDA_ARCH_LIST to build with, message or None) from the variable's value (None: unset) and
+    the (major, minor) capabilities of the visible GPUs.
+
+    Unset, torch derives the list from the visible GPUs: with none (login nodes, CI boxes, docker
+    builds) the list is empty and torch.utils.cpp_extension stops with "IndexError: list index out of
+    range" in _get_cuda_arch_flags; with a GPU it builds for that one alone (an H100: sm_90, not the
+    sm_90a this project checks and tests). So an unset list means this project's architectures, said
+    aloud; a set one is the user's and is kept.
+    """
+    if arch_list and arch_list.strip():
+        return arch_list, None
+    message = (f"kvkernels: TORCH_CUDA_ARCH_LIST is not set: building the CUDA kernels for "
+               f"TORCH_CUDA_ARCH_LIST=\"{DEFAULT_CUDA_ARCHS}\" (sm_80: A100 and the other 8.x GPUs; sm_90a: "
+               f"H100 / H200). Set TORCH_CUDA_ARCH_LIST to choose others, KVKERNELS_NO_CUDA=1 to build the "
+               f"CPU kernels only.")
+    other = sorted({c for c in visible if c[0] not in (8, 9)})
+    if other:
+        names = ", ".join(f"sm_{a}{b}" for a, b in other)
+        message += (f" The visible GPU ({names}) runs none of these: build for it with "
+                    f"TORCH_CUDA_ARCH_LIST=\"8.0+PTX\" (compiled by the driver at load; never tested here).")
+    return DEFAULT_CUDA_ARCHS, message
+
+
+def visible_capabilities():
+    """The (major, minor) of each GPU torch sees: none on a machine without one (no error)."""
+    import torch
+
+    try:
+        return [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+    except (RuntimeError, AssertionError):
+        return []
+
+
 def build_cuda():
     import torch
 
@@ -112,6 +152,11 @@ def build_cuda():
     build, warning = cuda_plan(torch.version.cuda, nvcc, version, no_cuda)
     if warning:
         print(f"WARNING: {warning}", file=sys.stderr)
+    if build:
+        arch_list, message = cuda_arch_plan(os.environ.get("TORCH_CUDA_ARCH_LIST"), visible_capabilities())
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list  # read by torch.utils.cpp_extension when it compiles
+        if message:
+            print(message, file=sys.stderr)
     return build
 
 

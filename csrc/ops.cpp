@@ -53,11 +53,14 @@ PyMODINIT_FUNC PyInit__C(void) {
 // The arguments of the attention and merge ops, shared by the allocating op and its *_out twin,
 // which takes the same arguments and then `*, Tensor(a!) out, Tensor(b!)? lse=None` (written
 // outputs, returns ()). An argument added here reaches both schemas.
+// causal is `bool?` only so that None reaches the kernels and is refused there: through a plain `bool`
+// the dispatcher turns None into False, and a caller forwarding an unset option would get non-causal
+// attention silently. Its default stays True.
 #define KVK_PAGED_ATTENTION_ARGS                                                                \
   "Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "  \
   "Tensor? query_start_loc=None, float? scale=None, int window_left=-1, float soft_cap=0.0, "   \
   "Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? k_scale=None, Tensor? v_scale=None, " \
-  "bool causal=True"
+  "bool? causal=True"
 #define KVK_MLA_PAGED_ATTENTION_ARGS                                                          \
   "Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int kv_lora_rank, "       \
   "float scale, Tensor? query_start_loc=None, Tensor? kv_scale=None"

@@ -320,8 +320,10 @@ PreparedAttention prepare_paged_attention(
     const Tensor& block_tables, const Tensor& seq_lens,
     const std::optional<Tensor>& query_start_loc, std::optional<double> scale, int64_t window_left,
     double soft_cap, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
-    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale, bool causal,
+    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale, std::optional<bool> causal,
     const IndexCheck& check_indices, const GivenOutputs& given) {
+  // First, so that nothing is allocated or written: None is not the default True (ops.cpp).
+  c.expect(causal.has_value(), "causal", "expected a bool, got None (the default is True)");
   PreparedAttention r;
   AttentionParams& p = r.params;
   p.kv = make_paged_kv(c, key_cache, "key_cache", value_cache, "value_cache", block_tables,
@@ -347,7 +349,7 @@ PreparedAttention prepare_paged_attention(
   p.soft_cap = static_cast<float>(soft_cap);
   c.expect(window_left < (int64_t{1} << 31), "window_left", "too large: ", window_left);
   p.window_left = window_left < 0 ? -1 : static_cast<int>(window_left);
-  p.causal = causal;
+  p.causal = *causal;
   p.alibi_slopes = per_head_vector(c, alibi_slopes, "alibi_slopes", p.num_heads, query, r);
   p.sinks = per_head_vector(c, sinks, "sinks", p.num_heads, query, r);
   check_given_outputs(c, given, query, "query", {p.num_tokens, p.num_heads, dv},

@@ -61,7 +61,7 @@ PreparedAttention prepare_paged_attention(
     const Tensor& block_tables, const Tensor& seq_lens,
     const std::optional<Tensor>& query_start_loc, std::optional<double> scale, int64_t window_left,
     double soft_cap, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
-    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale, bool causal,
+    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale, std::optional<bool> causal,
     const IndexCheck& check_indices = {}, const GivenOutputs& given = {});
 
 PreparedAttention prepare_mla_attention(

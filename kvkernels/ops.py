@@ -179,6 +179,7 @@ def _(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=No
 def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, scale=None,
       window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None,
       causal=True):
+    check_bool_arg("paged_attention", "causal", causal)  # `bool?` in the schema: None refused, not False
     torch._check(query.dim() == 3, lambda: "kvkernels.paged_attention: query: expected 3 dims")
     torch._check(query.shape[2] == key_cache.shape[3],
                  lambda: "kvkernels.paged_attention: query: head_dim differs from key_cache's")
@@ -268,6 +269,7 @@ def _check_given(op, like_arg, like, out, lse, shape):
 def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, scale=None,
       window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None,
       causal=True, *, out, lse=None):
+    check_bool_arg("paged_attention", "causal", causal)
     t, h, _ = query.shape
     _check_given("paged_attention", "query", query, out, lse, (t, h, value_cache.shape[3]))
 

@@ -277,8 +277,8 @@ def test_bad_query_start_loc_still_rejected_without_causal():
 @pytest.mark.parametrize("value", [1, 0, None, 1.0, "no", torch.tensor(True)], ids=repr)
 @pytest.mark.parametrize("fn", [ops.paged_attention, reference.paged_attention], ids=["ops", "reference"])
 def test_causal_must_be_a_bool(fn, value):
-    """kvkernels.ops and the reference take a Python bool only (torch.ops' schema conversion would turn 1, 0,
-    None or a one-element tensor into a bool or the default); the error names the argument."""
+    """kvkernels.ops and the reference take a Python bool only (torch.ops' schema conversion would turn 1, 0
+    or a one-element tensor into a bool); the error names the argument."""
     kv = make_paged_kv(seq_lens=[5], num_kv_heads=1, head_dim=16, block_size=4, seed=83)
     query = make_query(1, 2, 16, f32, generator(84))
     with pytest.raises(RuntimeError, match=r"^kvkernels\.paged_attention: causal: expected a bool, got "):
@@ -286,6 +286,74 @@ def test_causal_must_be_a_bool(fn, value):
     with pytest.raises((RuntimeError, TypeError)):  # torch's own schema check
         torch.ops.kvkernels.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
                                             causal="no")
+
+
+def _none_case():
+    kv = make_paged_kv(seq_lens=[5, 9], num_kv_heads=1, head_dim=16, block_size=4, seed=85)
+    query = make_query(6, 2, 16, f32, generator(86))
+    return kv, query, query_start_loc([2, 4])
+
+
+def test_torch_ops_refuse_causal_none():
+    """``torch.ops.kvkernels.paged_attention(..., causal=None)``: through a plain ``bool`` in the schema the
+    dispatcher turned None into False, and a caller forwarding an unset option got non-causal attention
+    silently. The schema says ``bool? causal=True`` and the shared preparation of every kernel refuses None by
+    name, before any SIMD path is chosen or anything written (the out= variant leaves its poisoned out / lse
+    as they were). The CUDA binding's twin: test_cuda_emulated.py::test_causal_none_refused."""
+    kv, query, qsl = _none_case()
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl)
+    message = r"^kvkernels\.paged_attention: causal: expected a bool, got None"
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.kvkernels.paged_attention(*args, causal=None)
+    out = torch.full((6, 2, 16), float("nan"))
+    lse = torch.full((6, 2), float("nan"))
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.kvkernels.paged_attention_out(*args, causal=None, out=out, lse=lse)
+    assert out.isnan().all() and lse.isnan().all()
+    # Omitted, the schema's default still applies: the causal answer, not the non-causal one.
+    default = torch.ops.kvkernels.paged_attention(*args)[0]
+    assert torch.equal(default, torch.ops.kvkernels.paged_attention(*args, causal=True)[0])
+    assert not torch.equal(default, torch.ops.kvkernels.paged_attention(*args, causal=False)[0])
+
+
+def test_fake_and_compiled_refuse_causal_none():
+    """The fake kernels (what torch.compile traces and torch.export runs) refuse None as the kernels do, so a
+    compiled or exported call fails at trace time instead of baking in a non-causal attention."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    kv, query, qsl = _none_case()
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(RuntimeError, match=r"kvkernels\.paged_attention: causal: expected a bool"):
+            torch.ops.kvkernels.paged_attention(*args, causal=None)
+        with pytest.raises(RuntimeError, match=r"kvkernels\.paged_attention: causal: expected a bool"):
+            torch.ops.kvkernels.paged_attention_out(*args, causal=None, out=torch.empty(6, 2, 16))
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def step(q):
+        return torch.ops.kvkernels.paged_attention(q, *args[1:], causal=None)
+
+    with pytest.raises(Exception, match=r"kvkernels\.paged_attention: causal: expected a bool"):
+        step(query)
+
+
+def test_metal_and_onnx_refuse_causal_none():
+    """The MPS implementation (kvkernels.metal.dispatch, run here through the MSL emulator on CPU tensors)
+    and the ONNX export's translation of the op refuse None too."""
+    from kvkernels.metal import dispatch
+
+    kv, query, qsl = _none_case()
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl)
+    with pytest.raises(RuntimeError, match=r"^kvkernels\.paged_attention: causal: expected a bool, got None"):
+        dispatch.paged_attention(*args, causal=None)
+    assert torch.equal(dispatch.paged_attention(*args, causal=True)[0].isnan(),
+                       torch.zeros(6, 2, 16, dtype=torch.bool))
+    pytest.importorskip("onnxscript", reason="kvkernels.onnx needs onnxscript (requirements/dev.txt)")
+    from kvkernels import onnx as kv_onnx
+
+    translate = kv_onnx.translation_table()[torch.ops.kvkernels.paged_attention.default]
+    with pytest.raises(RuntimeError, match=r"^kvkernels\.paged_attention: causal: expected a bool, got NoneType"):
+        translate(*args, causal=None)
 
 
 def test_compiled_noncausal_prefill_has_no_graph_break():

@@ -1576,6 +1576,21 @@ def test_out_noncausal(emu, dv, dtype):
     assert not torch.equal(out, want)
 
 
+def test_causal_none_refused(emu):
+    """causal=None through the CUDA binding's preparation (the schema is ``bool? causal=True``, so None
+    reaches it instead of becoming False): refused by name, nothing launched or written."""
+    kv = make_paged_kv(seq_lens=[17, 3], num_kv_heads=2, head_dim=64, block_size=16, dtype=bf16, seed=43)
+    query = make_query(7, 4, 64, bf16, generator(44))
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, query_start_loc([5, 2]))
+    message = r"^kvkernels\.paged_attention: causal: expected a bool, got None"
+    with pytest.raises(RuntimeError, match=message):
+        emu.paged_attention(*args, causal=None)
+    out, lse = torch.full((7, 4, 64), float("nan"), dtype=bf16), torch.full((7, 4), 7.0)
+    with pytest.raises(RuntimeError, match=message):
+        emu.paged_attention_out(*args, causal=None, out=out, lse=lse)
+    assert out.isnan().all() and (lse == 7.0).all()
+
+
 @pytest.mark.parametrize("case", ["f16-decode-mma", "bf16-varlen-mma", "f32-decode-simt", "mla-bf16", "merge-f16"])
 def test_out_variants(emu, case):
     """out= + lse= (contiguous: written directly) and out= alone into a padded view (through a temporary, with

@@ -141,3 +141,26 @@ def test_built_extension_loads_shared_libstdcxx(setup_py):
         pytest.skip("readelf is not installed")
     out = subprocess.run(["readelf", "-d", ext.__file__], capture_output=True, text=True, check=True).stdout
     assert setup_py.cxx_runtime_error(ext.__file__, out) is None
+
+
+@pytest.mark.parametrize("visible", [[], [(9, 0)], [(8, 0), (8, 6)]])
+def test_unset_arch_list_defaults_to_the_supported_architectures(setup_py, visible):
+    # A build host without a GPU (torch's own default list would be empty: IndexError in
+    # _get_cuda_arch_flags), or with one of the GPUs the defaults cover: no extra advice.
+    for unset in (None, "", "  "):
+        arch_list, message = setup_py.cuda_arch_plan(unset, visible)
+        assert arch_list == "8.0;9.0a"
+        for part in ('TORCH_CUDA_ARCH_LIST="8.0;9.0a"', "KVKERNELS_NO_CUDA=1", "sm_90a"):
+            assert part in message, part
+        assert "runs none of these" not in message
+
+
+def test_unset_arch_list_names_a_visible_gpu_it_does_not_cover(setup_py):
+    arch_list, message = setup_py.cuda_arch_plan(None, [(9, 0), (10, 0)])
+    assert arch_list == "8.0;9.0a"
+    assert "sm_100" in message and 'TORCH_CUDA_ARCH_LIST="8.0+PTX"' in message
+
+
+def test_a_set_arch_list_is_kept(setup_py):
+    assert setup_py.cuda_arch_plan("9.0a", []) == ("9.0a", None)
+    assert setup_py.cuda_arch_plan("8.6;8.9+PTX", [(10, 0)]) == ("8.6;8.9+PTX", None)

@@ -49,7 +49,7 @@ std::tuple<Tensor, Tensor> paged_attention_impl(
     const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
     std::optional<Tensor> query_start_loc, std::optional<double> scale, int64_t window_left,
     double soft_cap, std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks,
-    std::optional<Tensor> k_scale, std::optional<Tensor> v_scale, bool causal) {
+    std::optional<Tensor> k_scale, std::optional<Tensor> v_scale, std::optional<bool> causal) {
   const ArgCheck c("paged_attention");
   const DeviceScope scope(c, query, "query");
   // Head dims above 256 (prepare allows 512, the CPU and Metal kernels run it) are not supported

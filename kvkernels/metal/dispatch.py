@@ -539,6 +539,8 @@ def paged_attention_out(query: Tensor, key_cache: Tensor, value_cache: Tensor, b
 def _paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window_left,
                      soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal, *, out, lse):
     op = "paged_attention"
+    # The schema's `bool? causal` lets None through to here (csrc/ops.cpp): refused, not taken as False.
+    _check(isinstance(causal, bool), op, "causal", f"expected a bool, got {causal!r} (the default is True)")
     dev = query.device
     _check_device(op, dev, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                   seq_lens=seq_lens, query_start_loc=query_start_loc, alibi_slopes=alibi_slopes, sinks=sinks,

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from kvkernels import ops as _ops  # noqa: F401  (registers torch.ops.kvkernels.*)
+from kvkernels.reference import check_bool_arg
 
 DOMAIN = "kvkernels"
 VERSION = 1
@@ -209,6 +210,7 @@ def translation_table() -> dict:
     def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None,
                         scale=None, window_left=-1, soft_cap=0.0, alibi_slopes=None, sinks=None,
                         k_scale=None, v_scale=None, causal=True):
+        check_bool_arg("paged_attention", "causal", causal)  # None is not the default True
         attrs = {"window_left": int(window_left), "soft_cap": float(soft_cap), "causal": int(bool(causal))}
         if scale is not None:
             attrs["scale"] = float(scale)

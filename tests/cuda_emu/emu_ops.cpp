@@ -122,7 +122,7 @@ std::tuple<Tensor, Tensor> paged_attention_impl(const Tensor& query, const Tenso
                                                 std::optional<double> scale, int64_t window_left, double soft_cap,
                                                 std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks,
                                                 std::optional<Tensor> k_scale, std::optional<Tensor> v_scale,
-                                                bool causal, const GivenOutputs& given) {
+                                                std::optional<bool> causal, const GivenOutputs& given) {
   const ArgCheck c("paged_attention");
   PreparedAttention r = prepare_paged_attention(c, query, key_cache, value_cache, block_tables, seq_lens,
                                                 query_start_loc, scale, window_left, soft_cap, alibi_slopes, sinks,
@@ -151,7 +151,7 @@ std::tuple<Tensor, Tensor> paged_attention(const Tensor& query, const Tensor& ke
                                            std::optional<Tensor> query_start_loc, std::optional<double> scale,
                                            int64_t window_left, double soft_cap, std::optional<Tensor> alibi_slopes,
                                            std::optional<Tensor> sinks, std::optional<Tensor> k_scale,
-                                           std::optional<Tensor> v_scale, bool causal) {
+                                           std::optional<Tensor> v_scale, std::optional<bool> causal) {
   return paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                               window_left, soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal, {});
 }
@@ -161,7 +161,7 @@ void paged_attention_out(const Tensor& query, const Tensor& key_cache, const Ten
                          const Tensor& block_tables, const Tensor& seq_lens, std::optional<Tensor> query_start_loc,
                          std::optional<double> scale, int64_t window_left, double soft_cap,
                          std::optional<Tensor> alibi_slopes, std::optional<Tensor> sinks,
-                         std::optional<Tensor> k_scale, std::optional<Tensor> v_scale, bool causal, Tensor out,
+                         std::optional<Tensor> k_scale, std::optional<Tensor> v_scale, std::optional<bool> causal, Tensor out,
                          std::optional<Tensor> lse) {
   paged_attention_impl(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window_left,
                        soft_cap, alibi_slopes, sinks, k_scale, v_scale, causal, {out, lse});
@@ -331,13 +331,13 @@ STABLE_TORCH_LIBRARY(kvkernels_emu, m) {
   m.def("paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor? query_start_loc=None, float? scale=None, int window_left=-1, "
         "float soft_cap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? k_scale=None, "
-        "Tensor? v_scale=None, bool causal=True) -> (Tensor out, Tensor lse)");
+        "Tensor? v_scale=None, bool? causal=True) -> (Tensor out, Tensor lse)");
   m.def("mla_paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int kv_lora_rank, "
         "float scale, Tensor? query_start_loc=None, Tensor? kv_scale=None) -> (Tensor out, Tensor lse)");
   m.def("paged_attention_out(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor? query_start_loc=None, float? scale=None, int window_left=-1, "
         "float soft_cap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, Tensor? k_scale=None, "
-        "Tensor? v_scale=None, bool causal=True, *, Tensor(a!) out, Tensor(b!)? lse=None) -> ()");
+        "Tensor? v_scale=None, bool? causal=True, *, Tensor(a!) out, Tensor(b!)? lse=None) -> ()");
   m.def("merge_attention_states_out(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, *, Tensor(a!) out, "
         "Tensor(b!)? lse=None) -> ()");
   m.def("mla_paged_attention_out(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
