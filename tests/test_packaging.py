@@ -48,3 +48,15 @@ def test_compat_targets_are_the_ends_of_the_declared_range():
     # the newest tested is the newest release below the bound: the bound is the next minor version
     assert version(high) == (version(newest)[0], version(newest)[1] + 1)
     assert version(oldest) <= version(lock()["transformers"]) <= version(newest)
+
+
+def test_abi_check_covers_the_stated_torch_range():
+    """`make test-abi` runs a wheel built on the lock's torch at both ends of the torch range the README
+    states; pyproject's requirement starts at the oldest."""
+    oldest, newest = makefile_var("ABI_TORCH_OLDEST"), makefile_var("ABI_TORCH_NEWEST")
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"torch (\d+\.\d+)–(\d+\.\d+) already installed \(tested at both ends", readme)
+    assert m, "README.md: the install section should state the tested torch range"
+    assert (m.group(1), m.group(2)) == (oldest.rsplit(".", 1)[0], newest.rsplit(".", 1)[0])
+    assert f'"torch>={oldest.rsplit(".", 1)[0]}"' in (ROOT / "pyproject.toml").read_text()
+    assert version(oldest) <= version(lock()["torch"]) <= version(newest)

@@ -475,3 +475,19 @@ def test_duplicate_rows_helper():
     assert transformers_cache.duplicate_rows(key, value, None).tolist() == [0, 1, 2, 1, 1]
     real[4, 0] = False  # same K/V, other padding: not a duplicate
     assert transformers_cache.duplicate_rows(key, value, real).tolist() == [0, 1, 2, 1, 4]
+
+
+def test_encoder_decoder_cache_depends_on_the_decoder_cache_one_way():
+    """transformers_encdec builds on transformers_cache, never the reverse (no import cycle, not even a
+    deferred one inside a function): the decoder cache learns of the encoder-decoder class when
+    transformers_encdec is imported, which kvkernels.integrations.transformers does."""
+    import ast
+    import pathlib
+
+    import kvkernels.integrations.transformers_cache as cache_module
+    source = pathlib.Path(cache_module.__file__).read_text()
+    imported = {node.module for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Import)
+                 for alias in node.names}
+    assert not any("transformers_encdec" in name for name in imported), imported
+    assert cache_module.PagedCache.encoder_decoder_cache is PagedEncoderDecoderCache

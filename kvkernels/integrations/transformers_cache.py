@@ -152,12 +152,20 @@ class PagedCache(Cache):
     The model must run ``attn_implementation="kvkernels"`` (``register()`` first).
     """
 
+    # The class PagedCache(config) builds for an encoder-decoder config. transformers_encdec, which
+    # builds on this module, sets it when imported (kvkernels.integrations.transformers imports both);
+    # this module never imports that one, so the dependency runs one way.
+    encoder_decoder_cache: Optional[type] = None
+
     def __new__(cls, config=None, *args, **kwargs):
         if cls is PagedCache and config is not None:
             config = model_config(config)
             if getattr(config, "is_encoder_decoder", False):
-                from kvkernels.integrations.transformers_encdec import PagedEncoderDecoderCache
-                return PagedEncoderDecoderCache(config, *args, **kwargs)
+                if PagedCache.encoder_decoder_cache is None:
+                    raise TypeError("kvkernels PagedCache: an encoder-decoder config needs the encoder-decoder "
+                                    "cache: import kvkernels.integrations.transformers (not only its "
+                                    "transformers_cache module)")
+                return PagedCache.encoder_decoder_cache(config, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, config, block_size: int = 16, num_blocks: Optional[int] = None,

@@ -302,3 +302,8 @@ class PagedEncoderDecoderCache(EncoderDecoderCache):
         """``{"self_attention": ..., "cross_attention": ...}`` (see ``PagedCache.memory_usage``)."""
         return {"self_attention": self.self_attention_cache.memory_usage(),
                 "cross_attention": self.cross_attention_cache.memory_usage()}
+
+
+# PagedCache(config) of an encoder-decoder config builds this class (transformers_cache does not import
+# this module: the dependency runs one way, from here to there).
+PagedCache.encoder_decoder_cache = PagedEncoderDecoderCache
