@@ -139,6 +139,28 @@ def visible_capabilities():
         return []
 
 
+def nvcc_top(nvcc):
+    """The toolkit directory nvcc itself runs from (its `TOP` in `nvcc --dryrun`), or None. A wrapper
+    script on PATH (`exec /usr/local/cuda-13.0/bin/nvcc "$@"`) makes torch take its folder's parent
+    (/usr/local) for CUDA_HOME, where there is no include/cuda_runtime_api.h and no lib64/libcudart."""
+    try:
+        out = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"^#\$ TOP=(.+?)\s*$", out.stdout + out.stderr, re.M)
+    return os.path.normpath(m[1]) if m else None
+
+
+def cuda_toolkit_root(candidates):
+    """The first of `candidates` (CUDA_HOME, nvcc's own TOP, /usr/local/cuda; None entries skipped) that
+    holds the CUDA runtime headers, or None."""
+    for root in candidates:
+        if root and os.path.isfile(os.path.join(root, "include", "cuda_runtime_api.h")):
+            return root
+    return None
+
+
 def build_cuda():
     import torch
 
@@ -150,6 +172,17 @@ def build_cuda():
         nvcc = nvcc if os.path.exists(nvcc) else None
     version = nvcc_release(nvcc) if nvcc and not no_cuda and torch.version.cuda else None
     build, warning = cuda_plan(torch.version.cuda, nvcc, version, no_cuda)
+    if build:
+        root = cuda_toolkit_root([cpp_extension.CUDA_HOME, nvcc_top(nvcc), "/usr/local/cuda"])
+        if root is None:
+            build, warning = False, (f"kvkernels: no cuda_runtime_api.h under {cpp_extension.CUDA_HOME}/include "
+                                     f"(nor where {nvcc} runs from, nor /usr/local/cuda): building the CPU "
+                                     "kernels only; set CUDA_HOME to the CUDA toolkit to build the CUDA kernels, "
+                                     "or KVKERNELS_NO_CUDA=1 to build the CPU kernels without this warning.")
+        elif root != cpp_extension.CUDA_HOME:
+            print(f"kvkernels: CUDA toolkit at {root} (where {nvcc} runs from; {cpp_extension.CUDA_HOME} has no "
+                  "CUDA headers)", file=sys.stderr)
+            cpp_extension.CUDA_HOME = root  # read when CUDAExtension() lists the include and library dirs
     if warning:
         print(f"WARNING: {warning}", file=sys.stderr)
     if build:

@@ -164,3 +164,20 @@ def test_unset_arch_list_names_a_visible_gpu_it_does_not_cover(setup_py):
 def test_a_set_arch_list_is_kept(setup_py):
     assert setup_py.cuda_arch_plan("9.0a", []) == ("9.0a", None)
     assert setup_py.cuda_arch_plan("8.6;8.9+PTX", [(10, 0)]) == ("8.6;8.9+PTX", None)
+
+
+def test_toolkit_root_is_found_behind_an_nvcc_wrapper(setup_py, tmp_path):
+    """A wrapper script on PATH (this project's machines: /usr/local/bin/nvcc execs
+    /usr/local/cuda-13.0/bin/nvcc) makes torch's CUDA_HOME /usr/local, which has no CUDA headers: the
+    toolkit nvcc really runs from is found through `nvcc --dryrun`'s TOP."""
+    toolkit = tmp_path / "cuda-13.0"
+    (toolkit / "include").mkdir(parents=True)
+    (toolkit / "include" / "cuda_runtime_api.h").write_text("")
+    wrapper = tmp_path / "bin" / "nvcc"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f"#!/bin/sh\necho '#$ _NVVM_BRANCH_=nvvm' >&2\necho '#$ TOP={toolkit}/bin/..' >&2\n")
+    wrapper.chmod(0o755)
+    assert setup_py.nvcc_top(str(wrapper)) == str(toolkit)
+    assert setup_py.cuda_toolkit_root([str(tmp_path), setup_py.nvcc_top(str(wrapper)), None]) == str(toolkit)
+    assert setup_py.cuda_toolkit_root([str(tmp_path), None]) is None
+    assert setup_py.nvcc_top(str(tmp_path / "missing")) is None
