@@ -1,6 +1,7 @@
 """The CPU attention kernel's ISA paths and work schedules, each against the float64 reference.
 
-One build carries an AVX-512 + VBMI, an AVX-512, an AVX2 and a portable kernel;
+One build carries an AVX-512 + VBMI + AMX, an AVX-512 + VBMI + BF16 (vdpbf16ps), an AVX-512 + VBMI, an AVX-512,
+an AVX2 and a portable kernel;
 KVKERNELS_CPU_ISA (read on every call) forces one. Every path runs the same cases here. Split-K is forced by shapes (one kv head, one
 sequence, long context) and by the thread count the split decision reads.
 """
@@ -18,7 +19,7 @@ from helpers import (assert_close, generator, make_paged_kv, make_paged_mla, mak
 from test_attention import CONFIGS, FEATURE_CONFIGS, features, make_case, run_paged_attention
 from kvkernels import ops, reference
 
-ISAS = ["avx512amx", "avx512vbmi", "avx512", "avx2", "portable"]
+ISAS = ["avx512amx", "avx512bf16", "avx512vbmi", "avx512", "avx2", "portable"]
 
 
 @pytest.fixture(params=ISAS)
@@ -41,8 +42,9 @@ def test_default_isa_is_the_best_supported(monkeypatch):
     avx512 = avx2 and {"avx512f", "avx512bw", "avx512vl"} <= flags
     # An AMX-emulator build (make amx-emu-test) supplies the tile unit itself.
     tiles = {"amx_tile", "amx_bf16"} <= flags or kvkernels._C.amx_emulated_dot_products() is not None
-    amx = avx512 and {"avx512vbmi", "avx512_bf16"} <= flags and tiles
-    expected = ("avx512amx" if amx else "avx512vbmi" if avx512 and "avx512vbmi" in flags
+    bf16 = avx512 and {"avx512vbmi", "avx512_bf16"} <= flags
+    amx = bf16 and tiles
+    expected = ("avx512amx" if amx else "avx512bf16" if bf16 else "avx512vbmi" if avx512 and "avx512vbmi" in flags
                 else "avx512" if avx512 else "avx2" if avx2 else "portable")
     assert kvkernels.cpu_isa() == expected
 
@@ -181,7 +183,7 @@ def test_mla_every_isa(isa, threads):
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) is not installed")
 def test_wide_registers_only_in_isa_code():
-    """Code outside the avx2/avx512/avx512vbmi/avx512amx namespaces must run on any x86-64 CPU: no ymm/zmm register in it
+    """Code outside the avx2/avx512/avx512vbmi/avx512bf16/avx512amx namespaces must run on any x86-64 CPU: no ymm/zmm register in it
     (an inline function compiled inside a target region and picked by the linker would break that)."""
     asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", kvkernels._C.__file__],
                          capture_output=True, text=True, check=True).stdout
@@ -190,7 +192,7 @@ def test_wide_registers_only_in_isa_code():
         if line.endswith(">:"):
             fn = line
         elif "%ymm" in line or "%zmm" in line:
-            if not any(ns in fn for ns in ("avx512::", "avx512vbmi::", "avx512amx::", "avx2::")):
+            if not any(ns in fn for ns in ("avx512::", "avx512vbmi::", "avx512bf16::", "avx512amx::", "avx2::")):
                 leaks.add(fn)
             if "%zmm" in line and "avx2::" in fn:
                 zmm_in_avx2.add(fn)

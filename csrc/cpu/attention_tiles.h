@@ -24,8 +24,6 @@
 
 namespace kvkernels::cpu::KVK_ISA {
 
-using bf16_bits = uint16_t;
-
 // The per-thread scratch of a tile item, carved from attention_scratch_floats(plan) floats with
 // every region on a 64-byte boundary.
 struct TileScratch {
