@@ -27,10 +27,6 @@
 
 namespace kvkernels::cpu::KVK_ISA {
 
-inline Vec dpbf16(Vec acc, __m512i a, __m512i b) {
-  return {_mm512_dpbf16_ps(acc.v, (__m512bh)a, (__m512bh)b)};
-}
-
 // Lane masks of a row read 64 values at a time: words[2b], words[2b + 1] for the two Words of
 // block b (bf16 rows), bytes[b] for block b of an fp8 row.
 struct DpSide {
