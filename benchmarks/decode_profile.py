@@ -44,7 +44,7 @@ STAGES = (  # (stage, function names): the innermost inlined frame that matches 
     ("fp8 lookup", ("Fp8WordLoader", "dp_fp8_load64")),
     ("prefetch", ("Prefetcher::at",)),
     ("logits", ("dot4x2_words", "dot4_words", "chunk_logits_words", "dot4x2", "dot4", "chunk_logits",
-                "dp_dot4x2", "dp_chunk_logits", "dp_logits16")),
+                "dp_dot4x2", "dp_chunk_logits", "dp_logits4x4", "reduce16")),
     ("softmax", ("softmax_rows4", "mask_logits", "transform_logits", "dp_probs_bf16")),
     ("P V", ("pv4_words", "pv4", "chunk_values_words", "chunk_values", "dp_pv4", "dp_pv4_edges",
              "dp_value_pairs")),

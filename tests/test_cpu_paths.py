@@ -136,8 +136,10 @@ AMX_CONFIGS = {
                                   dict(soft_cap=3.0, alibi_slopes=torch.linspace(0.01, 0.1, 8))],
                          ids=["plain", "window-sinks", "softcap-alibi"])
 @pytest.mark.parametrize("config", AMX_CONFIGS.values(), ids=AMX_CONFIGS.keys())
-def test_amx_prefill(monkeypatch, threads, opts, config):
-    use_isa(monkeypatch, "avx512amx")
+@pytest.mark.parametrize("pair_isa", ["avx512amx", "avx512bf16"])
+def test_amx_prefill(monkeypatch, threads, opts, config, pair_isa):
+    """The tile kernels that multiply bf16 pairs: on AMX, and as vdpbf16ps (the dp form, avx512bf16)."""
+    use_isa(monkeypatch, pair_isa)
     fp8, per_head, layout, hq, hkv, d, b = config
     opts = {k: v[:hq] if isinstance(v, torch.Tensor) else v for k, v in opts.items()}
     seq_lens, q_lens = [300, 1, 0, 131, 70], [90, 1, 0, 131, 17]
@@ -149,10 +151,53 @@ def test_amx_prefill(monkeypatch, threads, opts, config):
     query = (make_query(sum(q_lens), hq, d, torch.float64, generator(22)) * magnitude[:, None, None]).to(torch.bfloat16)
     out, _ = run_paged_attention(kv, query, query_start_loc(q_lens), **opts)
     # The vector kernel keeps the probabilities in float32, the tiles round them to bf16: a result
-    # identical to the AVX-512 path's would mean the AMX kernel never ran.
+    # identical to the AVX-512 path's would mean the AMX (dp) kernel never ran.
     monkeypatch.setenv("KVKERNELS_CPU_ISA", "avx512vbmi")
     vec, _ = ops.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
                                  query_start_loc(q_lens), **opts, **kv.scales)
+    assert not torch.equal(out, vec)
+
+
+# The vdpbf16ps form of the vector kernel (attention_dp.h: bf16 queries over bf16 / fp8 caches on
+# avx512bf16 and avx512amx): decode and chunked prefill with few rows, GQA 4 (four rows: fp8 rows
+# converted in registers) and 8 (eight rows: fp8 chunks staged as bf16 once), MQA, head dims that
+# leave a partial 64-value block (72, 200) or whole ones (128, 256), blocks of 1 / 5 / 16 slots, odd
+# and even key counts per chunk (pairs of value rows with a zero partner), every scale kind.
+# id: cache fp8 (None: bf16), per-head scale, layout, Hq, Hkv, D, B
+DP_CONFIGS = {
+    "bf16-NHD-gqa4-d128-b16": (None, False, "NHD", 8, 2, 128, 16),
+    "bf16-HND-gqa8-d72-b5": (None, False, "HND", 8, 1, 72, 5),
+    "e4m3-tensor-NHD-gqa4-d128-b16": ("e4m3", False, "NHD", 16, 4, 128, 16),
+    "e4m3-head-stacked-gqa8-d256-b1": ("e4m3", True, "stacked", 16, 2, 256, 1),
+    "e5m2-head-NHD-gqa4-d200-b16": ("e5m2", True, "NHD", 8, 2, 200, 16),
+    "e5m2-tensor-HND-mqa-d64-b5": ("e5m2", False, "HND", 3, 1, 64, 5),
+}
+
+
+@pytest.mark.parametrize("dp_isa", ["avx512bf16", "avx512amx"])
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("opts", [{}, dict(window_left=21, sinks=torch.linspace(-1, 1, 16)),
+                                  dict(soft_cap=3.0, alibi_slopes=torch.linspace(0.01, 0.1, 16))],
+                         ids=["plain", "window-sinks", "softcap-alibi"])
+@pytest.mark.parametrize("config", DP_CONFIGS.values(), ids=DP_CONFIGS.keys())
+def test_dp_vector_kernel(monkeypatch, dp_isa, mode, opts, config):
+    use_isa(monkeypatch, dp_isa)
+    fp8, per_head, layout, hq, hkv, d, b = config
+    opts = {k: v[:hq] if isinstance(v, torch.Tensor) else v for k, v in opts.items()}
+    # varlen: at most 3 queries per sequence: with GQA <= 4 (12 rows) the call stays on the vector kernel
+    # (fp8 chunks staged, rows of a group that see different keys); with GQA 8 it takes the dp tiles
+    seq_lens, q_lens = [77, 1, 0, 33, 130], [3, 1, 0, 2, 3]
+    kv, query, qsl = make_case(mode, seq_lens, dtype=torch.bfloat16, num_heads=hq, num_kv_heads=hkv,
+                               head_dim=d, block_size=b, layout=layout, fp8=fp8, per_head=per_head, seed=41)
+    if mode == "varlen":
+        qsl = query_start_loc(q_lens)
+        query = make_query(sum(q_lens), hq, d, torch.bfloat16, generator(42))
+    out, _ = run_paged_attention(kv, query, qsl, **opts)
+    # The float form keeps the probabilities in float32, the dp form rounds them to bf16 for P V: a
+    # result identical to the avx512vbmi path's would mean the dp kernel never ran.
+    monkeypatch.setenv("KVKERNELS_CPU_ISA", "avx512vbmi")
+    vec, _ = ops.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl,
+                                 **opts, **kv.scales)
     assert not torch.equal(out, vec)
 
 

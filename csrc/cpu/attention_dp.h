@@ -131,8 +131,8 @@ inline void dp_dot4x2(const bf16_bits* q, int dq, const C* k0, const C* k1, cons
 // (row r, key j + k), stored as four 128-bit pieces (two sum4 trees and 8 scalar stores per two
 // keys before: most of the logits' time in the profile).
 template <typename C>
-inline void dp_logits4x4(const bf16_bits* q, int dq, const C* const* keys, int j,
-                         const DpSide& side, const DpReader<C>& rd, float mul, float* s) {
+inline __m512 dp_logits4x4(const bf16_bits* q, int dq, const C* const* keys, int j,
+                           const DpSide& side, const DpReader<C>& rd, float mul) {
   Vec a[16];
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) a[i] = Vec::zero();
@@ -151,12 +151,8 @@ inline void dp_logits4x4(const bf16_bits* q, int dq, const C* const* keys, int j
   __m512 v[16];
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) v[i] = a[i].v;
-  const __m512 t = _mm512_mul_ps(reduce16(v, [](__m512 u, __m512 w) { return _mm512_add_ps(u, w); }),
-                                 _mm512_set1_ps(mul));
-  _mm_storeu_ps(s + j, _mm512_castps512_ps128(t));
-  _mm_storeu_ps(s + kChunk + j, _mm512_extractf32x4_ps(t, 1));
-  _mm_storeu_ps(s + 2 * kChunk + j, _mm512_extractf32x4_ps(t, 2));
-  _mm_storeu_ps(s + 3 * kChunk + j, _mm512_extractf32x4_ps(t, 3));
+  return _mm512_mul_ps(reduce16(v, [](__m512 u, __m512 w) { return _mm512_add_ps(u, w); }),
+                       _mm512_set1_ps(mul));
 }
 
 template <typename C>
@@ -167,9 +163,30 @@ inline void dp_chunk_logits(const Scratch& sc, const bf16_bits* q, int dq, int r
     const bf16_bits* qr = q + size_t(r) * dq;
     float* s = sc.s + r * kChunk;
     int j = j0;
+    if (j0 == 0 && j1 == kChunk) {  // a whole chunk: four groups of four keys, rows stored whole
+      __m512 t[4];
+      for (int g = 0; g < 4; ++g) {
+        if (r == 0) pf.at(4 * g), pf.at(4 * g + 1), pf.at(4 * g + 2), pf.at(4 * g + 3);
+        t[g] = dp_logits4x4(qr, dq, keys, 4 * g, side, rd, mul);
+      }
+      // t[g] lanes 4r .. 4r + 3: row r, keys 4g .. 4g + 3. A 4 x 4 transpose of 128-bit lanes gives
+      // each row's 16 logits in one vector (four 16-byte stores then a 64-byte load of the row would
+      // wait for the stores: no forwarding across them).
+      const __m512 u0 = _mm512_shuffle_f32x4(t[0], t[1], 0x44), u1 = _mm512_shuffle_f32x4(t[0], t[1], 0xEE);
+      const __m512 u2 = _mm512_shuffle_f32x4(t[2], t[3], 0x44), u3 = _mm512_shuffle_f32x4(t[2], t[3], 0xEE);
+      _mm512_storeu_ps(s, _mm512_shuffle_f32x4(u0, u2, 0x88));
+      _mm512_storeu_ps(s + kChunk, _mm512_shuffle_f32x4(u0, u2, 0xDD));
+      _mm512_storeu_ps(s + 2 * kChunk, _mm512_shuffle_f32x4(u1, u3, 0x88));
+      _mm512_storeu_ps(s + 3 * kChunk, _mm512_shuffle_f32x4(u1, u3, 0xDD));
+      continue;
+    }
     for (; j + 3 < j1; j += 4) {
       if (r == 0) pf.at(j), pf.at(j + 1), pf.at(j + 2), pf.at(j + 3);
-      dp_logits4x4(qr, dq, keys, j, side, rd, mul, s);
+      const __m512 t = dp_logits4x4(qr, dq, keys, j, side, rd, mul);
+      _mm_storeu_ps(s + j, _mm512_castps512_ps128(t));
+      _mm_storeu_ps(s + kChunk + j, _mm512_extractf32x4_ps(t, 1));
+      _mm_storeu_ps(s + 2 * kChunk + j, _mm512_extractf32x4_ps(t, 2));
+      _mm_storeu_ps(s + 3 * kChunk + j, _mm512_extractf32x4_ps(t, 3));
     }
     for (; j + 1 < j1; j += 2) {
       if (r == 0) pf.at(j), pf.at(j + 1);
@@ -331,16 +348,23 @@ inline void dp_stage_chunk(const AttentionPlan& plan, const Head& h, const F* co
   }
 }
 
-// Puts the accumulator columns of `rows` rows (dp_value_pairs' lane order per 64) back in order.
+// Puts the accumulator columns of `rows` rows (dp_value_pairs' lane order per 64) back in order:
+// column c of a block comes from slot slot_of_col(c), gathered by two-table permutes.
 inline void dp_unpermute_rows(float* acc, int rows, int dv) {
-  int col[64];
-  for (int s = 0; s < 64; ++s) col[s] = dp_col_of_slot(s);
-  float t[64];
+  alignas(64) int32_t slot[64];
+  for (int s = 0; s < 64; ++s) slot[dp_col_of_slot(s)] = s;
+  __m512i idx[4];
+  for (int x = 0; x < 4; ++x) idx[x] = _mm512_sub_epi32(_mm512_load_si512(slot + 16 * x), _mm512_set1_epi32(x < 2 ? 0 : 32));
   for (int r = 0; r < rows; ++r) {
     for (int b = 0; b + 64 <= dv; b += 64) {
       float* x = acc + size_t(r) * dv + b;
-      for (int s = 0; s < 64; ++s) t[col[s]] = x[s];
-      std::memcpy(x, t, sizeof t);
+      const __m512 s0 = _mm512_loadu_ps(x), s1 = _mm512_loadu_ps(x + 16), s2 = _mm512_loadu_ps(x + 32),
+                   s3 = _mm512_loadu_ps(x + 48);
+      // Columns 0-31 come from slots 0-31 (vectors 0, 1), columns 32-63 from slots 32-63.
+      _mm512_storeu_ps(x, _mm512_permutex2var_ps(s0, idx[0], s1));
+      _mm512_storeu_ps(x + 16, _mm512_permutex2var_ps(s0, idx[1], s1));
+      _mm512_storeu_ps(x + 32, _mm512_permutex2var_ps(s2, idx[2], s3));
+      _mm512_storeu_ps(x + 48, _mm512_permutex2var_ps(s2, idx[3], s3));
     }
   }
 }
