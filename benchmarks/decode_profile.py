@@ -50,8 +50,8 @@ STAGES = (  # (stage, function names): the innermost inlined frame that matches 
              "dp_value_pairs")),
     ("fp8 staging", ("dp_stage_chunk",)),
     ("addressing", ("chunk_slots", "chunk_rows", "next_chunk", "for_chunk_slots")),
-    ("item", ("load_queries", "store_rows", "finalize_row", "unpair_rows", "merge_splits", "dp_unpermute_rows",
-              "dp_load_queries")),
+    ("item", ("load_queries", "store_rows", "finalize_row", "unpair_rows", "merge_splits",
+              "dp_unpermute_rows")),
 )
 NESTED = ("fp8 lookup", "prefetch")  # also named by the stage they sit in
 

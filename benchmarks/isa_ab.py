@@ -122,10 +122,24 @@ def matmul_fn():
     return lambda: torch.matmul(a, b), 2 * 2048 ** 3
 
 
+def supported_isas() -> list:
+    out = []
+    for isa in ("avx512vbmi", "avx512bf16", "avx512amx"):
+        try:
+            with_isa(isa, kvkernels.cpu_isa)
+            out.append(isa)
+        except RuntimeError:
+            pass
+    return out or [kvkernels.cpu_isa()]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default=DEFAULT_CASES)
-    p.add_argument("--isas", default="avx512vbmi,avx512bf16", help="first = the baseline of the ratios")
+    p.add_argument("--isas", default="avx512vbmi,avx512bf16",
+                   help="first = the baseline of the ratios; 'auto': those of avx512vbmi, avx512bf16, avx512amx this "
+                        "CPU supports (else its best path alone)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes, one round: a smoke test, not a measurement")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--calls", type=int, default=15, help="calls per (round, case, ISA); the median is kept")
     p.add_argument("--threads", type=int, default=None)
@@ -140,7 +154,10 @@ def main() -> int:
     CLOCK = time.perf_counter if args.clock == "wall" else time.process_time
     if args.threads:
         torch.set_num_threads(args.threads)
-    isas = args.isas.split(",")
+    isas = supported_isas() if args.isas == "auto" else args.isas.split(",")
+    if args.quick:
+        args.cases = "decode-bf16-b2x512,decode-e4m3-b2x512,prefill-bf16-64x512"
+        args.rounds, args.calls, args.rotate_mib = 1, 3, 0
     names = args.cases.split(",")
     result = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv),
@@ -201,7 +218,18 @@ def main() -> int:
     result["machine"]["load_average_at_end"] = os.getloadavg()
     text = report(result)
     print(text)
-    if not args.no_write:
+    # One line per case for scripts/gpu_validate.sh's summary (its b_cpu step keeps "variant:" lines).
+    print(f"variant: cpu {result['machine']['cpu_model']}, {result['machine']['threads']} threads, isas {','.join(isas)}, "
+          f"read {result['bandwidth_before']['read']:.0f}/{result['bandwidth_after']['read']:.0f} GB/s")
+    for c in cases:
+        rates = c.get("gb_s") or c.get("gflop_s")
+        unit = "GB/s" if c["kind"] == "decode" else "GFLOP/s"
+        line = f"variant: cpu {c['case']} " + ", ".join(
+            f"{isa} {c['median_s'][isa] * 1e3:.2f} ms {rates[isa]:.0f} {unit}" for isa in isas)
+        if "matmul_bf16_2048_gflop_s" in c:
+            line += f"; matmul bf16 {c['matmul_bf16_2048_gflop_s']['median']:.0f} GFLOP/s"
+        print(line)
+    if not args.no_write and not args.quick:
         args.out.mkdir(parents=True, exist_ok=True)
         stem = args.out / f"isa-ab-{machine.slug(machine.cpu_model())}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
         stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
