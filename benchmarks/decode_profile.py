@@ -97,7 +97,9 @@ def inline_chains(so: str, addrs: list) -> dict:
             chains[cur] = []
             i += 1
         else:  # a function line, then its file:line
-            chains[cur].append(out[i].split("(")[0])
+            # "float __vector(16) ns::f<...>(args)" (a function returning __m512): drop the return type's
+            # parenthesis first, or the name would be cut at it
+            chains[cur].append(re.sub(r"__vector\(\d+\)\s*", "", out[i]).split("(")[0])
             i += 2
     return chains
 

@@ -158,15 +158,15 @@ def test_amx_prefill(monkeypatch, threads, opts, config, pair_isa):
     assert not torch.equal(out, vec)
 
 
-# The vdpbf16ps form of the vector kernel (attention_dp.h: bf16 queries over bf16 / fp8 caches on
-# avx512bf16 and avx512amx): decode and chunked prefill with few rows, GQA 4 (four rows: fp8 rows
-# converted in registers) and 8 (eight rows: fp8 chunks staged as bf16 once), MQA, head dims that
-# leave a partial 64-value block (72, 200) or whole ones (128, 256), blocks of 1 / 5 / 16 slots, odd
-# and even key counts per chunk (pairs of value rows with a zero partner), every scale kind.
-# id: cache fp8 (None: bf16), per-head scale, layout, Hq, Hkv, D, B
+# The vdpbf16ps form of the vector kernel (attention_dp.h: bf16 queries over fp8 caches on avx512bf16
+# and avx512amx): decode and chunked prefill with few rows, GQA 4 (four rows: fp8 rows converted in
+# registers) and 8 (eight rows: fp8 chunks staged as bf16 once), MQA, head dims that leave a partial
+# 64-value block (72, 200) or whole ones (128, 256), blocks of 1 / 5 / 16 slots, odd and even key counts
+# per chunk (pairs of value rows with a zero partner), every scale kind.
+# id: cache fp8, per-head scale, layout, Hq, Hkv, D, B
 DP_CONFIGS = {
-    "bf16-NHD-gqa4-d128-b16": (None, False, "NHD", 8, 2, 128, 16),
-    "bf16-HND-gqa8-d72-b5": (None, False, "HND", 8, 1, 72, 5),
+    "e5m2-tensor-NHD-gqa4-d128-b16": ("e5m2", False, "NHD", 8, 2, 128, 16),
+    "e4m3-tensor-HND-gqa8-d72-b5": ("e4m3", False, "HND", 8, 1, 72, 5),
     "e4m3-tensor-NHD-gqa4-d128-b16": ("e4m3", False, "NHD", 16, 4, 128, 16),
     "e4m3-head-stacked-gqa8-d256-b1": ("e4m3", True, "stacked", 16, 2, 256, 1),
     "e5m2-head-NHD-gqa4-d200-b16": ("e5m2", True, "NHD", 8, 2, 200, 16),

@@ -1,6 +1,7 @@
 // The vector kernel's vdpbf16ps form (KVK_BF16 builds: avx512bf16, avx512amx), for bf16 queries
-// over bf16 or fp8 caches (plan.dp): decode, and calls with too few rows per kv head for the tile
-// kernels. Included by attention_kernel.h after everything it reuses (chunk walk, slots,
+// over fp8 caches (plan.dp): decode, and calls with too few rows per kv head for the tile kernels.
+// (It reads bf16 rows too, the staged fp8 chunks below; over a bf16 cache the planner keeps the float
+// form, which was as fast or faster from DRAM: attention_run.h, make_plan.) Included by attention_kernel.h after everything it reuses (chunk walk, slots,
 // prefetchers, masks, softmax, the output stage, and reduce16 of attention_tiles.h).
 //
 // vdpbf16ps multiplies the 32 bf16 pairs of two registers and adds each pair's two products to one

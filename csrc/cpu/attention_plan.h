@@ -37,8 +37,8 @@ struct AttentionPlan {
   int dk = 0, dv = 0;  // head_dim, head_dim_v rounded up to 32 (scratch row widths)
   int splits = 1;      // KV ranges per (sequence, query tile, kv head)
   TileKernel tiles = TileKernel::kNone;  // not kNone: heads == 1, max_rows % 16 == 0
-  // The vector kernel's vdpbf16ps form (attention_dp.h: bf16 queries over bf16 / fp8 caches on
-  // avx512bf16 and avx512amx); dk and dv are then multiples of 64.
+  // The vector kernel's vdpbf16ps form (attention_dp.h: bf16 queries over fp8 caches on avx512bf16
+  // and avx512amx); dk and dv are then multiples of 64.
   bool dp = false;
 };
 

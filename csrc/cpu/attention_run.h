@@ -17,10 +17,14 @@
 
 namespace kvkernels::cpu {
 
-inline const AttentionKernels& kernels_for(Isa isa) {
+// The avx512bf16 build differs from the avx512vbmi one only in its dp forms; a call that uses neither
+// runs the avx512vbmi build's code (the same source compiled under other target flags was measured
+// slower there: float32 decode 1.18-1.31x the CPU time, benchmarks/results/isa-ab-*-20261128-202651).
+inline const AttentionKernels& kernels_for(Isa isa, const AttentionPlan& plan) {
 #if defined(__x86_64__)
   if (isa == Isa::kAvx512Amx) return kAttentionAvx512Amx;
-  if (isa == Isa::kAvx512Bf16) return kAttentionAvx512Bf16;
+  if (isa == Isa::kAvx512Bf16)
+    return plan.dp || plan.tiles == TileKernel::kDp ? kAttentionAvx512Bf16 : kAttentionAvx512Vbmi;
   if (isa == Isa::kAvx512Vbmi) return kAttentionAvx512Vbmi;
   if (isa == Isa::kAvx512) return kAttentionAvx512;
   if (isa == Isa::kAvx2) return kAttentionAvx2;
@@ -74,7 +78,11 @@ inline AttentionPlan make_plan(const AttentionParams& p, Isa isa, int64_t max_q_
   plan.heads = std::clamp(64 / plan.max_rows, 1, std::min(p.kv.num_kv_heads, 16));
   // In HND-like layouts a head's rows of a block are already one contiguous run: no grouping.
   if (p.kv.k_stride_head > p.kv.k_stride_slot) plan.heads = 1;
-  plan.dp = dp_formats(p, isa);
+  // The vector kernel's dp form for fp8 caches only: over bf16 caches it computes in 0.69x the CPU
+  // time of the float form when the cache is resident, but took 1.04-1.10x at b8 x 4096 / b1 x 16384
+  // from DRAM (one thread, CPU clock: benchmarks/results/isa-ab-*-20261128-202651), where both are
+  // bound by the read bandwidth; fp8 rows were compute-bound there (0.65x).
+  plan.dp = dp_formats(p, isa) && p.kv.format != CacheFormat::kBFloat16;
   // Whole Words (32 bf16) and Vecs; the dp form reads rows 64 values at a time.
   plan.dk = int(round_up(p.kv.head_dim, plan.dp ? 64 : 32));
   plan.dv = int(round_up(p.kv.head_dim_v, plan.dp ? 64 : 32));
@@ -114,7 +122,6 @@ inline float* thread_scratch(int slot, size_t n) {
 template <typename Host>
 void run_attention_on(const AttentionParams& p, const Host& host) {
   const Isa isa = active_isa();
-  const AttentionKernels& kernels = kernels_for(isa);
 
   int64_t max_q_len = 0, max_seq_len = 0;
   for (int64_t s = 0; s < p.kv.num_seqs; ++s) {
@@ -122,6 +129,7 @@ void run_attention_on(const AttentionParams& p, const Host& host) {
     max_seq_len = std::max<int64_t>(max_seq_len, p.kv.seq_lens[s]);
   }
   AttentionPlan plan = make_plan(p, isa, max_q_len);
+  const AttentionKernels& kernels = kernels_for(isa, plan);
   std::vector<AttentionItem> items;
   for (int64_t s = 0; s < p.kv.num_seqs; ++s)
     for (int64_t q0 = 0; q0 < p.q_len(s); q0 += plan.q_tile)
