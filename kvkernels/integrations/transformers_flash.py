@@ -58,7 +58,12 @@ Use (``continuous_batching_kernel()`` registers and returns the name; call it be
     outputs = model.generate_batch(prompts, generation_config=config)   # continuous batching
 
 and ``python -m kvkernels transformers serve MODEL --continuous-batching --attn-implementation
-kvkernels/flash-attn2-api`` runs transformers' CLI with the kernel registered.
+kvkernels/flash-attn2-api`` runs transformers' CLI (``transformers serve``, any of its commands) with
+the kernel registered (``cli_main``).
+
+``KVKERNELS_FLASH_CALL_LOG=DIR``: each process appends one line per call of the three functions to
+``DIR/calls-<pid>.txt`` (``<function> <sequences> <query rows>``), so a test or a user can see that the
+kernel ran inside a server process. Off (one environment look-up per call) when unset.
 
 Supported options (what transformers passes): ``softmax_scale``, ``causal`` (bottom-right aligned
 when query and key lengths differ, as FlashAttention >= 2.1), ``window_size=(left, right)`` (the left
@@ -81,8 +86,8 @@ from kvkernels import ops
 
 KERNEL_NAME = "kvkernels/flash-attn2-api"
 
-__all__ = ["KERNEL_NAME", "KernelHookError", "continuous_batching_kernel", "flash_attn_func", "flash_attn_varlen_func",
-           "flash_attn_with_kvcache", "register_flash_kernel"]
+__all__ = ["KERNEL_NAME", "KernelHookError", "cli_main", "continuous_batching_kernel", "flash_attn_func",
+           "flash_attn_varlen_func", "flash_attn_with_kvcache", "register_flash_kernel"]
 
 
 class KernelHookError(RuntimeError):
@@ -136,6 +141,14 @@ def _int32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
+def _log_call(function: str, sequences: int, rows: int) -> None:
+    """``KVKERNELS_FLASH_CALL_LOG=DIR``: one line per call in ``DIR/calls-<pid>.txt`` (module docstring)."""
+    directory = os.environ.get("KVKERNELS_FLASH_CALL_LOG")
+    if directory:
+        with open(os.path.join(directory, f"calls-{os.getpid()}.txt"), "a") as f:
+            f.write(f"{function} {sequences} {rows}\n")
+
+
 # ---- the flash-attention API ------------------------------------------------------------------------
 
 
@@ -162,6 +175,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     table = cu_k[:-1, None] + torch.arange(max(width, 1), dtype=torch.int32, device=cu_k.device)[None, :]
     out, _ = ops.paged_attention(q, _unit_last_stride(k).unsqueeze(1), _unit_last_stride(v).unsqueeze(1), table,
                                  seq_lens, _int32(cu_seqlens_q), **options)
+    _log_call(where, seq_lens.shape[0], q.shape[0])
     return out
 
 
@@ -184,6 +198,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     qsl = None if q_len == 1 else torch.arange(batch + 1, dtype=torch.int32, device=device) * q_len
     out, _ = ops.paged_attention(q.reshape(batch * q_len, *q.shape[2:]), _unit_last_stride(k), _unit_last_stride(v),
                                  table, seq_lens, qsl, **options)
+    _log_call(where, batch, batch * q_len)
     return out.view(batch, q_len, *out.shape[1:])
 
 
@@ -284,6 +299,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     qsl = None if q_len == 1 else torch.arange(batch + 1, dtype=torch.int32, device=device) * q_len
     out, _ = ops.paged_attention(q.reshape(batch * q_len, *q.shape[2:]), key_cache, value_cache, table, seq_lens, qsl,
                                  **options)
+    _log_call(where, batch, batch * q_len)
     return out.view(batch, q_len, *out.shape[1:])
 
 
@@ -339,3 +355,19 @@ def continuous_batching_kernel() -> str:
     kvkernels: ``from_pretrained(path, attn_implementation=continuous_batching_kernel())``. Registers
     the kernel (``register_flash_kernel``) and returns ``KERNEL_NAME``."""
     return register_flash_kernel()
+
+
+def cli_main(argv: Optional[list[str]] = None) -> int:
+    """``python -m kvkernels transformers ARGS``: transformers' command line (``transformers ARGS``, e.g.
+    ``serve MODEL --continuous-batching --attn-implementation kvkernels/flash-attn2-api``) in a process
+    where ``KERNEL_NAME`` is registered. (transformers' ``main()`` also checks PyPI for a newer
+    release first; this runs its command table directly and does not.)"""
+    register_flash_kernel()
+    from transformers.cli.transformers import app
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        app(args=argv, prog_name="python -m kvkernels transformers")
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    return 0
