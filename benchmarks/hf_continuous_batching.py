@@ -25,6 +25,7 @@ sides pay the same transformers cache writes and gathers (index_copy_ / index_se
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -65,8 +66,11 @@ def build_models(args):
     models = {}
     for name, attn in (("sdpa", "sdpa"), ("kvkernels", kernel)):
         torch.manual_seed(0)
-        models[name] = tf.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+        # a config of its own each: from_config stores the attention implementation on the config it is given
+        models[name] = tf.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn).eval()
     models["kvkernels"].load_state_dict(models["sdpa"].state_dict())
+    for name, attn in (("sdpa", "sdpa"), ("kvkernels", kernel)):
+        assert models[name].config._attn_implementation == attn, (name, models[name].config._attn_implementation)
     return models
 
 
