@@ -48,8 +48,10 @@ be loaded through ``kernels`` at all. ``register_flash_kernel()`` therefore puts
 module at each load): for ``KERNEL_NAME`` it registers transformers' own flash wrapper and flash mask
 function under the name, as that loader does for a kernel it fetched, and returns this module; every
 other name goes to the original loader unchanged. Nothing is downloaded and ``kernels`` is not needed.
-It is the one hook transformers leaves between an attention name and a kernel module, and it is checked
-when installed (``KernelHookError`` if transformers no longer resolves the name through it).
+transformers has no public registry for flash kernel modules; this loader is the single function between
+an attention name and its module, so the resolver wraps it rather than patching the lazy-import cache or
+the continuous-batching checks. Installing it is checked (``KernelHookError`` if transformers no longer
+resolves the name through it).
 
 Use (``continuous_batching_kernel()`` registers and returns the name; call it before loading a model)::
 
