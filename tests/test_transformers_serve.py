@@ -29,11 +29,13 @@ import torch
 import transformers
 from packaging.version import Version
 
+import kvkernels
 from kvkernels.integrations.transformers_flash import KERNEL_NAME
 
 from hf_models import chat_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_PARENT = str(Path(kvkernels.__file__).resolve().parents[1])  # the kvkernels this test imports
 MIN_TRANSFORMERS = "5.24.0"  # as tests/test_transformers_cb.py
 pytestmark = pytest.mark.skipif(
     Version(transformers.__version__) < Version(MIN_TRANSFORMERS),
@@ -59,7 +61,8 @@ class Server:
     def __init__(self, name: str, command: list[str], tmp: Path, call_log: bool):
         self.name, self.port = name, free_port()
         self.log_path, self.calls = tmp / f"{name}.log", (tmp / f"{name}-calls" if call_log else None)
-        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1", TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1", TOKENIZERS_PARALLELISM="false",
+                   PYTHONPATH=os.pathsep.join([PACKAGE_PARENT, *filter(None, [os.environ.get("PYTHONPATH")])]))
         env.pop("KVKERNELS_FLASH_CALL_LOG", None)
         if self.calls is not None:
             self.calls.mkdir()
