@@ -7,16 +7,21 @@ random Llama (GQA) with kvkernels' kernel, token-identical to the SDPA continuou
 per-prompt ``generate()``, for mixed prompt lengths with a shared prefix and chunked prefill, with the
 kernel's calls counted; the block-table decode path transformers takes on CUDA, forced here on the CPU;
 and ``generate()`` with the kernel on a stock cache. Nothing is downloaded.
+
+Runs on every transformers the package supports (``make test-compat``: 5.16.1 and 5.24.0; also run on
+5.18.0, 5.20.0, 5.21.1, 5.22.2, 5.23.0). transformers' continuous batching sizes its CPU cache with
+``psutil`` (before 5.21 it fails without it; the development venv has it, pinned).
 """
 
 from __future__ import annotations
 
 import math
 
+import inspect
+
 import pytest
 import torch
 import transformers
-from packaging.version import Version
 
 import kvkernels
 from kvkernels.integrations import transformers_flash as flash
@@ -25,14 +30,6 @@ from kvkernels.integrations.transformers_flash import (KERNEL_NAME, flash_attn_f
 
 from hf_models import OpCounter, build, config_for
 
-# Continuous batching's attention selection, the flash wrapper's arguments and the block-table path as
-# this module uses them are transformers 5.24's (5.16's continuous batching, for one, still wraps every
-# implementation as "paged|<name>" and has no block-table decode path).
-MIN_TRANSFORMERS = "5.24.0"
-needs_transformers = pytest.mark.skipif(
-    Version(transformers.__version__) < Version(MIN_TRANSFORMERS),
-    reason=f"transformers {transformers.__version__}: continuous batching on kvkernels needs transformers >= "
-           f"{MIN_TRANSFORMERS}")
 
 
 # ---- the flash functions against a dense reference ------------------------------------------------------
@@ -256,7 +253,10 @@ NEW_TOKENS = 10
 
 def cb_config(**extra):
     # Small explicit sizes: the default sizes the cache from the machine's free memory (seconds on a CPU).
-    return transformers.ContinuousBatchingConfig(page_size=4, num_blocks=96, max_batch_tokens=16, **extra)
+    # The page size is `block_size` in transformers 5.16 (`page_size` by 5.18).
+    fields = inspect.signature(transformers.ContinuousBatchingConfig).parameters
+    page = "page_size" if "page_size" in fields else "block_size"
+    return transformers.ContinuousBatchingConfig(**{page: 4}, num_blocks=96, max_batch_tokens=16, **extra)
 
 
 def generation_config():
@@ -266,9 +266,6 @@ def generation_config():
 @pytest.fixture(scope="module")
 def llama_pair():
     """(SDPA Llama, the same weights on kvkernels' flash kernel); GQA: 4 query heads, 2 kv heads."""
-    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
-        pytest.skip(f"transformers {transformers.__version__}: continuous batching on kvkernels needs transformers "
-                    f">= {MIN_TRANSFORMERS}")
     name = flash.continuous_batching_kernel()
     config, _, _ = config_for("llama")
     assert config.num_attention_heads == 4 and config.num_key_value_heads == 2
@@ -291,7 +288,6 @@ def expected(llama_pair):
     return [sdpa.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist() for p in PROMPTS]
 
 
-@needs_transformers
 def test_registration_resolves_the_name_and_leaves_other_kernels_alone():
     from transformers.integrations import hub_kernels
     from transformers.modeling_flash_attention_utils import lazy_import_flash_attention
@@ -302,7 +298,8 @@ def test_registration_resolves_the_name_and_leaves_other_kernels_alone():
     assert loader.kvkernels_original is not None and not hasattr(loader.kvkernels_original, "kvkernels_original")
     functions = lazy_import_flash_attention(KERNEL_NAME)[0]
     assert functions[:2] == (flash_attn_func, flash_attn_varlen_func)
-    assert functions[2].__wrapped__ is flash_attn_with_kvcache  # transformers wraps it in torch.compiler.disable
+    # transformers 5.20 and later wrap it in torch.compiler.disable (5.16 and 5.18 do not)
+    assert getattr(functions[2], "__wrapped__", functions[2]) is flash_attn_with_kvcache
     assert KERNEL_NAME in ALL_ATTENTION_FUNCTIONS.valid_keys()
     assert transformers.utils.generic.is_flash_attention_requested(requested_attention_implementation=KERNEL_NAME)
     # every other Hub-style name still goes to transformers' own loader
@@ -310,7 +307,6 @@ def test_registration_resolves_the_name_and_leaves_other_kernels_alone():
         loader("someone/other-kernel")
 
 
-@needs_transformers
 def test_generate_batch_matches_sdpa_and_generate(llama_pair, expected, monkeypatch):
     sdpa, ours = llama_pair
     calls = OpCounter(monkeypatch, "paged_attention", "reshape_and_cache")
@@ -327,7 +323,6 @@ def test_generate_batch_matches_sdpa_and_generate(llama_pair, expected, monkeypa
     assert ours.config._attn_implementation == KERNEL_NAME
 
 
-@needs_transformers
 def test_generate_batch_block_table_path(llama_pair, expected, monkeypatch):
     """transformers takes the block-table decode path (flash_attn_with_kvcache on its own paged cache,
     overlapping K/V page views) only on CUDA / XPU; here it is forced on the CPU by keeping the requested
@@ -344,7 +339,6 @@ def test_generate_batch_block_table_path(llama_pair, expected, monkeypatch):
     assert calls.calls["paged_attention"] > calls.calls["reshape_and_cache"]  # + the prefill forwards (varlen)
 
 
-@needs_transformers
 def test_generate_with_the_kernel_on_a_stock_cache(llama_pair, monkeypatch):
     """Plain generate() (what `transformers serve` runs without continuous batching) on the same name:
     left-padded rows go through flash_attn_varlen_func, an unpadded batch through flash_attn_func."""
