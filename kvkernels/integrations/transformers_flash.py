@@ -43,7 +43,8 @@ keywords), which is what transformers keys its block-table decode path on.
 How transformers finds it. The ``kernels`` package would load a kernel from a local directory
 (``LOCAL_KERNELS=repo=path``), but transformers 5.23 and 5.24 accept only ``kernels>=0.18.2,<0.19``,
 and no such release is on PyPI (the newest is 0.17.2), so on those versions a Hub-style name cannot
-be loaded through ``kernels`` at all. ``register_flash_kernel()`` therefore puts a resolver in front of
+be loaded through ``kernels`` at all (5.20-5.22 want ``kernels`` 0.17.2 and 5.16 0.16.x, each with its own
+local-kernel layout; the resolver below serves the name the same way on all of them). ``register_flash_kernel()`` therefore puts a resolver in front of
 ``hub_kernels.load_and_register_attn_kernel`` (which ``lazy_import_flash_attention`` looks up on its
 module at each load): for ``KERNEL_NAME`` it registers transformers' own flash wrapper and flash mask
 function under the name, as that loader does for a kernel it fetched, and returns this module; every
