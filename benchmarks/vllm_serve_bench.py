@@ -122,15 +122,19 @@ def table(result: dict) -> str:
              f"{s['tail_len']}, {s['out_len']} new tokens, every {s['cancel_every']}th cancelled after "
              f"{s['cancel_after']} tokens; greedy, ignore_eos.", "",
              f"{'backend':<10}{'block':>6}{'out tok/s':>11}{'req/s':>8}{'TTFT p50':>10}{'p99':>8}{'e2e p50':>9}"
-             f"{'p99':>8}{'preempt':>9}{'hit %':>7}{'RSS MiB':>9}{'+after':>8}{'startup':>9}"]
+             f"{'p99':>8}{'preempt':>9}{'hit %':>7}{'aborted':>9}{'RSS MiB':>9}{'+after':>8}{'startup':>9}"]
     for r in result["runs"]:
         x, d = r["summary"], r["metrics_delta"]
         hit = 100 * d["vllm:prefix_cache_hits_total"] / max(d["vllm:prefix_cache_queries_total"], 1)
+        aborted = f"{x['requests'] - sum(d['finished'].values()):.0f}/{x['cancelled']}"
         lines.append(f"{r['backend']:<10}{r['block_size']:>6}{x['output_tokens_per_s']:>11.1f}"
                      f"{x['requests_per_s']:>8.2f}"
                      f"{x['ttft_p50_s']:>10.2f}{x['ttft_p99_s']:>8.2f}{x['e2e_p50_s']:>9.2f}{x['e2e_p99_s']:>8.2f}"
-                     f"{d['vllm:num_preemptions_total']:>9.0f}{hit:>7.1f}{r['mem_before']['rss'] / 2**20:>9.0f}"
+                     f"{d['vllm:num_preemptions_total']:>9.0f}{hit:>7.1f}{aborted:>9}"
+                     f"{r['mem_before']['rss'] / 2**20:>9.0f}"
                      f"{r['memory_growth']['total'] / 2**20:>+8.0f}{r['startup_s']:>9.0f}")
+    lines.append("(aborted: cancelled requests the engine stopped before their last token / cancelled by the client; "
+                 "RSS: the server's process tree before the load, +after: its growth once drained and settled)")
     lines.append("")
     lines.append("Medians per configuration; ratios to CPU_ATTN (throughput > 1 and latency < 1: kvkernels faster):")
     for name, c in result["comparison"].items():
@@ -180,7 +184,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny model and load (a smoke test, not a measurement)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--table", type=Path, help="print the table of a result JSON of this script and exit")
     args = p.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())), end="")
+        return 0
     if args.quick:
         args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate = 2, 256, 4, 2, 64, 256
         args.requests, args.prefix_len, args.tail_len, args.out_len = 32, "16,64", "4,64", "8,24"
