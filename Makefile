@@ -1,7 +1,8 @@
 # Two commands do all the set-up on a fresh machine (README):
 #   make demo   - create .venv from requirements/lock.txt (torch too, unless one is present), build, run the demo
 #   make test   - the same set-up, then the test suite
-# Other targets: ort, build, info, bench, fuzz, sanitize, amx-emu-test, test-compat, test-abi, test-vllm, bench-vllm, lock, cuda-check,
+# Other targets: ort, build, info, bench, fuzz, sanitize, amx-emu-test, test-compat, test-abi, test-vllm, bench-vllm,
+# bench-vllm-serve, lock, cuda-check,
 # cuda-emu-test, metal-check, metal-test, clean.
 
 PYTHON ?= python3
@@ -11,7 +12,7 @@ SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -na
 
 ORT_LIB := build-ort/libkvkernels_ort.so
 
-.PHONY: ort demo test test-compat test-abi test-vllm bench-vllm lock build info bench fuzz sanitize amx-emu-test cuda-check \
+.PHONY: ort demo test test-compat test-abi test-vllm bench-vllm bench-vllm-serve lock build info bench fuzz sanitize amx-emu-test cuda-check \
         cuda-emu-test metal-check metal-test clean
 
 # Versions come from requirements/lock.txt (pip constraints), so a fresh machine gets exactly the
@@ -118,6 +119,12 @@ test-vllm: build-vllm/.built
 # (benchmarks/vllm_bench.py; writes benchmarks/results/vllm-*.json/.txt).
 bench-vllm: build-vllm/.built
 	$(VLLM_PY) benchmarks/vllm_bench.py
+
+# vLLM's OpenAI server (tensor parallel 2) under concurrent streaming load, kvkernels vs vLLM's CPU backend,
+# throughput and p50/p99 latencies, servers in ABBA order (benchmarks/vllm_serve_bench.py, driver
+# tests/vllm/serve_load.py; writes benchmarks/results/vllm-serve-*.json/.txt). ~20 min on 2 cores.
+bench-vllm-serve: build-vllm/.built
+	$(VLLM_PY) benchmarks/vllm_serve_bench.py
 
 # Compile every CUDA source for sm_80 and sm_90a; fail on errors or register spills.
 cuda-check:
