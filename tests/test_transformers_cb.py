@@ -5,7 +5,7 @@ soft cap, sinks, GQA, padding rows), the overlapping K/V page views of transform
 cache, the argument errors; then transformers itself: ``generate_batch`` (continuous batching) on a tiny
 random Llama (GQA) with kvkernels' kernel, token-identical to the SDPA continuous-batching run and to
 per-prompt ``generate()``, for mixed prompt lengths with a shared prefix and chunked prefill, with the
-kernel's calls counted; the block-table decode path transformers takes on CUDA, forced here on the CPU;
+kernel's calls counted; Mistral's sliding windows and Gemma2's soft cap the same way; the block-table decode path transformers takes on CUDA, forced here on the CPU;
 and ``generate()`` with the kernel on a stock cache. Nothing is downloaded.
 
 Runs on every transformers the package supports (``make test-compat``: 5.16.1 and 5.24.0; also run on
@@ -321,6 +321,22 @@ def test_generate_batch_matches_sdpa_and_generate(llama_pair, expected, monkeypa
     assert calls.calls["paged_attention"] % layers == 0 and calls.calls["paged_attention"] >= layers * NEW_TOKENS
     assert calls.calls["reshape_and_cache"] == 0  # on the CPU transformers writes and gathers its cache itself
     assert ours.config._attn_implementation == KERNEL_NAME
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_generate_batch_windows_and_soft_cap(name, monkeypatch):
+    """Sliding windows (Mistral: window 4 in every layer; Gemma2: alternating) and Gemma2's soft cap reach the kernel
+    through transformers' flash wrapper (window_size, softcap): generate_batch on kvkernels is token-identical
+    to per-prompt generate() with the stock implementation (tests/test_transformers.py::test_features_matter
+    shows these settings change the tokens)."""
+    config, stock_attn, fix = config_for(name)
+    stock = build(config, stock_attn, fix)
+    ours = build(config, flash.continuous_batching_kernel(), fix)
+    gen = generation_config()
+    expected = [stock.generate(torch.tensor([p]), generation_config=gen)[0, len(p):].tolist() for p in PROMPTS]
+    calls = OpCounter(monkeypatch, "paged_attention")
+    assert generate_batch(ours) == expected
+    assert calls.calls["paged_attention"] >= ours.config.num_hidden_layers * NEW_TOKENS
 
 
 def test_generate_batch_block_table_path(llama_pair, expected, monkeypatch):
