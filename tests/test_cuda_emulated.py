@@ -1622,3 +1622,86 @@ def test_out_variants(emu, case):
     expect = torch.full_like(buf, 3.0)
     expect[..., 4:4 + width] = want
     assert_bytes_equal(buf, expect, "padded out")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the emulator's sm_90 model (tests/cuda_emu/cuda_emu.h, through the wrappers of csrc/cuda/sm90_ptx.cuh;
+# kernels in tests/cuda_emu/sm90_selftest.cpp): wgmma against a plain matmul in every operand layout and
+# swizzle, misuse reported, a warp-specialized mbarrier / named-barrier / setmaxnreg pipeline
+# ---------------------------------------------------------------------------------------------------
+
+# swizzle ids of the matrix descriptor: 0 none (interleaved core matrices), 1 128B, 2 64B, 3 32B
+SWIZZLES = {"none": 0, "128B": 1, "64B": 2, "32B": 3}
+
+
+@pytest.mark.parametrize("swizzle", SWIZZLES.keys())
+def test_sm90_wgmma_matches_matmul(emu, swizzle):
+    """D = A B over two chained k16 steps (scale-d 0, then 1: the accumulators' initial junk ignored) for
+    m64n64k16 and m64n128k16, fp16 and bf16, A from shared memory K-major or M-major or from registers, B
+    K-major or N-major, against the float64 product (the products are exact in float32, the sums float32)."""
+    gen = generator(90 + SWIZZLES[swizzle])
+    for dtype in (bf16, f16):
+        for n in (64, 128):
+            a = randn(64, 32, gen=gen, dtype=dtype)
+            b = randn(32, n, gen=gen, dtype=dtype)
+            want = a.double() @ b.double()
+            for a_kind in ("K", "MN", "regs"):
+                for b_mn in (False, True):
+                    d = emu.wgmma_gemm(a, b, SWIZZLES[swizzle], a_kind == "MN", b_mn, a_kind == "regs", 0)
+                    torch.testing.assert_close(d.double(), want, rtol=1e-5, atol=1e-4,
+                                               msg=lambda m: f"{dtype} n{n} A {a_kind} B {'MN' if b_mn else 'K'}: {m}")
+
+
+def test_sm90_wgmma_result_not_visible_before_the_wait(emu):
+    """Accumulators read between the wgmma and its wait_group hold NaN (the emulator writes the result at the
+    wait); the same kernel reading after the wait gets the product."""
+    a, b = torch.ones(64, 16, dtype=bf16), torch.ones(16, 64, dtype=bf16)
+    assert emu.wgmma_gemm(a, b, 1, False, False, False, 1).isnan().all()
+    assert (emu.wgmma_gemm(a, b, 1, False, False, False, 0) == 16).all()
+    assert emu.sm90_misuse(a, 100, 128).isnan().all()
+
+
+# kind -> (threads, message): one broken rule each (tests/cuda_emu/sm90_selftest.cpp, misuse_kernel)
+SM90_MISUSE = {
+    0: (128, "descriptor start / LBO / SBO not 16-byte aligned"),
+    1: (128, "not in the first row of a repeating pattern"),
+    2: (128, "wait_group with wgmma.mma_async not committed"),
+    3: (128, "without a wgmma.fence"),
+    4: (128, "without a wgmma.fence"),
+    5: (128, "shared memory read by a wgmma in flight changed"),
+    6: (128, "A registers of a wgmma in flight changed"),
+    7: (128, "differ between the threads of a warpgroup"),
+    8: (128, "ended with wgmma.mma_async in flight"),
+    10: (256, "named barrier 1 count mismatch"),
+    11: (256, "deadlock .*named barrier 2 \\(128 of 256 arrived\\)"),
+    12: (128, "ended with named barrier 3 part-way"),
+    13: (128, "not a positive multiple of 32"),
+    20: (128, "setmaxnreg count 100 not a multiple of 8"),
+    21: (128, "setmaxnreg differs between the threads of a warpgroup"),
+    22: (384, "deadlock .*setmaxnreg.inc"),
+    23: (128, "setmaxnreg.dec above the current register count 40"),
+    30: (128, "deadlock .*mbarrier"),
+    31: (32, "more mbarrier arrivals than its count"),
+}
+
+
+@pytest.mark.parametrize("kind", SM90_MISUSE.keys())
+def test_sm90_misuse_is_reported(emu, kind):
+    """Each misuse of wgmma / named barriers / setmaxnreg / mbarriers that the ISA leaves undefined or that
+    would hang on a GPU fails the emulated launch with a message naming it (instead of passing silently)."""
+    threads, message = SM90_MISUSE[kind]
+    with pytest.raises(RuntimeError, match=message):
+        emu.sm90_misuse(torch.zeros(1), kind, threads)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_sm90_warp_specialized_pipeline(emu, stages):
+    """A producer warpgroup (setmaxnreg.dec) fills a ring of stages with cp.async, each stage's full mbarrier
+    completed by cp.async.mbarrier.arrive.noinc; two consumer warpgroups (setmaxnreg.inc) wait for each
+    phase, take turns on named barriers (ping-pong) and release the stage on its empty mbarrier: every item
+    is read intact by both (not the poison of a stage being refilled) and the turns alternate."""
+    src = torch.randint(-1000, 1000, (7, 512), dtype=torch.int32, generator=generator(97))
+    out, order = emu.sm90_pipeline(src, stages)
+    want = src.long().sum(1)
+    assert torch.equal(out[:, 0], want) and torch.equal(out[:, 1], want)
+    assert order.tolist() == [0, 1] * 7

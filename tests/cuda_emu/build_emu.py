@@ -91,7 +91,7 @@ def build(verbose: bool = False):
     flags = ["-std=c++17", "-O1", "-g0", "-ffp-contract=off", "-fvisibility=hidden", "-DKVKERNELS_CUDA_EMU=1",
              "-Wno-unknown-pragmas", "-DTORCH_TARGET_VERSION=0x020a000000000000", f"-I{HERE}", f"-I{build_dir}",
              f"-I{CUDA_HOME}/include", f"-I{ROOT}/csrc", f"-I{ROOT}/csrc/include", f"-I{ROOT}/csrc/cuda"]
-    sources = [os.path.join(HERE, "emu_ops.cpp")] + [os.path.join(ROOT, "csrc", f) for f in
+    sources = [os.path.join(HERE, "emu_ops.cpp"), os.path.join(HERE, "sm90_selftest.cpp")] + [os.path.join(ROOT, "csrc", f) for f in
                                                       ("prepare.cpp", "checks.cpp", "index_checks.cpp")]
     sources += attention_sources(build_dir)
     cpp_extension.load(name="kvkernels_cuda_emu", sources=sources, extra_cflags=flags, build_directory=build_dir,
