@@ -256,6 +256,8 @@ def expected_path(path, env: str | None, dpad: int = 64, fp8: bool = False):
         return MMA_PREFILL_DEEP
     if path == MMA_PREFILL and "mma-prefill-tall" in deep and dpad <= 128 and not fp8:
         return MMA_PREFILL_TALL
+    if path == 7 and "wgmma-prefill" not in deep:  # (WGMMA_PREFILL: asked for, not a default)
+        return MMA_PREFILL
     return path
 
 
@@ -1705,3 +1707,50 @@ def test_sm90_warp_specialized_pipeline(emu, stages):
     want = src.long().sum(1)
     assert torch.equal(out[:, 0], want) and torch.equal(out[:, 1], want)
     assert order.tolist() == [0, 1] * 7
+
+
+# ---------------------------------------------------------------------------------------------------
+# the Hopper wgmma prefill (csrc/cuda/attention_sm90.cuh, Path::kWgmmaPrefill; opt-in with
+# KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill): the planner takes it where wgmma_prefill_unsupported() has no
+# reason against it, else the wide prefill; KVKERNELS_CUDA_WGMMA=require turns such a fallback into an
+# error, so every case below fails if it did not run the wgmma kernel. The emulated device is an sm_90
+# part (4 SMs, 227 KiB of opt-in shared memory).
+# ---------------------------------------------------------------------------------------------------
+
+WGMMA_PREFILL = 7
+
+
+def use_wgmma(monkeypatch, splits=None, require=True):
+    force_cuda_plan(monkeypatch, "ATTN", "wgmma-prefill", splits)
+    monkeypatch.delenv("KVKERNELS_CUDA_WGMMA", raising=False)
+    if require:
+        monkeypatch.setenv("KVKERNELS_CUDA_WGMMA", "require")
+
+
+# id: dtype, layout, Hq, Hkv, D, B, strided query. Block sizes 1 / 5 / 13 / 16 (none divides the 128-key
+# tile but 16; 1 and 5 put several blocks in one tile row range), GQA groups 1 (MHA), 3 (128 rows hold 42
+# queries x 3 heads), 4, 8 and 32 (4 queries x 32 heads), head dims 64 / 72 / 96 / 128.
+WGMMA_CONFIGS = {
+    "bf16-NHD-gqa4-d128-b16": (bf16, "NHD", 8, 2, 128, 16, None),
+    "f16-HND-gqa8-d64-b5": (f16, "HND", 16, 2, 64, 5, "fused"),
+    "bf16-stacked-mha-d64-b1": (bf16, "stacked", 4, 4, 64, 1, None),
+    "f16-NHD-mqa-d72-b16": (f16, "NHD", 8, 1, 72, 16, "transposed"),
+    "bf16-HND-gqa3-d96-b13": (bf16, "HND", 6, 2, 96, 13, None),
+    "f16-NHD-gqa32-d128-b16": (f16, "NHD", 32, 1, 128, 16, None),
+}
+
+
+@pytest.mark.parametrize("config", WGMMA_CONFIGS.values(), ids=WGMMA_CONFIGS.keys())
+def test_wgmma_prefill(emu, config, monkeypatch):
+    """Varlen prefill on the wgmma kernel against the float64 reference: full prefill, chunked prefill,
+    single queries and empty sequences (test_attention.varlen_q_lens), partial and exactly-full last blocks,
+    shuffled block ids, junk past each sequence; a 261-key sequence (3 key tiles, its last 131 queries: two
+    query tiles, the causal diagonal inside a tile) wraps the stage ring at head dim 128 (2 stages)."""
+    dtype, layout, hq, hkv, d, b, strided = config
+    use_wgmma(monkeypatch)
+    seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b, 261]
+    kv, query, qsl = make_case("varlen", seq_lens, dtype=dtype, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                               block_size=b, layout=layout, strided=strided)
+    _, _, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL)
+    hpc = min(hq // hkv, 128)
+    assert plan["heads_per_cta"] == hpc and plan["q_tile"] == 128 // hpc, plan

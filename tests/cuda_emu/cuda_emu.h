@@ -75,7 +75,11 @@ inline dim3 gridDim_, blockDim_;
 // 4 warps of 128 threads, warpgroup i = threads 128 i .. 128 i + 127). kBlocked: waiting for an event
 // another thread causes (a named barrier, an mbarrier phase, registers for setmaxnreg.inc); what it
 // waits for is in Scheduler::blocked_on, re-checked by release() (can_wake).
-enum State { kReady, kAtBlockBarrier, kAtWarpBarrier, kAtWgBarrier, kBlocked, kDone };
+// kYielded: a thread that let the others run first (the completion of an asynchronous operation at
+// its wait: wgmma.wait_group); it resumes only once no other thread can make progress, the latest a
+// GPU could complete the operation, so that what other threads do meanwhile (refill a stage released
+// too early) shows.
+enum State { kReady, kAtBlockBarrier, kAtWarpBarrier, kAtWgBarrier, kBlocked, kYielded, kDone };
 enum BlockKind { kNamedBarrier, kMbarrierPhase, kMaxnreg };
 struct Blocker {
   BlockKind kind = kNamedBarrier;
@@ -296,6 +300,10 @@ void launch(K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*stream*
         }
         if (release(n)) continue;
         if (!ran) {
+          bool resumed = false;
+          for (int t = 0; t < n; ++t)
+            if (sched.state[t] == kYielded) sched.state[t] = kReady, resumed = true;
+          if (resumed) continue;
           for (int t = 0; t < n; ++t)
             if (sched.state[t] != kDone)
               throw std::logic_error("emu: deadlock (would hang on a GPU): " + waiting_report(n));
@@ -1046,9 +1054,13 @@ inline void wgmma_commit() {
 // wait are an error too (commit_group missing: they would belong to no group the wait could name).
 inline void wgmma_wait(int n) {
   const int me = static_cast<int>(threadIdx_.x);
-  WgmmaThread& st = wgmma_state[me];
-  if (!st.open.empty())
+  if (!wgmma_state[me].open.empty())
     throw std::logic_error("emu: wgmma.wait_group with wgmma.mma_async not committed (commit_group missing)");
+  // The products complete as late as possible: every other thread runs until it blocks first (a
+  // producer refilling a stage released before this wait overwrites the operands, which the
+  // recomputation below sees).
+  wait_at(kYielded);
+  WgmmaThread& st = wgmma_state[me];
   while (st.groups.size() > static_cast<size_t>(n)) {
     for (WgmmaOp& op : st.groups.front()) {
       if (op.rs && std::memcmp(op.a_regs, op.a_snap, sizeof(op.a_snap)) != 0)
@@ -1103,6 +1115,7 @@ inline std::string waiting_report(int n) {
         return "setmaxnreg.inc (registers)";
       }
       case kReady: return "ready";
+      case kYielded: return "wgmma.wait_group";
       default: return "";
     }
   };
