@@ -1754,3 +1754,177 @@ def test_wgmma_prefill(emu, config, monkeypatch):
     _, _, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL)
     hpc = min(hq // hkv, 128)
     assert plan["heads_per_cta"] == hpc and plan["q_tile"] == 128 // hpc, plan
+
+
+# id: dtype, fp8, per-head, layout, Hkv, D, B (Hq = 8): check_features' cases
+WGMMA_FEATURE_CONFIGS = {
+    "bf16-HND-d64-b3": (bf16, None, False, "HND", 1, 64, 3),
+    "f16-NHD-d128-b16": (f16, None, False, "NHD", 2, 128, 16),
+}
+
+
+@pytest.mark.parametrize("feature", FEATURE_NAMES)
+@pytest.mark.parametrize("config", WGMMA_FEATURE_CONFIGS.values(), ids=WGMMA_FEATURE_CONFIGS.keys())
+def test_wgmma_prefill_features(emu, config, feature, monkeypatch):
+    """Window edges, soft cap, ALiBi, sinks, scale and all of them at once on the wgmma prefill, plus a
+    300-key sequence (3 key tiles)."""
+    use_wgmma(monkeypatch)
+    check_features(lambda kv, q, qsl, **kw: run_emu_attention(emu, kv, q, qsl, path=WGMMA_PREFILL, **kw)[:2],
+                   config, feature, "varlen", more_seq_lens=(300,))
+
+
+@pytest.mark.parametrize("opts", [{}, dict(window_left=9), dict(alibi_slopes=torch.linspace(-0.2, 0.3, 8),
+                                                                 sinks=torch.linspace(-1.0, 1.0, 8))],
+                         ids=["plain", "window9", "alibi-sinks"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("splits", [None, 3], ids=["planned", "split3"])
+def test_wgmma_prefill_noncausal_and_more_queries_than_keys(emu, splits, causal, opts, monkeypatch):
+    """causal=False and sequences with more queries than keys (causal: the leading rows see no key: out 0,
+    lse -inf) on the wgmma prefill, with the planner's splits and 3 forced ones (capped at the 2 key tiles
+    of the longest block table row; partials merged)."""
+    use_wgmma(monkeypatch, splits)
+    seq_lens, q_lens = [17, 0, 170, 3, 40, 9], [17, 3, 33, 7, 1, 70]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=2, head_dim=128, block_size=16, dtype=f16, seed=13)
+    query = make_query(sum(q_lens), 8, 128, f16, generator(14))
+    qsl = query_start_loc(q_lens)
+    out, lse, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL, causal=causal,
+                                       splits=(lambda n: n > 1) if splits else None, **opts)
+    starts = qsl.tolist()
+    empty = list(range(starts[1], starts[2]))  # seq_len 0
+    if causal:  # 4 of the 7 queries over 3 keys, 61 of the 70 over 9
+        empty += list(range(starts[3], starts[3] + 4)) + list(range(starts[5], starts[5] + 61))
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    if "sinks" not in opts:
+        assert torch.isneginf(lse[empty]).all()
+
+
+@pytest.mark.parametrize("splits", [None, 5, 128], ids=["planned", "split5", "split128"])
+def test_wgmma_prefill_long_context_splits(emu, splits, monkeypatch):
+    """Chunks at the end of long contexts: few work items, so the planner splits the keys (its own count, 5,
+    or 128: capped at the 17 key tiles, some splits empty), float32 partials merged by the merge kernel."""
+    use_wgmma(monkeypatch, splits)
+    seq_lens, q_lens = [2100, 1], [6, 1]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=1, head_dim=64, block_size=16, dtype=bf16, seed=41)
+    query = make_query(sum(q_lens), 8, 64, bf16, generator(42))
+    run_emu_attention(emu, kv, query, query_start_loc(q_lens), path=WGMMA_PREFILL, splits=lambda n: n > 1,
+                      window_left=1000, sinks=torch.linspace(-1, 1, 8), soft_cap=3.0)
+
+
+# id: dtype, layout, Hq, Hkv, Dk, Dv, B (the stacked views sit in a NaN-filled max(Dk, Dv)-wide allocation)
+WGMMA_DV_CONFIGS = {
+    "f16-stacked-k32-v96-b16": (f16, "stacked", 4, 1, 32, 96, 16),
+    "bf16-stacked-k128-v40-b7": (bf16, "stacked", 8, 2, 128, 40, 7),
+}
+
+
+@pytest.mark.parametrize("config", WGMMA_DV_CONFIGS.values(), ids=WGMMA_DV_CONFIGS.keys())
+def test_wgmma_prefill_value_head_dim(emu, config, monkeypatch):
+    """A value head dim other than the key's: K zero-filled past Dk and V past Dv (the padded dim of the
+    larger), out Dv wide."""
+    dtype, layout, hq, hkv, dk, dv, b = config
+    use_wgmma(monkeypatch)
+    kv, query, qsl = dv_case("varlen", [b + 1, 0, max(3 * b - 1, 37), 1, b, 150], dtype, None, layout, hq, hkv,
+                             dk, dv, b)
+    run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL)
+
+
+@pytest.mark.parametrize("d,hq,hkv,dtype", [(64, 2, 2, f16), (128, 4, 1, bf16)], ids=["f16-d64", "bf16-d128"])
+def test_wgmma_prefill_nonfinite(emu, d, hq, hkv, dtype, monkeypatch):
+    """test_paged_attention_nonfinite's prefill case on the wgmma kernel: a NaN key and an inf value on the
+    causal diagonal of a key tile (the scalar P V of a partly visible tile whose V holds inf / NaN: rows
+    before them stay finite), NaN / inf at the last position; plain, with a NaN sink, with an inf ALiBi slope
+    and a window."""
+    use_wgmma(monkeypatch)
+    seq_lens = [70, 5]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=d, block_size=16, dtype=dtype, seed=31)
+    qsl = query_start_loc(seq_lens)
+    query = make_query(sum(seq_lens), hq, d, dtype, generator(32))
+    _poke(kv.key_cache, kv.blocks[0], 70, 20, 0, 3, "nan")
+    _poke(kv.value_cache, kv.blocks[0], 70, 40, 0, 5, "+inf")
+    _poke(kv.key_cache, kv.blocks[0], 70, 69, hkv - 1, 1, "+inf")
+    _poke(kv.value_cache, kv.blocks[0], 70, 69, hkv - 1, 2, "nan")
+    sinks = torch.linspace(-1.0, 1.0, hq)
+    sinks[1] = float("nan")
+    slopes = torch.linspace(0.01, 0.1, hq)
+    slopes[-1] = float("inf")
+    for opts in ({}, dict(sinks=sinks), dict(alibi_slopes=slopes, window_left=30)):
+        out, lse, _ = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL, **opts)
+        if not opts:  # rows before key 20 saw no NaN, rows before key 40 no inf
+            assert out[:20].isfinite().all() and lse[:20].isfinite().all()
+
+
+def test_wgmma_prefill_out_of_range_block_ids_read_nothing(emu, monkeypatch):
+    """test_paged_attention_out_of_range_block_ids_read_nothing on the wgmma producer: ids -1, N, INT32_MIN,
+    INT32_MAX in visible blocks give zero rows, nothing read outside the caches (between NaN blocks)."""
+    use_wgmma(monkeypatch)
+    b, seq_lens = 16, [3 * 16 + 5, 2 * 16, 16 + 1]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=2, head_dim=128, block_size=b, dtype=bf16, seed=71)
+    n = kv.key_cache.shape[0]
+    k, v = between_nan_blocks(kv.key_cache), between_nan_blocks(kv.value_cache)
+    table, ref_table = out_of_range_ids(kv.block_tables, [(0, 1), (1, 0), (0, 3), (2, 1)], n)
+    q_lens = [20, 1, 17]
+    qsl = query_start_loc(q_lens)
+    query = make_query(sum(q_lens), 8, 128, bf16, generator(72))
+    assert plan_of(emu, kv, query, qsl)["path"] == WGMMA_PREFILL
+    out, lse = emulated_paged_attention(emu, query, k, v, table, kv.seq_lens, qsl)
+    zero = torch.zeros(1, *k.shape[1:], dtype=k.dtype)
+    ref_out, ref_lse = reference.paged_attention(upcast(query), upcast(torch.cat([k, zero])),
+                                                 upcast(torch.cat([v, zero])), ref_table, kv.seq_lens, qsl)
+    assert out.isfinite().all()
+    assert_close(out, ref_out, bf16, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
+
+
+def test_wgmma_prefill_plan_and_fallbacks(emu, monkeypatch):
+    """KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill takes the wgmma kernel (128 rows: q_tile x the group's heads,
+    128-key tiles for the split cap) where it applies; elsewhere the planner runs the wide prefill / the decode
+    or SIMT kernels, and with KVKERNELS_CUDA_WGMMA=require says why (docs/ops.md). Not a default."""
+    kv, query, qsl = make_case("varlen", [300, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=128,
+                               block_size=16, seed=45)
+    use_wgmma(monkeypatch, splits=None, require=False)
+    plan = plan_of(emu, kv, query, qsl)
+    assert plan["path"] == WGMMA_PREFILL and plan["q_tile"] == 32 and plan["heads_per_cta"] == 4, plan
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_SPLITS", "128")
+    assert plan_of(emu, kv, query, qsl)["splits"] == -(-kv.block_tables.shape[1] * 16 // 128)
+    monkeypatch.delenv("KVKERNELS_CUDA_ATTN_SPLITS")
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", "mma-decode-deep,wgmma-prefill")
+    assert plan_of(emu, kv, query, qsl)["path"] == WGMMA_PREFILL
+    monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH")
+    assert plan_of(emu, kv, query, qsl)["path"] == MMA_PREFILL  # not the default
+    for bad in ("wgmma-prefill,mma-prefill-deep", "wgmma-prefill,wgmma-prefill", "wgmma"):
+        monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", bad)
+        with pytest.raises(RuntimeError, match=f"KVKERNELS_CUDA_ATTN_PATH={bad} is not one of"):
+            plan_of(emu, kv, query, qsl)
+    _, decode_query, _ = make_case("decode", [300, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=128,
+                                   block_size=16, seed=45)
+    kv_gqa32, q_gqa32, _ = make_case("decode", [30, 7], dtype=bf16, num_heads=32, num_kv_heads=1, head_dim=64,
+                                     block_size=16)
+    kv_fp8, q_fp8, qsl_fp8 = make_case("varlen", [30, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=64,
+                                       block_size=16, fp8="e4m3")
+    kv256, q256, qsl256 = make_case("varlen", [30, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=256,
+                                    block_size=16)
+    kv32, q32, qsl32 = make_case("varlen", [30, 7], dtype=f32, num_heads=8, num_kv_heads=2, head_dim=64,
+                                 block_size=16)
+    kvu, qu, qslu = make_case("varlen", [30, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=64,
+                              block_size=16)
+    kvu = dataclasses.replace(kvu, key_cache=unaligned_copy(kvu.key_cache))
+    cases = {  # (kv, query, qsl) -> the path without require, the reason with it
+        "decode": ((kv, decode_query, None), MMA_DECODE, None),  # (the decode kernel: the wgmma choice unread)
+        "decode-gqa32": ((kv_gqa32, q_gqa32, None), MMA_PREFILL, "decode"),
+        "fp8": ((kv_fp8, q_fp8, qsl_fp8), MMA_PREFILL, "fp8 caches"),
+        "d256": ((kv256, q256, qsl256), MMA_PREFILL, "head dims above 128"),
+        "f32": ((kv32, q32, qsl32), SIMT, None),
+        "unaligned": ((kvu, qu, qslu), MMA_PREFILL, "not 16-byte aligned"),
+    }
+    for name, ((k, q, s), path, reason) in cases.items():
+        use_wgmma(monkeypatch, require=False)
+        assert plan_of(emu, k, q, s)["path"] == path, name
+        if reason:
+            use_wgmma(monkeypatch)
+            with pytest.raises(RuntimeError, match=f"KVKERNELS_CUDA_WGMMA=require: .*{reason}"):
+                plan_of(emu, k, q, s)
+    # a part with less opt-in shared memory than the kernel's ~193 KiB
+    use_wgmma(monkeypatch)
+    monkeypatch.setenv("KVKERNELS_EMU_SMEM_OPTIN", str(160 * 1024))
+    with pytest.raises(RuntimeError, match="less opt-in shared memory"):
+        plan_of(emu, kv, query, qsl)

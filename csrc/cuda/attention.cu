@@ -56,7 +56,6 @@ struct DeviceInfo {
   int sm_count = 0;
   int major = 0, minor = 0;
   int smem_per_sm = 0;  // bytes of shared memory per SM
-  int smem_optin = 0;   // bytes of shared memory one CTA may opt in to
 };
 
 // SM count and compute capability per device, queried once (cudaDeviceGetAttribute, no sync).
@@ -70,8 +69,6 @@ DeviceInfo device_info(int device) {
           "compute capability");
     check(cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, device),
           "compute capability");
-    check(cudaDeviceGetAttribute(&info.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-          "shared memory per block");
     check(cudaDeviceGetAttribute(&info.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
                                  device),
           "shared memory per SM");
@@ -183,7 +180,10 @@ const char* wgmma_prefill_unsupported(const AttentionParams& p, int device) {
   if (dpad > 128) return "head dims above 128";
   const DeviceInfo dev = device_info(device);
   if (dev.major != 9 || dev.minor != 0) return "not an sm_90 (Hopper) device";
-  if (dev.smem_optin < sm90_prefill_smem(dpad)) return "less opt-in shared memory than the kernel needs";
+  int optin = 0;  // (read per call, not cached with the rest: the emulator's tests vary it)
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+      optin < sm90_prefill_smem(dpad))
+    return "less opt-in shared memory than the kernel needs";
   if (!kv_rows_aligned(p)) return "K / V rows not 16-byte aligned (cp.async gathers whole 16-byte chunks)";
   const bool built = p.q_format == FloatFormat::kFloat16 ? sm90_prefill_available_f16(dpad)
                                                          : sm90_prefill_available_bf16(dpad);
