@@ -6,11 +6,21 @@
 // cores, or hardware faults beyond the alignment checks of cp.async / ldmatrix below. Also runs the
 // MLA kernels (mla_attention*, mla_merge, mla_decompress with its cp.async and TMA weight pipelines:
 // ldmatrix .x2, a 2-D tiled tensor map with 128B swizzle, mbarrier init / arrive.expect_tx /
-// try_wait.parity, cp.async.bulk.tensor.2d). Not emulated: wgmma, clusters / multicast, atomics,
-// warp-divergent collectives, other tensor-map modes (rank > 2, interleave, im2col, other swizzles).
+// try_wait.parity, cp.async.bulk.tensor.2d) and the sm_90 instructions of the Hopper wgmma prefill
+// (csrc/cuda/sm90_ptx.cuh; section "sm_90" below): wgmma with shared-memory descriptors (K- / MN-major,
+// swizzle none / 32B / 64B / 128B) or A from registers, its fence / commit / wait (results NaN until the
+// wait, operands that change in flight reported), setmaxnreg with a per-CTA register pool, named
+// barriers, blocking mbarrier waits with plain, expect_tx and cp.async arrivals. Not emulated:
+// clusters / multicast, atomics, warp-divergent collectives, other tensor-map modes (rank > 2,
+// interleave, im2col, other swizzles), the async proxy (fence.proxy.async is a no-op), wgmma descriptor
+// base offsets, fp8 / tf32 / integer wgmma.
 //
 // Each CTA runs as blockDim.x cooperative fibers (ucontext) on the calling thread; __syncthreads()
 // switches to the next fiber, and a barrier completes when every live fiber of the CTA reached it.
+// Threads blocked on an event (named barrier, mbarrier phase, setmaxnreg registers) resume when another
+// thread causes it; when none can progress the launch fails with what each thread waits for (a kernel
+// that would hang on a GPU). An exception a kernel thread throws (a detected misuse) ends the launch and
+// is rethrown to the caller.
 // Warp collectives (__shfl_up_sync, __shfl_xor_sync, __any_sync, __syncwarp, ldmatrix, mma.sync) go through an
 // exchange array between two warp-level barriers (every live fiber of the warp; the kernels only
 // use them with full warps). CTAs run one after another, blockIdx.x fastest. Launch syntax is
