@@ -16,6 +16,10 @@ and its tile64 kernel with cp.async and TMA weight pipelines) run
 on the emulator too, through kvkernels_emu.mla_* ops that use the real planners and launchers, against
 the float64 reference with tests/test_cuda_mla.py's tolerances; shapes are smaller than the GPU tests'
 where the emulator would be slow (it runs a 64-row CTA of 576-wide rows in about 0.1 s).
+
+The emulator's sm_90 model (wgmma, setmaxnreg, named barriers, mbarrier phases with cp.async arrivals) has
+self-tests of its own (test_sm90_*: tests/cuda_emu/sm90_selftest.cpp), and the Hopper wgmma prefill
+(csrc/cuda/attention_sm90.cuh, opt-in) runs on it (test_wgmma_prefill*).
 """
 
 import dataclasses

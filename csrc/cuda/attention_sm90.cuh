@@ -409,18 +409,22 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
 }
 
 // Whether this build has the kernel's sm_90a code (its static shared memory: the stub compiled for
-// other architectures has none); the planner falls back to the mma.sync prefill otherwise.
+// other architectures has none); the planner falls back to the mma.sync prefill otherwise. Asked only
+// on an sm_90 device (the planner checks that first), once per process.
 template <typename T, int DPAD>
 bool sm90_prefill_compiled() {
 #if defined(KVKERNELS_CUDA_EMU)
   return true;
 #else
-  cudaFuncAttributes attr{};
-  if (cudaFuncGetAttributes(&attr, sm90_prefill_kernel<T, DPAD>) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return attr.sharedSizeBytes >= sizeof(int) * 2 * 2 * 4;
+  static const bool compiled = [] {
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, sm90_prefill_kernel<T, DPAD>) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return attr.sharedSizeBytes >= sizeof(int) * 2 * 2 * 4;
+  }();
+  return compiled;
 #endif
 }
 
