@@ -1760,6 +1760,16 @@ def test_wgmma_prefill(emu, config, monkeypatch):
     assert plan["heads_per_cta"] == hpc and plan["q_tile"] == 128 // hpc, plan
 
 
+def test_wgmma_prefill_group_above_128(emu, monkeypatch):
+    """A GQA group of 160 heads: 128 rows hold one query's first 128 heads, a second head chunk its last 32
+    (warpgroup 1 of that chunk has no valid row: it still takes part in the pipeline and writes nothing)."""
+    use_wgmma(monkeypatch)
+    kv, query, qsl = make_case("varlen", [20, 2, 0], dtype=bf16, num_heads=160, num_kv_heads=1, head_dim=64,
+                               block_size=16, seed=48)
+    _, _, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL)
+    assert plan["heads_per_cta"] == 128 and plan["q_tile"] == 1 and plan["grid"][1] == 2, plan
+
+
 # id: dtype, fp8, per-head, layout, Hkv, D, B (Hq = 8): check_features' cases
 WGMMA_FEATURE_CONFIGS = {
     "bf16-HND-d64-b3": (bf16, None, False, "HND", 1, 64, 3),
