@@ -15,7 +15,9 @@ attention backend.
   and whether the client cancelled it (closing the stream after ``cancel_after`` tokens).
 - ``session``: warm-up, memory of the server's process tree (``/proc``: RSS and PSS summed), ``/metrics``,
   the load with the memory sampled during it, the engine drained, the settle period, memory again, and the
-  server's answers afterwards; ``compare`` and ``summarize`` read two sessions.
+  server's answers afterwards (``abort_probe`` among them); ``problems`` lists what is wrong with a
+  session, ``compare`` the requests whose tokens differ between two, ``summarize`` its throughput and
+  latency percentiles.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ from typing import Optional
 from vllm_models import CHAT_SPECIALS, VOCAB, words
 
 MODEL_NAME = "tiny"  # --served-model-name
+# The environment servers start from: as it was when this module was imported (a test session imports it
+# while collecting, before any test runs). An in-process vLLM engine sets variables in its own process
+# (LD_PRELOAD of torch's libgomp, LOCAL_WORLD_SIZE, VLLM_DIST_IDENT, shared-memory buffer names, ...); a
+# server that inherited them from a pytest process that had run such engines behaved differently (its
+# engine generated 400 tokens before the client had its first one).
+_BASE_ENV = dict(os.environ)
 _FIRST_WORD = len(CHAT_SPECIALS)  # ids below are the chat tokenizer's special tokens
 _BOS, _SYSTEM, _USER, _ASSISTANT, _END = (CHAT_SPECIALS.index(s) for s in
                                           ("<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"))
@@ -215,7 +223,8 @@ class Server:
         if num_blocks is not None:
             self.cmd += ["--num-gpu-blocks-override", str(num_blocks)]
         self.cmd += list(extra_args)
-        self.env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+        self.max_model_len = max_model_len
+        self.env = dict(_BASE_ENV, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                         **(env or {}))
         if binding is None:
             binding = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))  # one core per rank
@@ -235,11 +244,12 @@ class Server:
         t0 = time.perf_counter()
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_term_with_parent)
         while True:
-            if self.proc.poll() is not None:
+            rc = self.proc.poll()
+            if rc is not None:
                 self.stop()
-                raise RuntimeError(f"the {self.backend} server exited ({self.proc.returncode}):\n{self.log()[-6000:]}")
+                raise RuntimeError(f"the {self.backend} server exited ({rc}):\n{self.log()[-6000:]}")
             try:
                 if _http(self.base + "/health", timeout=5)[0] == 200:
                     break
@@ -297,6 +307,14 @@ class Server:
         cut = next((i for i, ln in enumerate(lines) if "[shutdown]" in ln), len(lines))
         lines = lines[cut:] if shutdown else lines[:cut]
         return [ln for ln in lines if re.search(r"\bERROR\b|Traceback|\bCRITICAL\b", ln)]
+
+
+def _term_with_parent() -> None:
+    """In the server's process before it runs: SIGTERM it when this process dies (PR_SET_PDEATHSIG), so a
+    killed test or benchmark leaves no server behind (the server stops its own engine and workers)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def _state(pid: int) -> str:
@@ -493,8 +511,9 @@ def session(server: Server, specs: list[Spec], *, settle_s: float = 5.0, concurr
     }
 
 
-def abort_probe(server: Server, max_tokens: int = 400, attempts: int = 3) -> dict:
-    """A completion of ``max_tokens`` tokens alone on the drained server, its stream closed by the client
+def abort_probe(server: Server, max_tokens: Optional[int] = None, attempts: int = 3) -> dict:
+    """A completion of ``max_tokens`` tokens (default: as many as the server's max_model_len leaves after
+    its 16 prompt tokens) alone on the drained server, its stream closed by the client
     after its first token; per attempt, once the engine is idle again: how many tokens it generated for the
     request (``generated``; vLLM counts an aborted request's tokens but not the request in
     ``request_success``) and how many requests finished meanwhile (``finished``: 0 when the abort reached
@@ -502,10 +521,12 @@ def abort_probe(server: Server, max_tokens: int = 400, attempts: int = 3) -> dic
 
     The abort races the engine: the client's close travels through the front end's event loop (uvicorn
     noticing the disconnect, the stream's generator cancelled, the abort sent to the engine core) while the
-    engine keeps generating. Measured with the tiny test model (~300 tokens/s for one request) on a quiet
-    machine it lands after 1-42 tokens; on this 2-core machine at load average 15 it has arrived after all
-    400, hence the attempts. Under load the front end falls further behind: a request cancelled there has
-    often finished before its stream closes (the test reports how many were aborted)."""
+    engine keeps generating. With the tiny test model (~300 tokens/s for one request) it landed after 1-42
+    tokens in servers started on their own here, but once after all 400 at load average 15, hence the
+    attempts (and every time in servers that inherited an in-process engine's environment: _BASE_ENV).
+    Under load the front end falls further behind: a request cancelled there has often finished before
+    its stream closes (the test reports how many were aborted)."""
+    max_tokens = max_tokens or server.max_model_len - 16
     tries = []
     for _ in range(attempts):
         spec = Spec(-1, "completion", -1, list(range(_FIRST_WORD, _FIRST_WORD + 16)), max_tokens, cancel_after=1)

@@ -16,7 +16,7 @@ up, pass 2 is measured.
 Checked, for each backend: every request of both passes completed with exactly its ``max_tokens`` tokens
 or was cancelled, without an error; the prompts the server reports are the workload's (the chat
 template); after pass 2 the engine drains (no request running or waiting: the cancelled streams were
-aborted or finished, their KV blocks freed) and the KV cache usage is 0; a completion of 400 tokens
+aborted or finished, their KV blocks freed) and the KV cache usage is 0; a completion of 496 tokens
 cancelled after its first one on the drained server is aborted in the engine before its last token (up
 to 3 attempts: the abort races the engine, see ``serve_load.abort_probe``; under load the front end
 falls so far behind this tiny model's engine that a cancelled request has often finished before its
@@ -89,6 +89,7 @@ def runs(tmp_path_factory):
             sess = sl.session(server, specs, settle_s=SETTLE_S)
         finally:
             sess_left = server.stop()
+        sess["pool_blocks_logged"] = f"num_gpu_blocks_override={POOL_TOKENS // block}" in server.log()
         sess["log_errors"] = server.log_errors()
         sess["shutdown_log_errors"] = server.log_errors(shutdown=True)  # not checked: see Server.log_errors
         sess["processes_left"] = sess_left
@@ -120,11 +121,12 @@ def test_serve_load_clean(runs, backend):
     # Requests the engine finished (request_success counts "length"; a request aborted by the client's
     # disconnect is not counted): every completed one, and the cancelled ones whose abort came after their
     # last token (the front end lags the engine: often all of them here). The abort path itself:
-    # problems() checks after["abort"], a stream closed after 1 of 400 tokens on the drained server.
+    # problems() checks after["abort"], a stream closed after 1 of 496 tokens on the drained server.
     finished = sum(d["finished"].values())
     assert set(d["finished"]) <= {"length"}, d["finished"]
     assert s["completed"] <= finished <= REQUESTS, (finished, s)
     assert sess["kv_cache_usage_after"] == 0.0
+    assert sess["pool_blocks_logged"], "vLLM did not log that it overrode its pool with POOL_TOKENS' blocks"
     assert d["vllm:num_preemptions_total"] > 0, "the KV pool did not force a preemption"
     assert d["vllm:prefix_cache_hits_total"] > 0, "no prefix-cache hit"
     assert sess["log_errors"] == [], "\n".join(sess["log_errors"][:40])
