@@ -122,7 +122,8 @@ def table(result: dict) -> str:
              f"{s['tail_len']}, {s['out_len']} new tokens, every {s['cancel_every']}th cancelled after "
              f"{s['cancel_after']} tokens; greedy, ignore_eos.", "",
              f"{'backend':<10}{'block':>6}{'out tok/s':>11}{'req/s':>8}{'TTFT p50':>10}{'p99':>8}{'e2e p50':>9}"
-             f"{'p99':>8}{'preempt':>9}{'hit %':>7}{'aborted':>9}{'RSS MiB':>9}{'+after':>8}{'startup':>9}"]
+             f"{'p99':>8}{'preempt':>9}{'hit %':>7}{'aborted':>9}{'RSS MiB':>9}{'+after':>8}{'startup':>9}"
+             f"{'CPU s':>7}{'ms/tok':>8}{'load':>11}"]
     for r in result["runs"]:
         x, d = r["summary"], r["metrics_delta"]
         hit = 100 * d["vllm:prefix_cache_hits_total"] / max(d["vllm:prefix_cache_queries_total"], 1)
@@ -132,9 +133,14 @@ def table(result: dict) -> str:
                      f"{x['ttft_p50_s']:>10.2f}{x['ttft_p99_s']:>8.2f}{x['e2e_p50_s']:>9.2f}{x['e2e_p99_s']:>8.2f}"
                      f"{d['vllm:num_preemptions_total']:>9.0f}{hit:>7.1f}{aborted:>9}"
                      f"{r['mem_before']['rss'] / 2**20:>9.0f}"
-                     f"{r['memory_growth']['total'] / 2**20:>+8.0f}{r['startup_s']:>9.0f}")
+                     f"{r['memory_growth']['total'] / 2**20:>+8.0f}{r['startup_s']:>9.0f}"
+                     + (f"{r['cpu_s']['total']:>7.0f}{x['cpu_ms_per_token']:>8.1f}"
+                        f"{r['load_average']['start'][0]:>6.1f}-{r['load_average']['end'][0]:<4.1f}"
+                        if "cpu_s" in r else ""))
     lines.append("(aborted: cancelled requests the engine stopped before their last token / cancelled by the client; "
-                 "RSS: the server's process tree before the load, +after: its growth once drained and settled)")
+                 "RSS: the server's process tree before the load, +after: its growth once drained and settled;\n"
+                 " CPU s: CPU time of the server's processes during the load, ms/tok: per output token; load: the "
+                 "machine's 1-minute load average at the load's start and end)")
     lines.append("")
     lines.append("Medians per configuration; ratios to CPU_ATTN (throughput > 1 and latency < 1: kvkernels faster):")
     for name, c in result["comparison"].items():
@@ -144,8 +150,14 @@ def table(result: dict) -> str:
                      + ("" if "ratios" not in c else
                         "; ratios: throughput {output_tokens_per_s:.2f}x tok/s, {requests_per_s:.2f}x req/s, TTFT p50 "
                         "{ttft_p50_s:.2f} p99 {ttft_p99_s:.2f}, e2e p50 {e2e_p50_s:.2f} p99 {e2e_p99_s:.2f}"
-                        .format(**c["ratios"]))
+                        .format(**c["ratios"]) + (f", CPU per token {c['ratios']['cpu_ms_per_token']:.2f}"
+                                                   if c["ratios"].get("cpu_ms_per_token") else ""))
+                     + (f", CPU {c['cpu_ms_per_token']:.1f} ms/token" if c.get("cpu_ms_per_token") else "")
                      + ("" if "tokens_equal" not in c else f"; greedy tokens equal to CPU_ATTN's: {c['tokens_equal']}"))
+        if "paired" in c:
+            lines.append("  each server / the CPU_ATTN server next to it in the order: throughput "
+                         + ", ".join(f"{v:.2f}x" for v in c["paired"]["output_tokens_per_s"]) + "; CPU per token "
+                         + ", ".join(f"{v:.2f}" for v in c["paired"]["cpu_ms_per_token"]))
     problems = [p for r in result["runs"] for p in r["problems"]]
     lines.append("")
     lines.append(f"Checks (serve_load.problems, log errors, shutdown): "
@@ -153,7 +165,8 @@ def table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-KEYS = ("output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s")
+KEYS = ("output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s",
+        "cpu_ms_per_token")
 
 
 def main() -> int:
@@ -237,6 +250,11 @@ def main() -> int:
         if backend != "CPU_ATTN" and stock:
             base = {k: statistics.median(r["summary"][k] for r in stock) for k in KEYS}
             c["ratios"] = {k: c[k] / base[k] for k in KEYS}
+            # Each of its servers against the CPU_ATTN server nearest in the order (A B C C B A: the
+            # neighbours in time), so a drift of the machine's load between the halves cancels out.
+            pos = {id(r): i for i, r in enumerate(runs)}
+            c["paired"] = {k: sorted(r["summary"][k] / min(stock, key=lambda x: abs(pos[id(x)] - pos[id(r)]))
+                                     ["summary"][k] for r in mine) for k in ("output_tokens_per_s", "cpu_ms_per_token")}
             per_request = [sum(not sl.compare(_one(r, i), _one(s_, i)) for i in range(len(specs)))
                            for r in mine for s_ in stock]
             c["tokens_equal"] = f"{min(per_request)}-{max(per_request)} of {len(specs)} requests"

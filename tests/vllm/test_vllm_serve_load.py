@@ -17,11 +17,14 @@ Checked, for each backend: every request of both passes completed with exactly i
 or was cancelled, without an error; the prompts the server reports are the workload's (the chat
 template); after pass 2 the engine drains (no request running or waiting: the cancelled streams were
 aborted or finished, their KV blocks freed) and the KV cache usage is 0; a completion of 496 tokens
-cancelled after its first one on the drained server is aborted in the engine before its last token (up
-to 3 attempts: the abort races the engine, see ``serve_load.abort_probe``; under load the front end
-falls so far behind this tiny model's engine that a cancelled request has often finished before its
-stream closes: how many were aborted is printed); vLLM's counters show preemptions and prefix-cache
-hits in pass 2; the server's log has no ERROR line or traceback until its shutdown; after the load a
+closed by the client after its first token on the drained server closes cleanly and the engine drains.
+Whether vLLM aborts a closed stream's request in the engine before its last token is a race between its
+front end and its engine (``serve_load.abort_probe``), which this tiny model's engine often wins: in
+one run every cancellation under load and all 3 probes finished first, in others some or all were
+aborted.
+So it is reported (printed), not asserted, here; the benchmark, whose larger model is slower than the
+front end, requires it (all its cancellations have been aborted). vLLM's counters show preemptions and
+prefix-cache hits in pass 2; the server's log has no ERROR line or traceback until its shutdown; after the load a
 completion and a chat sent again (not streamed) answer the tokens they did under load, and ``/health``
 is 200; the server shuts down leaving no process. Across passes and backends: the greedy tokens are
 equal (pass 1 = pass 2 on each server; kvkernels = CPU_ATTN; cancelled requests on the tokens they
@@ -112,7 +115,7 @@ def test_serve_load_clean(runs, backend):
     """Every request completes or is cancelled cleanly, the engine drains, the server answers afterwards,
     preemption and prefix-cache hits happened, no error in the log, memory comes back (module docstring)."""
     sess, specs = runs[backend], runs["specs"]
-    assert sl.problems(sess, specs) == []
+    assert sl.problems(sess, specs, require_abort=False) == []
     s = sl.summarize(sess)
     cancelled = [r for r in sl.results_of(sess) if r.cancelled]
     assert s["errors"] == 0 and s["completed"] + s["cancelled"] == REQUESTS
@@ -120,8 +123,7 @@ def test_serve_load_clean(runs, backend):
     d = sess["metrics_delta"]
     # Requests the engine finished (request_success counts "length"; a request aborted by the client's
     # disconnect is not counted): every completed one, and the cancelled ones whose abort came after their
-    # last token (the front end lags the engine: often all of them here). The abort path itself:
-    # problems() checks after["abort"], a stream closed after 1 of 496 tokens on the drained server.
+    # last token (the front end lags the engine: often all of them here; see the module docstring).
     finished = sum(d["finished"].values())
     assert set(d["finished"]) <= {"length"}, d["finished"]
     assert s["completed"] <= finished <= REQUESTS, (finished, s)
