@@ -166,6 +166,23 @@ Batch Check::batch(std::initializer_list<const Operand*> ops, int64_t batch_dims
   return b;
 }
 
+void read_optional(const Check& c, const ffi::RemainingArgs& rest, int64_t mask,
+                   const char* const* names, int n, int64_t batch_dims, Operand* out) {
+  size_t next = 0;
+  for (int i = 0; i < n; ++i) {
+    if (!((mask >> i) & 1)) {
+      out[i] = Operand::absent(names[i]);
+      continue;
+    }
+    c.expect(next < rest.size(), names[i], "missing (optional_mask says it is given)");
+    ffi::ErrorOr<ffi::AnyBuffer> b = rest.get<ffi::AnyBuffer>(next++);
+    c.expect(b.has_value(), names[i], "is not an array");
+    out[i] = Operand(names[i], *b, batch_dims);
+  }
+  c.expect(next == rest.size(), "optional_mask", "names ", next, " optional inputs, ", rest.size(),
+           " were passed");
+}
+
 paged_kv_t paged_kv(const Check& c, const In& key_cache, const In& value_cache,
                     const In& block_tables, const In& seq_lens, const In& k_scale,
                     const In& v_scale) {

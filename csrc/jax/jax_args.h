@@ -79,6 +79,13 @@ struct Operand {
   In at(const std::vector<int64_t>& idx) const;
 };
 
+// The optional inputs of paged_attention (after seq_lens, optional_mask bits 0..4) and of the other
+// ops that take fp8 scales (bits 0, 1), in the order kvkernels/jax/ops.py passes them.
+enum OptionalInput { kQsl, kAlibi, kSinks, kKScale, kVScale, kNumOptional };
+inline const char* const kOptionalNames[kNumOptional] = {"query_start_loc", "alibi_slopes", "sinks",
+                                                         "k_scale", "v_scale"};
+inline const char* const kScaleNames[2] = {"k_scale", "v_scale"};
+
 // The batch of a call: the shape of the leading dims (each operand's dim is this or 1) and a walk over
 // its examples.
 struct Batch {
@@ -99,6 +106,11 @@ class Check : public ArgError {
   // The batch shape of `ops` (those present): each leading dim the same or 1 everywhere.
   Batch batch(std::initializer_list<const Operand*> ops, int64_t batch_dims) const;
 };
+
+// The optional inputs of a call, passed after the required ones: bit i of `mask` says whether
+// optional input i (named names[i]) is among them, in order. Fills out[0..n): absent ones too.
+void read_optional(const Check& c, const ffi::RemainingArgs& rest, int64_t mask,
+                   const char* const* names, int n, int64_t batch_dims, Operand* out);
 
 // ---- per-op parameter filling (shapes only; pointers as given, host or device) ------------------
 

@@ -103,9 +103,6 @@ const int64_t* as_int64(const In& t, std::vector<int64_t>& buf) {
 
 // Optional inputs, in this order after seq_lens; attribute `optional_mask` bit i says input i is
 // passed (kvkernels/jax/ops.py builds both).
-enum OptionalInput { kQsl, kAlibi, kSinks, kKScale, kVScale, kNumOptional };
-const char* const kOptionalNames[kNumOptional] = {"query_start_loc", "alibi_slopes", "sinks",
-                                                  "k_scale", "v_scale"};
 
 ffi::Error paged_attention_cpu(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::AnyBuffer key_cache,
                                ffi::AnyBuffer value_cache, ffi::AnyBuffer block_tables,
@@ -118,19 +115,7 @@ ffi::Error paged_attention_cpu(ffi::ThreadPool pool, ffi::AnyBuffer query, ffi::
       vc("value_cache", value_cache, batch_dims), bt("block_tables", block_tables, batch_dims),
       sl("seq_lens", seq_lens, batch_dims), o("out", out, batch_dims), l("lse", lse, batch_dims);
   Operand opt[kNumOptional];
-  size_t next = 0;
-  for (int i = 0; i < kNumOptional; ++i) {
-    if (!((optional_mask >> i) & 1)) {
-      opt[i] = Operand::absent(kOptionalNames[i]);
-      continue;
-    }
-    c.expect(next < optional.size(), kOptionalNames[i], "missing (optional_mask says it is given)");
-    ffi::ErrorOr<ffi::AnyBuffer> b = optional.get<ffi::AnyBuffer>(next++);
-    c.expect(b.has_value(), kOptionalNames[i], "is not an array");
-    opt[i] = Operand(kOptionalNames[i], *b, batch_dims);
-  }
-  c.expect(next == optional.size(), "optional_mask", "names ", next, " optional inputs, ",
-           optional.size(), " were passed");
+  read_optional(c, optional, optional_mask, kOptionalNames, kNumOptional, batch_dims, opt);
   const Batch batch = c.batch({&q, &kc, &vc, &bt, &sl, &o, &l, &opt[0], &opt[1], &opt[2], &opt[3],
                                &opt[4]}, batch_dims);
   const AttentionAttrs attrs{scale, soft_cap, window_left, causal};
@@ -181,17 +166,8 @@ ffi::Error reshape_and_cache_cpu(ffi::ThreadPool pool, ffi::AnyBuffer key, ffi::
       kc("key_cache", key_cache, batch_dims), vc("value_cache", value_cache, batch_dims),
       sm("slot_mapping", slot_mapping, batch_dims), kco("key_cache", key_cache_out, batch_dims),
       vco("value_cache", value_cache_out, batch_dims);
-  Operand scales[2] = {Operand::absent("k_scale"), Operand::absent("v_scale")};
-  size_t next = 0;
-  for (int i = 0; i < 2; ++i) {
-    if (!((optional_mask >> i) & 1)) continue;
-    c.expect(next < optional.size(), scales[i].name, "missing (optional_mask says it is given)");
-    ffi::ErrorOr<ffi::AnyBuffer> b = optional.get<ffi::AnyBuffer>(next++);
-    c.expect(b.has_value(), scales[i].name, "is not an array");
-    scales[i] = Operand(scales[i].name, *b, batch_dims);
-  }
-  c.expect(next == optional.size(), "optional_mask", "names ", next, " optional inputs, ",
-           optional.size(), " were passed");
+  Operand scales[2];
+  read_optional(c, optional, optional_mask, kScaleNames, 2, batch_dims, scales);
   const Batch batch =
       c.batch({&k, &v, &kc, &vc, &sm, &kco, &vco, &scales[0], &scales[1]}, batch_dims);
   // Output caches hold one example per batch entry (never broadcast).
@@ -301,17 +277,8 @@ ffi::Error gather_kv_cpu(ffi::ThreadPool pool, ffi::AnyBuffer key_cache, ffi::An
   const Operand kc("key_cache", key_cache, batch_dims), vc("value_cache", value_cache, batch_dims),
       bt("block_tables", block_tables, batch_dims), sl("seq_lens", seq_lens, batch_dims),
       ko("key", key, batch_dims), vo("value", value, batch_dims);
-  Operand scales[2] = {Operand::absent("k_scale"), Operand::absent("v_scale")};
-  size_t next = 0;
-  for (int i = 0; i < 2; ++i) {
-    if (!((optional_mask >> i) & 1)) continue;
-    c.expect(next < optional.size(), scales[i].name, "missing (optional_mask says it is given)");
-    ffi::ErrorOr<ffi::AnyBuffer> b = optional.get<ffi::AnyBuffer>(next++);
-    c.expect(b.has_value(), scales[i].name, "is not an array");
-    scales[i] = Operand(scales[i].name, *b, batch_dims);
-  }
-  c.expect(next == optional.size(), "optional_mask", "names ", next, " optional inputs, ",
-           optional.size(), " were passed");
+  Operand scales[2];
+  read_optional(c, optional, optional_mask, kScaleNames, 2, batch_dims, scales);
   const Batch batch = c.batch({&kc, &vc, &bt, &sl, &ko, &vo, &scales[0], &scales[1]}, batch_dims);
   struct Example {
     GatherParams p;

@@ -22,11 +22,12 @@ No primitive has a JVP or transpose (the ops are inference-only, like the torch 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import numpy as np
-from jax._src import core
+from jax._src import core, dispatch
 from jax._src.interpreters import batching, mlir
 from jax import lax
 
@@ -54,10 +55,8 @@ def _make(name: str, abstract, aliases: dict[int, int], cuda_scratch=None):
     prim = core.Primitive(f"kvkernels_{name}")
     prim.multiple_results = True
 
-    def impl(*args, **params):
-        return jax.jit(lambda *a: prim.bind(*a, **params))(*args)
-
-    prim.def_impl(impl)
+    # Eager calls compile the call once per (params, shapes) and reuse it, as for jax's own primitives.
+    prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
     prim.def_abstract_eval(lambda *avals, **params: abstract(*avals, **params))
 
     def batch_rule(args, dims, *, batch_dims, **params):
@@ -126,6 +125,9 @@ def _attention_abstract(*avals, scale, soft_cap, window_left, causal, optional_m
     return [core.ShapedArray(b + (t, hq, dv), q.dtype), core.ShapedArray(b + (t, hq), np.float32)]
 
 
+CUDA_MAX_HEAD_DIM = 256  # csrc/cuda/attention_binding.cpp (docs/ops.md)
+
+
 def _attention_scratch(avals, *, optional_mask, batch_dims, **_):
     """The split partials the CUDA kernels need (kvkernels_jax_cuda_attention_workspace: the launch plan
     of csrc/cuda/attention.cu for these shapes on CUDA device 0); the handler plans again on the call's
@@ -137,13 +139,19 @@ def _attention_scratch(avals, *, optional_mask, batch_dims, **_):
     nb = batch_dims
     t, hq, d = q.shape[nb:]
     n, bs, hkv, _ = kc.shape[nb:]
+    for arg, hd in (("key_cache", d), ("value_cache", vc.shape[-1])):
+        if hd > CUDA_MAX_HEAD_DIM:
+            raise ValueError(f"kvkernels.paged_attention: {arg}: head_dim {hd} is not supported on CUDA (at most "
+                             f"{CUDA_MAX_HEAD_DIM}; docs/ops.md)")
     formats = {np.dtype(np.float32): 0, np.dtype(jax.numpy.float16): 1, np.dtype(jax.numpy.bfloat16): 2,
                np.dtype(jax.numpy.float8_e4m3fn): 3, np.dtype(jax.numpy.float8_e5m2): 4}
     decode = 0 if optional_mask & 1 else 1
     nbytes = lib.kvkernels_jax_cuda_attention_workspace(
         t, hq, bt.shape[nb], hkv, d, vc.shape[-1], bs, bt.shape[nb + 1],
         formats[np.dtype(q.dtype)], formats[np.dtype(kc.dtype)], decode)
-    return max(0, nbytes)
+    if nbytes < 0:
+        raise RuntimeError("kvkernels.paged_attention: the CUDA launch plan refused these shapes (see stderr)")
+    return nbytes
 
 
 paged_attention_p = _make("paged_attention", _attention_abstract, {}, _attention_scratch)

@@ -57,14 +57,30 @@ class _Check:
     def fail(self, arg: str, msg: str):
         raise ValueError(f"kvkernels.{self.op}: {arg}: {msg}")
 
-    def array(self, x, arg: str):
-        """``x`` as a JAX array (or tracer), its dtype checked before any conversion (no silent int64 ->
-        int32 narrowing)."""
+    def array(self, x, arg: str, allowed=None):
+        """``x`` as a JAX array (or tracer). With ``allowed``, its dtype is checked *before* any
+        conversion: ``jnp.asarray`` of a numpy int64 / float64 array without x64 would narrow it silently
+        (a slot of -2**40 would become 0). A numpy int64 array whose dtype is allowed is converted to
+        int32 when its values fit, else it needs x64 (an error)."""
         if x is None:
             self.fail(arg, "is required")
         if not hasattr(x, "dtype") or not hasattr(x, "shape"):
             self.fail(arg, f"expected an array, got {type(x).__name__}")
-        return x if isinstance(x, jax.Array) else jnp.asarray(x)
+        if allowed is not None:
+            self.dtype(x, arg, allowed)
+        if isinstance(x, (jax.Array, jax.core.Tracer)):
+            return x
+        dtype = np.dtype(x.dtype)
+        if dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+            v = np.asarray(x)
+            if dtype != INT64:
+                self.fail(arg, f"{dtype.name} needs jax_enable_x64 (without it JAX would narrow the array "
+                               "to 32 bits)")
+            if v.size and (v.min() < np.iinfo(np.int32).min or v.max() > np.iinfo(np.int32).max):
+                self.fail(arg, "int64 values outside the int32 range need jax_enable_x64 (without it JAX "
+                               "arrays are int32)")
+            return jnp.asarray(v.astype(np.int32))
+        return jnp.asarray(x)
 
     def dim(self, x, arg: str, ndim: int):
         if len(x.shape) != ndim:
@@ -88,8 +104,7 @@ class _Check:
     def scale(self, s, arg: str, cache_arg: str, per_head: int):
         if s is None:
             self.fail(arg, f"is required when {cache_arg} is fp8")
-        s = self.array(s, arg)
-        self.dtype(s, arg, (np.dtype(np.float32),))
+        s = self.array(s, arg, (np.dtype(np.float32),))
         n = math.prod(s.shape)
         if n not in (1, per_head):
             self.fail(arg, f"must have 1 element or one per kv head ({per_head}), got shape {tuple(s.shape)}")
@@ -105,9 +120,9 @@ def _optional(pairs):
 
 def _paged_kv(c: _Check, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale):
     """The checks shared by paged_attention and gather_kv (csrc/prepare.cpp make_paged_kv)."""
-    key_cache, value_cache = c.array(key_cache, "key_cache"), c.array(value_cache, "value_cache")
+    key_cache = c.array(key_cache, "key_cache", CACHE_DTYPES)
+    value_cache = c.array(value_cache, "value_cache", CACHE_DTYPES)
     c.dim(key_cache, "key_cache", 4)
-    c.dtype(key_cache, "key_cache", CACHE_DTYPES)
     b = key_cache.shape[1]
     if not 1 <= b <= MAX_BLOCK_SIZE:
         c.fail("key_cache", f"block size (dimension 1) must be in [1, {MAX_BLOCK_SIZE}], got {b}")
@@ -117,10 +132,9 @@ def _paged_kv(c: _Check, key_cache, value_cache, block_tables, seq_lens, k_scale
                               f"{np.dtype(key_cache.dtype).name}")
     for d in range(3):
         c.size(value_cache, "value_cache", d, key_cache.shape[d], "num_blocks, block_size, num_kv_heads of key_cache")
-    block_tables, seq_lens = c.array(block_tables, "block_tables"), c.array(seq_lens, "seq_lens")
-    c.dtype(block_tables, "block_tables", (INT32,))
+    block_tables = c.array(block_tables, "block_tables", (INT32,))
+    seq_lens = c.array(seq_lens, "seq_lens", (INT32,))
     c.dim(block_tables, "block_tables", 2)
-    c.dtype(seq_lens, "seq_lens", (INT32,))
     c.dim(seq_lens, "seq_lens", 1)
     c.size(seq_lens, "seq_lens", 0, block_tables.shape[0], "num_seqs = block_tables.shape[0]")
     hkv = key_cache.shape[2]
@@ -153,7 +167,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     for arr, arg, hd in ((key_cache, "key_cache", d), (value_cache, "value_cache", dv)):
         if not (hd > 0 and hd % 8 == 0 and hd <= MAX_HEAD_DIM):
             c.fail(arg, f"head_dim must be a positive multiple of 8 up to {MAX_HEAD_DIM}, got {hd}")
-    query = c.array(query, "query")
+    query = c.array(query, "query", FLOAT_DTYPES)
     c.dim(query, "query", 3)
     c.size(query, "query", 2, d, "head_dim of key_cache")
     if hkv <= 0:
@@ -167,8 +181,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
                             f"({np.dtype(query.dtype).name}) or an fp8 dtype")
     num_seqs = block_tables.shape[0]
     if query_start_loc is not None:
-        query_start_loc = c.array(query_start_loc, "query_start_loc")
-        c.dtype(query_start_loc, "query_start_loc", (INT32,))
+        query_start_loc = c.array(query_start_loc, "query_start_loc", (INT32,))
         c.dim(query_start_loc, "query_start_loc", 1)
         c.size(query_start_loc, "query_start_loc", 0, num_seqs + 1, "num_seqs + 1")
     elif t != num_seqs:
@@ -187,8 +200,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     vectors = []
     for v, arg in ((alibi_slopes, "alibi_slopes"), (sinks, "sinks")):
         if v is not None:
-            v = c.array(v, arg)
-            c.dtype(v, arg, (np.dtype(np.float32),))
+            v = c.array(v, arg, (np.dtype(np.float32),))
             c.dim(v, arg, 1)
             c.size(v, arg, 0, hq, "num_heads of query")
         vectors.append(v)
@@ -209,15 +221,15 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, k_sca
     with ``k_scale`` / ``v_scale``, docs/ops.md) and returns the updated ``(key_cache, value_cache)``, which
     alias the inputs (in place under ``jax.jit`` with the caches donated)."""
     c = _Check("reshape_and_cache")
-    key, value = c.array(key, "key"), c.array(value, "value")
+    key, value = c.array(key, "key", FLOAT_DTYPES), c.array(value, "value", FLOAT_DTYPES)
     c.dim(key, "key", 3)
-    c.dtype(key, "key", FLOAT_DTYPES)
     c.dim(value, "value", 3)
     if value.dtype != key.dtype:
         c.fail("value", f"dtype {np.dtype(value.dtype).name} must equal key's {np.dtype(key.dtype).name}")
     for d in range(2):
         c.size(value, "value", d, key.shape[d], "num_tokens, num_kv_heads of key")
-    key_cache, value_cache = c.array(key_cache, "key_cache"), c.array(value_cache, "value_cache")
+    key_cache = c.array(key_cache, "key_cache", CACHE_DTYPES)
+    value_cache = c.array(value_cache, "value_cache", CACHE_DTYPES)
     for cache, arg in ((key_cache, "key_cache"), (value_cache, "value_cache")):
         c.dim(cache, arg, 4)
         c.dtype(cache, arg, CACHE_DTYPES)
@@ -234,8 +246,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, k_sca
     if np.dtype(key_cache.dtype) not in FP8_DTYPES and key_cache.dtype != key.dtype:
         c.fail("key_cache", f"dtype {np.dtype(key_cache.dtype).name} must be key's dtype "
                             f"({np.dtype(key.dtype).name}) or an fp8 dtype")
-    slot_mapping = c.array(slot_mapping, "slot_mapping")
-    c.dtype(slot_mapping, "slot_mapping", (INT32, INT64))
+    slot_mapping = c.array(slot_mapping, "slot_mapping", (INT32, INT64))
     c.dim(slot_mapping, "slot_mapping", 1)
     c.size(slot_mapping, "slot_mapping", 0, key.shape[0], "num_tokens of key")
     if np.dtype(key_cache.dtype) in FP8_DTYPES:
@@ -263,8 +274,7 @@ def copy_blocks(cache, block_mapping, *, block_dim=0):
     ndim = len(cache.shape)
     if not -ndim <= block_dim < ndim:
         c.fail("block_dim", f"out of range for a {ndim}-dimensional array: {block_dim}")
-    block_mapping = c.array(block_mapping, "block_mapping")
-    c.dtype(block_mapping, "block_mapping", (INT32, INT64))
+    block_mapping = c.array(block_mapping, "block_mapping", (INT32, INT64))
     c.dim(block_mapping, "block_mapping", 2)
     c.size(block_mapping, "block_mapping", 1, 2, "(src, dst) pairs")
     bd = block_dim % ndim
