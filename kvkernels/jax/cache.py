@@ -64,7 +64,9 @@ class PagedKVCache:
             s = list(s) if isinstance(s, (list, tuple)) else [s] * num_layers
             if len(s) != num_layers:
                 raise ValueError(f"PagedKVCache.create: expected {num_layers} scales, got {len(s)}")
-            return tuple(jnp.asarray(x, jnp.float32).reshape(-1) for x in s)
+            # One array per layer (copies): the cache is donated to each step, and one buffer must not
+            # be donated twice.
+            return tuple(jnp.array(x, jnp.float32, copy=True).reshape(-1) for x in s)
 
         return cls(
             k=tuple(jnp.zeros((num_pages, page_size, num_kv_heads, head_dim), dtype) for _ in range(num_layers)),
@@ -97,9 +99,11 @@ class PagedKVCache:
                                      **self.layer_scales(layer))
         return dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v))
 
-    def attend(self, layer: int, query, *, seq_lens=None, query_start_loc=None, **options):
-        """``paged_attention`` of ``query`` over one layer's pages (lengths: this cache's, or ``seq_lens``)."""
-        return ops.paged_attention(query, self.k[layer], self.v[layer], self.block_tables,
+    def attend(self, layer: int, query, *, block_tables=None, seq_lens=None, query_start_loc=None, **options):
+        """``paged_attention`` of ``query`` over one layer's pages, through this cache's block tables and
+        lengths or the given ones (a prefill adds a row for its padding, kvkernels/jax/llama.py)."""
+        return ops.paged_attention(query, self.k[layer], self.v[layer],
+                                   self.block_tables if block_tables is None else block_tables,
                                    self.seq_lens if seq_lens is None else seq_lens, query_start_loc,
                                    **self.layer_scales(layer), **options)
 
