@@ -41,5 +41,7 @@ if [ "${JAX_CUDA:-auto}" != 0 ]; then
 fi
 
 mkdir -p "$OUT"
+# JAX_CUDA_ARCHS: nvcc's -gencode flags (default sm_80 and sm_90a, as make cuda-check).
 exec make --no-print-directory -f scripts/jax.mk -j"${MAX_JOBS:-2}" OUT="$OUT" JAX_INCLUDE="$JAX_INCLUDE" \
-  TORCH_INCLUDE="$TORCH_INCLUDE" CUDA="$CUDA" NVCC="${NVCC:-nvcc}"
+  TORCH_INCLUDE="$TORCH_INCLUDE" CUDA="$CUDA" NVCC="${NVCC:-nvcc}" \
+  ${JAX_CUDA_ARCHS:+"CUDA_ARCHS=$JAX_CUDA_ARCHS"}

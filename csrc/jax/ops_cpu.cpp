@@ -12,6 +12,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -60,7 +61,15 @@ struct XlaHost {
   ffi::ThreadPool* pool;
   int64_t pool_threads;  // 0: no pool (the work runs on the calling thread)
 
-  XlaHost(ffi::ThreadPool* p, int64_t n) : pool(p), pool_threads(n) { last_pool_threads = n; }
+  // KVKERNELS_JAX_CPU_THREADS=<n> (read on every call) caps the threads a call uses, as
+  // torch.set_num_threads does for the torch ops (benchmarks/jax_decode.py compares both at 1 thread).
+  XlaHost(ffi::ThreadPool* p, int64_t n) : pool(p), pool_threads(n) {
+    if (const char* cap = std::getenv("KVKERNELS_JAX_CPU_THREADS"); cap != nullptr && cap[0] != '\0') {
+      const long v = std::strtol(cap, nullptr, 10);
+      if (v >= 1) pool_threads = std::min<int64_t>(std::max<int64_t>(n, 1), v);
+    }
+    last_pool_threads = pool_threads;
+  }
 
   int64_t threads() const { return std::max<int64_t>(1, pool_threads); }
 

@@ -71,28 +71,27 @@ def _register(lib: ctypes.CDLL, platform: str, suffix: str) -> None:
 
 
 def load() -> ctypes.CDLL:
-    """The CPU library, loaded and registered once (and the CUDA one too when it exists and jax has a
-    CUDA backend). Raises ``RuntimeError`` saying how to build it when it is missing."""
+    """The CPU library, loaded and registered once; the CUDA one too, as soon as it exists and jax has a CUDA
+    backend (checked again on every call until it is loaded, so a library built after the first op call
+    is picked up). Raises ``RuntimeError`` saying how to build the CPU library when it is missing."""
     with _LOCK:
-        if "cpu" in _STATE:
-            return _STATE["cpu"]
-        path = library_path()
-        if not path.exists():
-            raise RuntimeError(f"kvkernels.jax: {path} does not exist: build it with `make jax` (or "
-                               f"kvkernels.jax.build_library()), or point KVKERNELS_JAX_LIB at it")
-        lib = ctypes.CDLL(str(path))
-        lib.kvkernels_jax_cpu_isa.restype = ctypes.c_char_p
-        lib.kvkernels_jax_cpu_isa.argtypes = [ctypes.c_char_p, ctypes.c_int]
-        _register(lib, "cpu", "cpu")
-        _STATE["cpu"] = lib
-        cuda = cuda_library_path()
-        if cuda.exists() and _has_cuda_backend():
-            culib = ctypes.CDLL(str(cuda))
+        if "cpu" not in _STATE:
+            path = library_path()
+            if not path.exists():
+                raise RuntimeError(f"kvkernels.jax: {path} does not exist: build it with `make jax` (or "
+                                   f"kvkernels.jax.build_library()), or point KVKERNELS_JAX_LIB at it")
+            lib = ctypes.CDLL(str(path))
+            lib.kvkernels_jax_cpu_isa.restype = ctypes.c_char_p
+            lib.kvkernels_jax_cpu_isa.argtypes = [ctypes.c_char_p, ctypes.c_int]
+            _register(lib, "cpu", "cpu")
+            _STATE["cpu"] = lib
+        if "cuda" not in _STATE and cuda_library_path().exists() and _has_cuda_backend():
+            culib = ctypes.CDLL(str(cuda_library_path()))
             culib.kvkernels_jax_cuda_attention_workspace.restype = ctypes.c_int64
             culib.kvkernels_jax_cuda_attention_workspace.argtypes = [ctypes.c_int64] * 11
             _register(culib, "CUDA", "cuda")
             _STATE["cuda"] = culib
-        return lib
+        return _STATE["cpu"]
 
 
 def cuda_library():
@@ -102,10 +101,12 @@ def cuda_library():
 
 
 def _has_cuda_backend() -> bool:
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
+    if "has_cuda" not in _STATE:
+        try:
+            _STATE["has_cuda"] = bool(jax.devices("cuda"))
+        except RuntimeError:
+            _STATE["has_cuda"] = False
+    return _STATE["has_cuda"]
 
 
 def cpu_isa() -> str:
