@@ -11,6 +11,7 @@ JaxRuntimeError naming the argument, nothing written), no host round trip, no to
 The module skips (with the reason) only when jax is not installed; a library that fails to build fails it.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -579,3 +580,22 @@ def test_library_links_neither_torch_nor_jaxlib(jax_library_path):
     assert exported == ["kvkernels_jax_copy_blocks_cpu", "kvkernels_jax_cpu_isa", "kvkernels_jax_cpu_threads",
                         "kvkernels_jax_gather_kv_cpu", "kvkernels_jax_paged_attention_cpu",
                         "kvkernels_jax_reshape_and_cache_cpu"], exported
+
+
+def test_cpu_threads_come_from_xla_pool_and_the_cap(monkeypatch):
+    """The handlers run on XLA's intra-op pool (its size as the call saw it), capped by
+    KVKERNELS_JAX_CPU_THREADS (read on every call); the reference's answer at any thread count (the KV split
+    count follows the threads, so the bytes may differ, as for the torch ops)."""
+    import ctypes
+    from kvkernels.jax import _library
+    lib = _library.load()
+    lib.kvkernels_jax_cpu_threads.restype = ctypes.c_int64
+    kv, query, _ = make_case("decode", [300, 41, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=64,
+                             block_size=16, seed=4)
+    monkeypatch.delenv("KVKERNELS_JAX_CPU_THREADS", raising=False)
+    run_paged_attention(kv, query, None, op=jax_ops.paged_attention)
+    pool = lib.kvkernels_jax_cpu_threads()
+    assert pool >= 1 and (pool > 1) == (os.cpu_count() > 1), pool
+    monkeypatch.setenv("KVKERNELS_JAX_CPU_THREADS", "1")
+    run_paged_attention(kv, query, None, op=jax_ops.paged_attention)
+    assert lib.kvkernels_jax_cpu_threads() == 1
