@@ -599,3 +599,58 @@ def test_cpu_threads_come_from_xla_pool_and_the_cap(monkeypatch):
     monkeypatch.setenv("KVKERNELS_JAX_CPU_THREADS", "1")
     run_paged_attention(kv, query, None, op=jax_ops.paged_attention)
     assert lib.kvkernels_jax_cpu_threads() == 1
+
+
+def test_cuda_lowering_adds_the_scratch_result(monkeypatch):
+    """The CUDA lowering, checked without a GPU (jax.export for platform cuda, the launch planner replaced by a
+    recorder): each custom call gets one more result, a uint8 scratch sized from the shapes (the planner's
+    split partials for attention, an int64 copy of int32 slots / mappings, gather's token offsets); the cache
+    aliases and attributes are those of the CPU lowering. Head dims above 256 are refused for CUDA."""
+    from kvkernels.jax import _library
+
+    class Planner:
+        calls = []
+
+        def kvkernels_jax_cuda_attention_workspace(self, *args):
+            self.calls.append(args)
+            return 4096
+
+    _library.load()
+    monkeypatch.setitem(_library._STATE, "cuda", Planner())
+
+    def cuda_mlir(fn, *args):
+        checks = [jax.export.DisabledSafetyCheck.custom_call(_library.target_name(op)) for op in _library.OPS]
+        return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+
+    def calls(text, op):
+        return re.findall(rf"stablehlo.custom_call @kvkernels_{op}\((.*?)\) \{{(.*?)\}} : \((.*?)\) -> \((.*?)\)",
+                          text)
+
+    q, k = jnp.ones((3, 8, 64), jnp.bfloat16), jnp.ones((3, 2, 64), jnp.bfloat16)
+    kc = jnp.zeros((9, 16, 2, 64), jnp.float8_e4m3fn)
+    bt, sl = jnp.zeros((3, 5), jnp.int32), jnp.ones((3,), jnp.int32)
+    s = jnp.ones((1,), jnp.float32)
+    text = cuda_mlir(lambda *a: kj.paged_attention(*a, k_scale=s, v_scale=s, soft_cap=2.0), q, kc, kc, bt, sl)
+    [(_, attrs, _, results)] = calls(text, "paged_attention")
+    assert results.split(", ")[-1] == "tensor<4096xui8>" and results.count("tensor<") == 3, results
+    assert "soft_cap = 2.000000e+00 : f32" in attrs and "optional_mask = 24 : i64" in attrs, attrs
+    # (num_tokens, num_heads, num_seqs, num_kv_heads, head_dim, head_dim_v, block_size, max_blocks, q format
+    #  bf16 = 2, cache format e4m3 = 3, decode)
+    assert Planner.calls[-1] == (3, 8, 3, 2, 64, 64, 16, 5, 2, 3, 1)
+
+    kc16 = jnp.zeros((9, 16, 2, 64), jnp.bfloat16)
+    text = cuda_mlir(kj.reshape_and_cache, k, k, kc16, kc16, jnp.asarray([0, 5, -1], jnp.int32))
+    [(_, attrs, _, results)] = calls(text, "reshape_and_cache")
+    assert results.split(", ")[-1] == "tensor<24xui8>", results  # 3 int64 slots
+    assert "output_operand_aliases" in attrs and attrs.count("output_operand_alias<") == 2, attrs
+    text = cuda_mlir(lambda c: kj.copy_blocks(c, jnp.asarray([[1, 2], [3, 4]], jnp.int32)), kc16)
+    [(_, attrs, _, results)] = calls(text, "copy_blocks")
+    assert results.split(", ")[-1] == "tensor<32xui8>" and "operand_index = 0" in attrs, (results, attrs)
+    text = cuda_mlir(lambda *a: kj.gather_kv(*a, num_tokens=7), kc16, kc16, bt, sl)
+    [(_, _, _, results)] = calls(text, "gather_kv")
+    assert results.split(", ")[-1] == "tensor<32xui8>", results  # 4 int64 token offsets
+
+    big = jnp.zeros((2, 16, 1, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match=re.escape("kvkernels.paged_attention: key_cache: head_dim 512 is not "
+                                                   "supported on CUDA")):
+        cuda_mlir(kj.paged_attention, jnp.ones((1, 1, 512), jnp.bfloat16), big, big, bt[:1], sl[:1])

@@ -164,7 +164,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
         c, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale)
     n, b, hkv, d = key_cache.shape
     dv = value_cache.shape[3]
-    for arr, arg, hd in ((key_cache, "key_cache", d), (value_cache, "value_cache", dv)):
+    for arg, hd in (("key_cache", d), ("value_cache", dv)):
         if not (hd > 0 and hd % 8 == 0 and hd <= MAX_HEAD_DIM):
             c.fail(arg, f"head_dim must be a positive multiple of 8 up to {MAX_HEAD_DIM}, got {hd}")
     query = c.array(query, "query", FLOAT_DTYPES)
