@@ -80,9 +80,9 @@ def test_positions_matter(model):
 def test_each_prompt_alone_gives_its_batch_tokens(model):
     _, cfg, params = model
     ps = prompts()
-    batch = llama.generate(params, cfg, ps, 6, page_size=PAGE)
-    for i, p in enumerate(ps):
-        np.testing.assert_array_equal(llama.generate(params, cfg, [p], 6, page_size=PAGE)[0], batch[i])
+    batch = llama.generate(params, cfg, ps, 4, page_size=PAGE)
+    for i in (1, 2):  # the longest prompt and the one-token one (each alone compiles its own shapes)
+        np.testing.assert_array_equal(llama.generate(params, cfg, [ps[i]], 4, page_size=PAGE)[0], batch[i])
 
 
 def test_decode_loop_compiles_once_and_writes_pages_in_place(model):
