@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine (README):
 #   make demo   - create .venv from requirements/lock.txt (torch too, unless one is present), build, run the demo
 #   make test   - the same set-up, then the test suite
-# Other targets: ort, jax, test-jax, bench-jax, build, info, bench, fuzz, sanitize, amx-emu-test, test-compat, test-abi, test-vllm,
+# Other targets: ort, jax, jax-cuda-check, test-jax, bench-jax, build, info, bench, fuzz, sanitize, amx-emu-test, test-compat, test-abi, test-vllm,
 # bench-vllm, lock, cuda-check, cuda-emu-test, metal-check, metal-test, clean.
 
 PYTHON ?= python3
@@ -11,7 +11,7 @@ SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -na
 
 ORT_LIB := build-ort/libkvkernels_ort.so
 
-.PHONY: ort jax jax-cpu test-jax bench-jax demo test test-compat test-abi test-vllm bench-vllm lock build info bench fuzz sanitize amx-emu-test cuda-check \
+.PHONY: ort jax jax-cpu jax-cuda-check test-jax bench-jax demo test test-compat test-abi test-vllm bench-vllm lock build info bench fuzz sanitize amx-emu-test cuda-check \
         cuda-emu-test metal-check metal-test clean
 
 # Versions come from requirements/lock.txt (pip constraints), so a fresh machine gets exactly the
@@ -59,6 +59,11 @@ jax: $(VENV)/.ready
 
 jax-cpu: $(VENV)/.ready
 	PY=$(abspath $(PY)) MAX_JOBS=$${MAX_JOBS:-2} JAX_CUDA=0 JAX_OPTIONAL=1 scripts/build_jax.sh
+
+# Compile the CUDA handlers of kvkernels.jax (csrc/jax/ops_cuda.cpp, widen.cu) for sm_80 and sm_90a, objects
+# only (the kernels they launch are make cuda-check's); run by CI. Needs nvcc and jax.
+jax-cuda-check: $(VENV)/.ready
+	PY=$(abspath $(PY)) MAX_JOBS=$${MAX_JOBS:-2} JAX_CUDA=1 scripts/build_jax.sh cuda-handlers
 
 # Only the JAX tests (CPU; they skip, saying so, when jax is not installed).
 test-jax: build jax-cpu

@@ -8,6 +8,8 @@
 # (BFloat16 / Half conversions of csrc/cpu/convert.h) from the python in $PY, as build_ort.sh does.
 # Nothing of libtorch or jaxlib is linked: XLA passes its API to the handlers at call time.
 # JAX_OPTIONAL=1: exit 0 with a message when jax is not installed (make test on a venv without jax).
+# Arguments: make targets of scripts/jax.mk (default: the libraries; cuda-handlers: compile the CUDA
+# handlers only, make jax-cuda-check).
 # Incremental: objects and header dependencies in build-jax/obj, build-jax/cuda-obj.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,4 +46,4 @@ mkdir -p "$OUT"
 # JAX_CUDA_ARCHS: nvcc's -gencode flags (default sm_80 and sm_90a, as make cuda-check).
 exec make --no-print-directory -f scripts/jax.mk -j"${MAX_JOBS:-2}" OUT="$OUT" JAX_INCLUDE="$JAX_INCLUDE" \
   TORCH_INCLUDE="$TORCH_INCLUDE" CUDA="$CUDA" NVCC="${NVCC:-nvcc}" \
-  ${JAX_CUDA_ARCHS:+"CUDA_ARCHS=$JAX_CUDA_ARCHS"}
+  ${JAX_CUDA_ARCHS:+"CUDA_ARCHS=$JAX_CUDA_ARCHS"} "$@"

@@ -14,7 +14,7 @@ CXXFLAGS := -std=c++17 -O3 -g0 -fPIC -fvisibility=hidden -Wall -DNDEBUG -Wno-psa
 # launchers: attention_api.cuh, cache_ops.h), the handlers, and a small kernel of their own.
 CUDA_CU := csrc/cuda/attention.cu $(filter-out csrc/cuda/attention.cu,$(wildcard csrc/cuda/attention_*.cu)) \
            csrc/cuda/cache_ops.cu csrc/jax/widen.cu
-CUDA_CPP := csrc/index_checks.cpp csrc/jax/jax_args.cpp csrc/jax/ops_cuda.cpp
+CUDA_CPP := csrc/jax/jax_args.cpp csrc/jax/ops_cuda.cpp
 CUDA_OBJS := $(patsubst %.cu,$(OUT)/cuda-obj/%.o,$(CUDA_CU)) $(patsubst %.cpp,$(OUT)/cuda-obj/%.o,$(CUDA_CPP))
 CUDA_ARCHS ?= -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a
 NVCCFLAGS := -std=c++17 -O3 -Xcompiler=-fPIC,-fvisibility=hidden -DNDEBUG $(CUDA_ARCHS) \
@@ -26,6 +26,11 @@ TARGETS += $(OUT)/libkvkernels_jax_cuda.so
 endif
 
 all: $(TARGETS)
+
+# The JAX-specific CUDA sources alone (the handlers and their kernel; the kernels of csrc/cuda/ are
+# make cuda-check's): objects only, for CI's compile check (make jax-cuda-check).
+cuda-handlers: $(OUT)/cuda-obj/csrc/jax/ops_cuda.o $(OUT)/cuda-obj/csrc/jax/jax_args.o $(OUT)/cuda-obj/csrc/jax/widen.o
+.PHONY: all cuda-handlers
 
 $(OUT)/libkvkernels_jax.so: $(CPU_OBJS)
 	$(CXX) -shared -o $@.tmp $^ -Wl,--no-undefined -Wl,-z,defs -lpthread $(EXTRA_LDFLAGS)
