@@ -1,6 +1,7 @@
 """kvkernels.jax's decode step against the same kernels through torch and against plain JAX attention.
 
-    PYTHONPATH=. python benchmarks/jax_decode.py [--reps 40] [--device cpu|cuda] [--quick] [--out DIR]
+    python benchmarks/jax_decode.py [--reps 40] [--device cpu|cuda] [--shapes 4x512,8x2048] [--threads 2,1]
+                                    [--quick] [--out DIR]
     (needs build-jax/libkvkernels_jax.so: make jax; and the torch extension: make build)
 
 One decode step of one layer on the same data (bf16 queries and caches, 32 query / 8 kv heads, head dim
@@ -156,6 +157,7 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--quick", action="store_true", help="one small shape, 10 reps (a smoke run)")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--shapes", default="4x512,8x2048", help="comma-separated batch x context, e.g. 8x2048")
     ap.add_argument("--threads", default=None,
                     help="comma-separated thread counts to run every shape with (torch.set_num_threads and "
                          "KVKERNELS_JAX_CPU_THREADS alike; default: all CPUs, then 1 on the CPU)")
@@ -169,7 +171,7 @@ def main():
     if tdev == "cuda" and not torch.cuda.is_available():
         print("no CUDA device for torch: nothing to measure")
         return
-    shapes = [(4, 512), (8, 2048)] if not args.quick else [(2, 256)]
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if not args.quick else [(2, 256)]
     reps = 10 if args.quick else args.reps
     load_before = os.getloadavg()
     if args.threads:
