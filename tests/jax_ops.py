@@ -42,7 +42,7 @@ def to_jax(t, index_dtype=np.int32):
     """A torch tensor as a JAX array on DEVICE (int64 index tensors as ``index_dtype``); None stays None."""
     if t is None:
         return None
-    a = to_numpy(t)
+    a = np.array(to_numpy(t), copy=True)  # never the torch tensor's memory (JAX may alias numpy on the CPU)
     if a.dtype == np.int64:
         a = a.astype(index_dtype)
     return jax.device_put(a, DEVICE)

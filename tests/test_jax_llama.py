@@ -168,3 +168,17 @@ def test_paged_kv_cache_is_a_pytree():
     new = PagedKVCache.create(num_layers=2, num_pages=3, page_size=2, num_kv_heads=1, head_dim=8, batch=1,
                               max_pages_per_seq=2, dtype=jnp.bfloat16).write(1, x, x, jnp.asarray([3], jnp.int32))
     assert float(new.k[1][1, 1].astype(jnp.float32).sum()) == 8 and float(new.k[0].astype(jnp.float32).sum()) == 0
+
+
+def test_with_tables_copies_the_host_arrays():
+    """JAX on the CPU may use a numpy array's memory without copying it (about every other array here, by
+    its alignment), and the page manager updates its lengths in place for the next step while the last
+    one may still be running: with_tables copies. (Without the copy the loop's prefill read the next
+    step's lengths now and then: tokens of the short prompts differed from the dense reference.)"""
+    cache = PagedKVCache.create(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=8, batch=4,
+                                max_pages_per_seq=3)
+    for _ in range(64):
+        lengths, tables = np.full(4, 5, np.int32), np.ones((4, 3), np.int32)
+        new = cache.with_tables(tables, lengths)
+        lengths[0], tables[0, 0] = 99, 77
+        assert int(new.seq_lens[0]) == 5 and int(new.block_tables[0, 0]) == 1

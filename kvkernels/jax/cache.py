@@ -89,9 +89,12 @@ class PagedKVCache:
         return {"k_scale": self.k_scale[layer], "v_scale": self.v_scale[layer]}
 
     def with_tables(self, block_tables, seq_lens) -> "PagedKVCache":
-        """The same pages with new block tables and lengths (host arrays from ``PageManager``)."""
-        return dataclasses.replace(self, block_tables=jnp.asarray(block_tables, jnp.int32),
-                                   seq_lens=jnp.asarray(seq_lens, jnp.int32))
+        """The same pages with new block tables and lengths (host arrays from ``PageManager``). The host
+        arrays are copied: on the CPU, JAX may use a numpy array's memory without copying it, and the page
+        manager updates its lengths in place for the next step while this step may still be running (JAX
+        dispatches asynchronously)."""
+        return dataclasses.replace(self, block_tables=jnp.asarray(np.array(block_tables, np.int32, copy=True)),
+                                   seq_lens=jnp.asarray(np.array(seq_lens, np.int32, copy=True)))
 
     def write(self, layer: int, key, value, slot_mapping) -> "PagedKVCache":
         """``reshape_and_cache`` of one layer's new K/V; returns the cache with that layer's pages updated."""
