@@ -18,8 +18,10 @@ One decode step of one layer on the same data (bf16 queries and caches, 32 query
 Also the attention alone (``*_attn``, no write), and the ``jax_kvkernels`` step with the page pool 10x larger
 (the same sequences; the step must not get slower: the donated pages are written in place, never copied).
 Every variant of a row runs interleaved rep by rep (ABCABC...), so a load change on the shared machine hits
-all alike; each rep's jax/torch ratio is paired (the same moment). Reported: median and minimum per
-variant, the median of the paired ratios and its interquartile range. Writes
+all alike; each rep's jax/torch ratio is paired (the same moment). Reported: wall-clock median and minimum
+per variant and its process CPU time (every thread of the process; it leaves out the time spent waiting
+for a core, which dominates the wall-clock spread on an oversubscribed machine), the median of the paired
+ratios of both and their interquartile ranges. Writes
 benchmarks/results/jax-<device>-<cpu>-<date>.json / .txt with the CPU model, versions, thread counts and the
 load average before and after.
 """
@@ -119,27 +121,35 @@ class Stateful:
         out.block_until_ready()
 
 
-def timed(fns: dict, reps: int) -> dict[str, list[float]]:
-    """Per-rep seconds of each function, the functions interleaved (ABCABC...) after two warm-up calls."""
+def timed(fns: dict, reps: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per-rep wall-clock and process CPU seconds of each function, the functions interleaved (ABCABC...)
+    after two warm-up calls. CPU time (every thread of the process) leaves out the time the process waits
+    for a core, which on a shared, oversubscribed machine dominates the wall-clock spread."""
     for fn in fns.values():
         fn()
         fn()
-    times = {name: [] for name in fns}
+    wall = {name: [] for name in fns}
+    cpu = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
-            t = time.perf_counter()
+            c, t = time.process_time(), time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - t)
-    return times
+            wall[name].append(time.perf_counter() - t)
+            cpu[name].append(time.process_time() - c)
+    return wall, cpu
 
 
-def summary(times: dict[str, list[float]], pairs: list[tuple[str, str]]) -> dict:
-    out = {name: {"median_ms": statistics.median(x) * 1e3, "min_ms": min(x) * 1e3} for name, x in times.items()}
+def summary(wall: dict[str, list[float]], cpu: dict[str, list[float]], pairs: list[tuple[str, str]]) -> dict:
+    out = {name: {"median_ms": statistics.median(x) * 1e3, "min_ms": min(x) * 1e3,
+                  "cpu_median_ms": statistics.median(cpu[name]) * 1e3} for name, x in wall.items()}
     for a, b in pairs:
-        ratios = sorted(x / y for x, y in zip(times[a], times[b]))
-        q = statistics.quantiles(ratios, n=4)
-        out[f"{a}/{b}"] = {"median": statistics.median(ratios), "q1": q[0], "q3": q[2],
-                           "ratio_of_mins": min(times[a]) / min(times[b])}
+        entry = {}
+        for kind, times in (("", wall), ("cpu_", cpu)):
+            ratios = sorted(x / y for x, y in zip(times[a], times[b]) if y > 0)
+            q = statistics.quantiles(ratios, n=4)
+            entry.update({f"{kind}median": statistics.median(ratios), f"{kind}q1": q[0], f"{kind}q3": q[2]})
+        entry["ratio_of_mins"] = min(wall[a]) / min(wall[b])
+        out[f"{a}/{b}"] = entry
     return out
 
 
@@ -219,10 +229,10 @@ def main():
         c = op.paged_attention(t["q"], t["kc"], t["vc"], t["bt"], t["sl"])[0].float().cpu().numpy()
         agree = {"kvkernels_jax_vs_torch_max_abs": float(np.abs(a - c).max()),
                  "kvkernels_jax_vs_dense_max_abs": float(np.abs(a - b).max())}
-        times = timed(fns, reps)
+        wall, cpu = timed(fns, reps)
         row = {"batch": batch, "context": context, "threads": threads, "num_pages": base_pages + 8, "cache_bytes": 2 * data["kc"].nbytes,
                "cache_bytes_10x": 2 * big["kc"].nbytes, "agreement": agree,
-               **summary(times, [("jax_kvkernels", "torch_kvkernels"), ("jax_kvkernels_attn", "torch_kvkernels_attn"),
+               **summary(wall, cpu, [("jax_kvkernels", "torch_kvkernels"), ("jax_kvkernels_attn", "torch_kvkernels_attn"),
                                  ("jax_dense", "jax_kvkernels"), ("jax_dense_attn", "jax_kvkernels_attn"),
                                  ("jax_kvkernels_10x_pages", "jax_kvkernels")])}
         rows.append(row)
@@ -246,16 +256,19 @@ def main():
              f"{load_before[0]:.1f} before, {report['load_average_after'][0]:.1f} after; {reps} interleaved reps", ""]
     for r in rows:
         lines.append(f"batch {r['batch']} x context {r['context']} ({r['cache_bytes'] / 2**20:.0f} MiB of K/V pages; "
-                     f"10x pool {r['cache_bytes_10x'] / 2**20:.0f} MiB), {r['threads']} thread(s):   median / min ms")
+                     f"10x pool {r['cache_bytes_10x'] / 2**20:.0f} MiB), {r['threads']} thread(s):   wall median / min ms, "
+                     f"process CPU median ms")
         for name in ("jax_kvkernels", "torch_kvkernels", "jax_dense", "jax_kvkernels_10x_pages",
                      "jax_kvkernels_attn", "torch_kvkernels_attn", "jax_dense_attn"):
-            lines.append(f"  {name:<26} {r[name]['median_ms']:8.3f} / {r[name]['min_ms']:8.3f}")
+            lines.append(f"  {name:<26} {r[name]['median_ms']:8.3f} / {r[name]['min_ms']:8.3f}   CPU "
+                         f"{r[name]['cpu_median_ms']:8.3f}")
         for pair in ("jax_kvkernels/torch_kvkernels", "jax_kvkernels_attn/torch_kvkernels_attn",
                      "jax_dense/jax_kvkernels", "jax_dense_attn/jax_kvkernels_attn",
                      "jax_kvkernels_10x_pages/jax_kvkernels"):
             p = r[pair]
             lines.append(f"  ratio {pair:<42} paired median {p['median']:.3f} (IQR {p['q1']:.3f}-{p['q3']:.3f}), "
-                         f"ratio of minimums {p['ratio_of_mins']:.3f}")
+                         f"ratio of minimums {p['ratio_of_mins']:.3f}; CPU time: paired median {p['cpu_median']:.3f} "
+                         f"(IQR {p['cpu_q1']:.3f}-{p['cpu_q3']:.3f})")
         lines.append(f"  agreement: max |jax - torch| {r['agreement']['kvkernels_jax_vs_torch_max_abs']:.3g}, "
                      f"max |kvkernels - dense| {r['agreement']['kvkernels_jax_vs_dense_max_abs']:.3g}")
         lines.append("")
