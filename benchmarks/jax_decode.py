@@ -17,8 +17,8 @@ One decode step of one layer on the same data (bf16 queries and caches, 32 query
 
 Also the attention alone (``*_attn``, no write), and the ``jax_kvkernels`` step with the page pool 10x larger
 (the same sequences; the step must not get slower: the donated pages are written in place, never copied).
-Every variant of a row runs interleaved rep by rep (ABCABC...), so a load change on the shared machine hits
-all alike; each rep's jax/torch ratio is paired (the same moment). Reported: wall-clock median and minimum
+Every variant of a row runs interleaved rep by rep, in a new random order each rep and after a 5 ms pause,
+so a load change on the shared machine hits all alike and none always follows the same neighbour; each rep's jax/torch ratio is paired (the same moment). Reported: wall-clock median and minimum
 per variant and its process CPU time (every thread of the process; it leaves out the time spent waiting
 for a core, which dominates the wall-clock spread on an oversubscribed machine), the median of the paired
 ratios of both and their interquartile ranges. Writes
@@ -52,6 +52,7 @@ import kvkernels.jax as kj  # noqa: E402
 from kvkernels.bench.machine import cpu_model, slug  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
+GAP_S = 0.005  # pause before each timed call (see timed)
 
 
 def make_data(batch, context, num_pages, seed=0):
@@ -122,16 +123,22 @@ class Stateful:
 
 
 def timed(fns: dict, reps: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Per-rep wall-clock and process CPU seconds of each function, the functions interleaved (ABCABC...)
-    after two warm-up calls. CPU time (every thread of the process) leaves out the time the process waits
+    """Per-rep wall-clock and process CPU seconds of each function, the functions interleaved (every function
+    once per rep, in a random order) after two warm-up calls. CPU time (every thread of the process) leaves out the time the process waits
     for a core, which on a shared, oversubscribed machine dominates the wall-clock spread."""
     for fn in fns.values():
         fn()
         fn()
     wall = {name: [] for name in fns}
     cpu = {name: [] for name in fns}
+    rng = np.random.default_rng(0)
+    names = list(fns)
     for _ in range(reps):
-        for name, fn in fns.items():
+        # A new order each rep, and a pause before each call: no variant always runs in the wake of the same
+        # neighbour (whose cache footprint, or thread pool still spinning after it, it would inherit).
+        for name in rng.permutation(names):
+            fn = fns[name]
+            time.sleep(GAP_S)
             c, t = time.process_time(), time.perf_counter()
             fn()
             wall[name].append(time.perf_counter() - t)
