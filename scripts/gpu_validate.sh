@@ -82,12 +82,17 @@ if torch.cuda.is_available():
           "L2", getattr(p, "L2_cache_size", 0) >> 20, "MiB", "smem optin", getattr(p, "shared_memory_per_block_optin", "?"))
 from torch.utils import cpp_extension
 print("CUDA_HOME", cpp_extension.CUDA_HOME)
-for mod in ("pytest", "xdist", "numpy", "expecttest", "hypothesis", "ninja", "transformers", "matplotlib"):
+for mod in ("pytest", "xdist", "numpy", "expecttest", "hypothesis", "ninja", "transformers", "matplotlib", "jax", "jaxlib"):
     try:
         m = importlib.import_module(mod)
         print(f"module {mod}: {getattr(m, '__version__', 'ok')} ({os.path.dirname(m.__file__ or '?')})")
     except Exception as e:  # noqa: BLE001
         print(f"module {mod}: MISSING ({type(e).__name__}: {e})")
+try:
+    import jax
+    print("jax devices:", jax.devices())
+except Exception as e:  # noqa: BLE001
+    print(f"jax devices: none ({type(e).__name__}: {e})")
 try:
     import torch.testing._internal.optests  # noqa: F401  (what torch.library.opcheck imports)
     print("opcheck imports: ok")
@@ -192,6 +197,31 @@ step_t_wgmma() {
 step_t_compile() {
   pytest_step tests.log tests/test_cuda_ops.py::test_compile_reduce_overhead tests/test_cuda_ops.py::test_compiled_decode_step \
     tests/test_compile_decode.py::test_reduce_overhead_captures_cuda_graph
+}
+
+# kvkernels.jax on CUDA (docs/jax.md): build-jax/libkvkernels_jax_cuda.so with the machine's jax and nvcc for
+# sm_90a (scripts/build_jax.sh; the CPU library too), then tests/test_jax_cuda.py (the ops against the
+# reference, splits in the hidden scratch, vmap, donation, a decode step in a CUDA graph, the Llama loop).
+# jax must not preallocate the GPU: torch shares it in the same runs.
+step_j_cuda() {
+  local rc
+  if [ "$SKIP_BUILD" != 1 ]; then
+    echo "===== j_cuda: scripts/build_jax.sh $(date -Is)" >>"$OUT/build.log"
+    PY="$PYTHON" JAX_CUDA=1 JAX_CUDA_ARCHS="-gencode=arch=compute_90a,code=sm_90a" MAX_JOBS=${MAX_JOBS:-16} \
+      capped scripts/build_jax.sh >>"$OUT/build.log" 2>&1
+    rc=$?
+    if [ $rc -ne 0 ]; then
+      STEP_DETAIL="build_jax.sh failed (rc=$rc): $(grep -E "error|Error" "$OUT/build.log" | tail -1 | cut -c1-200)"
+      return $rc
+    fi
+  fi
+  XLA_PYTHON_CLIENT_PREALLOCATE=false pytest_step tests.log tests/test_jax_cuda.py
+}
+# The decode step (one layer: reshape_and_cache + paged_attention, bf16, 32 / 8 heads, d128) jitted in JAX
+# on the CUDA kernels against the same two torch ops and against plain JAX gather + einsum attention, same
+# data, alternating reps (benchmarks/jax_decode.py --device cuda).
+step_b_jax() {
+  XLA_PYTHON_CLIENT_PREALLOCATE=false bench benchmarks/jax_decode.py --device cuda --out "$SCRATCH/results/bench"
 }
 
 # The CPU's avx512amx path on the tile unit of this host's CPU, where it has AMX (no development or CI
@@ -317,6 +347,8 @@ t_mla_tma 60
 t_mla_attn 120
 t_cascade_mla 45
 t_nonfinite 60
+j_cuda 180
+b_jax 60
 b_ops 60
 b_attn 45
 b_mla 45
