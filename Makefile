@@ -1,8 +1,9 @@
 # Two commands do all the set-up on a fresh machine (README):
 #   make demo   - create .venv from requirements/lock.txt (torch too, unless one is present), build, run the demo
 #   make test   - the same set-up, then the test suite
-# Other targets: ort, build, info, bench, fuzz, sanitize, amx-emu-test, test-compat, test-abi, test-vllm, bench-vllm, lock, cuda-check,
-# cuda-emu-test, metal-check, metal-test, clean.
+# Other targets: ort, jax, jax-cuda-check, test-jax, bench-jax, build, info, bench, fuzz, sanitize, amx-emu-test,
+# test-compat, test-abi, test-vllm, bench-vllm, bench-vllm-serve, lock, cuda-check, cuda-emu-test, metal-check,
+# metal-test, clean.
 
 PYTHON ?= python3
 VENV := .venv
@@ -11,19 +12,26 @@ SOURCES := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -na
 
 ORT_LIB := build-ort/libkvkernels_ort.so
 
-.PHONY: ort demo test test-compat test-abi test-vllm bench-vllm lock build info bench fuzz sanitize amx-emu-test cuda-check \
+.PHONY: ort jax jax-cpu jax-cuda-check test-jax bench-jax demo test test-compat test-abi test-vllm bench-vllm \
+        bench-vllm-serve lock build info bench fuzz sanitize amx-emu-test cuda-check \
         cuda-emu-test metal-check metal-test clean
 
 # Versions come from requirements/lock.txt (pip constraints), so a fresh machine gets exactly the
 # tested environment whatever upstream released since. A machine whose python already has torch
 # (a GPU box with its own CUDA build) gets a venv that sees it; elsewhere the venv is isolated and
-# torch is installed from the lock too.
+# torch is installed from the lock too. Likewise jax: a python that has jax (a GPU box's CUDA build)
+# keeps it; the lock's CPU jaxlib would shadow its CUDA plugin.
 LOCK := requirements/lock.txt
 $(VENV)/.ready: $(LOCK) requirements/dev.txt
 	rm -rf $(VENV)
 	if $(PYTHON) -c "import torch" 2>/dev/null; then \
 	  $(PYTHON) -m venv --system-site-packages $(VENV); \
-	  $(PY) -m pip install -q -c $(LOCK) -r requirements/dev.txt; \
+	  if $(PYTHON) -c "import jax" 2>/dev/null; then \
+	    grep -v -x -E 'jax|jaxlib' requirements/dev.txt > $(VENV)/dev-requirements.txt; \
+	  else \
+	    cp requirements/dev.txt $(VENV)/dev-requirements.txt; \
+	  fi; \
+	  $(PY) -m pip install -q -c $(LOCK) -r $(VENV)/dev-requirements.txt; \
 	else \
 	  $(PYTHON) -m venv $(VENV); \
 	  $(PY) -m pip install -q -c $(LOCK) torch -r requirements/dev.txt; \
@@ -44,13 +52,37 @@ build: kvkernels/.built
 ort: $(VENV)/.ready
 	PY=$(abspath $(PY)) MAX_JOBS=$${MAX_JOBS:-2} scripts/build_ort.sh
 
+# kvkernels.jax (docs/jax.md): scripts/build_jax.sh compiles the XLA FFI handlers with the kernel sources
+# into build-jax/: libkvkernels_jax.so (CPU) and, where nvcc is found, libkvkernels_jax_cuda.so (JAX_CUDA=0
+# skips it, JAX_CUDA=1 requires it). Needs jax in the venv (requirements/lock.txt pins it). jax-cpu is the
+# CPU library alone, and nothing (a message) when jax is not installed: what `make test` builds.
+jax: $(VENV)/.ready
+	PY=$(abspath $(PY)) MAX_JOBS=$${MAX_JOBS:-2} scripts/build_jax.sh
+
+jax-cpu: $(VENV)/.ready
+	PY=$(abspath $(PY)) MAX_JOBS=$${MAX_JOBS:-2} JAX_CUDA=0 JAX_OPTIONAL=1 scripts/build_jax.sh
+
+# Compile the CUDA handlers of kvkernels.jax (csrc/jax/ops_cuda.cpp, widen.cu) for sm_80 and sm_90a, objects
+# only (the kernels they launch are make cuda-check's); run by CI. Needs nvcc and jax.
+jax-cuda-check: $(VENV)/.ready
+	PY=$(abspath $(PY)) MAX_JOBS=$${MAX_JOBS:-2} JAX_CUDA=1 scripts/build_jax.sh cuda-handlers
+
+# Only the JAX tests (CPU; they skip, saying so, when jax is not installed).
+test-jax: build jax-cpu
+	$(PY) -m pytest -q tests/test_jax_ops.py tests/test_jax_llama.py
+
+# The decode step in JAX vs the torch ops vs plain JAX attention (benchmarks/jax_decode.py; writes
+# benchmarks/results/jax-cpu-*.json/.txt).
+bench-jax: build jax-cpu
+	PYTHONPATH=. $(PY) benchmarks/jax_decode.py
+
 demo: build
 	$(PY) -m kvkernels demo
 
 info: build
 	$(PY) -m kvkernels info
 
-test: build ort
+test: build ort jax-cpu
 	$(PY) -m pytest -q tests
 
 # The op fuzzer (tests/test_fuzz.py) for SECONDS seconds: random calls of every op in turn, valid ones against
@@ -119,6 +151,12 @@ test-vllm: build-vllm/.built
 bench-vllm: build-vllm/.built
 	$(VLLM_PY) benchmarks/vllm_bench.py
 
+# vLLM's OpenAI server (tensor parallel 2) under concurrent streaming load, kvkernels vs vLLM's CPU backend,
+# throughput and p50/p99 latencies, servers in ABBA order (benchmarks/vllm_serve_bench.py, driver
+# tests/vllm/serve_load.py; writes benchmarks/results/vllm-serve-*.json/.txt). ~20 min on 2 cores.
+bench-vllm-serve: build-vllm/.built
+	$(VLLM_PY) benchmarks/vllm_serve_bench.py
+
 # Compile every CUDA source for sm_80 and sm_90a; fail on errors or register spills.
 cuda-check:
 	PYTHON=$$( [ -x $(PY) ] && echo $(PY) || command -v python3 ) scripts/check_cuda.sh
@@ -132,6 +170,10 @@ cuda-emu-test: build
 	# the tall prefill (2 row tiles per warp; not a default) through the non-finite paged-attention cases
 	KVKERNELS_CUDA_EMU=1 KVKERNELS_CUDA_ATTN_PATH=mma-prefill-tall $(PY) -m pytest -q tests/test_nonfinite.py \
 	  -k "cuda_emu and not mla and not merge"
+	# the sm_90a wgmma prefill (opt-in) through the same cases where it applies (16-bit caches, varlen;
+	# the others would fall back to the kernels already run above)
+	KVKERNELS_CUDA_EMU=1 KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill $(PY) -m pytest -q tests/test_nonfinite.py \
+	  -k "cuda_emu and not mla and not merge and not decode and not e4m3 and not e5m2 and not f32"
 
 # Type-check every Metal kernel variant as C++ through metal/shim (g++; clang++ too when installed).
 # Needs no torch and no build.
@@ -139,7 +181,7 @@ metal-check:
 	$(PYTHON) scripts/check_metal.py
 
 # Only the Metal tests: the emulator's own tests and every kernel against the reference, emulated.
-metal-test: build ort
+metal-test: build ort jax-cpu
 	$(PY) -m pytest -q tests/test_metal_emulator.py tests/test_metal_ops.py
 
 # Stable-ABI check at both ends of the supported torch range: a wheel built against the venv's torch
@@ -155,4 +197,4 @@ test-abi: $(VENV)/.ready
 	done
 
 clean:
-	rm -rf build kvkernels/_C*.so kvkernels/.built
+	rm -rf build build-jax kvkernels/_C*.so kvkernels/.built

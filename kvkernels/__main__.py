@@ -1,11 +1,11 @@
-"""Command line: ``python -m kvkernels info | demo | bench [options]``."""
+"""Command line: ``python -m kvkernels info | demo | bench | transformers [options]``."""
 
 from __future__ import annotations
 
 import sys
 
 USAGE = """\
-usage: python -m kvkernels {info,demo,bench} [options]
+usage: python -m kvkernels {info,demo,bench,transformers} [options]
 
 commands:
   info   the compiled backends (CPU / CUDA / Metal kernels per op), the CPU ISA in use, the torch version
@@ -13,6 +13,9 @@ commands:
          (demo kernels: the ops-level demo, no transformers needed)
   bench  benchmarks: the kernels against PyTorch and the measured memory bandwidth (--suite cache: the
          cache manager; --suite generate: transformers generate() on both caches)
+  transformers  transformers' command line with kvkernels' flash kernel registered, e.g. `python -m
+         kvkernels transformers serve MODEL --continuous-batching --attn-implementation
+         kvkernels/flash-attn2-api` (kvkernels.integrations.transformers_flash)
 
 python -m kvkernels <command> --help lists the command's options."""
 
@@ -32,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "bench":
         from kvkernels.bench import main as bench
         return bench(argv)
+    if command == "transformers":
+        from kvkernels.integrations.transformers_flash import cli_main
+        return cli_main(argv)
     print(f"{USAGE}\n\npython -m kvkernels: unknown command {command!r}", file=sys.stderr)
     return 2
 

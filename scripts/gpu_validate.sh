@@ -3,7 +3,8 @@
 # 520: the device tool runs a command for at most 10 minutes, and a session has 15 minutes of device time,
 # the machine's start included). Builds the extension with the machine's torch and nvcc for sm_90a, checks
 # that every op got a CUDA kernel and that ptxas reports no spills, runs the CUDA tests in priority
-# order, short benchmarks, the two full-size decode targets, the A/B of the decode and prefill kernels'
+# order (the sm_90a wgmma prefill first: t_wgmma, and its A/B against the wide prefill, SDPA flash and
+# cuDNN: b_wgmma), short benchmarks, the two full-size decode targets, the A/B of the decode and prefill kernels'
 # two configurations each (b_variants, b_pvariants) and of the two mla_decompress kernels (b_decomp),
 # then opcheck / bad input, the torch.compile tests, (t_amx) the CPU's AMX path on the host's own
 # tile unit where it has one and (b_cpu) a short benchmark of the CPU attention paths on the host's CPU,
@@ -82,12 +83,17 @@ if torch.cuda.is_available():
           "L2", getattr(p, "L2_cache_size", 0) >> 20, "MiB", "smem optin", getattr(p, "shared_memory_per_block_optin", "?"))
 from torch.utils import cpp_extension
 print("CUDA_HOME", cpp_extension.CUDA_HOME)
-for mod in ("pytest", "xdist", "numpy", "expecttest", "hypothesis", "ninja", "transformers", "matplotlib"):
+for mod in ("pytest", "xdist", "numpy", "expecttest", "hypothesis", "ninja", "transformers", "matplotlib", "jax", "jaxlib"):
     try:
         m = importlib.import_module(mod)
         print(f"module {mod}: {getattr(m, '__version__', 'ok')} ({os.path.dirname(m.__file__ or '?')})")
     except Exception as e:  # noqa: BLE001
         print(f"module {mod}: MISSING ({type(e).__name__}: {e})")
+try:
+    import jax
+    print("jax devices:", jax.devices())
+except Exception as e:  # noqa: BLE001
+    print(f"jax devices: none ({type(e).__name__}: {e})")
 try:
     import torch.testing._internal.optests  # noqa: F401  (what torch.library.opcheck imports)
     print("opcheck imports: ok")
@@ -176,9 +182,47 @@ step_t_cascade_mla() { pytest_step tests.log tests/test_cascade.py tests/test_ml
 # NaN / inf in keys, values, queries, parameters, MLA rows, merge lse: the CPU cases, on the CUDA kernels.
 step_t_nonfinite() { pytest_par tests/test_nonfinite.py -k cuda; }
 step_t_bad() { pytest_par tests/test_cuda_ops.py tests/test_cuda_attention.py tests/test_cuda_mla.py -k "$BAD"; }
+# The sm_90a wgmma prefill (Path::kWgmmaPrefill; compiled and emulated before this run, never on a GPU): its
+# tests alone and serially under a short cap (an mbarrier / named-barrier protocol error hangs rather than
+# fails; faulthandler dumps the stacks of a test stuck for 30 s), with KVKERNELS_CUDA_WGMMA=require (a
+# fallback fails), then the non-finite cases of test_nonfinite.py with KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill
+# (its 16-bit varlen cases take the kernel, the rest fall back as planned).
+step_t_wgmma() {
+  local rc=0 detail
+  FAULT_S=30 pytest_step tests.log tests/test_cuda_attention.py -k wgmma || rc=$?
+  detail=$STEP_DETAIL
+  KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill pytest_par tests/test_nonfinite.py -k "cuda and not cuda_emu and not mla and not merge" || rc=$?
+  STEP_DETAIL="$detail; non-finite: $STEP_DETAIL"
+  return $rc
+}
 step_t_compile() {
   pytest_step tests.log tests/test_cuda_ops.py::test_compile_reduce_overhead tests/test_cuda_ops.py::test_compiled_decode_step \
     tests/test_compile_decode.py::test_reduce_overhead_captures_cuda_graph
+}
+
+# kvkernels.jax on CUDA (docs/jax.md): build-jax/libkvkernels_jax_cuda.so with the machine's jax and nvcc for
+# sm_90a (scripts/build_jax.sh; the CPU library too), then tests/test_jax_cuda.py (the ops against the
+# reference, splits in the hidden scratch, vmap, donation, a decode step in a CUDA graph, the Llama loop).
+# jax must not preallocate the GPU: torch shares it in the same runs.
+step_j_cuda() {
+  local rc
+  if [ "$SKIP_BUILD" != 1 ]; then
+    echo "===== j_cuda: scripts/build_jax.sh $(date -Is)" >>"$OUT/build.log"
+    PY="$PYTHON" JAX_CUDA=1 JAX_CUDA_ARCHS="-gencode=arch=compute_90a,code=sm_90a" MAX_JOBS=${MAX_JOBS:-16} \
+      capped scripts/build_jax.sh >>"$OUT/build.log" 2>&1
+    rc=$?
+    if [ $rc -ne 0 ]; then
+      STEP_DETAIL="build_jax.sh failed (rc=$rc): $(grep -E "error|Error" "$OUT/build.log" | tail -1 | cut -c1-200)"
+      return $rc
+    fi
+  fi
+  XLA_PYTHON_CLIENT_PREALLOCATE=false pytest_step tests.log tests/test_jax_cuda.py
+}
+# The decode step (one layer: reshape_and_cache + paged_attention, bf16, 32 / 8 heads, d128) jitted in JAX
+# on the CUDA kernels against the same two torch ops and against plain JAX gather + einsum attention, same
+# data, alternating reps (benchmarks/jax_decode.py --device cuda).
+step_b_jax() {
+  XLA_PYTHON_CLIENT_PREALLOCATE=false bench benchmarks/jax_decode.py --device cuda --out "$SCRATCH/results/bench"
 }
 
 # The CPU's avx512amx path on the tile unit of this host's CPU, where it has AMX (no development or CI
@@ -270,6 +314,17 @@ step_b_pvariants() {
     --json "$SCRATCH/results/bench/cuda-attention-pvariants-$STAMP.json"
 }
 
+# The A/B of the wgmma prefill: 4096 queries over 4096 keys, causal, 32 / 8 heads, d128, bf16 (the issue's
+# shape; fp8 caches are not the wgmma kernel's), wgmma vs wide (today's default prefill) in alternating
+# batches on the same data, against SDPA flash and cuDNN SDPA (SDPBackend.CUDNN_ATTENTION) on the same K/V
+# made contiguous. "variant:" lines give each time, its ratio to SDPA flash and cuDNN, and wgmma's speed-up
+# over wide; the prediction is in csrc/cuda/README.md ("Hopper prefill (wgmma)").
+step_b_wgmma() {
+  bench -m kvkernels.bench.cuda_attention --no-flex --attn-dtypes '' --attn-prefill 4096,4096 \
+    --attn-prefill-dtypes bfloat16 --prefill-variants wide,wgmma \
+    --json "$SCRATCH/results/bench/cuda-attention-wgmma-$STAMP.json"
+}
+
 # The other targets at full size: copy_blocks (1024 pairs x 32 layers, >= 80% of copy bandwidth) with
 # the other cache ops, and MLA decode (>= 70%) / mla_decompress (against a torch matmul) at one size each.
 step_b_sizes() {
@@ -299,6 +354,8 @@ step_b_decomp() {
 PLAN="env 45
 build 300
 verify 30
+t_wgmma 90
+b_wgmma 60
 t_ops 60
 t_cache 60
 t_attn 180
@@ -306,6 +363,8 @@ t_mla_tma 60
 t_mla_attn 120
 t_cascade_mla 45
 t_nonfinite 60
+j_cuda 180
+b_jax 60
 b_ops 60
 b_attn 45
 b_mla 45
@@ -342,6 +401,8 @@ done <<<"$PLAN"
   cat "$SCRATCH/targets-b_targets.txt" 2>/dev/null
   echo "---- decode kernel A/B, wide vs deep (bench.log)"
   cat "$SCRATCH/targets-b_variants.txt" 2>/dev/null
+  echo "---- wgmma prefill A/B, wide vs wgmma vs SDPA flash / cuDNN (bench.log)"
+  cat "$SCRATCH/targets-b_wgmma.txt" 2>/dev/null
   echo "---- prefill kernel A/B, wide vs deep vs SDPA flash (bench.log)"
   cat "$SCRATCH/targets-b_pvariants.txt" 2>/dev/null
   echo "---- mla_decompress A/B, tile64 vs persist64 / persist128 vs torch matmul (bench.log)"

@@ -8,15 +8,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TESTS=(tests/test_transformers.py tests/test_transformers_mla.py tests/test_generation.py
-       tests/test_compile_decode.py tests/test_demo.py tests/test_docs_examples.py)
+       tests/test_compile_decode.py tests/test_demo.py tests/test_docs_examples.py tests/test_transformers_cb.py)
 status=0
 summary=()
 for version in "$@"; do
   venv=build-compat/transformers-$version
-  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import transformers, torch" 2>/dev/null; then
+  # psutil: transformers' continuous batching sizes its CPU cache with it (tests/test_transformers_cb.py)
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import transformers, torch, psutil" 2>/dev/null; then
     rm -rf "$venv"
     "$PYTHON" -m venv "$venv" &&
-      "$venv/bin/pip" install -q -c requirements/lock.txt torch numpy pytest hypothesis expecttest &&
+      "$venv/bin/pip" install -q -c requirements/lock.txt torch numpy pytest hypothesis expecttest psutil &&
       "$venv/bin/pip" install -q "transformers==$version" || { summary+=("transformers $version: install failed"); status=1; continue; }
   fi
   installed=$("$venv/bin/python" -c "import transformers; print(transformers.__version__)")

@@ -54,3 +54,11 @@ def ort_library_path():
     (tests/test_onnx*.py). A failed build fails those tests: they never skip."""
     import kvkernels.onnx
     return kvkernels.onnx.build_library()
+
+
+@pytest.fixture(scope="session")
+def jax_library_path():
+    """build-jax/libkvkernels_jax.so, built (incrementally, CPU only) by scripts/build_jax.sh for the JAX
+    tests (tests/test_jax*.py, which skip only when jax is not installed). A failed build fails them."""
+    import kvkernels.jax
+    return kvkernels.jax.build_library(cuda=False)

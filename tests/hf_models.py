@@ -145,3 +145,29 @@ class OpCounter:
                 self.calls[_name] += 1
                 return _original(*args, **kwargs)
             monkeypatch.setattr(kvkernels.ops, name, counted)
+
+
+def chat_tokenizer():
+    """A word-level tokenizer over the tiny models' vocabulary, with a chat template, built offline: ids 0-3
+    are ``<pad> <s> </s> <unk>``, 4-7 ``user assistant system :``, and id i >= 8 is the word ``w<i>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "<s>", "</s>", "<unk>", "user", "assistant", "system", ":"] + [f"w{i}" for i in range(8, VOCAB)]
+    assert words[PAD] == "<pad>" and words[COMMON["eos_token_id"]] == "</s>"
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                           pad_token="<pad>", unk_token="<unk>")
+    tokenizer.chat_template = ("{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
+                               "{% if add_generation_prompt %}<s> assistant : {% endif %}")
+    return tokenizer
+
+
+def save_chat_model(path, name: str = "llama", seed: int = 0):
+    """A model directory ``transformers serve`` can load without the Hub: model ``name``'s random weights
+    (``build(..., seed)``), its generation config and ``chat_tokenizer()``. Returns ``path``."""
+    config, stock_attn, fix = config_for(name)
+    model = build(config, stock_attn, fix, seed=seed)
+    model.save_pretrained(path)
+    chat_tokenizer().save_pretrained(path)
+    return path

@@ -281,7 +281,14 @@ def test_cuda_attention_prefill_variants_options_and_report(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args([option, bad])
     capsys.readouterr()
-    assert ca.PREFILL_VARIANTS == {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide", "tall": "mma-prefill-tall"}
+    assert ca.PREFILL_VARIANTS == {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide", "tall": "mma-prefill-tall",
+                                   "wgmma": "wgmma-prefill"}
+    assert parser.parse_args(["--prefill-variants", "wide,wgmma"]).prefill_variants == ["wide", "wgmma"]
+    # the wgmma variant runs with KVKERNELS_CUDA_WGMMA=require (a fallback would time the wide kernel)
+    with ca.variant_env("wgmma", ca.PREFILL_VARIANTS):
+        assert os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "wgmma-prefill" and os.environ["KVKERNELS_CUDA_WGMMA"] == "require"
+    with ca.variant_env("wide", ca.PREFILL_VARIANTS):
+        assert "KVKERNELS_CUDA_WGMMA" not in os.environ
 
     def row(case, impl, ms, sdpa=None, checked=True, skipped=None):
         return dict(case=case, kind="prefill", dtype=case.split()[1], impl=impl, ms=ms, checked=checked,
@@ -300,6 +307,14 @@ def test_cuda_attention_prefill_variants_options_and_report(capsys):
         f"{b}: wide 2.0000 ms (0.20x SDPA flash), deep 1.0000 ms (0.40x SDPA flash) = 2.00x wide, "
         "sdpa-flash 0.4000 ms",
         f"{f}: wide skipped: RuntimeError: boom, deep 0.5000 ms (0.80x SDPA flash) MISMATCH, sdpa-flash skipped: no flash"]
+    # with cuDNN SDPA timed too (the wgmma A/B of gpu_validate.sh's b_wgmma step)
+    w = row(b, "kvkernels-wgmma", 0.5, 0.8)
+    w["speedup_vs"]["sdpa-cudnn-contiguous"] = 0.52
+    rows2 = [row(b, "kvkernels-wide", 2.0, 0.2), w, row(b, "sdpa-flash-contiguous", 0.4),
+             row(b, "sdpa-cudnn-contiguous", 0.26)]
+    assert ca.prefill_variant_lines(rows2, ["wide", "wgmma"]) == [
+        f"{b}: wide 2.0000 ms (0.20x SDPA flash), wgmma 0.5000 ms (0.80x SDPA flash, 0.52x cuDNN) = 4.00x wide, "
+        "sdpa-flash 0.4000 ms, sdpa-cudnn 0.2600 ms"]
 
     if not torch.cuda.is_available():
         assert ca.main(["--prefill-variants", "wide,deep", "--attn-dtypes", "", "--attn-prefill-dtypes",

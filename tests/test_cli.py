@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_usage_lists_the_commands(argv, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: python -m kvkernels {info,demo,bench}")
-    for command in ("info", "demo", "bench"):
+    assert out.startswith("usage: python -m kvkernels {info,demo,bench,transformers}")
+    for command in ("info", "demo", "bench", "transformers"):
         assert f"\n  {command} " in out  # one line saying what it does
 
 

@@ -327,6 +327,59 @@ def test_prefill_variants_agree(dtype, fp8, d, monkeypatch):
         assert_close(tall[1], wide[1].double(), f32, rtol=1e-4, atol=1e-4, msg="lse (tall)")
 
 
+def require_sm90a():
+    """The wgmma prefill runs on compute capability 9.0 with the sm_90a build only."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"the wgmma prefill needs an sm_90 device, this is sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
+
+
+def use_wgmma(monkeypatch, splits=None):
+    """KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill with KVKERNELS_CUDA_WGMMA=require: a call the kernel does not take
+    fails, naming why (a build without 9.0a in TORCH_CUDA_ARCH_LIST, an unexpected fallback)."""
+    force_cuda_plan(monkeypatch, "ATTN", "wgmma-prefill", splits)
+    monkeypatch.setenv("KVKERNELS_CUDA_WGMMA", "require")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [bf16, f16])
+def test_wgmma_prefill_matches_reference_and_wide(dtype, d, monkeypatch):
+    """The Hopper wgmma prefill (csrc/cuda/attention_sm90.cuh) against the reference and the wide mma.sync
+    prefill on the same inputs: full and chunked prefill of sequences of many 128-key tiles (the stage ring
+    wraps: 2 stages at head dim 128, 4 at 64; causal diagonal tiles; a 1000-key sequence), GQA 4, plain /
+    window + soft cap / ALiBi + sinks non-causal, planned and 3 forced splits."""
+    require_sm90a()
+    kv, query, qsl = make_case("varlen", [300, 150, 64, 1, 0, 1000], dtype=dtype, num_heads=16, num_kv_heads=4,
+                               head_dim=d, block_size=16, seed=44)
+    rtol, atol = TOLERANCES[dtype]
+    slopes, sinks = torch.linspace(-0.2, 0.3, 16), torch.linspace(-1.0, 1.0, 16)
+    for splits in (None, 3):
+        for opts in ({}, dict(soft_cap=5.0, window_left=200), dict(alibi_slopes=slopes, sinks=sinks, causal=False)):
+            force_cuda_plan(monkeypatch, "ATTN", None, splits)
+            monkeypatch.delenv("KVKERNELS_CUDA_WGMMA", raising=False)
+            wide = run_cuda(kv, query, qsl, **opts)
+            use_wgmma(monkeypatch, splits)
+            wg = run_cuda(kv, query, qsl, **opts)
+            assert_close(wg[0], wide[0].double(), dtype, rtol=2 * rtol, atol=2 * atol, msg=f"out {opts}")
+            assert_close(wg[1], wide[1].double(), f32, rtol=1e-4, atol=1e-4, msg=f"lse {opts}")
+
+
+@pytest.mark.parametrize("b", [1, 7, 16, 64])
+def test_wgmma_prefill_block_sizes_and_gqa(b, monkeypatch):
+    """Any block size (the producer gathers each row by cp.async through the block table; 64: a 128-key tile
+    spans two blocks) and GQA groups 1, 8 and 32 (128 rows = 128 / group queries), a value head dim of its
+    own (Dk 128, Dv 64)."""
+    require_sm90a()
+    use_wgmma(monkeypatch)
+    for hq, hkv in ((4, 4), (16, 2), (32, 1)):
+        kv, query, qsl = make_case("varlen", [b + 1, 3 * b + 5, 200, 9], dtype=bf16, num_heads=hq, num_kv_heads=hkv,
+                                   head_dim=128, block_size=b, seed=45)
+        run_cuda(kv, query, qsl)
+    kv = make_paged_kv(seq_lens=[257, 40], num_kv_heads=2, head_dim=128, head_dim_v=64, block_size=b, dtype=f16,
+                       seed=46)
+    q_lens = [130, 40]
+    run_cuda(kv, make_query(sum(q_lens), 8, 128, f16, generator(47)), query_start_loc(q_lens))
+
+
 def test_unknown_attention_path_is_an_error(monkeypatch):
     """A misspelt KVKERNELS_CUDA_ATTN_PATH raises (naming the variable) instead of running the default."""
     kv, query, _ = make_case("decode", [40, 3], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=128,

@@ -16,6 +16,10 @@ and its tile64 kernel with cp.async and TMA weight pipelines) run
 on the emulator too, through kvkernels_emu.mla_* ops that use the real planners and launchers, against
 the float64 reference with tests/test_cuda_mla.py's tolerances; shapes are smaller than the GPU tests'
 where the emulator would be slow (it runs a 64-row CTA of 576-wide rows in about 0.1 s).
+
+The emulator's sm_90 model (wgmma, setmaxnreg, named barriers, mbarrier phases with cp.async arrivals) has
+self-tests of its own (test_sm90_*: tests/cuda_emu/sm90_selftest.cpp), and the Hopper wgmma prefill
+(csrc/cuda/attention_sm90.cuh, opt-in) runs on it (test_wgmma_prefill*).
 """
 
 import dataclasses
@@ -256,6 +260,8 @@ def expected_path(path, env: str | None, dpad: int = 64, fp8: bool = False):
         return MMA_PREFILL_DEEP
     if path == MMA_PREFILL and "mma-prefill-tall" in deep and dpad <= 128 and not fp8:
         return MMA_PREFILL_TALL
+    if path == 7 and "wgmma-prefill" not in deep:  # (WGMMA_PREFILL: asked for, not a default)
+        return MMA_PREFILL
     return path
 
 
@@ -1622,3 +1628,317 @@ def test_out_variants(emu, case):
     expect = torch.full_like(buf, 3.0)
     expect[..., 4:4 + width] = want
     assert_bytes_equal(buf, expect, "padded out")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the emulator's sm_90 model (tests/cuda_emu/cuda_emu.h, through the wrappers of csrc/cuda/sm90_ptx.cuh;
+# kernels in tests/cuda_emu/sm90_selftest.cpp): wgmma against a plain matmul in every operand layout and
+# swizzle, misuse reported, a warp-specialized mbarrier / named-barrier / setmaxnreg pipeline
+# ---------------------------------------------------------------------------------------------------
+
+# swizzle ids of the matrix descriptor: 0 none (interleaved core matrices), 1 128B, 2 64B, 3 32B
+SWIZZLES = {"none": 0, "128B": 1, "64B": 2, "32B": 3}
+
+
+@pytest.mark.parametrize("swizzle", SWIZZLES.keys())
+def test_sm90_wgmma_matches_matmul(emu, swizzle):
+    """D = A B over two chained k16 steps (scale-d 0, then 1: the accumulators' initial junk ignored) for
+    m64n64k16 and m64n128k16, fp16 and bf16, A from shared memory K-major or M-major or from registers, B
+    K-major or N-major, against the float64 product (the products are exact in float32, the sums float32)."""
+    gen = generator(90 + SWIZZLES[swizzle])
+    for dtype in (bf16, f16):
+        for n in (64, 128):
+            a = randn(64, 32, gen=gen, dtype=dtype)
+            b = randn(32, n, gen=gen, dtype=dtype)
+            want = a.double() @ b.double()
+            for a_kind in ("K", "MN", "regs"):
+                for b_mn in (False, True):
+                    d = emu.wgmma_gemm(a, b, SWIZZLES[swizzle], a_kind == "MN", b_mn, a_kind == "regs", 0)
+                    torch.testing.assert_close(d.double(), want, rtol=1e-5, atol=1e-4,
+                                               msg=lambda m: f"{dtype} n{n} A {a_kind} B {'MN' if b_mn else 'K'}: {m}")
+
+
+def test_sm90_wgmma_result_not_visible_before_the_wait(emu):
+    """Accumulators read between the wgmma and its wait_group hold NaN (the emulator writes the result at the
+    wait); the same kernel reading after the wait gets the product."""
+    a, b = torch.ones(64, 16, dtype=bf16), torch.ones(16, 64, dtype=bf16)
+    assert emu.wgmma_gemm(a, b, 1, False, False, False, 1).isnan().all()
+    assert (emu.wgmma_gemm(a, b, 1, False, False, False, 0) == 16).all()
+    assert emu.sm90_misuse(a, 100, 128).isnan().all()
+
+
+# kind -> (threads, message): one broken rule each (tests/cuda_emu/sm90_selftest.cpp, misuse_kernel)
+SM90_MISUSE = {
+    0: (128, "descriptor start / LBO / SBO not 16-byte aligned"),
+    1: (128, "not in the first row of a repeating pattern"),
+    2: (128, "wait_group with wgmma.mma_async not committed"),
+    3: (128, "without a wgmma.fence"),
+    4: (128, "without a wgmma.fence"),
+    5: (128, "shared memory read by a wgmma in flight changed"),
+    6: (128, "A registers of a wgmma in flight changed"),
+    7: (128, "differ between the threads of a warpgroup"),
+    8: (128, "ended with wgmma.mma_async in flight"),
+    10: (256, "named barrier 1 count mismatch"),
+    11: (256, "deadlock .*named barrier 2 \\(128 of 256 arrived\\)"),
+    12: (128, "ended with named barrier 3 part-way"),
+    13: (128, "not a positive multiple of 32"),
+    20: (128, "setmaxnreg count 100 not a multiple of 8"),
+    21: (128, "setmaxnreg differs between the threads of a warpgroup"),
+    22: (384, "deadlock .*setmaxnreg.inc"),
+    23: (128, "setmaxnreg.dec above the current register count 40"),
+    30: (128, "deadlock .*mbarrier"),
+    31: (32, "more mbarrier arrivals than its count"),
+}
+
+
+@pytest.mark.parametrize("kind", SM90_MISUSE.keys())
+def test_sm90_misuse_is_reported(emu, kind):
+    """Each misuse of wgmma / named barriers / setmaxnreg / mbarriers that the ISA leaves undefined or that
+    would hang on a GPU fails the emulated launch with a message naming it (instead of passing silently)."""
+    threads, message = SM90_MISUSE[kind]
+    with pytest.raises(RuntimeError, match=message):
+        emu.sm90_misuse(torch.zeros(1), kind, threads)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_sm90_warp_specialized_pipeline(emu, stages):
+    """A producer warpgroup (setmaxnreg.dec) fills a ring of stages with cp.async, each stage's full mbarrier
+    completed by cp.async.mbarrier.arrive.noinc; two consumer warpgroups (setmaxnreg.inc) wait for each
+    phase, take turns on named barriers (ping-pong) and release the stage on its empty mbarrier: every item
+    is read intact by both (not the poison of a stage being refilled) and the turns alternate."""
+    src = torch.randint(-1000, 1000, (7, 512), dtype=torch.int32, generator=generator(97))
+    out, order = emu.sm90_pipeline(src, stages)
+    want = src.long().sum(1)
+    assert torch.equal(out[:, 0], want) and torch.equal(out[:, 1], want)
+    assert order.tolist() == [0, 1] * 7
+
+
+# ---------------------------------------------------------------------------------------------------
+# the Hopper wgmma prefill (csrc/cuda/attention_sm90.cuh, Path::kWgmmaPrefill; opt-in with
+# KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill): the planner takes it where wgmma_prefill_unsupported() has no
+# reason against it, else the wide prefill; KVKERNELS_CUDA_WGMMA=require turns such a fallback into an
+# error, so every case below fails if it did not run the wgmma kernel. The emulated device is an sm_90
+# part (4 SMs, 227 KiB of opt-in shared memory).
+# ---------------------------------------------------------------------------------------------------
+
+WGMMA_PREFILL = 7
+
+
+def use_wgmma(monkeypatch, splits=None, require=True):
+    force_cuda_plan(monkeypatch, "ATTN", "wgmma-prefill", splits)
+    monkeypatch.delenv("KVKERNELS_CUDA_WGMMA", raising=False)
+    if require:
+        monkeypatch.setenv("KVKERNELS_CUDA_WGMMA", "require")
+
+
+# id: dtype, layout, Hq, Hkv, D, B, strided query. Block sizes 1 / 5 / 13 / 16 (none divides the 128-key
+# tile but 16; 1 and 5 put several blocks in one tile row range), GQA groups 1 (MHA), 3 (128 rows hold 42
+# queries x 3 heads), 4, 8 and 32 (4 queries x 32 heads), head dims 64 / 72 / 96 / 128.
+WGMMA_CONFIGS = {
+    "bf16-NHD-gqa4-d128-b16": (bf16, "NHD", 8, 2, 128, 16, None),
+    "f16-HND-gqa8-d64-b5": (f16, "HND", 16, 2, 64, 5, "fused"),
+    "bf16-stacked-mha-d64-b1": (bf16, "stacked", 4, 4, 64, 1, None),
+    "f16-NHD-mqa-d72-b16": (f16, "NHD", 8, 1, 72, 16, "transposed"),
+    "bf16-HND-gqa3-d96-b13": (bf16, "HND", 6, 2, 96, 13, None),
+    "f16-NHD-gqa32-d128-b16": (f16, "NHD", 32, 1, 128, 16, None),
+}
+
+
+@pytest.mark.parametrize("config", WGMMA_CONFIGS.values(), ids=WGMMA_CONFIGS.keys())
+def test_wgmma_prefill(emu, config, monkeypatch):
+    """Varlen prefill on the wgmma kernel against the float64 reference: full prefill, chunked prefill,
+    single queries and empty sequences (test_attention.varlen_q_lens), partial and exactly-full last blocks,
+    shuffled block ids, junk past each sequence; a 261-key sequence (3 key tiles, its last 131 queries: two
+    query tiles, the causal diagonal inside a tile) wraps the stage ring at head dim 128 (2 stages)."""
+    dtype, layout, hq, hkv, d, b, strided = config
+    use_wgmma(monkeypatch)
+    seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b, 261]
+    kv, query, qsl = make_case("varlen", seq_lens, dtype=dtype, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                               block_size=b, layout=layout, strided=strided)
+    _, _, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL)
+    hpc = min(hq // hkv, 128)
+    assert plan["heads_per_cta"] == hpc and plan["q_tile"] == 128 // hpc, plan
+
+
+def test_wgmma_prefill_group_above_128(emu, monkeypatch):
+    """A GQA group of 160 heads: 128 rows hold one query's first 128 heads, a second head chunk its last 32
+    (warpgroup 1 of that chunk has no valid row: it still takes part in the pipeline and writes nothing)."""
+    use_wgmma(monkeypatch)
+    kv, query, qsl = make_case("varlen", [20, 2, 0], dtype=bf16, num_heads=160, num_kv_heads=1, head_dim=64,
+                               block_size=16, seed=48)
+    _, _, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL)
+    assert plan["heads_per_cta"] == 128 and plan["q_tile"] == 1 and plan["grid"][1] == 2, plan
+
+
+# id: dtype, fp8, per-head, layout, Hkv, D, B (Hq = 8): check_features' cases
+WGMMA_FEATURE_CONFIGS = {
+    "bf16-HND-d64-b3": (bf16, None, False, "HND", 1, 64, 3),
+    "f16-NHD-d128-b16": (f16, None, False, "NHD", 2, 128, 16),
+}
+
+
+@pytest.mark.parametrize("feature", FEATURE_NAMES)
+@pytest.mark.parametrize("config", WGMMA_FEATURE_CONFIGS.values(), ids=WGMMA_FEATURE_CONFIGS.keys())
+def test_wgmma_prefill_features(emu, config, feature, monkeypatch):
+    """Window edges, soft cap, ALiBi, sinks, scale and all of them at once on the wgmma prefill, plus a
+    300-key sequence (3 key tiles)."""
+    use_wgmma(monkeypatch)
+    check_features(lambda kv, q, qsl, **kw: run_emu_attention(emu, kv, q, qsl, path=WGMMA_PREFILL, **kw)[:2],
+                   config, feature, "varlen", more_seq_lens=(300,))
+
+
+@pytest.mark.parametrize("opts", [{}, dict(window_left=9), dict(alibi_slopes=torch.linspace(-0.2, 0.3, 8),
+                                                                 sinks=torch.linspace(-1.0, 1.0, 8))],
+                         ids=["plain", "window9", "alibi-sinks"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("splits", [None, 3], ids=["planned", "split3"])
+def test_wgmma_prefill_noncausal_and_more_queries_than_keys(emu, splits, causal, opts, monkeypatch):
+    """causal=False and sequences with more queries than keys (causal: the leading rows see no key: out 0,
+    lse -inf) on the wgmma prefill, with the planner's splits and 3 forced ones (capped at the 2 key tiles
+    of the longest block table row; partials merged)."""
+    use_wgmma(monkeypatch, splits)
+    seq_lens, q_lens = [17, 0, 170, 3, 40, 9], [17, 3, 33, 7, 1, 70]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=2, head_dim=128, block_size=16, dtype=f16, seed=13)
+    query = make_query(sum(q_lens), 8, 128, f16, generator(14))
+    qsl = query_start_loc(q_lens)
+    out, lse, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL, causal=causal,
+                                       splits=(lambda n: n > 1) if splits else None, **opts)
+    starts = qsl.tolist()
+    empty = list(range(starts[1], starts[2]))  # seq_len 0
+    if causal:  # 4 of the 7 queries over 3 keys, 61 of the 70 over 9
+        empty += list(range(starts[3], starts[3] + 4)) + list(range(starts[5], starts[5] + 61))
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    if "sinks" not in opts:
+        assert torch.isneginf(lse[empty]).all()
+
+
+@pytest.mark.parametrize("splits", [None, 5, 128], ids=["planned", "split5", "split128"])
+def test_wgmma_prefill_long_context_splits(emu, splits, monkeypatch):
+    """Chunks at the end of long contexts: few work items, so the planner splits the keys (its own count, 5,
+    or 128: capped at the 17 key tiles, some splits empty), float32 partials merged by the merge kernel."""
+    use_wgmma(monkeypatch, splits)
+    seq_lens, q_lens = [2100, 1], [6, 1]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=1, head_dim=64, block_size=16, dtype=bf16, seed=41)
+    query = make_query(sum(q_lens), 8, 64, bf16, generator(42))
+    run_emu_attention(emu, kv, query, query_start_loc(q_lens), path=WGMMA_PREFILL, splits=lambda n: n > 1,
+                      window_left=1000, sinks=torch.linspace(-1, 1, 8), soft_cap=3.0)
+
+
+# id: dtype, layout, Hq, Hkv, Dk, Dv, B (the stacked views sit in a NaN-filled max(Dk, Dv)-wide allocation)
+WGMMA_DV_CONFIGS = {
+    "f16-stacked-k32-v96-b16": (f16, "stacked", 4, 1, 32, 96, 16),
+    "bf16-stacked-k128-v40-b7": (bf16, "stacked", 8, 2, 128, 40, 7),
+}
+
+
+@pytest.mark.parametrize("config", WGMMA_DV_CONFIGS.values(), ids=WGMMA_DV_CONFIGS.keys())
+def test_wgmma_prefill_value_head_dim(emu, config, monkeypatch):
+    """A value head dim other than the key's: K zero-filled past Dk and V past Dv (the padded dim of the
+    larger), out Dv wide."""
+    dtype, layout, hq, hkv, dk, dv, b = config
+    use_wgmma(monkeypatch)
+    kv, query, qsl = dv_case("varlen", [b + 1, 0, max(3 * b - 1, 37), 1, b, 150], dtype, None, layout, hq, hkv,
+                             dk, dv, b)
+    run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL)
+
+
+@pytest.mark.parametrize("d,hq,hkv,dtype", [(64, 2, 2, f16), (128, 4, 1, bf16)], ids=["f16-d64", "bf16-d128"])
+def test_wgmma_prefill_nonfinite(emu, d, hq, hkv, dtype, monkeypatch):
+    """test_paged_attention_nonfinite's prefill case on the wgmma kernel: a NaN key and an inf value on the
+    causal diagonal of a key tile (the scalar P V of a partly visible tile whose V holds inf / NaN: rows
+    before them stay finite), NaN / inf at the last position; plain, with a NaN sink, with an inf ALiBi slope
+    and a window."""
+    use_wgmma(monkeypatch)
+    seq_lens = [70, 5]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=d, block_size=16, dtype=dtype, seed=31)
+    qsl = query_start_loc(seq_lens)
+    query = make_query(sum(seq_lens), hq, d, dtype, generator(32))
+    _poke(kv.key_cache, kv.blocks[0], 70, 20, 0, 3, "nan")
+    _poke(kv.value_cache, kv.blocks[0], 70, 40, 0, 5, "+inf")
+    _poke(kv.key_cache, kv.blocks[0], 70, 69, hkv - 1, 1, "+inf")
+    _poke(kv.value_cache, kv.blocks[0], 70, 69, hkv - 1, 2, "nan")
+    sinks = torch.linspace(-1.0, 1.0, hq)
+    sinks[1] = float("nan")
+    slopes = torch.linspace(0.01, 0.1, hq)
+    slopes[-1] = float("inf")
+    for opts in ({}, dict(sinks=sinks), dict(alibi_slopes=slopes, window_left=30)):
+        out, lse, _ = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL, **opts)
+        if not opts:  # rows before key 20 saw no NaN, rows before key 40 no inf
+            assert out[:20].isfinite().all() and lse[:20].isfinite().all()
+
+
+def test_wgmma_prefill_out_of_range_block_ids_read_nothing(emu, monkeypatch):
+    """test_paged_attention_out_of_range_block_ids_read_nothing on the wgmma producer: ids -1, N, INT32_MIN,
+    INT32_MAX in visible blocks give zero rows, nothing read outside the caches (between NaN blocks)."""
+    use_wgmma(monkeypatch)
+    b, seq_lens = 16, [3 * 16 + 5, 2 * 16, 16 + 1]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=2, head_dim=128, block_size=b, dtype=bf16, seed=71)
+    n = kv.key_cache.shape[0]
+    k, v = between_nan_blocks(kv.key_cache), between_nan_blocks(kv.value_cache)
+    table, ref_table = out_of_range_ids(kv.block_tables, [(0, 1), (1, 0), (0, 3), (2, 1)], n)
+    q_lens = [20, 1, 17]
+    qsl = query_start_loc(q_lens)
+    query = make_query(sum(q_lens), 8, 128, bf16, generator(72))
+    assert plan_of(emu, kv, query, qsl)["path"] == WGMMA_PREFILL
+    out, lse = emulated_paged_attention(emu, query, k, v, table, kv.seq_lens, qsl)
+    zero = torch.zeros(1, *k.shape[1:], dtype=k.dtype)
+    ref_out, ref_lse = reference.paged_attention(upcast(query), upcast(torch.cat([k, zero])),
+                                                 upcast(torch.cat([v, zero])), ref_table, kv.seq_lens, qsl)
+    assert out.isfinite().all()
+    assert_close(out, ref_out, bf16, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
+
+
+def test_wgmma_prefill_plan_and_fallbacks(emu, monkeypatch):
+    """KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill takes the wgmma kernel (128 rows: q_tile x the group's heads,
+    128-key tiles for the split cap) where it applies; elsewhere the planner runs the wide prefill / the decode
+    or SIMT kernels, and with KVKERNELS_CUDA_WGMMA=require says why (docs/ops.md). Not a default."""
+    kv, query, qsl = make_case("varlen", [300, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=128,
+                               block_size=16, seed=45)
+    use_wgmma(monkeypatch, splits=None, require=False)
+    plan = plan_of(emu, kv, query, qsl)
+    assert plan["path"] == WGMMA_PREFILL and plan["q_tile"] == 32 and plan["heads_per_cta"] == 4, plan
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_SPLITS", "128")
+    assert plan_of(emu, kv, query, qsl)["splits"] == -(-kv.block_tables.shape[1] * 16 // 128)
+    monkeypatch.delenv("KVKERNELS_CUDA_ATTN_SPLITS")
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", "mma-decode-deep,wgmma-prefill")
+    assert plan_of(emu, kv, query, qsl)["path"] == WGMMA_PREFILL
+    monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH")
+    assert plan_of(emu, kv, query, qsl)["path"] == MMA_PREFILL  # not the default
+    for bad in ("wgmma-prefill,mma-prefill-deep", "wgmma-prefill,wgmma-prefill", "wgmma"):
+        monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", bad)
+        with pytest.raises(RuntimeError, match=f"KVKERNELS_CUDA_ATTN_PATH={bad} is not one of"):
+            plan_of(emu, kv, query, qsl)
+    _, decode_query, _ = make_case("decode", [300, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=128,
+                                   block_size=16, seed=45)
+    kv_gqa32, q_gqa32, _ = make_case("decode", [30, 7], dtype=bf16, num_heads=32, num_kv_heads=1, head_dim=64,
+                                     block_size=16)
+    kv_fp8, q_fp8, qsl_fp8 = make_case("varlen", [30, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=64,
+                                       block_size=16, fp8="e4m3")
+    kv256, q256, qsl256 = make_case("varlen", [30, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=256,
+                                    block_size=16)
+    kv32, q32, qsl32 = make_case("varlen", [30, 7], dtype=f32, num_heads=8, num_kv_heads=2, head_dim=64,
+                                 block_size=16)
+    kvu, qu, qslu = make_case("varlen", [30, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=64,
+                              block_size=16)
+    kvu = dataclasses.replace(kvu, key_cache=unaligned_copy(kvu.key_cache))
+    cases = {  # (kv, query, qsl) -> the path without require, the reason with it
+        "decode": ((kv, decode_query, None), MMA_DECODE, None),  # (the decode kernel: the wgmma choice unread)
+        "decode-gqa32": ((kv_gqa32, q_gqa32, None), MMA_PREFILL, "decode"),
+        "fp8": ((kv_fp8, q_fp8, qsl_fp8), MMA_PREFILL, "fp8 caches"),
+        "d256": ((kv256, q256, qsl256), MMA_PREFILL, "head dims above 128"),
+        "f32": ((kv32, q32, qsl32), SIMT, None),
+        "unaligned": ((kvu, qu, qslu), MMA_PREFILL, "not 16-byte aligned"),
+    }
+    for name, ((k, q, s), path, reason) in cases.items():
+        use_wgmma(monkeypatch, require=False)
+        assert plan_of(emu, k, q, s)["path"] == path, name
+        if reason:
+            use_wgmma(monkeypatch)
+            with pytest.raises(RuntimeError, match=f"KVKERNELS_CUDA_WGMMA=require: .*{reason}"):
+                plan_of(emu, k, q, s)
+    # a part with less opt-in shared memory than the kernel's ~193 KiB
+    use_wgmma(monkeypatch)
+    monkeypatch.setenv("KVKERNELS_EMU_SMEM_OPTIN", str(160 * 1024))
+    with pytest.raises(RuntimeError, match="less opt-in shared memory"):
+        plan_of(emu, kv, query, qsl)

@@ -190,12 +190,22 @@ def _uses_transformers(tree: ast.Module, free: set[str]) -> bool:
                                                   or m == "kvkernels.generation" for m in mods)
 
 
+def _uses_jax(tree: ast.Module) -> bool:
+    mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    mods |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    return any(m.split(".")[0] == "jax" or m.startswith("kvkernels.jax") for m in mods)
+
+
 @pytest.mark.parametrize("block", EXAMPLES, ids=[b.where for b in EXAMPLES])
-def test_example_runs(block: Block):
+def test_example_runs(block: Block, request):
     tree = ast.parse(block.code, filename=block.where)
     free = _free_names(tree)
     unknown = free - set(PLACEHOLDERS)
     assert not unknown, f"{block.where}: the example uses undefined names {sorted(unknown)}"
+    if _uses_jax(tree):  # docs/jax.md: skips (saying so) without jax; builds the library otherwise
+        pytest.importorskip("jax", reason="jax is not installed (the JAX tests need jax and jaxlib from "
+                                          "requirements/lock.txt: pip install -c requirements/lock.txt jax jaxlib)")
+        request.getfixturevalue("jax_library_path")
     if _uses_transformers(tree, free):
         pytest.importorskip("transformers")
         from kvkernels.integrations.transformers_compat import generate_cache_name

@@ -23,7 +23,9 @@ def makefile_var(name: str) -> str:
 
 def transformers_range() -> tuple[str, str]:
     text = (ROOT / "pyproject.toml").read_text()
-    ranges = set(re.findall(r'"transformers>=([\d.]+),<([\d.]+)"', text))
+    ranges = set(re.findall(r'"transformers(?:\[[\w,]+\])?>=([\d.]+),<([\d.]+)"', text))
+    assert len(re.findall(r'"transformers\b', text)) == sum(1 for _ in re.finditer(
+        r'"transformers(?:\[[\w,]+\])?>=[\d.]+,<[\d.]+"', text)), "a transformers requirement without the range"
     assert len(ranges) == 1, f"pyproject.toml: every transformers requirement should state one range, got {ranges}"
     return ranges.pop()
 

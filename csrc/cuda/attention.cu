@@ -16,8 +16,10 @@
 // one, over fp8 caches with the stage dequantized in shared memory instead of in registers: the
 // A/B of that change; over 16-bit caches the wide kernel), `mma-prefill-wide` /
 // `mma-prefill-deep` (the same choice for the tensor-core prefill) / `mma-prefill-tall` (2 row
-// tiles of 16 per warp, 128 rows per CTA, where has_tall_prefill(); elsewhere the wide one) and
-// `auto`; empty or `auto`: every default. A value names each kernel at most once; anything else is
+// tiles of 16 per warp, 128 rows per CTA, where has_tall_prefill(); elsewhere the wide one) /
+// `wgmma-prefill` (the sm_90a kernel of attention_sm90.cuh where wgmma_prefill_unsupported() finds no
+// reason against it, else the wide one; KVKERNELS_CUDA_WGMMA=require makes such a fallback an error
+// naming the reason) and `auto`; empty or `auto`: every default. A value names each kernel at most once; anything else is
 // an error, so a misspelt A/B cannot time the same kernel twice.
 //
 // Split count: a function of the number of work items (from shapes), the longest context a block
@@ -52,7 +54,7 @@ void check(cudaError_t err, const char* what) {
 
 struct DeviceInfo {
   int sm_count = 0;
-  int major = 0;
+  int major = 0, minor = 0;
   int smem_per_sm = 0;  // bytes of shared memory per SM
 };
 
@@ -64,6 +66,8 @@ DeviceInfo device_info(int device) {
     check(cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device),
           "SM count");
     check(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device),
+          "compute capability");
+    check(cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, device),
           "compute capability");
     check(cudaDeviceGetAttribute(&info.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
                                  device),
@@ -88,9 +92,19 @@ int env_int(const char* name, int fallback) {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+// K / V rows 16-byte aligned (cp.async of whole chunks); else the kernels load elements.
+bool kv_rows_aligned(const AttentionParams& p) {
+  const int64_t es = cache_esize(p.kv.format);
+  return aligned16(p.kv.k) && aligned16(p.kv.v) && (p.kv.k_stride_block * es) % 16 == 0 &&
+         (p.kv.k_stride_slot * es) % 16 == 0 && (p.kv.k_stride_head * es) % 16 == 0 &&
+         (p.kv.v_stride_block * es) % 16 == 0 && (p.kv.v_stride_slot * es) % 16 == 0 &&
+         (p.kv.v_stride_head * es) % 16 == 0;
+}
+
 // KVKERNELS_CUDA_ATTN_PATH, parsed (see the top of this file).
 struct PathChoice {
-  bool simt = false, decode_deep = false, decode_fp8_smem = false, prefill_deep = false, prefill_tall = false;
+  bool simt = false, decode_deep = false, decode_fp8_smem = false, prefill_deep = false, prefill_tall = false,
+       prefill_wgmma = false;
 };
 
 PathChoice path_choice() {
@@ -111,6 +125,7 @@ PathChoice path_choice() {
     else if (item == "mma-prefill-wide") ++prefill;
     else if (item == "mma-prefill-deep") c.prefill_deep = true, ++prefill;
     else if (item == "mma-prefill-tall") c.prefill_tall = true, ++prefill;
+    else if (item == "wgmma-prefill") c.prefill_wgmma = true, ++prefill;
     else if (item != "auto") ok = false;
     if (comma == std::string::npos) break;
     at = comma + 1;
@@ -122,7 +137,7 @@ PathChoice path_choice() {
                              " is not one of simt, auto, or a comma-separated list of at most one of "
                              "mma-decode-wide / mma-decode-deep / mma-decode-fp8-smem and one of "
                              "mma-prefill-wide / mma-prefill-tall / "
-                             "mma-prefill-deep");
+                             "mma-prefill-deep / wgmma-prefill");
   return c;
 }
 
@@ -155,6 +170,27 @@ int resident_ctas(Path path, int dpad, CacheFormat format, int smem_per_sm) {
 
 }  // namespace
 
+// Why the wgmma prefill cannot run this call, or nullptr (docs/ops.md, "CUDA kernels": the planner then
+// runs the wide mma.sync prefill). Shapes, pointers and the device only.
+const char* wgmma_prefill_unsupported(const AttentionParams& p, int device) {
+  if (p.query_start_loc == nullptr) return "decode (no query_start_loc): the mma.sync decode kernels";
+  if (p.q_format == FloatFormat::kFloat32) return "float32 queries: the SIMT kernel";
+  if (is_fp8(p.kv.format)) return "fp8 caches (wgmma's fp8 form needs K-major V: not written yet)";
+  const int dpad = dpad_of(std::max(p.kv.head_dim, p.kv.head_dim_v));
+  if (dpad > 128) return "head dims above 128";
+  const DeviceInfo dev = device_info(device);
+  if (dev.major != 9 || dev.minor != 0) return "not an sm_90 (Hopper) device";
+  int optin = 0;  // (read per call, not cached with the rest: the emulator's tests vary it)
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+      optin < sm90_prefill_smem(dpad))
+    return "less opt-in shared memory than the kernel needs";
+  if (!kv_rows_aligned(p)) return "K / V rows not 16-byte aligned (cp.async gathers whole 16-byte chunks)";
+  const bool built = p.q_format == FloatFormat::kFloat16 ? sm90_prefill_available_f16(dpad)
+                                                         : sm90_prefill_available_bf16(dpad);
+  if (!built) return "this build has no sm_90a code (TORCH_CUDA_ARCH_LIST without 9.0a)";
+  return nullptr;
+}
+
 LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
   // K and V are read through their own pointers and strides (even views of one allocation); their
   // head dims may differ, and the kernels run on the padding of the larger (attention_common.cuh:
@@ -182,10 +218,19 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
     path = choice.decode_deep                                   ? Path::kMmaDecodeDeep
            : choice.decode_fp8_smem && is_fp8(p.kv.format) ? Path::kMmaDecodeFp8Smem
                                                                 : Path::kMmaDecode;
-  else
+  else {
     path = choice.prefill_deep                                               ? Path::kMmaPrefillDeep
            : choice.prefill_tall && has_tall_prefill(p.kv.format, plan.dpad) ? Path::kMmaPrefillTall
                                                                              : Path::kMmaPrefill;
+    if (choice.prefill_wgmma) {
+      const char* why = wgmma_prefill_unsupported(p, device);
+      const char* req = std::getenv("KVKERNELS_CUDA_WGMMA");
+      if (why == nullptr) path = Path::kWgmmaPrefill;
+      else if (req != nullptr && std::string(req) == "require")
+        throw std::runtime_error(std::string("kvkernels.paged_attention (CUDA): KVKERNELS_CUDA_WGMMA=require: the "
+                                             "wgmma prefill cannot run this call: ") + why);
+    }
+  }
   plan.path = static_cast<int>(path);
 
   const int rows = rows_of(path);
@@ -217,7 +262,8 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
         int64_t(dev.sm_count) * resident_ctas(path, plan.dpad, p.kv.format, dev.smem_per_sm);
     splits = choose_splits(items, max_tiles, std::max<int64_t>(1, slots), most);
   } else if (items > 0) {
-    const int64_t target = int64_t(dev.sm_count) * kCtasPerSm;
+    // (the wgmma prefill holds one CTA per SM: ~190 KiB of shared memory)
+    const int64_t target = int64_t(dev.sm_count) * (path == Path::kWgmmaPrefill ? 1 : kCtasPerSm);
     if (items < target) splits = std::min((target + items - 1) / items, most);
   }
   splits = std::max<int64_t>(1, std::min<int64_t>({splits, kMaxSplits, max_tiles}));
@@ -242,11 +288,7 @@ void launch_paged_attention(const AttentionParams& p, const LaunchPlan& plan, fl
   a.q_tile = plan.q_tile;
   a.num_splits = plan.num_splits;
   a.bs_shift = block_shift(p.kv.block_size);
-  const int64_t es = cache_esize(p.kv.format);
-  a.kv_aligned = aligned16(p.kv.k) && aligned16(p.kv.v) && (p.kv.k_stride_block * es) % 16 == 0 &&
-                 (p.kv.k_stride_slot * es) % 16 == 0 && (p.kv.k_stride_head * es) % 16 == 0 &&
-                 (p.kv.v_stride_block * es) % 16 == 0 && (p.kv.v_stride_slot * es) % 16 == 0 &&
-                 (p.kv.v_stride_head * es) % 16 == 0;
+  a.kv_aligned = kv_rows_aligned(p);
   const int64_t qs = p.q_format == FloatFormat::kFloat32 ? 4 : 2;
   a.q_aligned = aligned16(p.q) && (p.q_stride_token * qs) % 16 == 0 &&
                 (p.q_stride_head * qs) % 16 == 0;
@@ -262,7 +304,10 @@ void launch_paged_attention(const AttentionParams& p, const LaunchPlan& plan, fl
                   static_cast<unsigned>(plan.grid_z));
   const Path path = static_cast<Path>(plan.path);
   cudaError_t err;
-  switch (p.q_format) {
+  if (path == Path::kWgmmaPrefill) {
+    err = p.q_format == FloatFormat::kFloat16 ? launch_attention_sm90_f16(a, plan.dpad, grid, stream)
+                                              : launch_attention_sm90_bf16(a, plan.dpad, grid, stream);
+  } else switch (p.q_format) {
     case FloatFormat::kFloat16: err = launch_attention_f16(a, path, plan.dpad, grid, stream); break;
     case FloatFormat::kBFloat16: err = launch_attention_bf16(a, path, plan.dpad, grid, stream); break;
     default: err = launch_attention_f32(a, path, plan.dpad, grid, stream); break;

@@ -37,6 +37,11 @@ struct LaunchPlan {
 // many KV splits, capped to 128).
 LaunchPlan plan_paged_attention(const AttentionParams& p, int device);
 
+// Why the sm_90a wgmma prefill (KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill) cannot run a call, or nullptr
+// when it can (then the plan takes it where asked for); the planner runs the wide mma.sync prefill
+// otherwise. The reasons are listed in docs/ops.md.
+const char* wgmma_prefill_unsupported(const AttentionParams& p, int device);
+
 // Enqueues the attention (and, with splits, the merge) kernels on `stream` (a cudaStream_t of
 // `device`, which must be current). `workspace`: device memory of plan.workspace_floats floats
 // (nullptr when that is 0). No host synchronization. Throws std::runtime_error on launch errors.

@@ -61,6 +61,11 @@ enum class Path : int {
                         // each K / V fragment read from shared memory feeds two mma instead of one;
                         // 32 keys per stage (4 stages); where has_tall_prefill() only. Not yet run
                         // on a GPU; selectable for A/B runs (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-tall)
+  kWgmmaPrefill = 7,  // sm_90a only (attention_sm90.cuh): wgmma, a producer warpgroup gathering K / V
+                      // by cp.async into an mbarrier ring, two consumer warpgroups of 64 rows (128 per
+                      // CTA), 128-key tiles; 16-bit caches, head dims <= 128, varlen. Opt-in
+                      // (KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill), not yet run on a GPU; elsewhere the
+                      // planner runs the wide prefill (wgmma_prefill_unsupported, attention.cu)
 };
 
 // Everything a kernel needs: the validated params and the host-side plan.
@@ -139,7 +144,7 @@ __host__ __device__ constexpr bool is_mma_prefill(Path path) {
 
 // Rows (query x head pairs) per CTA.
 __host__ __device__ constexpr int rows_of(Path path) {
-  return path == Path::kMmaPrefillTall ? 128 : is_mma_prefill(path) ? 64 : 16;
+  return path == Path::kMmaPrefillTall || path == Path::kWgmmaPrefill ? 128 : is_mma_prefill(path) ? 64 : 16;
 }
 
 // Does the tall prefill exist for this cache format and padded head dim? 16-bit caches at head dims
@@ -173,7 +178,8 @@ __host__ __device__ constexpr int mma_wn(Path path, int dpad) {
 
 // Keys per pipeline stage.
 __host__ __device__ constexpr int key_tile_of(Path path, int dpad) {
-  return path == Path::kSimt              ? (dpad == 256 ? 16 : 32)
+  return path == Path::kWgmmaPrefill      ? 128
+         : path == Path::kSimt            ? (dpad == 256 ? 16 : 32)
          : is_mma_decode(path)            ? 16 * mma_wn(path, dpad)
          : path == Path::kMmaPrefillDeep ? 64 * 64 / dpad  // 16 KiB of 16-bit K + V
          : path == Path::kMmaPrefillTall ? 32  // 2 x 16 S registers per row tile pair
@@ -181,7 +187,7 @@ __host__ __device__ constexpr int key_tile_of(Path path, int dpad) {
 }
 
 __host__ __device__ constexpr int threads_of(Path path, int dpad) {
-  return path == Path::kSimt ? 128 : 32 * mma_wm(path) * mma_wn(path, dpad);
+  return path == Path::kWgmmaPrefill ? 384 : path == Path::kSimt ? 128 : 32 * mma_wm(path) * mma_wn(path, dpad);
 }
 
 // Pipeline depth: as many stages as fit in 64 KiB next to the conversion buffer, 2 to 4.
@@ -193,6 +199,16 @@ __host__ __device__ constexpr int pipeline_stages(int stage_bytes, int cvt_bytes
 
 // Every kernel fits the smallest opt-in shared memory of sm_80+ parts (99 KiB on sm_86 / sm_89).
 constexpr int kMaxSmem = 99 * 1024;
+
+// Dynamic shared memory of the sm_90a wgmma prefill at padded head dim 64 / 128 (Sm90Cfg::SMEM,
+// attention_sm90.cuh, asserts the layout adds up to it): Q 128 rows, 4 / 2 stages of 128-key K and
+// V tiles, the non-finite fix-up's 16-bit P of 2 x 64 rows, 3 mbarriers per stage, 1 KiB to align the
+// base to 1024 bytes. 177 / 193 KiB: sm_90 parts only (227 KiB opt-in).
+__host__ __device__ constexpr int sm90_prefill_stages(int dpad) { return dpad == 64 ? 4 : 2; }
+__host__ __device__ constexpr int sm90_prefill_smem(int dpad) {
+  return 128 * dpad * 2 + sm90_prefill_stages(dpad) * 2 * 128 * dpad * 2 + 2 * 64 * 128 * 2 +
+         3 * sm90_prefill_stages(dpad) * 8 + 1024;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Small device helpers
@@ -924,6 +940,12 @@ cudaError_t launch_attention_f16(const AttnArgs& a, Path path, int dpad, dim3 gr
                                  cudaStream_t stream);
 cudaError_t launch_attention_bf16(const AttnArgs& a, Path path, int dpad, dim3 grid,
                                   cudaStream_t stream);
+// The Hopper wgmma prefill (attention_sm90_{bf16,f16}.cu; 16-bit caches of the query dtype, padded head
+// dims 64 / 128): whether this build has its sm_90a code, and its launch.
+bool sm90_prefill_available_bf16(int dpad);
+bool sm90_prefill_available_f16(int dpad);
+cudaError_t launch_attention_sm90_bf16(const AttnArgs& a, int dpad, dim3 grid, cudaStream_t stream);
+cudaError_t launch_attention_sm90_f16(const AttnArgs& a, int dpad, dim3 grid, cudaStream_t stream);
 cudaError_t launch_merge_f32(const AttnArgs& a, cudaStream_t stream);
 cudaError_t launch_merge_f16(const AttnArgs& a, cudaStream_t stream);
 cudaError_t launch_merge_bf16(const AttnArgs& a, cudaStream_t stream);

@@ -12,7 +12,7 @@ Entry point (for the GPU script / the bench CLI)::
 
     {"case": "decode bfloat16 b64 ctx4096", "kind": "decode" | "prefill" | "copy", "dtype", "batch",
      "context", "impl": "kvkernels" | "kvkernels-<variant>" (--decode-variants / --prefill-variants) |
-     "sdpa-flash-contiguous" |
+     "sdpa-flash-contiguous" | "sdpa-cudnn-contiguous" (prefill) |
      "flex-paged" | "copy",
      "ms": median milliseconds per call, "gbps": KV-cache bytes of the case / time (decode),
      "fraction_of_copy_bw": gbps / measured copy bandwidth (decode), "tflops" (prefill),
@@ -46,9 +46,12 @@ times the planner's wave-filling splits against none.
 Prefill variants (``--prefill-variants wide,deep``): the same for the tensor-core prefill kernel's two
 configurations (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-wide / mma-prefill-deep: ``wide``, the default, has 64
 keys per stage, 2 stages at head dim 128; ``deep`` 16 KiB stages, 4 in flight; ``tall``, mma-prefill-tall, 2 row
-tiles of 16 per warp and 32 keys per stage, so each K / V fragment feeds two mma): rows
-``kvkernels-<variant>`` of each prefill case, timed in alternating batches on the same data, each against
-SDPA flash (``prefill_variant_lines``).
+tiles of 16 per warp and 32 keys per stage, so each K / V fragment feeds two mma; ``wgmma``, wgmma-prefill, the
+sm_90a kernel of csrc/cuda/attention_sm90.cuh, run with KVKERNELS_CUDA_WGMMA=require so that a call it cannot
+take is a skipped row naming the reason, never a timing of the fallback): rows ``kvkernels-<variant>`` of each
+prefill case, timed in alternating batches on the same data, each against SDPA flash and, where this torch
+has it, cuDNN SDPA (``SDPBackend.CUDNN_ATTENTION``), both on the same K/V made contiguous
+(``prefill_variant_lines``).
 
 Timing: each implementation rotates through enough copies of its data that the bytes touched between two
 reuses exceed ``--rotate-mib`` (default 4x a 50 MiB L2), so a case never times an L2-resident cache; the
@@ -99,7 +102,8 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 # --decode-variants / --prefill-variants names -> KVKERNELS_CUDA_ATTN_PATH values (csrc/cuda/attention.cu).
 DECODE_VARIANTS = {"deep": "mma-decode-deep", "wide": "mma-decode-wide", "fp8smem": "mma-decode-fp8-smem"}
-PREFILL_VARIANTS = {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide", "tall": "mma-prefill-tall"}
+PREFILL_VARIANTS = {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide", "tall": "mma-prefill-tall",
+                    "wgmma": "wgmma-prefill"}
 PREFILL_DTYPES = ("bfloat16", "fp8_e4m3")
 
 
@@ -232,13 +236,16 @@ def variant_env(name: str, paths: dict) -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
     stack.enter_context(attn_path_env(paths[config]))
     stack.enter_context(env_var("KVKERNELS_CUDA_ATTN_SPLITS", splits))
+    # the wgmma prefill falls back to the wide one where it cannot run: require it, so such a call fails
+    stack.enter_context(env_var("KVKERNELS_CUDA_WGMMA", "require" if paths[config] == "wgmma-prefill" else None))
     return stack
 
 
 def variant_setting(name: str, paths: dict) -> str:
     """What a variant's row notes: its environment (variant_env)."""
     config, splits = _variant_parts(name, paths)
-    return f"KVKERNELS_CUDA_ATTN_PATH={paths[config]}" + (f" KVKERNELS_CUDA_ATTN_SPLITS={splits}" if splits else "")
+    return (f"KVKERNELS_CUDA_ATTN_PATH={paths[config]}" + (f" KVKERNELS_CUDA_ATTN_SPLITS={splits}" if splits else "") +
+            (" KVKERNELS_CUDA_WGMMA=require" if paths[config] == "wgmma-prefill" else ""))
 
 
 def time_paired(calls: dict, reps: int, min_ms: float, setting: Callable[[str], object]) -> dict:
@@ -608,6 +615,29 @@ def prefill_case(q_len: int, context: int, args, gen: torch.Generator, dtype_nam
 
         attempt(sd, sdpa, args.attn_reps, args.attn_min_ms, check)
         rows.append(sd)
+        # cuDNN's SDPA (the fastest peer on an H200: 0.258 ms at this size, causal), same K/V; skipped where
+        # this torch or device has no cuDNN attention backend.
+        cd = _row(name, "prefill", dtype_name, 1, context, "sdpa-cudnn-contiguous",
+                  note="SDPBackend.CUDNN_ATTENTION, causal (lower-right aligned), K/V heads repeated to the query "
+                       "heads (contiguous bfloat16)")
+        backend = getattr(SDPBackend, "CUDNN_ATTENTION", None)
+        if backend is None:
+            cd["skipped"] = "this torch has no SDPBackend.CUDNN_ATTENTION"
+        else:
+            kr = [k.repeat_interleave(GROUP, dim=1) for k in ks]  # cuDNN's SDPA takes no enable_gqa
+            vr = [v.repeat_interleave(GROUP, dim=1) for v in vs]
+
+            def cudnn(i: int):
+                j = i % copies
+                with sdpa_kernel(backend):
+                    if mask is None:
+                        out = F.scaled_dot_product_attention(q4, kr[j], vr[j], is_causal=True)
+                    else:
+                        out = F.scaled_dot_product_attention(q4, kr[j], vr[j], attn_mask=mask)
+                return out[0].transpose(0, 1)
+
+            attempt(cd, cudnn, args.attn_reps, args.attn_min_ms, check)
+        rows.append(cd)
     for r in rows:
         if r["ms"]:
             r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
@@ -685,17 +715,19 @@ def targets(rows: list[dict], impl: str = "kvkernels", prefill_impl: str = "kvke
 
 
 def ab_lines(rows: list[dict], kind: str, variants: list[str], detail: Callable[[dict], str],
-             peer: Optional[tuple[str, str]] = None) -> list[str]:
+             peer=None) -> list[str]:
     """One line per case of ``kind`` timed with --<kind>-variants (the A/B of one run, same data): each
     variant's time with ``detail(row)``, how much faster it is than the first variant named, MISMATCH where
-    its check failed; then, if its row exists, the peer (``(impl, name)``: SDPA flash, the torch matmul)."""
+    its check failed; then, where their rows exist, the peers (``(impl, name)`` or a list of them: SDPA flash,
+    cuDNN SDPA, the torch matmul)."""
     lines = []
     for case in dict.fromkeys(r["case"] for r in rows if r.get("kind") == kind):
         by = {r["impl"]: r for r in rows if r["case"] == case}
         first = by.get(f"kvkernels-{variants[0]}")
         entries = [(v, by.get(f"kvkernels-{v}"), True) for v in variants]
-        if peer is not None and peer[0] in by:
-            entries.append((peer[1], by[peer[0]], False))
+        for impl, label in ([peer] if isinstance(peer, tuple) else peer or []):
+            if impl in by:
+                entries.append((label, by[impl], False))
         parts = []
         for name, r, ours in entries:
             if r is None or not r.get("ms"):
@@ -718,12 +750,15 @@ def variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
 
 
 def prefill_variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
-    """--prefill-variants: each variant's time and speed against SDPA flash (the issue's 0.8x target), then
-    SDPA flash's own time (ab_lines)."""
+    """--prefill-variants: each variant's time and speed against SDPA flash (the issue's 0.8x target) and
+    cuDNN SDPA where timed, then the peers' own times (ab_lines)."""
     def detail(r):
         sdpa = (r.get("speedup_vs") or {}).get("sdpa-flash-contiguous")
-        return f" ({sdpa:.2f}x SDPA flash)" if sdpa else ""
-    return ab_lines(rows, "prefill", variants, detail, peer=("sdpa-flash-contiguous", "sdpa-flash"))
+        cudnn = (r.get("speedup_vs") or {}).get("sdpa-cudnn-contiguous")
+        return ((f" ({sdpa:.2f}x SDPA flash" if sdpa else "") + (f", {cudnn:.2f}x cuDNN" if sdpa and cudnn else
+                f" ({cudnn:.2f}x cuDNN" if cudnn else "") + (")" if sdpa or cudnn else ""))
+    return ab_lines(rows, "prefill", variants, detail,
+                    peer=[("sdpa-flash-contiguous", "sdpa-flash"), ("sdpa-cudnn-contiguous", "sdpa-cudnn")])
 
 
 def row_text(r: dict) -> tuple[str, str]:

@@ -71,6 +71,11 @@ Encoder-decoder models: ``PagedCache(config)`` of an encoder-decoder config buil
 ``PagedEncoderDecoderCache`` (see ``transformers_encdec``).
 
 Compiled decoding: ``PagedDecoder`` (see ``transformers_decode``), MLA models included.
+
+Continuous batching (``model.generate_batch``, ``transformers serve --continuous-batching``) runs on
+transformers' own paged cache, not on ``PagedCache``: ``continuous_batching_kernel()`` registers kvkernels
+as a flash-attention kernel module and returns the attention implementation to load the model with
+(see ``transformers_flash``).
 """
 
 from __future__ import annotations
@@ -85,10 +90,12 @@ from kvkernels.integrations.transformers_cache import ATTENTION_NAME, PagedCache
 from kvkernels.integrations.transformers_compat import cache_kwargs
 from kvkernels.integrations.transformers_decode import PagedDecoder
 from kvkernels.integrations.transformers_encdec import PagedEncoderDecoderCache
+from kvkernels.integrations.transformers_flash import continuous_batching_kernel
 from kvkernels.integrations.transformers_mla import latent_attention, register_mla, wrap_expand_kv
 
 __all__ = ["ATTENTION_NAME", "PagedCache", "PagedDecoder", "PagedEncoderDecoderCache", "PagedKV", "Step",
-           "attention_implementation", "cache_kwargs", "dense_attention", "latent_attention", "paged_attention_forward", "register", "wrap_expand_kv"]
+           "attention_implementation", "cache_kwargs", "continuous_batching_kernel", "dense_attention", "latent_attention",
+           "paged_attention_forward", "register", "wrap_expand_kv"]
 
 
 def register() -> str:

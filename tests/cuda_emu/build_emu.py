@@ -17,9 +17,10 @@ CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
 EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([A-Za-z_][\w ]*?)\s+(\w+)\[\];")
 # The attention sources: compiled translation units and the headers they include.
 ATTN_UNITS = ("attention.cu", "attention_f32.cu", "attention_f16.cu", "attention_bf16.cu", "attention_f16_e4m3.cu",
-              "attention_f16_e5m2.cu", "attention_bf16_e4m3.cu", "attention_bf16_e5m2.cu")
+              "attention_f16_e5m2.cu", "attention_bf16_e4m3.cu", "attention_bf16_e5m2.cu", "attention_sm90_bf16.cu",
+              "attention_sm90_f16.cu")
 ATTN_HEADERS = ("attention_api.cuh", "attention_common.cuh", "attention_launch.cuh", "attention_merge.cuh",
-                "attention_mma.cuh", "attention_simt.cuh")
+                "attention_mma.cuh", "attention_simt.cuh", "attention_sm90.cuh", "sm90_ptx.cuh")
 # The MLA sources (attention: planner, per-q-dtype instances, merge; decompress: launcher and GEMM).
 MLA_UNITS = ("mla_attention.cu", "mla_attention_f16.cu", "mla_attention_bf16.cu", "mla_attention_simt.cu",
              "mla_decompress.cu")
@@ -91,7 +92,7 @@ def build(verbose: bool = False):
     flags = ["-std=c++17", "-O1", "-g0", "-ffp-contract=off", "-fvisibility=hidden", "-DKVKERNELS_CUDA_EMU=1",
              "-Wno-unknown-pragmas", "-DTORCH_TARGET_VERSION=0x020a000000000000", f"-I{HERE}", f"-I{build_dir}",
              f"-I{CUDA_HOME}/include", f"-I{ROOT}/csrc", f"-I{ROOT}/csrc/include", f"-I{ROOT}/csrc/cuda"]
-    sources = [os.path.join(HERE, "emu_ops.cpp")] + [os.path.join(ROOT, "csrc", f) for f in
+    sources = [os.path.join(HERE, "emu_ops.cpp"), os.path.join(HERE, "sm90_selftest.cpp")] + [os.path.join(ROOT, "csrc", f) for f in
                                                       ("prepare.cpp", "checks.cpp", "index_checks.cpp")]
     sources += attention_sources(build_dir)
     cpp_extension.load(name="kvkernels_cuda_emu", sources=sources, extra_cflags=flags, build_directory=build_dir,

@@ -6,11 +6,21 @@
 // cores, or hardware faults beyond the alignment checks of cp.async / ldmatrix below. Also runs the
 // MLA kernels (mla_attention*, mla_merge, mla_decompress with its cp.async and TMA weight pipelines:
 // ldmatrix .x2, a 2-D tiled tensor map with 128B swizzle, mbarrier init / arrive.expect_tx /
-// try_wait.parity, cp.async.bulk.tensor.2d). Not emulated: wgmma, clusters / multicast, atomics,
-// warp-divergent collectives, other tensor-map modes (rank > 2, interleave, im2col, other swizzles).
+// try_wait.parity, cp.async.bulk.tensor.2d) and the sm_90 instructions of the Hopper wgmma prefill
+// (csrc/cuda/sm90_ptx.cuh; section "sm_90" below): wgmma with shared-memory descriptors (K- / MN-major,
+// swizzle none / 32B / 64B / 128B) or A from registers, its fence / commit / wait (results NaN until the
+// wait, operands that change in flight reported), setmaxnreg with a per-CTA register pool, named
+// barriers, blocking mbarrier waits with plain, expect_tx and cp.async arrivals. Not emulated:
+// clusters / multicast, atomics, warp-divergent collectives, other tensor-map modes (rank > 2,
+// interleave, im2col, other swizzles), the async proxy (fence.proxy.async is a no-op), wgmma descriptor
+// base offsets, fp8 / tf32 / integer wgmma.
 //
 // Each CTA runs as blockDim.x cooperative fibers (ucontext) on the calling thread; __syncthreads()
 // switches to the next fiber, and a barrier completes when every live fiber of the CTA reached it.
+// Threads blocked on an event (named barrier, mbarrier phase, setmaxnreg registers) resume when another
+// thread causes it; when none can progress the launch fails with what each thread waits for (a kernel
+// that would hang on a GPU). An exception a kernel thread throws (a detected misuse) ends the launch and
+// is rethrown to the caller.
 // Warp collectives (__shfl_up_sync, __shfl_xor_sync, __any_sync, __syncwarp, ldmatrix, mma.sync) go through an
 // exchange array between two warp-level barriers (every live fiber of the warp; the kernels only
 // use them with full warps). CTAs run one after another, blockIdx.x fastest. Launch syntax is
@@ -56,7 +66,10 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <exception>
+#include <functional>
 #include <stdexcept>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -68,7 +81,20 @@ namespace emu {
 inline uint3 threadIdx_, blockIdx_;
 inline dim3 gridDim_, blockDim_;
 
-enum State { kReady, kAtBlockBarrier, kAtWarpBarrier, kDone };
+// kAtWgBarrier: the implicit synchronization of a warpgroup collective (wgmma, setmaxnreg: the
+// 4 warps of 128 threads, warpgroup i = threads 128 i .. 128 i + 127). kBlocked: waiting for an event
+// another thread causes (a named barrier, an mbarrier phase, registers for setmaxnreg.inc); what it
+// waits for is in Scheduler::blocked_on, re-checked by release() (can_wake).
+// kYielded: a thread that let the others run first (the completion of an asynchronous operation at
+// its wait: wgmma.wait_group); it resumes only once no other thread can make progress, the latest a
+// GPU could complete the operation, so that what other threads do meanwhile (refill a stage released
+// too early) shows.
+enum State { kReady, kAtBlockBarrier, kAtWarpBarrier, kAtWgBarrier, kBlocked, kYielded, kDone };
+enum BlockKind { kNamedBarrier, kMbarrierPhase, kMaxnreg };
+struct Blocker {
+  BlockKind kind = kNamedBarrier;
+  uint32_t a = 0, b = 0;  // named barrier: id; mbarrier: address, parity; setmaxnreg: warpgroup
+};
 
 struct Scheduler {
   std::vector<ucontext_t> fibers;
@@ -79,8 +105,10 @@ struct Scheduler {
   int current = -1;
   std::vector<uint64_t> exchange;  // warp collectives: kSlots 64-bit slots per thread
   std::vector<unsigned char> smem_storage;  // dynamic shared memory of the current CTA
-  unsigned char* smem = nullptr;            // 128-byte aligned start inside smem_storage
+  unsigned char* smem = nullptr;            // 1024-byte aligned start inside smem_storage
   size_t smem_bytes = 0;
+  std::vector<Blocker> blocked_on;          // per fiber, while kBlocked
+  std::exception_ptr error;                 // an exception a fiber threw (rethrown by launch)
 };
 constexpr int kSlots = 8;
 inline Scheduler sched;
@@ -94,15 +122,32 @@ inline void wait_at(State kind) {
   threadIdx_ = make_uint3(static_cast<unsigned>(me), 0, 0);
 }
 
+// Suspends the current fiber until can_wake(fiber) holds (see release()).
+inline void block_on(Blocker b) {
+  sched.blocked_on[sched.current] = b;
+  wait_at(kBlocked);
+}
+
+// A kernel that throws (a misuse the emulator detects: misaligned operands, a wait that cannot
+// complete, ...) ends its fiber with the exception stored; launch() abandons the CTA and rethrows it
+// on the calling thread, so the op fails with the message instead of terminating the process.
 template <typename K, typename... Args>
 struct Entry {
   static inline K kernel;
   static inline std::tuple<Args...>* args;
   static void run(int me) {
-    std::apply(kernel, *args);
+    try {
+      std::apply(kernel, *args);
+    } catch (...) {
+      if (!sched.error) sched.error = std::current_exception();
+    }
     sched.state[me] = kDone;
   }
 };
+
+bool can_wake(int t);          // defined with the objects fibers block on (below)
+void end_cta_checks(int n);    // state a CTA must not leave behind (below)
+std::string waiting_report(int n);
 
 inline void trampoline(int me) {
   sched.entry(me);  // returning ends the fiber (uc_link = main)
@@ -122,33 +167,62 @@ inline bool release(int n) {
       if (sched.state[t] != kDone) sched.state[t] = kReady;
     return true;
   }
-  for (int w = 0; w < n; w += 32) {
-    bool all_warp = true, live = false;
-    for (int t = w; t < std::min(n, w + 32); ++t) {
-      if (sched.state[t] == kDone) continue;
-      live = true;
-      all_warp = all_warp && sched.state[t] == kAtWarpBarrier;
+  // Warp (32) and warpgroup (128) collectives: every live fiber of the group at that barrier.
+  for (const auto& [width, kind] : {std::pair<int, State>{32, kAtWarpBarrier}, std::pair<int, State>{128, kAtWgBarrier}}) {
+    for (int w = 0; w < n; w += width) {
+      bool all = true, live = false;
+      for (int t = w; t < std::min(n, w + width); ++t) {
+        if (sched.state[t] == kDone) continue;
+        live = true;
+        all = all && sched.state[t] == kind;
+      }
+      if (live && all) {
+        if (kind == kAtWgBarrier)
+          for (int t = w; t < w + width; ++t)
+            if (t >= n || sched.state[t] == kDone)
+              throw std::logic_error("emu: a warpgroup instruction without all 128 threads of the warpgroup");
+        for (int t = w; t < std::min(n, w + width); ++t)
+          if (sched.state[t] != kDone) sched.state[t] = kReady;
+        released = true;
+      }
     }
-    if (live && all_warp) {
-      for (int t = w; t < std::min(n, w + 32); ++t)
-        if (sched.state[t] != kDone) sched.state[t] = kReady;
+  }
+  for (int t = 0; t < n; ++t) {
+    if (sched.state[t] == kBlocked && can_wake(t)) {
+      sched.state[t] = kReady;
       released = true;
     }
   }
   return released;
 }
 
-// cp.async: the copies a thread issued, by commit group, performed when the thread waits for them.
+// cp.async: the copies a thread issued, in issue order, performed when the thread waits for their
+// commit group (cp.async.wait_group) or when an mbarrier that a cp.async.mbarrier.arrive of the
+// thread tracks is waited on (the copies issued before that arrive land first).
 struct AsyncCopy {
   void* dst;
   const void* src;
   int src_bytes;
 };
 struct AsyncState {
-  std::vector<AsyncCopy> open;                   // issued since the last commit
-  std::deque<std::vector<AsyncCopy>> committed;  // oldest first
+  std::deque<AsyncCopy> pending;    // issued, not yet landed, oldest first
+  uint64_t issued = 0, landed = 0;  // copies issued / landed so far (sequence numbers)
+  std::deque<uint64_t> group_ends;  // committed groups not yet waited: `issued` at each commit
 };
 inline std::vector<AsyncState> async_state;
+
+// Performs thread t's copies up to sequence number `upto` (exclusive), oldest first.
+inline void land_copies(int t, uint64_t upto) {
+  AsyncState& st = async_state[t];
+  while (st.landed < upto && !st.pending.empty()) {
+    const AsyncCopy& c = st.pending.front();
+    unsigned char* dst = static_cast<unsigned char*>(c.dst);
+    if (c.src_bytes > 0) std::memcpy(dst, c.src, c.src_bytes);
+    std::memset(dst + c.src_bytes, 0, 16 - c.src_bytes);
+    st.pending.pop_front();
+    ++st.landed;
+  }
+}
 
 inline unsigned char* dynamic_smem() { return sched.smem; }
 
@@ -163,14 +237,19 @@ struct Barrier {
   int64_t tx = 0;              // transaction bytes still expected in the current phase
   unsigned phase = 0;          // parity of the current (incomplete) phase
   std::deque<BulkCopy> copies; // issued bulk copies that complete_tx on this barrier, oldest first
+  // cp.async.mbarrier.arrive.noinc of thread t after its copy number seq - 1: (t, seq), oldest first
+  std::deque<std::pair<int, uint64_t>> cp_arrivals;
 };
 inline std::map<uint32_t, Barrier> barriers;
+
+void reset_sm90_state(int n);  // named barriers, wgmma groups, setmaxnreg pools (below)
 
 // Prepares the per-CTA state: dynamic shared memory poisoned, no pending copies, no barriers.
 inline void begin_cta(int n) {
   std::fill(sched.smem_storage.begin(), sched.smem_storage.end(), static_cast<unsigned char>(0xff));
   async_state.assign(n, AsyncState{});
   barriers.clear();
+  reset_sm90_state(n);
 }
 
 template <typename K, typename... Args>
@@ -179,10 +258,10 @@ void launch(K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*stream*
   if (block.x == 0 || block.x > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 ||
       grid.z > 65535)
     throw std::logic_error("emu: invalid launch configuration");
-  sched.smem_storage.assign(smem + 128, 0);
+  sched.smem_storage.assign(smem + 1024, 0);
   {
     const uintptr_t at = reinterpret_cast<uintptr_t>(sched.smem_storage.data());
-    sched.smem = sched.smem_storage.data() + ((128 - at % 128) % 128);
+    sched.smem = sched.smem_storage.data() + ((1024 - at % 1024) % 1024);
     sched.smem_bytes = smem;
   }
   const int n = static_cast<int>(block.x);
@@ -196,6 +275,8 @@ void launch(K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*stream*
   sched.fibers.resize(n);
   sched.stacks.resize(n);
   sched.state.assign(n, kReady);
+  sched.blocked_on.assign(n, Blocker{});
+  sched.error = nullptr;
   sched.exchange.assign(size_t(n) * kSlots, 0);
   for (unsigned bz = 0; bz < grid.z; ++bz) {
   for (unsigned by = 0; by < grid.y; ++by) {
@@ -221,14 +302,25 @@ void launch(K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*stream*
           sched.current = t;
           threadIdx_ = make_uint3(static_cast<unsigned>(t), 0, 0);
           swapcontext(&sched.main, &sched.fibers[t]);
+          if (sched.error) {  // abandon the CTA (the other fibers' stacks are simply dropped)
+            std::exception_ptr e = sched.error;
+            sched.error = nullptr;
+            std::rethrow_exception(e);
+          }
         }
         if (release(n)) continue;
         if (!ran) {
+          bool resumed = false;
           for (int t = 0; t < n; ++t)
-            if (sched.state[t] != kDone) throw std::logic_error("emu: barrier deadlock (divergent barriers)");
+            if (sched.state[t] == kYielded) sched.state[t] = kReady, resumed = true;
+          if (resumed) continue;
+          for (int t = 0; t < n; ++t)
+            if (sched.state[t] != kDone)
+              throw std::logic_error("emu: deadlock (would hang on a GPU): " + waiting_report(n));
           break;
         }
       }
+      end_cta_checks(n);
     }
   }
   }
@@ -384,47 +476,53 @@ inline uint32_t cvt_f16x2_e4m3x2(uint32_t pair) {
 }
 
 // ---- shared addresses -------------------------------------------------------------------------
-// A shared-window address is the byte offset into the CTA's dynamic shared memory.
+// A shared-window address is kSharedBase plus the byte offset into the CTA's dynamic shared memory.
+// The base is a multiple of 128 but not of 1024, as nothing guarantees where dynamic shared memory
+// starts in the window: a kernel that needs 1024-byte aligned swizzle atoms (TMA / wgmma 128B
+// swizzle) must align them itself, from smem_u32, as it must on a GPU.
+constexpr uint32_t kSharedBase = 384;
 inline uint32_t smem_u32(const void* p) {
   const unsigned char* c = static_cast<const unsigned char*>(p);
   if (c < sched.smem || c > sched.smem + sched.smem_bytes)
     throw std::logic_error("emu: shared address of a pointer outside the dynamic shared memory");
-  return static_cast<uint32_t>(c - sched.smem);
+  return static_cast<uint32_t>(c - sched.smem) + kSharedBase;
 }
 
 inline unsigned char* shared_at(uint32_t addr, size_t bytes) {
-  if (size_t(addr) + bytes > sched.smem_bytes)
-    throw std::logic_error("emu: shared access past the dynamic shared memory");
-  return sched.smem + addr;
+  if (addr < kSharedBase || size_t(addr - kSharedBase) + bytes > sched.smem_bytes)
+    throw std::logic_error("emu: shared access outside the dynamic shared memory");
+  return sched.smem + (addr - kSharedBase);
 }
 
 // ---- cp.async ---------------------------------------------------------------------------------
-// cp.async.cg.shared.global [smem], [gmem], 16, src_bytes: recorded, performed at the wait.
+// cp.async.cg.shared.global [smem], [gmem], 16, src_bytes: recorded, performed at the wait. The
+// destination is poisoned (0xff: NaN in every float format) when the copy is issued, so a read of
+// the old contents after the issue (a stage overwritten while another thread still reads it) sees
+// NaN, and so does a read before the wait.
 inline void cp_async16(void* smem, const void* gmem, int src_bytes) {
   if (src_bytes < 0 || src_bytes > 16) throw std::logic_error("emu: cp.async src-size outside 0..16");
   const uint32_t at = smem_u32(smem);
   shared_at(at, 16);
   if (at % 16 != 0 || (src_bytes > 0 && reinterpret_cast<uintptr_t>(gmem) % 16 != 0))
     throw std::logic_error("emu: cp.async of 16 bytes needs 16-byte aligned addresses");
-  async_state[threadIdx_.x].open.push_back(AsyncCopy{smem, gmem, src_bytes});
+  std::memset(smem, 0xff, 16);
+  AsyncState& st = async_state[threadIdx_.x];
+  st.pending.push_back(AsyncCopy{smem, gmem, src_bytes});
+  ++st.issued;
 }
 
 inline void cp_async_commit() {
   AsyncState& st = async_state[threadIdx_.x];
-  st.committed.push_back(std::move(st.open));  // an empty group is a group too
-  st.open.clear();
+  st.group_ends.push_back(st.issued);  // an empty group is a group too
 }
 
 // cp.async.wait_group n: every committed group of this thread except the n most recent lands.
 inline void cp_async_wait(int n) {
-  AsyncState& st = async_state[threadIdx_.x];
-  while (st.committed.size() > static_cast<size_t>(n)) {
-    for (const AsyncCopy& c : st.committed.front()) {
-      unsigned char* dst = static_cast<unsigned char*>(c.dst);
-      if (c.src_bytes > 0) std::memcpy(dst, c.src, c.src_bytes);
-      std::memset(dst + c.src_bytes, 0, 16 - c.src_bytes);
-    }
-    st.committed.pop_front();
+  const int me = static_cast<int>(threadIdx_.x);
+  AsyncState& st = async_state[me];
+  while (st.group_ends.size() > static_cast<size_t>(n)) {
+    land_copies(me, st.group_ends.front());
+    st.group_ends.pop_front();
   }
 }
 
@@ -610,24 +708,449 @@ inline void bulk_tensor_load_2d(uint32_t dst, const void* map_ptr, int c0, int c
   b.copies.push_back(std::move(copy));
 }
 
-// mbarrier.try_wait.parity in a loop: returns once the phase of parity `parity` has completed.
-// Pending bulk copies on the barrier land first (oldest first, until the phase completes); a wait
-// that still cannot complete (arrivals that only other threads could make later) is reported.
-inline void mbarrier_wait_parity(uint32_t bar, uint32_t parity) {
+// Lets the barrier's phase of parity `parity` complete from what is already in flight: bulk copies
+// land (complete_tx) and the cp.async.mbarrier.arrive of other threads fire once their copies have
+// landed, oldest first, until that phase has completed or nothing in flight is left. True when the
+// phase has completed.
+inline bool mbarrier_progress(uint32_t bar, uint32_t parity) {
   Barrier& b = barrier_at(bar);
-  while (b.phase == (parity & 1u) && !b.copies.empty()) {
-    BulkCopy c = std::move(b.copies.front());
-    b.copies.pop_front();
-    for (const auto& [a, src] : c.chunks) {
-      unsigned char* d = shared_at(a, 16);
-      if (src) std::memcpy(d, src, 16);
-      else std::memset(d, 0, 16);
+  while (b.phase == (parity & 1u) && (!b.copies.empty() || !b.cp_arrivals.empty())) {
+    if (!b.copies.empty()) {
+      BulkCopy c = std::move(b.copies.front());
+      b.copies.pop_front();
+      for (const auto& [a, src] : c.chunks) {
+        unsigned char* d = shared_at(a, 16);
+        if (src) std::memcpy(d, src, 16);
+        else std::memset(d, 0, 16);
+      }
+      b.tx -= c.bytes;
+    } else {
+      const auto [t, seq] = b.cp_arrivals.front();
+      b.cp_arrivals.pop_front();
+      land_copies(t, seq);
+      if (--b.pending < 0) throw std::logic_error("emu: more mbarrier arrivals than its count (cp.async.mbarrier.arrive)");
     }
-    b.tx -= c.bytes;
     complete_phase_if_done(b);
   }
-  if (b.phase == (parity & 1u))
-    throw std::logic_error("emu: mbarrier wait on a phase that cannot complete (would hang on a GPU)");
+  return b.phase != (parity & 1u);
+}
+
+// mbarrier.try_wait.parity in a loop: returns once the phase of parity `parity` has completed.
+// Copies in flight on the barrier land first (mbarrier_progress); a phase that needs arrivals other
+// threads have not made yet blocks this fiber until they make them (a deadlock if none can).
+inline void mbarrier_wait_parity(uint32_t bar, uint32_t parity) {
+  if (mbarrier_progress(bar, parity)) return;
+  block_on(Blocker{kMbarrierPhase, bar, parity & 1u});
+}
+
+// mbarrier.arrive.shared::cta.b64: one arrival.
+inline void mbarrier_arrive(uint32_t bar) {
+  Barrier& b = barrier_at(bar);
+  if (--b.pending < 0) throw std::logic_error("emu: more mbarrier arrivals than its count");
+  complete_phase_if_done(b);
+}
+
+// mbarrier.expect_tx: `bytes` more transaction bytes expected in the current phase (no arrival).
+inline void mbarrier_expect_tx(uint32_t bar, uint32_t bytes) {
+  Barrier& b = barrier_at(bar);
+  b.tx += bytes;
+}
+
+// cp.async.mbarrier.arrive.noinc.shared::cta.b64: an arrival on the barrier once every cp.async this
+// thread issued before it has completed; .noinc: the arrival counts against the barrier's expected
+// count (which must include it). Here it fires when a thread waits on the barrier (the copies land
+// then), or never if no thread does.
+inline void cp_async_mbarrier_arrive_noinc(uint32_t bar) {
+  const int me = static_cast<int>(threadIdx_.x);
+  barrier_at(bar).cp_arrivals.emplace_back(me, async_state[me].issued);
+}
+
+// ---- sm_90: named barriers, setmaxnreg, wgmma --------------------------------------------------
+// What the warp-specialized Hopper kernels (csrc/cuda/sm90_ptx.cuh) use beyond the mbarriers above.
+// Each instruction is modelled from the PTX ISA (9.7.13 bar / barrier, 9.7.17 setmaxnreg, 9.7.15
+// wgmma: "Register Fragments and Shared Memory Matrix Layouts", "Matrix Descriptor Format"), with the
+// misuse the ISA leaves undefined (or that would hang) turned into an exception naming it.
+
+// bar.sync / bar.arrive a, b (barrier.cta.{sync,arrive}.aligned): named barrier a (1..15 here: 0
+// is __syncthreads' barrier) completes when b threads arrived, b a multiple of the warp size; sync
+// waits for the completion, arrive does not. The hardware counts a warp's arrival as 32; here every
+// thread arrives (the kernels use whole warps). The count of a phase is set by its first arrival; an
+// arrival with another count is an error (on a GPU: undefined, a hang or a barrier that completes early).
+struct NamedBarrier {
+  int count = 0, arrived = 0;
+  std::vector<int> waiters;
+};
+inline NamedBarrier named_barriers[16];
+
+inline NamedBarrier& named_arrive(uint32_t id, uint32_t count) {
+  if (id == 0 || id >= 16) throw std::logic_error("emu: named barrier id outside 1..15 (0 is __syncthreads')");
+  if (count == 0 || count % 32 != 0 || count > blockDim_.x)
+    throw std::logic_error("emu: named barrier thread count not a positive multiple of 32 within the CTA");
+  NamedBarrier& b = named_barriers[id];
+  if (b.arrived > 0 && b.count != int(count))
+    throw std::logic_error("emu: named barrier " + std::to_string(id) + " count mismatch: " + std::to_string(count) +
+                           " while the phase in progress expects " + std::to_string(b.count));
+  b.count = int(count);
+  ++b.arrived;
+  return b;
+}
+
+// Completes the barrier's phase if every expected thread arrived: releases the waiters. True if so.
+inline bool named_complete(NamedBarrier& b) {
+  if (b.arrived < b.count) return false;
+  for (int t : b.waiters) sched.state[t] = kReady;
+  b.waiters.clear();
+  b.arrived = b.count = 0;
+  return true;
+}
+
+inline void named_bar_sync(uint32_t id, uint32_t count) {
+  NamedBarrier& b = named_arrive(id, count);
+  if (named_complete(b)) return;
+  b.waiters.push_back(sched.current);
+  block_on(Blocker{kNamedBarrier, id, 0});
+}
+
+inline void named_bar_arrive(uint32_t id, uint32_t count) { named_complete(named_arrive(id, count)); }
+
+// Warpgroup collectives: every thread publishes slots, then waits for the 128 threads of its
+// warpgroup (all must be live: the .sync.aligned instructions need the whole warpgroup).
+inline int wg_first(int me) { return me - me % 128; }
+inline void wg_exchange_barrier() {
+  const int me = static_cast<int>(threadIdx_.x);
+  if (wg_first(me) + 128 > static_cast<int>(blockDim_.x))
+    throw std::logic_error("emu: a warpgroup instruction in a CTA whose threads do not fill the warpgroup");
+  wait_at(kAtWgBarrier);  // (release() checks that no thread of the warpgroup has exited)
+}
+
+// setmaxnreg.{inc,dec}.sync.aligned.u32 n: the per-thread register limit of each warp of the
+// warpgroup becomes n (a multiple of 8 in 24..256, the same in all 128 threads). Registers come from
+// a per-CTA pool holding what the launch gave the CTA (here: 65536 / threads, rounded down to 8,
+// at most 256, per thread); .dec returns the difference to the pool, .inc takes it, waiting until the
+// pool has it (a deadlock if no warp ever releases enough). .inc below / .dec above the current
+// limit is an error. No effect on the emulated data.
+inline int maxnreg_pool = 0;
+inline std::vector<int> maxnreg_of_warp;
+
+inline void setmaxnreg(bool inc, uint32_t n) {
+  const int me = static_cast<int>(threadIdx_.x);
+  if (n < 24 || n > 256 || n % 8 != 0)
+    throw std::logic_error("emu: setmaxnreg count " + std::to_string(n) + " not a multiple of 8 in 24..256");
+  put(me, 0, uint64_t(n) | (uint64_t(inc) << 32));
+  wg_exchange_barrier();
+  for (int t = wg_first(me); t < wg_first(me) + 128; ++t)
+    if (get<uint64_t>(t, 0) != (uint64_t(n) | (uint64_t(inc) << 32)))
+      throw std::logic_error("emu: setmaxnreg differs between the threads of a warpgroup");
+  wg_exchange_barrier();  // every thread has read the slots
+  if (me % 128 == 0) {    // the warpgroup's first thread moves its 4 warps' registers
+    const int w0 = me / 32;
+    int delta = 0;
+    for (int w = w0; w < w0 + 4; ++w) {
+      const int cur = maxnreg_of_warp[w];
+      if (inc ? int(n) < cur : int(n) > cur)
+        throw std::logic_error(std::string("emu: setmaxnreg.") + (inc ? "inc below" : "dec above") +
+                               " the current register count " + std::to_string(cur));
+      delta += (int(n) - cur) * 32;
+    }
+    if (delta > maxnreg_pool) block_on(Blocker{kMaxnreg, uint32_t(delta), 0});
+    maxnreg_pool -= delta;
+    for (int w = w0; w < w0 + 4; ++w) maxnreg_of_warp[w] = int(n);
+  }
+  wg_exchange_barrier();  // the warpgroup continues once its registers are granted
+}
+
+// ---- wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}.{f16,bf16} ------------------------------
+// The matrix descriptor (PTX ISA "Matrix Descriptor Format"): bits 0-13 start address >> 4, 16-29
+// leading dimension byte offset (LBO) >> 4, 32-45 stride dimension byte offset (SBO) >> 4, 49-51
+// base offset, 62-63 swizzle (0 none, 1 128B, 2 64B, 3 32B); other bits 0 here. Base offsets other
+// than 0 are not modelled (an error): a swizzled operand's repeating pattern must then start at a
+// 1024 / 512 / 256-byte boundary of the shared window, which is checked below.
+enum class Swz : int { kNone = 0, k128 = 1, k64 = 2, k32 = 3 };
+struct SmemDesc {
+  uint32_t start, lbo, sbo;
+  Swz swz;
+};
+inline SmemDesc decode_desc(uint64_t d) {
+  const uint64_t reserved = d & ~((0x3fffull) | (0x3fffull << 16) | (0x3fffull << 32) | (7ull << 49) | (3ull << 62));
+  if (reserved != 0) throw std::logic_error("emu: wgmma descriptor with reserved bits set");
+  if (((d >> 49) & 7) != 0) throw std::logic_error("emu: wgmma descriptor base offset != 0 (not modelled)");
+  return SmemDesc{uint32_t(d & 0x3fff) << 4, uint32_t((d >> 16) & 0x3fff) << 4, uint32_t((d >> 32) & 0x3fff) << 4,
+                  static_cast<Swz>(d >> 62)};
+}
+// Swizzle width (bytes of one swizzled row) and the XOR of the ISA's Swizzle<B, 4, 3> on a byte
+// address: bits [7, 7 + B) XOR into bits [4, 4 + B), B = 3 / 2 / 1 for 128B / 64B / 32B (applied to
+// the full shared-window address, which is why the patterns must be aligned).
+inline uint32_t swz_width(Swz s) { return s == Swz::k128 ? 128 : s == Swz::k64 ? 64 : s == Swz::k32 ? 32 : 16; }
+inline uint32_t swizzle_addr(uint32_t a, Swz s) {
+  const uint32_t bits = s == Swz::k128 ? 7 : s == Swz::k64 ? 3 : s == Swz::k32 ? 1 : 0;
+  return a ^ (((a >> 7) & bits) << 4);
+}
+
+// Byte address of element (mn, k) (mn: the row of A (M) or of B^T (N); k < 16) of a 16-bit operand,
+// from the ISA's canonical layouts ("Canonical Layouts", CuTe notation, T = 8 16-bit elements per 16
+// bytes, strides in elements, LBO / SBO in bytes):
+//   K-major   none: ((8,m),(T,2k)):((1T,SBO),(1,LBO))   32B / 64B / 128B: ((8,m),(T,2k)):((2T|4T|8T,SBO),(1,T))
+//   MN-major  none: ((T,1,m),(8,k)):((1,T,SBO),(1T,LBO))  swizzled W = 2 | 4 | 8 chunks per row:
+//                   ((T,W,m),(8,k)):((1,T,LBO),(W T,SBO))
+// then the swizzle XOR on the resulting address.
+inline uint32_t operand_addr(const SmemDesc& d, bool mn_major, int mn, int k) {
+  uint32_t off;
+  const uint32_t w = swz_width(d.swz);
+  if (!mn_major) {
+    const uint32_t r0 = mn % 8, r1 = mn / 8, k0 = k % 8, k1 = k / 8;
+    off = d.swz == Swz::kNone ? r0 * 16 + r1 * d.sbo + k0 * 2 + k1 * d.lbo : r0 * w + r1 * d.sbo + k * 2;
+  } else {
+    const uint32_t k0 = k % 8, k1 = k / 8;
+    if (d.swz == Swz::kNone) {
+      off = (mn % 8) * 2 + (mn / 8) * d.sbo + k0 * 16 + k1 * d.lbo;
+    } else {
+      const uint32_t per_row = w / 2;  // 16-bit elements per swizzled row
+      off = (mn % per_row) * 2 + (mn / per_row) * d.lbo + k0 * w + k1 * d.sbo;
+    }
+  }
+  return swizzle_addr(d.start + off, d.swz);
+}
+// The checks a descriptor must pass before it is read: a swizzled operand starts in the first row of
+// its repeating pattern (base offset 0: the pattern is aligned to its 1024 / 512 / 256 bytes).
+inline void check_desc(const SmemDesc& d) {
+  if (d.swz != Swz::kNone) {
+    const uint32_t pattern = 8 * swz_width(d.swz);
+    if (d.start % pattern >= swz_width(d.swz))
+      throw std::logic_error("emu: wgmma descriptor of a swizzled operand whose start is not in the first row of a "
+                             "repeating pattern aligned to " + std::to_string(pattern) +
+                             " bytes (base offset 0; the swizzle atoms must be aligned)");
+  }
+}
+
+inline float bits16(uint16_t h, bool f16) { return half_bits_to_float(h, f16); }
+inline float operand_elem(const SmemDesc& d, bool mn_major, int mn, int k, bool f16) {
+  uint16_t h;
+  std::memcpy(&h, shared_at(operand_addr(d, mn_major, mn, k), 2), 2);
+  return bits16(h, f16);
+}
+
+// One issued wgmma of one thread: its inputs (to recompute it at the wait and compare: a shared
+// operand or A register changed while in flight is an error) and its result (written to the
+// accumulator registers at the wait; until then they hold NaN).
+struct WgmmaOp {
+  float* d;
+  int n;
+  bool f16, rs, ta, tb;
+  int sa, sb;               // imm-scale-a / -b: 1 or -1
+  uint64_t da, db;
+  float a_rows[2][16];      // RS: this thread's two rows of A, gathered at the issue
+  const uint32_t* a_regs;   // RS: the thread's own A registers, which must not change until the wait
+  uint32_t a_snap[4];
+  std::vector<float> d_in, result;
+};
+struct WgmmaThread {
+  bool fenced = false;                       // wgmma.fence since the last wgmma.wait_group
+  std::vector<WgmmaOp> open;                 // issued since the last commit_group
+  std::deque<std::vector<WgmmaOp>> groups;   // committed, not yet waited; oldest first
+  std::map<float*, int> in_flight;           // accumulator address -> ops in flight on it
+};
+inline std::vector<WgmmaThread> wgmma_state;
+
+// The value of a thread's accumulators (rows r, r + 8 of its warp's 16, columns 8 i + 2 t + {0, 1};
+// PTX ISA "Matrix Fragments for wgmma.mma_async.m64nNk16", Figure "accumulator matrix D"; CuTe's
+// CLayout_64xN) computed from the operands: acc[v], v = 4 i + 2 h + e <-> row 16 w + g + 8 h,
+// column 8 i + 2 t + e (w = warp of the warpgroup, g = lane / 4, t = lane % 4).
+inline void wgmma_compute(const WgmmaOp& op, int me, std::vector<float>& acc) {
+  const int lane = me % 32, w = (me % 128) / 32, g = lane / 4, t = lane % 4;
+  const SmemDesc db = decode_desc(op.db);
+  SmemDesc da{};
+  if (!op.rs) da = decode_desc(op.da);
+  acc.assign(op.n / 2, 0.0f);
+  for (int h = 0; h < 2; ++h) {
+    const int m = 16 * w + g + 8 * h;
+    float a[16];
+    for (int k = 0; k < 16; ++k) a[k] = (op.rs ? op.a_rows[h][k] : operand_elem(da, op.ta, m, k, op.f16)) * op.sa;
+    for (int i = 0; i < op.n / 8; ++i) {
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * i + 2 * t + e;
+        float s = 0.0f;
+        for (int k = 0; k < 16; ++k) s += a[k] * (operand_elem(db, op.tb, col, k, op.f16) * op.sb);  // exact products
+        acc[4 * i + 2 * h + e] = s;
+      }
+    }
+  }
+}
+
+inline void wgmma_fence() { wgmma_state[threadIdx_.x].fenced = true; }
+
+// wgmma.mma_async: d (n / 2 floats of this thread) = (scale_d ? d : 0) + A B, A 64 x 16 from shared
+// memory (da; ta: M-major) or registers (a: 4 x 32 bits, the mma.sync m16n8k16 A layout of the
+// thread's warp, rows 16 w ..: CuTe's ALayout_64x16), B 16 x n from shared memory (db; tb: N-major).
+// The descriptors and the shape must be the same in the 128 threads. Needs a wgmma.fence since the
+// last wgmma.wait_group of the thread (ISA: before the first wgmma and between register accesses
+// and a wgmma that uses those registers).
+inline void wgmma(int n, bool f16, bool rs, uint64_t da, const uint32_t* a, uint64_t db, float* d, int scale_d,
+                  int sa, int sb, int ta, int tb) {
+  const int me = static_cast<int>(threadIdx_.x);
+  WgmmaThread& st = wgmma_state[me];
+  if (n < 8 || n > 256 || n % 8 != 0) throw std::logic_error("emu: wgmma n not a multiple of 8 in 8..256");
+  if (!st.fenced) throw std::logic_error("emu: wgmma.mma_async without a wgmma.fence after the last wgmma.wait_group");
+  const uint64_t shape = uint64_t(n) | uint64_t(f16) << 16 | uint64_t(rs) << 17 | uint64_t(ta) << 18 |
+                         uint64_t(tb) << 19 | uint64_t(sa < 0) << 20 | uint64_t(sb < 0) << 21 | uint64_t(scale_d != 0) << 22;
+  put(me, 0, rs ? 0 : da);
+  put(me, 1, db);
+  put(me, 2, shape);
+  if (rs) {
+    put(me, 3, uint64_t(a[0]) | uint64_t(a[1]) << 32);
+    put(me, 4, uint64_t(a[2]) | uint64_t(a[3]) << 32);
+  }
+  wg_exchange_barrier();
+  const int w0 = wg_first(me);
+  for (int t = w0; t < w0 + 128; ++t)
+    if (get<uint64_t>(t, 0) != get<uint64_t>(me, 0) || get<uint64_t>(t, 1) != db || get<uint64_t>(t, 2) != shape)
+      throw std::logic_error("emu: wgmma descriptors / shape / scale-d differ between the threads of a warpgroup");
+  WgmmaOp op;
+  op.d = d, op.n = n, op.f16 = f16, op.rs = rs, op.ta = ta != 0, op.tb = tb != 0, op.sa = sa, op.sb = sb;
+  op.da = da, op.db = db, op.a_regs = a;
+  if (!rs) check_desc(decode_desc(da));
+  check_desc(decode_desc(db));
+  if (rs) {
+    std::memcpy(op.a_snap, a, sizeof(op.a_snap));
+    // A[m][k] sits in thread (m / 16) * 32 + (m % 8) * 4 + (k % 8) / 2 of the warpgroup, register
+    // (m % 16) / 8 + 2 (k / 8), half k % 2.
+    const int lane = me % 32, w = (me % 128) / 32;
+    for (int h = 0; h < 2; ++h) {
+      const int m = 16 * w + lane / 4 + 8 * h;
+      for (int k = 0; k < 16; ++k) {
+        const int owner = w0 + (m / 16) * 32 + (m % 8) * 4 + (k % 8) / 2, reg = (m % 16) / 8 + 2 * (k / 8);
+        const uint64_t pair = get<uint64_t>(owner, 3 + reg / 2);
+        const uint32_t r32 = uint32_t(pair >> (32 * (reg % 2)));
+        op.a_rows[h][k] = bits16(uint16_t((k % 2) ? r32 >> 16 : r32 & 0xffffu), f16);
+      }
+    }
+  }
+  wg_exchange_barrier();  // every thread has read the slots
+  // The accumulator input: the pending result of an earlier wgmma on the same registers (in flight:
+  // the registers hold NaN), else the registers.
+  op.d_in.assign(n / 2, 0.0f);
+  if (scale_d) {
+    const std::vector<float>* last = nullptr;  // the newest op in flight on d (open ops are newer)
+    for (const auto& grp : st.groups)
+      for (const WgmmaOp& o : grp)
+        if (o.d == d) last = &o.result;
+    for (const WgmmaOp& o : st.open)
+      if (o.d == d) last = &o.result;
+    if (last) {
+      if (int(last->size()) != n / 2) throw std::logic_error("emu: chained wgmma on the same registers with another n");
+      op.d_in = *last;
+    } else {
+      for (int i = 0; i < n / 2; ++i) op.d_in[i] = d[i];
+    }
+  }
+  std::vector<float> acc;
+  wgmma_compute(op, me, acc);
+  op.result.resize(n / 2);
+  for (int i = 0; i < n / 2; ++i) op.result[i] = op.d_in[i] + acc[i];
+  for (int i = 0; i < n / 2; ++i) d[i] = NAN;  // not visible before the wait
+  ++st.in_flight[d];
+  st.open.push_back(std::move(op));
+}
+
+inline void wgmma_commit() {
+  WgmmaThread& st = wgmma_state[threadIdx_.x];
+  st.groups.push_back(std::move(st.open));  // an empty group is a group too
+  st.open.clear();
+}
+
+// wgmma.wait_group n: the groups of this thread older than its n most recent complete; their results
+// reach the registers. Each op is recomputed from the shared memory and A registers as they are now:
+// a difference from what it read at the issue means they changed while the wgmma was in flight (a
+// stage released or overwritten too early, A registers reused), an error. Uncommitted wgmma at a
+// wait are an error too (commit_group missing: they would belong to no group the wait could name).
+inline void wgmma_wait(int n) {
+  const int me = static_cast<int>(threadIdx_.x);
+  if (!wgmma_state[me].open.empty())
+    throw std::logic_error("emu: wgmma.wait_group with wgmma.mma_async not committed (commit_group missing)");
+  // The products complete as late as possible: every other thread runs until it blocks first (a
+  // producer refilling a stage released before this wait overwrites the operands, which the
+  // recomputation below sees).
+  wait_at(kYielded);
+  WgmmaThread& st = wgmma_state[me];
+  while (st.groups.size() > static_cast<size_t>(n)) {
+    for (WgmmaOp& op : st.groups.front()) {
+      if (op.rs && std::memcmp(op.a_regs, op.a_snap, sizeof(op.a_snap)) != 0)
+        throw std::logic_error("emu: the A registers of a wgmma in flight changed before its wgmma.wait_group");
+      std::vector<float> acc;
+      wgmma_compute(op, me, acc);
+      for (int i = 0; i < op.n / 2; ++i) {
+        const float x = op.d_in[i] + acc[i];
+        if (std::memcmp(&x, &op.result[i], 4) != 0 && !(std::isnan(x) && std::isnan(op.result[i])))
+          throw std::logic_error("emu: shared memory read by a wgmma in flight changed before its wgmma.wait_group");
+      }
+      for (int i = 0; i < op.n / 2; ++i) op.d[i] = op.result[i];
+      if (--st.in_flight[op.d] == 0) st.in_flight.erase(op.d);
+    }
+    st.groups.pop_front();
+  }
+  st.fenced = false;
+}
+
+inline void reset_sm90_state(int n) {
+  for (NamedBarrier& b : named_barriers) b = NamedBarrier{};
+  wgmma_state.assign(n, WgmmaThread{});
+  const int warps = (n + 31) / 32;
+  const int regs = std::min(256, (65536 / (warps * 32)) / 8 * 8);
+  maxnreg_of_warp.assign(warps, regs);
+  maxnreg_pool = 0;
+}
+
+inline bool can_wake(int t) {
+  const Blocker& b = sched.blocked_on[t];
+  switch (b.kind) {
+    case kNamedBarrier: return false;  // released by the arrival that completes it
+    case kMbarrierPhase: return mbarrier_progress(b.a, b.b);
+    case kMaxnreg: return maxnreg_pool >= int(b.a);
+  }
+  return false;
+}
+
+// What each unfinished thread waits for, runs of equal states folded (the deadlock message).
+inline std::string waiting_report(int n) {
+  auto what = [](int t) -> std::string {
+    switch (sched.state[t]) {
+      case kAtBlockBarrier: return "__syncthreads";
+      case kAtWarpBarrier: return "a warp collective";
+      case kAtWgBarrier: return "a warpgroup collective";
+      case kBlocked: {
+        const Blocker& b = sched.blocked_on[t];
+        if (b.kind == kNamedBarrier)
+          return "named barrier " + std::to_string(b.a) + " (" + std::to_string(named_barriers[b.a].arrived) + " of " +
+                 std::to_string(named_barriers[b.a].count) + " arrived)";
+        if (b.kind == kMbarrierPhase) return "mbarrier @" + std::to_string(b.a) + " phase parity " + std::to_string(b.b);
+        return "setmaxnreg.inc (registers)";
+      }
+      case kReady: return "ready";
+      case kYielded: return "wgmma.wait_group";
+      default: return "";
+    }
+  };
+  std::string out;
+  for (int t = 0; t < n;) {
+    if (sched.state[t] == kDone) { ++t; continue; }
+    const std::string w = what(t);
+    int u = t + 1;
+    while (u < n && sched.state[u] != kDone && what(u) == w) ++u;
+    out += (out.empty() ? "" : "; ") + std::string("threads ") + std::to_string(t) + "-" + std::to_string(u - 1) + ": " + w;
+    t = u;
+  }
+  return out;
+}
+
+// A CTA must not end with wgmma in flight or a named barrier phase half arrived.
+inline void end_cta_checks(int n) {
+  for (int t = 0; t < n; ++t)
+    if (!wgmma_state[t].open.empty() || !wgmma_state[t].groups.empty())
+      throw std::logic_error("emu: a thread ended with wgmma.mma_async in flight (no wgmma.wait_group)");
+  for (int id = 1; id < 16; ++id)
+    if (named_barriers[id].arrived != 0)
+      throw std::logic_error("emu: the CTA ended with named barrier " + std::to_string(id) + " part-way (" +
+                             std::to_string(named_barriers[id].arrived) + " of " +
+                             std::to_string(named_barriers[id].count) + " arrived)");
 }
 
 }  // namespace emu

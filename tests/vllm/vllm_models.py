@@ -86,6 +86,44 @@ def prompts(n: int, length: int, seed: int = 1, shared: int = 0) -> list[list[in
     return [common + torch.randint(3, VOCAB, (length - shared,), generator=g).tolist() for _ in range(n)]
 
 
+# ---- a tokenizer with a chat template, for the OpenAI server's /v1/chat/completions ------------------
+
+# Token id i < 8 is one of CHAT_SPECIALS (0 pad, 1 bos, 2 eos as in COMMON), id i >= 8 the word f"w{i}":
+# VOCAB entries in all, one token per whitespace-separated word, so a text made of words is exactly the
+# token ids it names and any id the model generates decodes.
+CHAT_SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def words(ids) -> str:
+    """The text that the chat tokenizer encodes to exactly ``ids`` (each id >= len(CHAT_SPECIALS))."""
+    assert all(i >= len(CHAT_SPECIALS) for i in ids)
+    return " ".join(f"w{i}" for i in ids)
+
+
+def save_chat_tokenizer(dest: str) -> None:
+    """A word-level tokenizer over VOCAB ids with CHAT_TEMPLATE, built with ``tokenizers`` (nothing
+    downloaded) and saved next to a model so vLLM's server loads it and serves chat completions."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocab = {s: i for i, s in enumerate(CHAT_SPECIALS)}
+    vocab.update({f"w{i}": i for i in range(len(CHAT_SPECIALS), VOCAB)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in CHAT_SPECIALS])
+    tf.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                               unk_token="<unk>", chat_template=CHAT_TEMPLATE).save_pretrained(dest)
+
+
+def save_chat_model(dest: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> str:
+    """The tiny Llama of ``save_model("llama")`` with the chat tokenizer (once: reused when present)."""
+    if not os.path.exists(os.path.join(dest, "tokenizer.json")):
+        save_model("llama", dest, dtype, seed)
+        save_chat_tokenizer(dest)
+    return dest
+
+
 # ---- encoder-only (pooling) models -------------------------------------------------------------------
 
 # BERT (multi-head, learned positions) and a Llama whose config says is_causal=False (vLLM builds its

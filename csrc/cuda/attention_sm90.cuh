@@ -1,0 +1,448 @@
+// Hopper (sm_90a) paged-attention prefill on wgmma, warp-specialized (Path::kWgmmaPrefill; opt-in:
+// KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill; csrc/cuda/README.md, section "Hopper prefill (wgmma)").
+//
+// CTA = 3 warpgroups (384 threads) over 128 rows (q_tile queries x the GQA group's heads, make_work /
+// row_id of attention_common.cuh) of one kv head, key tiles of 128 keys:
+//   warpgroup 2, the producer (setmaxnreg.dec to 40 registers): gathers each key tile's K and V rows
+//     from the paged cache with cp.async (any block size: one block-table lookup per row; rows outside
+//     the CTA's visible range [w.lo, w.hi], out-of-range block ids and columns past the head dims are
+//     zero-filled) into a ring of STAGES stages; the K rows of a stage complete its full_k mbarrier
+//     and the V rows its full_v one through cp.async.mbarrier.arrive.noinc (count 128: every producer
+//     thread); before refilling a stage it waits for the stage's empty mbarrier (count 256: every
+//     consumer thread arrives when its P V product of the stage has completed).
+//   warpgroups 0 and 1, the consumers (setmaxnreg.inc to 232): 64 rows each (one m64 wgmma row
+//     block), the query tile in shared memory. Per key tile: S = Q K^T (DPAD / 16 wgmma m64n128k16, A
+//     and B from shared memory, K-major, 128-byte swizzle), the logits scaled / capped / biased / masked
+//     and the online softmax in registers (log2 units, fp32), P rounded to the query dtype into A
+//     fragments, O += P V (KT / 16 wgmma m64nDPADk16 with A = P from registers and B = V from shared
+//     memory, N-major), fp32 accumulators. The two consumers issue their S products in turns (named
+//     barriers 1 and 2, "ping-pong"): one's softmax runs while the other's product occupies the
+//     tensor cores.
+// Shared memory tiles (Q, K, V) are [DPAD / 64 column blocks][rows][128 bytes], 16-byte chunk c of row
+// r at (c ^ (r % 8)) * 16 in its row: the 128B-swizzle canonical layout, 1024-byte aligned (the base
+// is aligned at run time: nothing guarantees where dynamic shared memory starts). K-major for Q and K
+// (8-row groups SBO = 1024 bytes apart, a k16 step 32 bytes into the row, column block 64 elements
+// further on), N-major for V (the same bytes: 8 keys x 64 values per 1024-byte atom, atoms of the next
+// 64 values LBO = KT * 128 bytes apart, of the next 8 keys SBO = 1024 apart).
+//
+// Semantics are the other kernels': causal or not, sliding window, soft cap, ALiBi, sinks, value head
+// dim != key head dim (both <= DPAD), KV splits with float32 partials for the merge kernel, key tiles
+// wholly outside every row's range never loaded, the non-finite rules of docs/ops.md (a key tile with
+// keys some rows see and others do not, whose V holds inf / NaN, runs its P V in scalar code over the
+// keys each row sees: 0 * inf never reaches a row that does not see the key). 16-bit caches only
+// (fp8 caches, head dims above 128, decode, unaligned K/V rows: the planner runs the mma.sync
+// kernels; docs/ops.md lists the fallbacks).
+#pragma once
+
+#include <atomic>
+
+#include "attention_common.cuh"
+#include "sm90_ptx.cuh"
+
+namespace kvkernels::attn_cuda {
+
+template <typename T, int DPAD>
+struct Sm90Cfg {
+  static_assert(DPAD == 64 || DPAD == 128, "head dims up to 128");
+  static constexpr int KT = 128;          // keys per tile (the n of S = Q K^T)
+  static constexpr int WG_ROWS = 64;      // rows of one consumer warpgroup (wgmma m64)
+  static constexpr int CONSUMERS = 2;
+  static constexpr int ROWS = WG_ROWS * CONSUMERS;
+  static constexpr int NT = 128 * (CONSUMERS + 1);
+  static constexpr int CPR = DPAD / 8;            // 16-byte chunks per row
+  static constexpr int TILE_BYTES = KT * DPAD * 2;  // K or V of one stage
+  static constexpr int Q_BYTES = ROWS * DPAD * 2;
+  static constexpr int STAGES = sm90_prefill_stages(DPAD);
+  static constexpr int Q_OFF = 0;
+  static constexpr int KV_OFF = Q_BYTES;  // stage s: K at KV_OFF + 2 s TILE_BYTES, V right after
+  static constexpr int P_OFF = KV_OFF + STAGES * 2 * TILE_BYTES;  // [2][64][KT] 16-bit P (non-finite fix-up)
+  static constexpr int BAR_OFF = P_OFF + CONSUMERS * WG_ROWS * KT * 2;  // full_k, full_v, empty per stage
+  static constexpr int SMEM = BAR_OFF + 3 * STAGES * 8 + 1024;         // + the alignment of the base
+  static_assert(SMEM == sm90_prefill_smem(DPAD), "the planner's size (attention_common.cuh)");
+  static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+  static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 256 <= 65536, "setmaxnreg pool");
+  static_assert(SMEM <= 227 * 1024, "sm_90 opt-in shared memory");
+};
+
+// Byte offset of 16-byte chunk c of row r in a [DPAD / 64][ROWS_][128 B] swizzled tile.
+template <int ROWS_>
+__device__ __forceinline__ uint32_t sw128_off(int r, int c) {
+  return uint32_t((c >> 3) * ROWS_ * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// Element (r, col) of such a tile (16-bit).
+template <int ROWS_>
+__device__ __forceinline__ uint32_t sw128_elem(int r, int col) {
+  return sw128_off<ROWS_>(r, col >> 3) + uint32_t((col & 7) * 2);
+}
+
+template <typename T, int DPAD>
+__global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_constant__ AttnArgs a) {
+#if KVK_SM90_PTX || defined(KVKERNELS_CUDA_EMU)
+  using C = Sm90Cfg<T, DPAD>;
+  namespace s9 = ::kvkernels::sm90;
+  constexpr int KT = C::KT, STAGES = C::STAGES;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // Flags of the non-finite V scan (per consumer, double-buffered, per warp); static shared memory
+  // also marks the kernel as the sm_90a build's (sm90_prefill_compiled: the stub has none).
+  __shared__ int nf_flags[C::CONSUMERS][2][4];
+
+  Work w;
+  if (!make_work<KT>(a, w)) return;
+  const AttentionParams& p = a.p;
+  const int tid = threadIdx.x, wg = tid / 128;
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* const smem = smem_raw + (base - raw);
+  const uint32_t sQ = base + C::Q_OFF;
+  auto sK = [&](int s) { return base + uint32_t(C::KV_OFF + s * 2 * C::TILE_BYTES); };
+  auto sV = [&](int s) { return sK(s) + uint32_t(C::TILE_BYTES); };
+  auto full_k = [&](int s) { return base + uint32_t(C::BAR_OFF + 8 * s); };
+  auto full_v = [&](int s) { return base + uint32_t(C::BAR_OFF + 8 * (STAGES + s)); };
+  auto empty = [&](int s) { return base + uint32_t(C::BAR_OFF + 8 * (2 * STAGES + s)); };
+  const int ntiles = w.tile_end - w.tile_begin;
+
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      s9::mbar_init(full_k(s), 128);
+      s9::mbar_init(full_v(s), 128);
+      s9::mbar_init(empty(s), 256);
+    }
+    s9::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (wg == C::CONSUMERS) {
+    // ---- producer: paged K / V rows -> the stage ring, by cp.async -----------------------------
+    s9::setmaxnreg_dec<C::PRODUCER_REGS>();
+    const paged_kv_t& kv = p.kv;
+    const int pt = tid - 128 * C::CONSUMERS;
+    const int col = pt % C::CPR, row0 = pt / C::CPR;
+    constexpr int RPP = 128 / C::CPR;  // rows per pass
+    const int kb = kv.head_dim * 2 - col * 16, vb = kv.head_dim_v * 2 - col * 16;
+    const int k_bytes = kb < 0 ? 0 : (kb > 16 ? 16 : kb), v_bytes = vb < 0 ? 0 : (vb > 16 ? 16 : vb);
+    const char* k_base = static_cast<const char*>(kv.k) + (int64_t(w.kv_head) * kv.k_stride_head + col * 8) * 2;
+    const char* v_base = static_cast<const char*>(kv.v) + (int64_t(w.kv_head) * kv.v_stride_head + col * 8) * 2;
+    const uint64_t k_block = uint64_t(kv.k_stride_block) * 2, k_slot = uint64_t(kv.k_stride_slot) * 2;
+    const uint64_t v_block = uint64_t(kv.v_stride_block) * 2, v_slot = uint64_t(kv.v_stride_slot) * 2;
+    const int32_t* bt = kv.block_tables + int64_t(w.seq) * kv.max_blocks_per_seq;
+    const uint32_t nblk = block_id_limit(kv);
+    const int bs = kv.block_size, shift = a.bs_shift;
+    // One K or V tile: each thread its chunk column of rows row0, row0 + RPP, ...
+    auto rows = [&](int tile, uint32_t dst, const char* src_base, uint64_t blk, uint64_t slt, int bytes) {
+#pragma unroll 4
+      for (int r = row0; r < KT; r += RPP) {
+        const int key = tile * KT + r;
+        int id = -1, slot = 0;
+        if (key >= w.lo && key <= w.hi) {
+          id = __ldg(bt + (shift >= 0 ? key >> shift : key / bs));
+          slot = shift >= 0 ? key & ((1 << shift) - 1) : key % bs;
+        }
+        const bool ok = block_id_ok(id, nblk);
+        const char* src = src_base + (ok ? uint64_t(uint32_t(id)) * blk + uint64_t(slot) * slt : 0);
+        cp_async16_at(dst + sw128_off<KT>(r, col), src, ok ? bytes : 0);
+      }
+    };
+    for (int it = 0; it < ntiles; ++it) {
+      const int s = it % STAGES, use = it / STAGES;
+      if (use > 0) s9::mbar_wait(empty(s), uint32_t(use - 1) & 1u);
+      rows(w.tile_begin + it, sK(s), k_base, k_block, k_slot, k_bytes);
+      s9::cp_async_mbar_arrive(full_k(s));
+      rows(w.tile_begin + it, sV(s), v_base, v_block, v_slot, v_bytes);
+      s9::cp_async_mbar_arrive(full_v(s));
+    }
+    cp_async_commit();  // every copy complete (and so every arrival made) before the thread exits
+    cp_async_wait<0>();
+    return;
+  }
+
+  // ---- consumers ------------------------------------------------------------------------------
+  s9::setmaxnreg_inc<C::CONSUMER_REGS>();
+  const int wt = tid % 128, lane = tid & 31, wq = wt >> 5, g = lane >> 2, t4 = lane & 3;
+  const int row_base = wg * C::WG_ROWS;
+  const int dv = p.kv.head_dim_v;
+
+  // Queries of this warpgroup's 64 rows -> shared memory (16-bit, swizzled); zeros as padding.
+  for (int idx = wt; idx < C::WG_ROWS * C::CPR; idx += 128) {
+    const int r = row_base + idx / C::CPR, c = idx % C::CPR;
+    const RowId id = row_id(a, w, r);
+    float x[8];
+    if (id.valid) {
+      const T* src = static_cast<const T*>(p.q) + id.token * p.q_stride_token + int64_t(id.head) * p.q_stride_head;
+      load_q8(src, c * 8, p.kv.head_dim, a.q_aligned != 0, x);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = 0.0f;
+    }
+    *reinterpret_cast<uint4*>(smem + C::Q_OFF + sw128_off<C::ROWS>(r, c)) =
+        make_uint4(pack2<T>(x[0], x[1]), pack2<T>(x[2], x[3]), pack2<T>(x[4], x[5]), pack2<T>(x[6], x[7]));
+  }
+  s9::fence_proxy_async();  // the generic-proxy stores, before wgmma reads them
+  s9::named_bar_sync(3 + wg, 128);
+
+  // This thread's rows: 16 wq + g + 8 h of the warpgroup's 64 (the accumulator layout).
+  RowId rid[2];
+  float slope[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    rid[h] = row_id(a, w, row_base + 16 * wq + g + 8 * h);
+    slope[h] = (p.alibi_slopes && rid[h].valid) ? p.alibi_slopes[rid[h].head] : 0.0f;
+  }
+  const float qk_mul = p.scale * p.kv.logit_k_scale_of(w.kv_head);
+  const float plain_mul = qk_mul * kLog2e;
+  const float v_mul = p.kv.v_scale_of(w.kv_head);
+  const LogitOps ops = logit_ops(p, w);
+
+  float o[DPAD / 2];
+#pragma unroll
+  for (int i = 0; i < DPAD / 2; ++i) o[i] = 0.0f;
+  float m2[2] = {-INFINITY, -INFINITY}, dsum[2] = {0.0f, 0.0f};
+  const uint64_t dq0 = s9::make_desc(sQ + uint32_t(row_base * 128), 16, 1024, s9::Swizzle::k128B);
+  int nscan = 0;
+  // Ping-pong: consumer 0 issues its S product first (barrier 1 is its turn, 2 consumer 1's).
+  if (wg == 1 && ntiles > 0) s9::named_bar_arrive(1, 256);
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int s = it % STAGES;
+    const uint32_t phase = uint32_t(it / STAGES) & 1u;
+    const int k0 = (w.tile_begin + it) * KT;
+
+    // S = Q K^T (64 x KT per warpgroup)
+    float sacc[KT / 2];
+    s9::mbar_wait(full_k(s), phase);
+    s9::fence_proxy_async();
+    s9::named_bar_sync(1 + wg, 256);
+    const uint64_t dk0 = s9::make_desc(sK(s), 16, 1024, s9::Swizzle::k128B);
+    s9::fence_regs(sacc);
+    s9::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < DPAD / 16; ++kk) {
+      // k16 step kk: column block kk / 4 (64 columns: rows x 128 bytes further on), 32 bytes per step in it
+      s9::wgmma_ss<KT, T, 0, 0>(sacc, s9::desc_add(dq0, uint32_t((kk >> 2) * C::ROWS * 128 + (kk & 3) * 32)),
+                                s9::desc_add(dk0, uint32_t((kk >> 2) * KT * 128 + (kk & 3) * 32)), kk > 0 ? 1 : 0);
+    }
+    s9::wgmma_commit();
+    if (!(wg == 1 && it == ntiles - 1)) s9::named_bar_arrive(2 - wg, 256);  // the other consumer's turn
+    s9::wgmma_wait<0>();
+    s9::fence_regs(sacc);
+
+    // Logits (log2 units, masked) and the online softmax of both rows (as the mma.sync kernels: the
+    // accumulator of row h, column 8 i + 2 t4 + e is sacc[4 i + 2 h + e]).
+    const bool need_mask = tile_needs_mask(w, k0, KT, ops);
+    if (ops.plain && !need_mask) {
+#pragma unroll
+      for (int i = 0; i < KT / 2; ++i) sacc[i] *= plain_mul;
+    } else {
+#pragma unroll
+      for (int i = 0; i < KT / 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = k0 + i * 8 + 2 * t4 + (e & 1);
+          const int pos = rid[e >> 1].pos;
+          float x = sacc[4 * i + e];
+          if (ops.plain) {
+            x *= plain_mul;
+            if (need_mask && !key_visible(key, pos, ops)) x = -INFINITY;
+          } else {
+            x = transform_logit(x * qk_mul, ops, slope[e >> 1], key, pos, need_mask);
+          }
+          sacc[4 * i + e] = x;
+        }
+      }
+    }
+    float alpha[2];
+    bool rescale = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < KT / 8; ++i) mx = fmaxf(mx, fmaxf(sacc[4 * i + 2 * h], sacc[4 * i + 2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m2[h], mx);
+      const float base_m = m_new == -INFINITY ? 0.0f : m_new;  // nothing seen yet: all weights 0
+      alpha[h] = exp2f(m2[h] - base_m);                          // m2 = -inf gives 0
+      m2[h] = m_new;
+      rescale = rescale || alpha[h] != 1.0f;
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < KT / 8; ++i) {
+        sacc[4 * i + 2 * h] = exp2f(sacc[4 * i + 2 * h] - base_m);
+        sacc[4 * i + 2 * h + 1] = exp2f(sacc[4 * i + 2 * h + 1] - base_m);
+        sum += sacc[4 * i + 2 * h] + sacc[4 * i + 2 * h + 1];
+      }
+      dsum[h] = dsum[h] * alpha[h] + sum;  // per-thread partial; the quad sums at the end
+    }
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int i = 0; i < DPAD / 8; ++i) {
+        o[4 * i] *= alpha[0], o[4 * i + 1] *= alpha[0];
+        o[4 * i + 2] *= alpha[1], o[4 * i + 3] *= alpha[1];
+      }
+    }
+    // P (rounded to T) as the A fragments of the KT / 16 k-steps of P V: the S accumulators of n8
+    // blocks 2 kk and 2 kk + 1 (the mma.sync A layout per warp, rows 16 wq ..).
+    uint32_t pa[KT / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < KT / 16; ++kk) {
+      pa[kk][0] = pack2<T>(sacc[8 * kk + 0], sacc[8 * kk + 1]);
+      pa[kk][1] = pack2<T>(sacc[8 * kk + 2], sacc[8 * kk + 3]);
+      pa[kk][2] = pack2<T>(sacc[8 * kk + 4], sacc[8 * kk + 5]);
+      pa[kk][3] = pack2<T>(sacc[8 * kk + 6], sacc[8 * kk + 7]);
+    }
+
+    // O += P V
+    s9::mbar_wait(full_v(s), phase);
+    s9::fence_proxy_async();
+    // A tile whose keys some rows see and others do not (the causal diagonal, a window's edge) with
+    // an inf / NaN value: 0 * inf in the tensor product would reach rows that do not see the key, so
+    // such a tile (rare: V must hold a non-finite value) takes the scalar product below instead. The
+    // decision is the warpgroup's (the wgmma is a warpgroup instruction): a scan of the V tile, the
+    // warps' results through shared memory (double-buffered by scan).
+    bool fix = false;
+    if (need_mask && w.nq > 1) {
+      const unsigned char* tv = smem + (sV(s) - base);
+      uint32_t any = 0u;
+      for (int i = wt; i < KT * C::CPR; i += 128) {
+        const uint4 u = reinterpret_cast<const uint4*>(tv)[i];
+        any |= nonfinite2<T>(u.x) | nonfinite2<T>(u.y) | nonfinite2<T>(u.z) | nonfinite2<T>(u.w);
+      }
+      const int warp_any = __any_sync(0xffffffffu, any != 0u);
+      if (lane == 0) nf_flags[wg][nscan & 1][wq] = warp_any;
+      s9::named_bar_sync(3 + wg, 128);
+      fix = (nf_flags[wg][nscan & 1][0] | nf_flags[wg][nscan & 1][1] | nf_flags[wg][nscan & 1][2] |
+             nf_flags[wg][nscan & 1][3]) != 0;
+      ++nscan;
+    }
+    if (!fix) {
+      const uint64_t dv0 = s9::make_desc(sV(s), uint32_t(KT * 128), 1024, s9::Swizzle::k128B);
+      s9::fence_regs(o);
+      s9::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < KT / 16; ++kk) s9::wgmma_rs<DPAD, T, 1>(o, pa[kk], s9::desc_add(dv0, kk * 2048), 1);
+      s9::wgmma_commit();
+      s9::wgmma_wait<0>();
+      s9::fence_regs(o);
+#pragma unroll
+      for (int kk = 0; kk < KT / 16; ++kk) s9::fence_regs(pa[kk]);
+    } else {
+      // Scalar P V over the keys each row sees: P (already rounded) through shared memory, V read
+      // from the stage; every thread its own output elements.
+      unsigned char* sp = smem + C::P_OFF + wg * C::WG_ROWS * KT * 2;
+#pragma unroll
+      for (int kk = 0; kk < KT / 16; ++kk) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int r = 16 * wq + g + 8 * (j & 1), key = 16 * kk + 8 * (j >> 1) + 2 * t4;
+          *reinterpret_cast<uint32_t*>(sp + (r * KT + key) * 2) = pa[kk][j];
+        }
+      }
+      s9::named_bar_sync(3 + wg, 128);
+      const unsigned char* tv = smem + (sV(s) - base);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (!rid[h].valid) continue;
+        const int r = 16 * wq + g + 8 * h;
+#pragma unroll
+        for (int i = 0; i < DPAD / 8; ++i) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int c = 8 * i + 2 * t4 + e;
+            if (c >= dv) continue;
+            float acc = 0.0f;
+            for (int kl = 0; kl < KT; ++kl) {
+              if (!key_visible(k0 + kl, rid[h].pos, ops)) continue;
+              const uint16_t pb = *reinterpret_cast<const uint16_t*>(sp + (r * KT + kl) * 2);
+              const uint16_t vb16 = *reinterpret_cast<const uint16_t*>(tv + sw128_elem<KT>(kl, c));
+              acc += bits16_to_float<T>(pb) * bits16_to_float<T>(vb16);
+            }
+            o[4 * i + 2 * h + e] += acc;
+          }
+        }
+      }
+      s9::named_bar_sync(3 + wg, 128);  // the P buffer is read before a later fix-up rewrites it
+    }
+    s9::mbar_arrive(empty(s));  // this thread is done with the stage
+  }
+
+  // ---- epilogue: rows to out / lse, or the split's normalized partial -------------------------
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 1);
+    dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 2);
+  }
+  const float vm = checked_v_mul(v_mul);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const RowId id = rid[h];
+    if (!id.valid) continue;
+    const int64_t row = id.token * p.num_heads + id.head;
+    if (a.num_splits == 1) {
+      float mul;
+      const float lse2 = finish_row<true>(m2[h], dsum[h], pos_has_keys(p, id.pos, w.seq_len),
+                                          p.sinks ? p.sinks[id.head] * kLog2e : -INFINITY, &mul);
+      mul *= vm;
+      T* out = static_cast<T*>(p.out) + row * dv;
+#pragma unroll
+      for (int i = 0; i < DPAD / 8; ++i) {
+        const int c = 8 * i + 2 * t4;
+        if (c < dv) *reinterpret_cast<uint32_t*>(out + c) = pack2<T>(o[4 * i + 2 * h] * mul, o[4 * i + 2 * h + 1] * mul);
+      }
+      if (t4 == 0) p.lse[row] = lse2 * kLn2;
+    } else {
+      const float D = dsum[h], M = m2[h];
+      const float lse2 = D == 0.0f ? -INFINITY : M + log2f(D);
+      const float mul = D == 0.0f ? 0.0f : vm / D;
+      const int64_t prow = int64_t(w.split) * p.num_tokens * p.num_heads + row;
+      float* out = a.part_o + prow * dv;
+#pragma unroll
+      for (int i = 0; i < DPAD / 8; ++i) {
+        const int c = 8 * i + 2 * t4;
+        if (c < dv) *reinterpret_cast<float2*>(out + c) = make_float2(o[4 * i + 2 * h] * mul, o[4 * i + 2 * h + 1] * mul);
+      }
+      if (t4 == 0) a.part_lse[prow] = lse2;
+    }
+  }
+#else
+  (void)a;
+#endif
+}
+
+// Whether this build has the kernel's sm_90a code (its static shared memory: the stub compiled for
+// other architectures has none); the planner falls back to the mma.sync prefill otherwise. Asked only
+// on an sm_90 device (the planner checks that first), once per process.
+template <typename T, int DPAD>
+bool sm90_prefill_compiled() {
+#if defined(KVKERNELS_CUDA_EMU)
+  return true;
+#else
+  static const bool compiled = [] {
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, sm90_prefill_kernel<T, DPAD>) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return attr.sharedSizeBytes >= sizeof(int) * 2 * 2 * 4;
+  }();
+  return compiled;
+#endif
+}
+
+template <typename T, int DPAD>
+cudaError_t launch_sm90_prefill(const AttnArgs& a, dim3 grid, cudaStream_t stream) {
+  using C = Sm90Cfg<T, DPAD>;
+  static std::atomic<uint64_t> configured{0};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
+  if (bit == 0 || !(configured.load(std::memory_order_acquire) & bit)) {
+    err = cudaFuncSetAttribute(sm90_prefill_kernel<T, DPAD>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+    if (err != cudaSuccess) return err;
+    configured.fetch_or(bit, std::memory_order_acq_rel);
+  }
+  sm90_prefill_kernel<T, DPAD><<<grid, C::NT, C::SMEM, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace kvkernels::attn_cuda

@@ -1,0 +1,402 @@
+#include "jax_args.h"
+
+#include <cmath>
+#include <sstream>
+
+namespace kvkernels::jaxffi {
+
+using ffi::DataType;
+
+const char* type_name(DataType t) {
+  switch (t) {
+    case DataType::F32: return "float32";
+    case DataType::F16: return "float16";
+    case DataType::BF16: return "bfloat16";
+    case DataType::F8E4M3FN: return "float8_e4m3fn";
+    case DataType::F8E5M2: return "float8_e5m2";
+    case DataType::S32: return "int32";
+    case DataType::S64: return "int64";
+    case DataType::F64: return "float64";
+    case DataType::U8: return "uint8";
+    case DataType::S8: return "int8";
+    case DataType::PRED: return "bool";
+    default: return "an unsupported element type";
+  }
+}
+
+bool is_float(DataType t) { return t == DataType::F32 || t == DataType::F16 || t == DataType::BF16; }
+bool is_fp8(DataType t) { return t == DataType::F8E4M3FN || t == DataType::F8E5M2; }
+bool is_index(DataType t) { return t == DataType::S32 || t == DataType::S64; }
+
+FloatFormat float_format(DataType t) {
+  if (t == DataType::F16) return FloatFormat::kFloat16;
+  if (t == DataType::BF16) return FloatFormat::kBFloat16;
+  return FloatFormat::kFloat32;
+}
+
+CacheFormat cache_format(DataType t) {
+  switch (t) {
+    case DataType::F16: return CacheFormat::kFloat16;
+    case DataType::BF16: return CacheFormat::kBFloat16;
+    case DataType::F8E4M3FN: return CacheFormat::kFp8E4M3;
+    case DataType::F8E5M2: return CacheFormat::kFp8E5M2;
+    default: return CacheFormat::kFloat32;
+  }
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::ostringstream ss;
+  ss << "(";
+  for (size_t i = 0; i < shape.size(); ++i) ss << (i ? ", " : "") << shape[i];
+  ss << (shape.size() == 1 ? ",)" : ")");
+  return ss.str();
+}
+
+int64_t In::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+int64_t In::stride(int64_t d) const {
+  int64_t s = 1;
+  for (size_t i = static_cast<size_t>(d) + 1; i < shape.size(); ++i) s *= shape[i];
+  return s;
+}
+
+size_t In::bytes() const { return static_cast<size_t>(numel()) * ffi::ByteWidth(type); }
+
+namespace {
+
+template <typename Buffer>
+void split_dims(Operand& o, const Buffer& b, int64_t batch_dims) {
+  const auto dims = b.dimensions();
+  const int64_t rank = static_cast<int64_t>(dims.size());
+  // The Python side always passes batch_dims <= every operand's rank; a hand-written call that does
+  // not gets an error from Check::batch (an operand with fewer dims than the batch).
+  const int64_t nb = std::min(batch_dims, rank);
+  o.batch.assign(dims.begin(), dims.begin() + nb);
+  o.shape.assign(dims.begin() + nb, dims.end());
+  int64_t n = static_cast<int64_t>(ffi::ByteWidth(b.element_type()));
+  for (int64_t s : o.shape) n *= s;
+  o.example_bytes = n;
+}
+
+}  // namespace
+
+Operand::Operand(const char* n, const ffi::AnyBuffer& b, int64_t batch_dims)
+    : name(n), present(true), type(b.element_type()), base(static_cast<char*>(b.untyped_data())) {
+  split_dims(*this, b, batch_dims);
+}
+
+Operand::Operand(const char* n, const ffi::Result<ffi::AnyBuffer>& r, int64_t batch_dims)
+    : name(n), present(true) {
+  const ffi::AnyBuffer& b = *const_cast<ffi::Result<ffi::AnyBuffer>&>(r);
+  type = b.element_type();
+  base = static_cast<char*>(b.untyped_data());
+  split_dims(*this, b, batch_dims);
+}
+
+In Operand::at(const std::vector<int64_t>& idx) const {
+  In t;
+  t.name = name;
+  t.present = present;
+  if (!present) return t;
+  t.type = type;
+  t.shape = shape;
+  // Row-major over the leading dims; a dim of size 1 is broadcast (offset 0 along it).
+  int64_t flat = 0;
+  for (size_t d = 0; d < batch.size(); ++d) flat = flat * batch[d] + (batch[d] == 1 ? 0 : idx[d]);
+  t.data = base + flat * example_bytes;
+  return t;
+}
+
+std::vector<int64_t> Batch::index(int64_t flat) const {
+  std::vector<int64_t> idx(shape.size());
+  for (size_t d = shape.size(); d-- > 0;) {
+    idx[d] = flat % shape[d];
+    flat /= shape[d];
+  }
+  return idx;
+}
+
+void Check::dim(const In& t, int64_t ndim) const {
+  expect(t.present, t.name, "is required");
+  expect(t.dim() == ndim, t.name, "expected ", ndim, " dims, got shape ", shape_str(t.shape));
+}
+
+void Check::type(const In& t, DataType expected) const {
+  expect(t.type == expected, t.name, "expected ", type_name(expected), ", got ", type_name(t.type));
+}
+
+void Check::size(const In& t, int64_t d, int64_t expected, const char* what) const {
+  expect(t.size(d) == expected, t.name, "dimension ", d, " must be ", expected, " (", what,
+         "), got shape ", shape_str(t.shape));
+}
+
+int Check::to_int(int64_t v, const char* arg, const char* what) const {
+  expect(v >= 0 && v <= INT32_MAX, arg, what, " = ", v, " does not fit in an int");
+  return static_cast<int>(v);
+}
+
+bool Check::scale(const In& t, const char* cache_arg, int64_t per_head) const {
+  expect(t.present, t.name, "is required when ", cache_arg, " is fp8");
+  type(t, DataType::F32);
+  const int64_t n = t.numel();
+  expect(n == 1 || n == per_head, t.name, "must have 1 element or one per kv head (", per_head,
+         "), got shape ", shape_str(t.shape));
+  return n != 1;
+}
+
+Batch Check::batch(std::initializer_list<const Operand*> ops, int64_t batch_dims) const {
+  Batch b;
+  b.shape.assign(static_cast<size_t>(batch_dims), 1);
+  for (const Operand* o : ops) {
+    if (!o->present) continue;
+    expect(static_cast<int64_t>(o->batch.size()) == batch_dims, o->name, "has fewer dims than the ",
+           batch_dims, " batch dims of the call");
+    for (size_t d = 0; d < b.shape.size(); ++d) {
+      if (o->batch[d] == 1) continue;
+      expect(b.shape[d] == 1 || b.shape[d] == o->batch[d], o->name, "batch dim ", d, " is ",
+             o->batch[d], " where another operand has ", b.shape[d]);
+      b.shape[d] = o->batch[d];
+    }
+  }
+  for (int64_t s : b.shape) b.count *= s;
+  return b;
+}
+
+void read_optional(const Check& c, const ffi::RemainingArgs& rest, int64_t mask,
+                   const char* const* names, int n, int64_t batch_dims, Operand* out) {
+  size_t next = 0;
+  for (int i = 0; i < n; ++i) {
+    if (!((mask >> i) & 1)) {
+      out[i] = Operand::absent(names[i]);
+      continue;
+    }
+    c.expect(next < rest.size(), names[i], "missing (optional_mask says it is given)");
+    ffi::ErrorOr<ffi::AnyBuffer> b = rest.get<ffi::AnyBuffer>(next++);
+    c.expect(b.has_value(), names[i], "is not an array");
+    out[i] = Operand(names[i], *b, batch_dims);
+  }
+  c.expect(next == rest.size(), "optional_mask", "names ", next, " optional inputs, ", rest.size(),
+           " were passed");
+}
+
+paged_kv_t paged_kv(const Check& c, const In& key_cache, const In& value_cache,
+                    const In& block_tables, const In& seq_lens, const In& k_scale,
+                    const In& v_scale) {
+  c.dim(key_cache, 4);
+  c.expect(is_float(key_cache.type) || is_fp8(key_cache.type), key_cache.name,
+           "expected float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ",
+           type_name(key_cache.type));
+  c.expect(key_cache.size(1) >= 1 && key_cache.size(1) <= kMaxBlockSize, key_cache.name,
+           "block size (dimension 1) must be in [1, ", kMaxBlockSize, "], got ", key_cache.size(1));
+  c.dim(value_cache, 4);
+  c.expect(value_cache.type == key_cache.type, value_cache.name, "dtype ",
+           type_name(value_cache.type), " must equal key_cache's ", type_name(key_cache.type));
+  for (int64_t d = 0; d < 3; ++d)
+    c.size(value_cache, d, key_cache.size(d), "num_blocks, block_size, num_kv_heads of key_cache");
+  c.dim(block_tables, 2);
+  c.type(block_tables, DataType::S32);
+  c.dim(seq_lens, 1);
+  c.type(seq_lens, DataType::S32);
+  c.size(seq_lens, 0, block_tables.size(0), "num_seqs = block_tables.shape[0]");
+
+  paged_kv_t kv;
+  kv.k = key_cache.data;
+  kv.v = value_cache.data;
+  kv.k_stride_block = key_cache.stride(0);
+  kv.k_stride_slot = key_cache.stride(1);
+  kv.k_stride_head = key_cache.stride(2);
+  kv.v_stride_block = value_cache.stride(0);
+  kv.v_stride_slot = value_cache.stride(1);
+  kv.v_stride_head = value_cache.stride(2);
+  kv.num_blocks = key_cache.size(0);
+  kv.block_size = static_cast<int>(key_cache.size(1));
+  kv.num_kv_heads = c.to_int(key_cache.size(2), key_cache.name, "num_kv_heads (dimension 2)");
+  kv.head_dim = c.to_int(key_cache.size(3), key_cache.name, "head_dim (dimension 3)");
+  kv.head_dim_v = c.to_int(value_cache.size(3), value_cache.name, "head_dim (dimension 3)");
+  kv.format = cache_format(key_cache.type);
+  if (is_fp8(key_cache.type)) {
+    kv.k_scale_per_head = c.scale(k_scale, key_cache.name, kv.num_kv_heads);
+    kv.v_scale_per_head = c.scale(v_scale, value_cache.name, kv.num_kv_heads);
+    kv.k_scale = k_scale.as<const float>();
+    kv.v_scale = v_scale.as<const float>();
+  }
+  kv.block_tables = block_tables.as<const int32_t>();
+  kv.seq_lens = seq_lens.as<const int32_t>();
+  kv.num_seqs = c.to_int(block_tables.size(0), block_tables.name, "num_seqs (dimension 0)");
+  kv.max_blocks_per_seq = block_tables.size(1);
+  return kv;
+}
+
+AttentionParams attention_params(const Check& c, const In& query, const In& key_cache,
+                                 const In& value_cache, const In& block_tables, const In& seq_lens,
+                                 const In& qsl, const In& alibi, const In& sinks,
+                                 const In& k_scale, const In& v_scale, const AttentionAttrs& attrs,
+                                 int64_t max_head_dim) {
+  AttentionParams p;
+  p.kv = paged_kv(c, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale);
+  const int d = p.kv.head_dim, dv = p.kv.head_dim_v;
+  c.expect(d % 8 == 0 && d > 0 && d <= max_head_dim, key_cache.name,
+           "head_dim must be a positive multiple of 8 up to ", max_head_dim, ", got ", d);
+  c.expect(dv % 8 == 0 && dv > 0 && dv <= max_head_dim, value_cache.name,
+           "head_dim must be a positive multiple of 8 up to ", max_head_dim, ", got ", dv);
+  c.dim(query, 3);
+  c.expect(is_float(query.type), query.name, "expected float32, float16 or bfloat16, got ",
+           type_name(query.type));
+  c.expect(is_fp8(key_cache.type) || key_cache.type == query.type, key_cache.name,
+           "must have the query's dtype (", type_name(query.type), ") or be fp8, got ",
+           type_name(key_cache.type));
+  c.size(query, 2, d, "head_dim of key_cache");
+  c.expect(p.kv.num_kv_heads > 0, key_cache.name, "num_kv_heads (dimension 2) must be positive");
+  c.expect(query.size(1) > 0 && query.size(1) % p.kv.num_kv_heads == 0, query.name, "num_heads (",
+           query.size(1), ") must be a positive multiple of num_kv_heads (", p.kv.num_kv_heads, ")");
+  p.num_heads = c.to_int(query.size(1), query.name, "num_heads (dimension 1)");
+  p.q = query.data;
+  p.q_stride_token = query.stride(0);
+  p.q_stride_head = query.stride(1);
+  p.q_format = float_format(query.type);
+  p.num_tokens = query.size(0);
+  if (qsl) {
+    c.dim(qsl, 1);
+    c.type(qsl, DataType::S32);
+    c.size(qsl, 0, p.kv.num_seqs + 1, "num_seqs + 1");
+    p.query_start_loc = qsl.as<const int32_t>();
+  } else {
+    c.expect(p.num_tokens == p.kv.num_seqs, query.name, "decode (query_start_loc=None) needs one ",
+             "query per sequence: got ", p.num_tokens, " queries for ", p.kv.num_seqs,
+             " sequences");
+  }
+  c.expect(std::isfinite(attrs.scale), "scale", "must be finite");
+  c.expect(attrs.soft_cap >= 0 && std::isfinite(attrs.soft_cap), "soft_cap",
+           "must be >= 0 (0 = off), got ", attrs.soft_cap);
+  c.expect(attrs.window_left < (int64_t{1} << 31), "window_left", "too large: ", attrs.window_left);
+  p.scale = attrs.scale;
+  p.soft_cap = attrs.soft_cap;
+  p.window_left = attrs.window_left < 0 ? -1 : static_cast<int>(attrs.window_left);
+  p.causal = attrs.causal;
+  for (const In* v : {&alibi, &sinks}) {
+    if (!*v) continue;
+    c.dim(*v, 1);
+    c.type(*v, DataType::F32);
+    c.size(*v, 0, p.num_heads, "num_heads of query");
+  }
+  p.alibi_slopes = alibi ? alibi.as<const float>() : nullptr;
+  p.sinks = sinks ? sinks.as<const float>() : nullptr;
+  return p;
+}
+
+void cache_write_params(const Check& c, const In& key, const In& value, const In& key_cache,
+                        const In& value_cache, const In& slots, const In& k_scale,
+                        const In& v_scale, CacheWriteParams (&writes)[2]) {
+  c.dim(key, 3);
+  c.expect(is_float(key.type), key.name, "expected float32, float16 or bfloat16, got ",
+           type_name(key.type));
+  c.dim(value, 3);
+  c.type(value, key.type);
+  for (int64_t d = 0; d < 2; ++d) c.size(value, d, key.size(d), "num_tokens, num_kv_heads of key");
+  for (const In* cache : {&key_cache, &value_cache}) {
+    c.dim(*cache, 4);
+    c.expect(cache->type == key.type || is_fp8(cache->type), cache->name,
+             "must have key's dtype (", type_name(key.type), ") or be fp8, got ",
+             type_name(cache->type));
+    c.expect(cache->size(1) >= 1 && cache->size(1) <= kMaxBlockSize, cache->name,
+             "block size (dimension 1) must be in [1, ", kMaxBlockSize, "], got ", cache->size(1));
+  }
+  c.type(value_cache, key_cache.type);
+  for (int64_t d = 0; d < 3; ++d)
+    c.size(value_cache, d, key_cache.size(d), "num_blocks, block_size, num_kv_heads of key_cache");
+  c.size(key, 1, key_cache.size(2), "num_kv_heads of key_cache");
+  c.size(key, 2, key_cache.size(3), "head_dim of key_cache");
+  c.size(value, 2, value_cache.size(3), "head_dim of value_cache");
+  c.dim(slots, 1);
+  c.expect(is_index(slots.type), slots.name, "expected int32 or int64, got ", type_name(slots.type));
+  c.size(slots, 0, key.size(0), "num_tokens of key");
+  const int num_heads = c.to_int(key.size(1), key.name, "num_kv_heads (dimension 1)");
+  bool per_head[2] = {false, false};
+  if (is_fp8(key_cache.type)) {
+    per_head[0] = c.scale(k_scale, key_cache.name, num_heads);
+    per_head[1] = c.scale(v_scale, value_cache.name, num_heads);
+  }
+  const In* src[2] = {&key, &value};
+  const In* dst[2] = {&key_cache, &value_cache};
+  const In* scales[2] = {&k_scale, &v_scale};
+  for (int i = 0; i < 2; ++i) {
+    CacheWriteParams& w = writes[i];
+    w = CacheWriteParams{};
+    w.src = src[i]->data;
+    w.src_stride_token = src[i]->stride(0);
+    w.src_stride_head = src[i]->stride(1);
+    w.src_format = float_format(key.type);
+    w.cache = dst[i]->data;
+    w.cache_stride_block = dst[i]->stride(0);
+    w.cache_stride_slot = dst[i]->stride(1);
+    w.cache_stride_head = dst[i]->stride(2);
+    w.cache_format = cache_format(key_cache.type);
+    if (is_fp8(key_cache.type)) {
+      w.scale = scales[i]->as<const float>();
+      w.scale_per_head = per_head[i];
+    }
+    w.num_tokens = key.size(0);
+    w.block_size = static_cast<int>(key_cache.size(1));
+    w.num_heads = num_heads;
+    w.width = c.to_int(src[i]->size(2), src[i]->name, "head_dim (dimension 2)");
+  }
+}
+
+int64_t block_copy_params(const Check& c, const In& cache, const In& mapping, int64_t block_dim,
+                          BlockCopyParams& p) {
+  c.expect(cache.present, cache.name, "is required");
+  c.expect(cache.dim() >= 1 && cache.dim() <= 8, cache.name, "needs 1 to 8 dims, got shape ",
+           shape_str(cache.shape));
+  const int64_t bd = block_dim < 0 ? block_dim + cache.dim() : block_dim;
+  c.expect(bd >= 0 && bd < cache.dim(), "block_dim", block_dim, " is out of range for a cache of ",
+           cache.dim(), " dims");
+  c.dim(mapping, 2);
+  c.expect(is_index(mapping.type), mapping.name, "expected int32 or int64, got ",
+           type_name(mapping.type));
+  c.size(mapping, 1, 2, "(source, destination) pairs");
+  const int64_t elem = static_cast<int64_t>(ffi::ByteWidth(cache.type));
+  p = BlockCopyParams{};
+  p.src = static_cast<const char*>(cache.data);
+  p.dst = static_cast<char*>(cache.data);
+  p.num_pairs = mapping.size(0);
+  p.src_block_stride = p.dst_block_stride = cache.stride(bd) * elem;
+  int64_t run = elem;  // the dims after bd are one contiguous run
+  for (int64_t d = bd + 1; d < cache.dim(); ++d) run *= cache.size(d);
+  p.run_bytes = run;
+  for (int64_t d = 0; d < bd; ++d) {
+    p.sizes[p.num_dims] = cache.size(d);
+    p.src_strides[p.num_dims] = p.dst_strides[p.num_dims] = cache.stride(d) * elem;
+    ++p.num_dims;
+  }
+  return cache.size(bd);
+}
+
+GatherParams gather_params(const Check& c, const In& key_cache, const In& value_cache,
+                           const In& block_tables, const In& seq_lens, const In& k_scale,
+                           const In& v_scale, const In& key_out, const In& value_out) {
+  GatherParams p;
+  p.kv = paged_kv(c, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale);
+  c.expect(is_float(key_out.type), "out_dtype", "must be float32, float16 or bfloat16, got ",
+           type_name(key_out.type));
+  c.dim(key_out, 3);
+  c.dim(value_out, 3);
+  c.type(value_out, key_out.type);
+  c.size(key_out, 1, p.kv.num_kv_heads, "num_kv_heads");
+  c.size(key_out, 2, p.kv.head_dim, "head_dim of key_cache");
+  c.size(value_out, 0, key_out.size(0), "num_tokens");
+  c.size(value_out, 1, p.kv.num_kv_heads, "num_kv_heads");
+  c.size(value_out, 2, p.kv.head_dim_v, "head_dim of value_cache");
+  p.out_format = float_format(key_out.type);
+  p.num_tokens = key_out.size(0);
+  p.key = key_out.data;
+  p.value = value_out.data;
+  return p;
+}
+
+ffi::Error to_error(const std::exception& e) { return ffi::Error::InvalidArgument(e.what()); }
+
+}  // namespace kvkernels::jaxffi
