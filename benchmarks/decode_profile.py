@@ -6,10 +6,12 @@ in VMs without hardware counters), and gives each sample inside kvkernels._C to 
 kernel in csrc/cpu/attention_kernel.h, through the chain of inlined functions that addr2line reports
 for the sampled address:
 
-    logits        Q K^T (dot4x2_words, dot4x2, ...), with the Words split and the 4-way reductions
+    logits        Q K^T (dot4x2_words, dot4x2, ..., dp_dot4x2 in the vdpbf16ps form), with the Words split
+                  and the 4-way reductions
     softmax       masks, exp, running max / denominator (mask_logits, softmax_rows4)
     P V           alpha-rescale and accumulate of the output rows (pv4_words, pv4)
-    fp8 lookup    the fp8 -> bf16 table (Fp8WordLoader), inside logits or P V
+    fp8 lookup    the fp8 -> bf16 table (Fp8WordLoader, dp_fp8_load64), inside logits or P V
+    fp8 staging   fp8 chunks converted once to bf16 for several row groups (dp_stage_chunk)
     prefetch      issuing the next chunk's L2 prefetches (Prefetcher::at), inside logits or P V
     addressing    slot offsets and row pointers (chunk_slots, chunk_rows, next_chunk)
     item          queries in, output rows out (load_queries, store_rows, ...), split merges
@@ -39,13 +41,17 @@ import tempfile
 import time
 
 STAGES = (  # (stage, function names): the innermost inlined frame that matches decides
-    ("fp8 lookup", ("Fp8WordLoader",)),
+    ("fp8 lookup", ("Fp8WordLoader", "dp_fp8_load64")),
     ("prefetch", ("Prefetcher::at",)),
-    ("logits", ("dot4x2_words", "dot4_words", "chunk_logits_words", "dot4x2", "dot4", "chunk_logits")),
-    ("softmax", ("softmax_rows4", "mask_logits", "transform_logits")),
-    ("P V", ("pv4_words", "pv4", "chunk_values_words", "chunk_values")),
+    ("logits", ("dot4x2_words", "dot4_words", "chunk_logits_words", "dot4x2", "dot4", "chunk_logits",
+                "dp_dot4x2", "dp_chunk_logits", "dp_logits4x4", "reduce16")),
+    ("softmax", ("softmax_rows4", "mask_logits", "transform_logits", "dp_probs_bf16")),
+    ("P V", ("pv4_words", "pv4", "chunk_values_words", "chunk_values", "dp_pv4", "dp_pv4_edges",
+             "dp_value_pairs")),
+    ("fp8 staging", ("dp_stage_chunk",)),
     ("addressing", ("chunk_slots", "chunk_rows", "next_chunk", "for_chunk_slots")),
-    ("item", ("load_queries", "store_rows", "finalize_row", "unpair_rows", "merge_splits")),
+    ("item", ("load_queries", "store_rows", "finalize_row", "unpair_rows", "merge_splits",
+              "dp_unpermute_rows")),
 )
 NESTED = ("fp8 lookup", "prefetch")  # also named by the stage they sit in
 
@@ -91,7 +97,9 @@ def inline_chains(so: str, addrs: list) -> dict:
             chains[cur] = []
             i += 1
         else:  # a function line, then its file:line
-            chains[cur].append(out[i].split("(")[0])
+            # "float __vector(16) ns::f<...>(args)" (a function returning __m512): drop the return type's
+            # parenthesis first, or the name would be cut at it
+            chains[cur].append(re.sub(r"__vector\(\d+\)\s*", "", out[i]).split("(")[0])
             i += 2
     return chains
 
@@ -139,7 +147,10 @@ def profile(args, dtype: str) -> None:
     cmd = [sys.executable, __file__, "--worker", "--dtype", dtype, "--batch", str(args.batch), "--context",
            str(args.context), "--threads", str(args.threads), "--resident", args.resident,
            "--seconds", str(args.seconds + 4)]
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    env = dict(os.environ)
+    if args.isa:
+        env["KVKERNELS_CPU_ISA"] = args.isa
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     so, layers = child.stdout.readline().split()
     if ".debug_info" not in subprocess.run(["readelf", "-S", so], check=True, text=True, capture_output=True).stdout:
         child.kill()  # without DWARF addr2line knows no inlined function, so every stage would be "other"
@@ -188,6 +199,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=8.0, help="sampled seconds per dtype")
     p.add_argument("--resident", choices=("dram", "cache"), default="dram")
     p.add_argument("--lines", type=int, default=0, help="also list the N hottest innermost functions")
+    p.add_argument("--isa", default=None, help="KVKERNELS_CPU_ISA for the profiled child (default: the best)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -201,8 +213,10 @@ def main() -> None:
     import kvkernels
     from kvkernels.bench.machine import cpu_model
 
+    if args.isa:
+        os.environ["KVKERNELS_CPU_ISA"] = args.isa
     print(f"{cpu_model()}, {os.cpu_count()} CPUs, torch {torch.__version__}, kernel ISA {kvkernels.cpu_isa()}, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}\n{' '.join(sys.argv)}")
+          f"{time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}\n{' '.join(sys.argv)}")
     for dtype in args.dtypes.split(","):
         profile(args, dtype)
 

@@ -24,7 +24,8 @@ else:
 
 
 def cpu_isa() -> str:
-    """SIMD path the CPU kernels use now: "avx512amx", "avx512vbmi", "avx512", "avx2" or "portable".
+    """SIMD path the CPU kernels use now: "avx512amx", "avx512bf16", "avx512vbmi", "avx512", "avx2" or
+    "portable".
 
     The best one the CPU supports, unless the environment variable KVKERNELS_CPU_ISA names one
     (it is read on every op call, so it can be changed at run time).

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {platform.machine()}  CPU ISA (torch): {torch.backends.cpu.get_cpu_capability()}"
           f"  threads: {torch.get_num_threads()}")
     print(f"kvkernels CPU kernels: {kvkernels.cpu_isa()} path"
-          "  (KVKERNELS_CPU_ISA=avx512amx|avx512vbmi|avx512|avx2|portable forces one)")
+          "  (KVKERNELS_CPU_ISA=avx512amx|avx512bf16|avx512vbmi|avx512|avx2|portable forces one)")
     for key, ops in backends().items():
         print(f"backend {key}: {len(ops)}/{len(OPS)} ops" + ("" if len(ops) == len(OPS) else f" {ops}"))
     if torch.cuda.is_available():

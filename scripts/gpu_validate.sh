@@ -6,8 +6,9 @@
 # order (the sm_90a wgmma prefill first: t_wgmma, and its A/B against the wide prefill, SDPA flash and
 # cuDNN: b_wgmma), short benchmarks, the two full-size decode targets, the A/B of the decode and prefill kernels'
 # two configurations each (b_variants, b_pvariants) and of the two mla_decompress kernels (b_decomp),
-# then opcheck / bad input, the torch.compile tests and (t_amx) the CPU's AMX path on the host's own
-# tile unit where it has one, while time remains.
+# then opcheck / bad input, the torch.compile tests, (t_amx) the CPU's AMX path on the host's own
+# tile unit where it has one and (b_cpu) a short benchmark of the CPU attention paths on the host's CPU,
+# while time remains.
 #
 #   device tool:  command "bash scripts/gpu_validate.sh", timeout_s 600 (add "carry": [".whl"] when
 #                 wheels are carried, see csrc/cuda/README.md)
@@ -244,6 +245,21 @@ step_t_amx() {
   return $rc
 }
 
+# The CPU attention kernels on this host's CPU, whatever it is (an AMX Xeon on the GPU machines so far):
+# benchmarks/isa_ab.py with --isas auto (avx512vbmi, avx512bf16, avx512amx where supported: FMA, vdpbf16ps
+# and AMX forms) on decode bf16 / e4m3 at b8 x 4096 and b1 x 16384 and the bf16 prefill of 512 queries over
+# 4096 next to torch.matmul bf16 2048, all threads, ABBA, read bandwidth before / after; the JSON / TXT
+# (named after the CPU) go to results/bench. DRY_RUN=1: the same script with --quick on this machine's CPU.
+step_b_cpu() {
+  if [ "$DRY_RUN" = 1 ]; then
+    bench benchmarks/isa_ab.py --isas auto --quick
+    return
+  fi
+  bench benchmarks/isa_ab.py --isas auto --rounds 2 --calls 5 --rotate-mib 256 \
+    --cases decode-bf16-b8x4096,decode-e4m3-b8x4096,decode-bf16-b1x16384,decode-e4m3-b1x16384,prefill-bf16-512x4096 \
+    --out "$SCRATCH/results/bench"
+}
+
 bench() {  # python arguments: output appended to bench.log; its target lines to targets-<step>.txt
   local rc offset section
   offset=$(stat -c %s "$OUT/bench.log" 2>/dev/null || echo 0)
@@ -359,7 +375,8 @@ b_sizes 90
 b_decomp 45
 t_bad 120
 t_compile 150
-t_amx 90"
+t_amx 90
+b_cpu 75"
 
 if [ $# -gt 0 ]; then
   for step in "$@"; do

@@ -1414,7 +1414,7 @@ def verdict(spec):
 @functools.lru_cache(maxsize=None)
 def supported_isas():
     out = []
-    for name in ("portable", "avx2", "avx512", "avx512vbmi", "avx512amx"):
+    for name in ("portable", "avx2", "avx512", "avx512vbmi", "avx512bf16", "avx512amx"):
         os.environ["KVKERNELS_CPU_ISA"] = name
         try:
             if kvkernels.cpu_isa() == name:

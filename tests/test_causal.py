@@ -22,7 +22,7 @@ from test_attention import CONFIGS, FEATURE_CONFIGS, features, run_paged_attenti
 from kvkernels import ops, reference
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
-ISAS = ["avx512amx", "avx512vbmi", "avx512", "avx2", "portable"]
+ISAS = ["avx512amx", "avx512bf16", "avx512vbmi", "avx512", "avx2", "portable"]
 NEG_INF = float("-inf")
 
 

@@ -1,6 +1,7 @@
 """The CPU attention kernel's ISA paths and work schedules, each against the float64 reference.
 
-One build carries an AVX-512 + VBMI, an AVX-512, an AVX2 and a portable kernel;
+One build carries an AVX-512 + VBMI + AMX, an AVX-512 + VBMI + BF16 (vdpbf16ps), an AVX-512 + VBMI, an AVX-512,
+an AVX2 and a portable kernel;
 KVKERNELS_CPU_ISA (read on every call) forces one. Every path runs the same cases here. Split-K is forced by shapes (one kv head, one
 sequence, long context) and by the thread count the split decision reads.
 """
@@ -18,7 +19,7 @@ from helpers import (assert_close, generator, make_paged_kv, make_paged_mla, mak
 from test_attention import CONFIGS, FEATURE_CONFIGS, features, make_case, run_paged_attention
 from kvkernels import ops, reference
 
-ISAS = ["avx512amx", "avx512vbmi", "avx512", "avx2", "portable"]
+ISAS = ["avx512amx", "avx512bf16", "avx512vbmi", "avx512", "avx2", "portable"]
 
 
 @pytest.fixture(params=ISAS)
@@ -41,8 +42,9 @@ def test_default_isa_is_the_best_supported(monkeypatch):
     avx512 = avx2 and {"avx512f", "avx512bw", "avx512vl"} <= flags
     # An AMX-emulator build (make amx-emu-test) supplies the tile unit itself.
     tiles = {"amx_tile", "amx_bf16"} <= flags or kvkernels._C.amx_emulated_dot_products() is not None
-    amx = avx512 and {"avx512vbmi", "avx512_bf16"} <= flags and tiles
-    expected = ("avx512amx" if amx else "avx512vbmi" if avx512 and "avx512vbmi" in flags
+    bf16 = avx512 and {"avx512vbmi", "avx512_bf16"} <= flags
+    amx = bf16 and tiles
+    expected = ("avx512amx" if amx else "avx512bf16" if bf16 else "avx512vbmi" if avx512 and "avx512vbmi" in flags
                 else "avx512" if avx512 else "avx2" if avx2 else "portable")
     assert kvkernels.cpu_isa() == expected
 
@@ -134,8 +136,10 @@ AMX_CONFIGS = {
                                   dict(soft_cap=3.0, alibi_slopes=torch.linspace(0.01, 0.1, 8))],
                          ids=["plain", "window-sinks", "softcap-alibi"])
 @pytest.mark.parametrize("config", AMX_CONFIGS.values(), ids=AMX_CONFIGS.keys())
-def test_amx_prefill(monkeypatch, threads, opts, config):
-    use_isa(monkeypatch, "avx512amx")
+@pytest.mark.parametrize("pair_isa", ["avx512amx", "avx512bf16"])
+def test_amx_prefill(monkeypatch, threads, opts, config, pair_isa):
+    """The tile kernels that multiply bf16 pairs: on AMX, and as vdpbf16ps (the dp form, avx512bf16)."""
+    use_isa(monkeypatch, pair_isa)
     fp8, per_head, layout, hq, hkv, d, b = config
     opts = {k: v[:hq] if isinstance(v, torch.Tensor) else v for k, v in opts.items()}
     seq_lens, q_lens = [300, 1, 0, 131, 70], [90, 1, 0, 131, 17]
@@ -147,10 +151,53 @@ def test_amx_prefill(monkeypatch, threads, opts, config):
     query = (make_query(sum(q_lens), hq, d, torch.float64, generator(22)) * magnitude[:, None, None]).to(torch.bfloat16)
     out, _ = run_paged_attention(kv, query, query_start_loc(q_lens), **opts)
     # The vector kernel keeps the probabilities in float32, the tiles round them to bf16: a result
-    # identical to the AVX-512 path's would mean the AMX kernel never ran.
+    # identical to the AVX-512 path's would mean the AMX (dp) kernel never ran.
     monkeypatch.setenv("KVKERNELS_CPU_ISA", "avx512vbmi")
     vec, _ = ops.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
                                  query_start_loc(q_lens), **opts, **kv.scales)
+    assert not torch.equal(out, vec)
+
+
+# The vdpbf16ps form of the vector kernel (attention_dp.h: bf16 queries over fp8 caches on avx512bf16
+# and avx512amx): decode and chunked prefill with few rows, GQA 4 (four rows: fp8 rows converted in
+# registers) and 8 (eight rows: fp8 chunks staged as bf16 once), MQA, head dims that leave a partial
+# 64-value block (72, 200) or whole ones (128, 256), blocks of 1 / 5 / 16 slots, odd and even key counts
+# per chunk (pairs of value rows with a zero partner), every scale kind.
+# id: cache fp8, per-head scale, layout, Hq, Hkv, D, B
+DP_CONFIGS = {
+    "e5m2-tensor-NHD-gqa4-d128-b16": ("e5m2", False, "NHD", 8, 2, 128, 16),
+    "e4m3-tensor-HND-gqa8-d72-b5": ("e4m3", False, "HND", 8, 1, 72, 5),
+    "e4m3-tensor-NHD-gqa4-d128-b16": ("e4m3", False, "NHD", 16, 4, 128, 16),
+    "e4m3-head-stacked-gqa8-d256-b1": ("e4m3", True, "stacked", 16, 2, 256, 1),
+    "e5m2-head-NHD-gqa4-d200-b16": ("e5m2", True, "NHD", 8, 2, 200, 16),
+    "e5m2-tensor-HND-mqa-d64-b5": ("e5m2", False, "HND", 3, 1, 64, 5),
+}
+
+
+@pytest.mark.parametrize("dp_isa", ["avx512bf16", "avx512amx"])
+@pytest.mark.parametrize("mode", ["decode", "varlen"])
+@pytest.mark.parametrize("opts", [{}, dict(window_left=21, sinks=torch.linspace(-1, 1, 16)),
+                                  dict(soft_cap=3.0, alibi_slopes=torch.linspace(0.01, 0.1, 16))],
+                         ids=["plain", "window-sinks", "softcap-alibi"])
+@pytest.mark.parametrize("config", DP_CONFIGS.values(), ids=DP_CONFIGS.keys())
+def test_dp_vector_kernel(monkeypatch, dp_isa, mode, opts, config):
+    use_isa(monkeypatch, dp_isa)
+    fp8, per_head, layout, hq, hkv, d, b = config
+    opts = {k: v[:hq] if isinstance(v, torch.Tensor) else v for k, v in opts.items()}
+    # varlen: at most 3 queries per sequence: with GQA <= 4 (12 rows) the call stays on the vector kernel
+    # (fp8 chunks staged, rows of a group that see different keys); with GQA 8 it takes the dp tiles
+    seq_lens, q_lens = [77, 1, 0, 33, 130], [3, 1, 0, 2, 3]
+    kv, query, qsl = make_case(mode, seq_lens, dtype=torch.bfloat16, num_heads=hq, num_kv_heads=hkv,
+                               head_dim=d, block_size=b, layout=layout, fp8=fp8, per_head=per_head, seed=41)
+    if mode == "varlen":
+        qsl = query_start_loc(q_lens)
+        query = make_query(sum(q_lens), hq, d, torch.bfloat16, generator(42))
+    out, _ = run_paged_attention(kv, query, qsl, **opts)
+    # The float form keeps the probabilities in float32, the dp form rounds them to bf16 for P V: a
+    # result identical to the avx512vbmi path's would mean the dp kernel never ran.
+    monkeypatch.setenv("KVKERNELS_CPU_ISA", "avx512vbmi")
+    vec, _ = ops.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl,
+                                 **opts, **kv.scales)
     assert not torch.equal(out, vec)
 
 
@@ -181,7 +228,7 @@ def test_mla_every_isa(isa, threads):
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) is not installed")
 def test_wide_registers_only_in_isa_code():
-    """Code outside the avx2/avx512/avx512vbmi/avx512amx namespaces must run on any x86-64 CPU: no ymm/zmm register in it
+    """Code outside the avx2/avx512/avx512vbmi/avx512bf16/avx512amx namespaces must run on any x86-64 CPU: no ymm/zmm register in it
     (an inline function compiled inside a target region and picked by the linker would break that)."""
     asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", kvkernels._C.__file__],
                          capture_output=True, text=True, check=True).stdout
@@ -190,7 +237,7 @@ def test_wide_registers_only_in_isa_code():
         if line.endswith(">:"):
             fn = line
         elif "%ymm" in line or "%zmm" in line:
-            if not any(ns in fn for ns in ("avx512::", "avx512vbmi::", "avx512amx::", "avx2::")):
+            if not any(ns in fn for ns in ("avx512::", "avx512vbmi::", "avx512bf16::", "avx512amx::", "avx2::")):
                 leaks.add(fn)
             if "%zmm" in line and "avx2::" in fn:
                 zmm_in_avx2.add(fn)

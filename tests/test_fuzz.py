@@ -59,7 +59,7 @@ SECONDS = float(os.environ.get("KVKERNELS_FUZZ_SECONDS", "0"))
 TIMED_OPS = [op for op in os.environ.get("KVKERNELS_FUZZ_OPS", ",".join(OPS)).split(",") if op]
 CALL_TIMEOUT = float(os.environ.get("KVKERNELS_FUZZ_CALL_TIMEOUT", "120"))
 # KVKERNELS_CPU_ISA of each call; "best" (and a path this CPU lacks) leaves the choice to the kernels.
-ISAS = ["best", "portable", "avx2", "avx512", "avx512vbmi", "avx512amx"]
+ISAS = ["best", "portable", "avx2", "avx512", "avx512vbmi", "avx512bf16", "avx512amx"]
 if os.environ.get("KVKERNELS_CPU_ISA"):  # a campaign on one path: every spec names it (so do the reproducers)
     ISAS = [os.environ["KVKERNELS_CPU_ISA"]]
 

@@ -29,7 +29,7 @@ from helpers import (FP8_DTYPES, assert_close, generator, make_paged_kv, make_pa
 from kvkernels import ops, reference
 
 NAN, INF = float("nan"), float("inf")
-ISAS = ["avx512amx", "avx512vbmi", "avx512", "avx2", "portable"]
+ISAS = ["avx512amx", "avx512bf16", "avx512vbmi", "avx512", "avx2", "portable"]
 BACKENDS = ISAS + ["cuda", "cuda_emu"]
 DEVICE = "cpu"  # where the kernels under test run (the `isa` fixture sets it)
 KERNELS = ops  # what runs them: kvkernels.ops, or (cuda_emu) EmulatedCuda

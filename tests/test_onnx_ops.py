@@ -57,7 +57,7 @@ def test_paged_attention(case):
     run_paged_attention(kv, query, qsl, op=ort_ops.paged_attention, **extra)
 
 
-@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512", "avx512vbmi", "avx512amx"])
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512", "avx512vbmi", "avx512bf16", "avx512amx"])
 @pytest.mark.parametrize("mode", ["decode", "varlen"])
 def test_paged_attention_isa_paths(isa, mode, monkeypatch):
     """Every SIMD path of the library gives the reference's answer (KVKERNELS_CPU_ISA is read by the
@@ -106,7 +106,7 @@ def test_paged_attention_causal_attribute(case, causal):
         assert torch.isneginf(lse[empty]).all()
 
 
-@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512", "avx512vbmi", "avx512amx"])
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512", "avx512vbmi", "avx512bf16", "avx512amx"])
 def test_paged_attention_noncausal_isa_paths(isa, monkeypatch):
     """causal=0 on every SIMD path of the library (decode and varlen; bf16 over e4m3 takes the AMX tiles
     where the CPU has them)."""

@@ -25,7 +25,7 @@ from kvkernels import ops, reference
 from kvkernels.metal import dispatch
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
-ISAS = ["portable", "avx2", "avx512", "avx512vbmi", "avx512amx"]  # avx512amx skips without AMX (make amx-emu-test)
+ISAS = ["portable", "avx2", "avx512", "avx512vbmi", "avx512bf16", "avx512amx"]  # avx512amx skips without AMX (make amx-emu-test)
 
 
 # ---- cases: (op, positional args, keyword args, out shape, out dtype, input tensors) -------------------

@@ -1,5 +1,5 @@
 // The attention kernel (attention_kernel.h) built for AVX-512 + VBMI + BF16 with AMX: the same
-// kernel as attention_avx512vbmi.cpp, plus the AMX form of the tile kernels (attention_amx.h,
+// kernel as attention_avx512bf16.cpp (vdpbf16ps decode), plus the AMX form of the tile kernels (attention_amx.h,
 // KVK_AMX), which runs when the plan says so (plan.tiles == kAmx: bf16 queries over bf16 / fp8
 // caches). Everything lives in namespace avx512amx; isa.cpp decides at run time whether it is
 // called (the CPU has AMX and the OS granted this process the tile state).
@@ -27,10 +27,12 @@
 
 #define KVK_ISA avx512amx
 #define KVK_AVX512_VBMI 1
+#define KVK_BF16 1
 #define KVK_AMX 1
 #include "vec_avx512.h"
 #include "attention_kernel.h"
 #undef KVK_AMX
+#undef KVK_BF16
 #undef KVK_AVX512_VBMI
 #undef KVK_ISA
 

@@ -23,19 +23,6 @@ inline void amx_configure() {
   _tile_loadconfig(&c);
 }
 
-// 32 values of a cache row as bf16 bits (exact for bf16 and fp8 rows).
-template <typename C>
-inline __m512i row_words(const C* row) {
-  return word_loader<C>().load(row, Words::mask(Words::N)).v;
-}
-
-inline float bf16_bits_to_float(bf16_bits b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 // ---- S^T = K Q^T ----
 // The keys are the A operand: 16 key rows x 32 dims, which is how a cache stores them, so a group of
 // 16 keys in consecutive slots of a bf16 block is loaded straight from the block (the tile load
@@ -191,31 +178,8 @@ inline void softmax_tile_t(const AttentionParams& p, float* st, float mul, float
   _mm512_storeu_ps(m, m_new);
 }
 
-// Packs columns [c0, c0 + w) of values [j0, j1) of a chunk as the B operands of O += P V: row kp
-// holds, for each of the w columns, the pair (v[2kp][c], v[2kp + 1][c]). Values outside [j0, j1)
-// are zero: their probability is 0, and 0 times a stale non-finite value would be NaN.
-template <typename C>
-inline void amx_pack_values(const C* const* rows, int j0, int j1, int c0, int w, bf16_bits* vp) {
-  alignas(64) static const uint16_t lo_idx[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
-                                                  37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
-                                                  11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i lo = _mm512_load_si512(lo_idx);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  for (int kp = 0; kp < kTileChunk / 2; ++kp) {
-    const int j = 2 * kp;
-    const bool va = j >= j0 && j < j1, vb = j + 1 >= j0 && j + 1 < j1;
-    bf16_bits* out = vp + size_t(kp) * 2 * w;
-    for (int c = 0; c < w; c += 32) {
-      const __m512i a = va ? row_words(rows[j] + c0 + c) : _mm512_setzero_si512();
-      const __m512i b = vb ? row_words(rows[j + 1] + c0 + c) : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + 2 * c, _mm512_permutex2var_epi16(a, lo, b));
-      _mm512_storeu_si512(out + 2 * c + 32, _mm512_permutex2var_epi16(a, hi, b));
-    }
-  }
-}
-
 // O[16, 16N] += P[16, 64] V[64, 16N] for N column tiles: acc points at the first column of the
-// row tile (row stride D), vp at the values of those columns packed by amx_pack_values (w = 16N).
+// row tile (row stride D), vp at the values of those columns packed by pack_value_pairs (w = 16N).
 template <int N>
 inline void amx_pv(float* acc, int D, const bf16_bits* P, const bf16_bits* vp) {
   static_assert(N >= 1 && N <= 4, "four accumulator tiles");
@@ -258,98 +222,15 @@ inline void amx_rescale(const TileScratch& sc, int r0, int D) {
   }
 }
 
-// Rows that do not all see the same keys of a chunk (the causal diagonal or a window's edge in
-// prefill): a key a row does not see has probability 0 for it, but the tile product still
-// multiplies that 0 by the key's value, and 0 times an inf or NaN value is NaN (docs/ops.md: keys
-// a row does not see never influence it). For such chunks the non-finite values are zeroed in the
-// packed operands (amx_zero_nonfinite) and added back afterwards by the rows that see them
-// (amx_add_nonfinite). A chunk every row sees whole (decode, MLA decode, all but the diagonal
-// chunks of prefill) skips both.
-
-// bf16 bits with an all-ones exponent: inf or NaN.
-inline __mmask32 nonfinite_words(__m512i x) {
-  const __m512i expo = _mm512_set1_epi16(0x7F80);
-  return _mm512_cmpeq_epi16_mask(_mm512_and_si512(x, expo), expo);
-}
-
-// Zeroes the non-finite values of a packed group (amx_pack_values, w columns); returns the keys
-// (bit j: key j of the chunk) that had one.
-inline uint64_t amx_zero_nonfinite(bf16_bits* vp, int w) {
-  uint64_t keys = 0;
-  for (int kp = 0; kp < kTileChunk / 2; ++kp) {
-    bf16_bits* row = vp + size_t(kp) * 2 * w;
-    for (int c = 0; c < 2 * w; c += 32) {
-      const __m512i x = _mm512_loadu_si512(row + c);
-      const __mmask32 bad = nonfinite_words(x);
-      if (!bad) continue;
-      _mm512_storeu_si512(row + c, _mm512_maskz_mov_epi16(__mmask32(~bad), x));
-      // Words alternate between key 2 kp (even words) and key 2 kp + 1 (odd words).
-      if (bad & 0x55555555u) keys |= uint64_t(1) << (2 * kp);
-      if (bad & 0xAAAAAAAAu) keys |= uint64_t(1) << (2 * kp + 1);
-    }
-  }
-  return keys;
-}
-
-// acc[r][c] += P[r][j] v[j][c] for the non-finite values v[j][c] of the keys in `keys`, columns
-// [c0, c0 + w), for every real row r of a live tile that sees key j (sc.vis).
-template <typename C>
-inline void amx_add_nonfinite(const TileScratch& sc, const C* const* vals, uint64_t keys, int c0,
-                              int w, int D, const bool* live, int tiles, int rows) {
-  for (int j = 0; j < kTileChunk; ++j) {
-    if (!((keys >> j) & 1)) continue;
-    for (int c = 0; c < w; c += 32) {
-      const __m512i x = row_words(vals[j] + c0 + c);
-      uint32_t bad = nonfinite_words(x);
-      if (!bad) continue;
-      alignas(64) uint16_t words[32];
-      _mm512_store_si512(words, x);
-      for (; bad; bad &= bad - 1) {
-        const int l = __builtin_ctz(bad);
-        const float v = bf16_bits_to_float(words[l]);
-        for (int r = 0; r < kmin(rows, 16 * tiles); ++r) {
-          if (!live[r / 16] || j < sc.vis[2 * r] || j >= sc.vis[2 * r + 1]) continue;
-          sc.acc[size_t(r) * D + c0 + c + l] += bf16_bits_to_float(sc.p[size_t(r) * kTileChunk + j]) * v;
-        }
-      }
-    }
-  }
-}
-
-// O += P V for the live row tiles (rescaled before by amx_rescale), 64 value columns at a time:
-// each group of columns is packed and then multiplied while it is still in L1 (packing all 64 x
-// 512 values of an MLA chunk at once, 64 KB, went through L2). Groups alternate between two
-// buffers, so the tile loads of a group never follow right after the vector stores of its own
-// lines.
+// O += P V for the live row tiles (rescaled before by amx_rescale) on the tile unit.
 template <typename C>
 inline void amx_values(const TileScratch& sc, const C* const* vals, int j0, int j1, int D,
                        const bool* live, int tiles, int rows) {
-  // One group: kTileChunk / 2 pair rows of 2 x 64 bf16 (8 KB). Both buffers fit the value region
-  // (Dv x kTileChunk floats) whenever there is a second group (Dv > 64).
-  constexpr size_t kGroupBf16 = (kTileChunk / 2) * 2 * 64;
-  bf16_bits* const buf[2] = {sc.vp_bf16(), sc.vp_bf16() + kGroupBf16};
-  const int groups = (D + 63) / 64;  // D % 32 == 0: the last group may be 32 wide
-  bool uniform = true;  // every real row of a live tile sees exactly [j0, j1)
-  for (int r = 0; r < kmin(rows, 16 * tiles) && uniform; ++r)
-    uniform = !live[r / 16] || (sc.vis[2 * r] == j0 && sc.vis[2 * r + 1] == j1);
-  uint64_t bad[2] = {0, 0};  // keys with non-finite values in each buffer's group (not uniform)
-  amx_pack_values(vals, j0, j1, 0, kmin(64, D), buf[0]);
-  if (!uniform) bad[0] = amx_zero_nonfinite(buf[0], kmin(64, D));
-  for (int g = 0; g < groups; ++g) {
-    const int c = 64 * g;
-    if (g + 1 < groups) {
-      amx_pack_values(vals, j0, j1, c + 64, kmin(64, D - c - 64), buf[(g + 1) & 1]);
-      if (!uniform) bad[(g + 1) & 1] = amx_zero_nonfinite(buf[(g + 1) & 1], kmin(64, D - c - 64));
-    }
-    for (int t = 0; t < tiles; ++t) {
-      if (!live[t]) continue;
-      float* acc = sc.acc + size_t(16 * t) * D + c;
-      const bf16_bits* P = sc.p + size_t(16 * t) * kTileChunk;
-      if (D - c >= 64) amx_pv<4>(acc, D, P, buf[g & 1]);
-      else amx_pv<2>(acc, D, P, buf[g & 1]);
-    }
-    if (bad[g & 1]) amx_add_nonfinite(sc, vals, bad[g & 1], c, kmin(64, D - c), D, live, tiles, rows);
-  }
+  paired_values(sc, vals, j0, j1, D, live, tiles, rows,
+                [D](float* acc, const bf16_bits* P, const bf16_bits* vp, int w) {
+                  if (w == 64) amx_pv<4>(acc, D, P, vp);
+                  else amx_pv<2>(acc, D, P, vp);
+                });
 }
 
 }  // namespace kvkernels::cpu::KVK_ISA

@@ -41,6 +41,8 @@ inline T kmin(T a, T b) { return a < b ? a : b; }
 template <typename T>
 inline T kmax(T a, T b) { return a > b ? a : b; }
 
+using bf16_bits = uint16_t;
+
 struct Scratch {
   float* q;      // [max_rows, dk] queries * scale * k_scale; padding rows/columns are 0
   float* acc;    // [max_rows, dv] unnormalized output
@@ -50,6 +52,7 @@ struct Scratch {
   float* alpha;  // [max_rows] rescale of acc for the current chunk
   float* kc;     // [kChunk, dk] this head's key chunk as float (when staged)
   float* vc;     // [kChunk, dv] this head's value chunk as float
+  bf16_bits* pb;  // [max_rows, 2 kChunk] probabilities as bf16, then zeros (attention_dp.h)
 };
 
 // Scratch of head h of an item (attention_plan.h gives the sizes).
@@ -64,6 +67,7 @@ inline Scratch carve(const AttentionPlan& plan, float* base, int h) {
   s.alpha = s.d + rows;
   s.kc = s.alpha + rows;
   s.vc = s.kc + size_t(kChunk) * plan.dk;
+  s.pb = reinterpret_cast<bf16_bits*>(s.vc + size_t(kChunk) * plan.dv);
   return s;
 }
 
@@ -787,6 +791,9 @@ void attend_item(const AttentionParams& p, const AttentionPlan& plan, const Atte
 #if defined(KVK_WORDS)
 #include "attention_tiles.h"
 #endif
+#if defined(KVK_BF16)
+#include "attention_dp.h"
+#endif
 
 namespace kvkernels::cpu::KVK_ISA {
 
@@ -800,6 +807,19 @@ void attend(const AttentionParams& p, const AttentionPlan& plan, const Attention
     if (plan.tiles != TileKernel::kNone) {
       attend_tiles<Q, C>(p, plan, items, begin, end, scratch, part);
       return;
+    }
+#endif
+#if defined(KVK_BF16)
+    if constexpr (std::is_same_v<Q, c10::BFloat16> && kWordRows<C>) {
+      if (plan.dp) {
+        for (int64_t i = begin; i < end; ++i) {
+          const size_t row0 = size_t(i) * item_rows;
+          const bool split = plan.splits > 1;
+          attend_item_dp<C>(p, plan, items[i], scratch, split ? part.acc + row0 * plan.dv : nullptr,
+                            split ? part.m + row0 : nullptr, split ? part.d + row0 : nullptr);
+        }
+        return;
+      }
     }
 #endif
     for (int64_t i = begin; i < end; ++i) {

@@ -26,8 +26,8 @@ constexpr int kTileChunk = 64;
 constexpr int kTileRows = 256;
 
 // How an item is computed: the vector kernel (attention_kernel.h), or tiles of 16 rows x 64 keys
-// (attention_tiles.h) multiplied with AVX-512 FMAs or on AMX.
-enum class TileKernel : int { kNone, kFma, kAmx };
+// (attention_tiles.h) multiplied with AVX-512 FMAs, with vdpbf16ps (AVX512_BF16) or on AMX.
+enum class TileKernel : int { kNone, kFma, kDp, kAmx };
 
 struct AttentionPlan {
   int group = 1;       // query heads per kv head
@@ -37,12 +37,16 @@ struct AttentionPlan {
   int dk = 0, dv = 0;  // head_dim, head_dim_v rounded up to 32 (scratch row widths)
   int splits = 1;      // KV ranges per (sequence, query tile, kv head)
   TileKernel tiles = TileKernel::kNone;  // not kNone: heads == 1, max_rows % 16 == 0
+  // The vector kernel's vdpbf16ps form (attention_dp.h: bf16 queries over fp8 caches on avx512bf16
+  // and avx512amx); dk and dv are then multiples of 64.
+  bool dp = false;
 };
 
 // Per-thread scratch (floats): for each kv head of an item, queries, accumulators, logits and
-// softmax state of max_rows rows, and its key and value chunk converted to float32.
+// softmax state of max_rows rows, its key and value chunk converted to float32, and the
+// probabilities as bf16 (2 kChunk per row, the dp form).
 inline size_t attention_head_scratch_floats(const AttentionPlan& plan) {
-  return size_t(plan.max_rows) * (plan.dk + plan.dv + kChunk + 3) +
+  return size_t(plan.max_rows) * (plan.dk + plan.dv + 2 * kChunk + 3) +
          size_t(kChunk) * (plan.dk + plan.dv);
 }
 inline size_t attention_scratch_floats(const AttentionPlan& plan) {
@@ -84,6 +88,7 @@ extern const AttentionKernels kAttentionPortable;
 extern const AttentionKernels kAttentionAvx2;
 extern const AttentionKernels kAttentionAvx512;
 extern const AttentionKernels kAttentionAvx512Vbmi;
+extern const AttentionKernels kAttentionAvx512Bf16;
 extern const AttentionKernels kAttentionAvx512Amx;
 #endif
 

@@ -17,9 +17,14 @@
 
 namespace kvkernels::cpu {
 
-inline const AttentionKernels& kernels_for(Isa isa) {
+// The avx512bf16 build differs from the avx512vbmi one only in its dp forms; a call that uses neither
+// runs the avx512vbmi build's code (the same source compiled under other target flags was measured
+// slower there: float32 decode 1.18-1.31x the CPU time, benchmarks/results/isa-ab-*-20261128-202651).
+inline const AttentionKernels& kernels_for(Isa isa, const AttentionPlan& plan) {
 #if defined(__x86_64__)
   if (isa == Isa::kAvx512Amx) return kAttentionAvx512Amx;
+  if (isa == Isa::kAvx512Bf16)
+    return plan.dp || plan.tiles == TileKernel::kDp ? kAttentionAvx512Bf16 : kAttentionAvx512Vbmi;
   if (isa == Isa::kAvx512Vbmi) return kAttentionAvx512Vbmi;
   if (isa == Isa::kAvx512) return kAttentionAvx512;
   if (isa == Isa::kAvx2) return kAttentionAvx2;
@@ -29,25 +34,29 @@ inline const AttentionKernels& kernels_for(Isa isa) {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// bf16 queries over bf16 or fp8 caches on a CPU with AVX512_BF16: the logits and P V run as
+// vdpbf16ps dot products (bf16 x bf16 products are exact in float32; fp8 -> bf16 is exact).
+inline bool dp_formats(const AttentionParams& p, Isa isa) {
+  const CacheFormat f = p.kv.format;
+  return isa >= Isa::kAvx512Bf16 && p.q_format == FloatFormat::kBFloat16 &&
+         (f == CacheFormat::kBFloat16 || f == CacheFormat::kFp8E4M3 || f == CacheFormat::kFp8E5M2);
+}
+
 // The tile kernels (attention_tiles.h) run on AVX-512 builds for calls with at least one tile of
 // 16 rows per kv head: prefill, and MLA decode (16+ query heads over one latent head). GQA decode
 // stays on the vector kernel, which reads each block once for several kv heads. Key and value rows
 // must be whole vectors (multiples of 16 wide); their widths may differ (the kernels size keys and
-// values separately), except that for MLA the value is a prefix of the key row. The AMX form
-// further needs bf16 queries over bf16 or fp8 caches (both exact as bf16 tile operands) and widths
-// that are multiples of 32 (tile rows).
+// values separately), except that for MLA the value is a prefix of the key row. The dp (vdpbf16ps)
+// and AMX forms further need bf16 queries over bf16 or fp8 caches (both exact as bf16 operands)
+// and widths that are multiples of 32 (tile rows, bf16 pairs); AMX where the CPU has it.
 inline TileKernel tile_kernel(const AttentionParams& p, Isa isa, int64_t max_q_len, int group) {
   const int Dk = p.kv.head_dim, Dv = p.kv.head_dim_v;
   const bool v_fits = p.kv.k != p.kv.v || Dv <= Dk;
   if (isa < Isa::kAvx512 || max_q_len * group < 16 || group > kTileRows || !v_fits ||
       Dk % 16 != 0 || Dv % 16 != 0 || Dk > 1024)
     return TileKernel::kNone;
-  const CacheFormat f = p.kv.format;
-  const bool amx = isa == Isa::kAvx512Amx && p.q_format == FloatFormat::kBFloat16 &&
-                   Dk % 32 == 0 && Dv % 32 == 0 &&
-                   (f == CacheFormat::kBFloat16 || f == CacheFormat::kFp8E4M3 ||
-                    f == CacheFormat::kFp8E5M2);
-  return amx ? TileKernel::kAmx : TileKernel::kFma;
+  if (!dp_formats(p, isa) || Dk % 32 != 0 || Dv % 32 != 0) return TileKernel::kFma;
+  return isa == Isa::kAvx512Amx ? TileKernel::kAmx : TileKernel::kDp;
 }
 
 // Query tiles hold up to 64 rows (queries x group heads) so a chunk of keys is reused by many
@@ -69,8 +78,14 @@ inline AttentionPlan make_plan(const AttentionParams& p, Isa isa, int64_t max_q_
   plan.heads = std::clamp(64 / plan.max_rows, 1, std::min(p.kv.num_kv_heads, 16));
   // In HND-like layouts a head's rows of a block are already one contiguous run: no grouping.
   if (p.kv.k_stride_head > p.kv.k_stride_slot) plan.heads = 1;
-  plan.dk = int(round_up(p.kv.head_dim, 32));  // whole Words (32 bf16) and Vecs
-  plan.dv = int(round_up(p.kv.head_dim_v, 32));
+  // The vector kernel's dp form for fp8 caches only: over bf16 caches it computes in 0.69x the CPU
+  // time of the float form when the cache is resident, but took 1.04-1.10x at b8 x 4096 / b1 x 16384
+  // from DRAM (one thread, CPU clock: benchmarks/results/isa-ab-*-20261128-202651), where both are
+  // bound by the read bandwidth; fp8 rows were compute-bound there (0.65x).
+  plan.dp = dp_formats(p, isa) && p.kv.format != CacheFormat::kBFloat16;
+  // Whole Words (32 bf16) and Vecs; the dp form reads rows 64 values at a time.
+  plan.dk = int(round_up(p.kv.head_dim, plan.dp ? 64 : 32));
+  plan.dv = int(round_up(p.kv.head_dim_v, plan.dp ? 64 : 32));
   return plan;
 }
 
@@ -107,7 +122,6 @@ inline float* thread_scratch(int slot, size_t n) {
 template <typename Host>
 void run_attention_on(const AttentionParams& p, const Host& host) {
   const Isa isa = active_isa();
-  const AttentionKernels& kernels = kernels_for(isa);
 
   int64_t max_q_len = 0, max_seq_len = 0;
   for (int64_t s = 0; s < p.kv.num_seqs; ++s) {
@@ -115,6 +129,7 @@ void run_attention_on(const AttentionParams& p, const Host& host) {
     max_seq_len = std::max<int64_t>(max_seq_len, p.kv.seq_lens[s]);
   }
   AttentionPlan plan = make_plan(p, isa, max_q_len);
+  const AttentionKernels& kernels = kernels_for(isa, plan);
   std::vector<AttentionItem> items;
   for (int64_t s = 0; s < p.kv.num_seqs; ++s)
     for (int64_t q0 = 0; q0 < p.q_len(s); q0 += plan.q_tile)

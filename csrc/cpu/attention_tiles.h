@@ -20,11 +20,12 @@
 // and rescale exps once per 64 keys for 16 rows together.
 //
 // The FMA form serves every query and cache type on AVX-512; the AMX form (attention_amx.h)
-// serves bf16 queries over bf16 / fp8 caches on CPUs with AMX.
+// serves bf16 queries over bf16 / fp8 caches on CPUs with AMX, and the dp form the same calls on
+// CPUs with AVX512_BF16 but no AMX (avx512bf16: Zen 4): the FMA form's loops with vdpbf16ps, two
+// multiply-adds per lane and instruction, on keys packed as transposed dimension pairs and values
+// packed as key pairs (the AMX form's B operands), with probabilities rounded to bf16 as on AMX.
 
 namespace kvkernels::cpu::KVK_ISA {
-
-using bf16_bits = uint16_t;
 
 // The per-thread scratch of a tile item, carved from attention_scratch_floats(plan) floats with
 // every region on a 64-byte boundary.
@@ -298,6 +299,244 @@ inline void fma_values(const TileScratch& sc, int r0, int rows, int D, const flo
   }
 }
 
+#if defined(KVK_BF16)
+// acc + a . b over the 16 bf16 pairs of each float lane (vdpbf16ps).
+inline Vec dpbf16(Vec acc, __m512i a, __m512i b) {
+  return {_mm512_dpbf16_ps(acc.v, (__m512bh)a, (__m512bh)b)};
+}
+
+// ---- bf16 pairs: what the AMX and the dp (vdpbf16ps) forms share ----
+// Both multiply bf16 pairs along the reduction dimension: for P V, (v_2kp[c], v_2kp+1[c]) by
+// (p_2kp, p_2kp+1), with the probabilities rounded to bf16 as SDPA's flash kernels do.
+
+// 32 values of a cache row as bf16 bits (exact for bf16 and fp8 rows).
+template <typename C>
+inline __m512i row_words(const C* row) {
+  return word_loader<C>().load(row, Words::mask(Words::N)).v;
+}
+
+inline float bf16_bits_to_float(bf16_bits b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Packs columns [c0, c0 + w) of values [j0, j1) of a chunk as bf16 pairs for O += P V (AMX B operands, vdpbf16ps operands): row kp
+// holds, for each of the w columns, the pair (v[2kp][c], v[2kp + 1][c]). Values outside [j0, j1)
+// are zero: their probability is 0, and 0 times a stale non-finite value would be NaN.
+template <typename C>
+inline void pack_value_pairs(const C* const* rows, int j0, int j1, int c0, int w, bf16_bits* vp) {
+  alignas(64) static const uint16_t lo_idx[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                  37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                  11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(lo_idx);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int kp = 0; kp < kTileChunk / 2; ++kp) {
+    const int j = 2 * kp;
+    const bool va = j >= j0 && j < j1, vb = j + 1 >= j0 && j + 1 < j1;
+    bf16_bits* out = vp + size_t(kp) * 2 * w;
+    for (int c = 0; c < w; c += 32) {
+      const __m512i a = va ? row_words(rows[j] + c0 + c) : _mm512_setzero_si512();
+      const __m512i b = vb ? row_words(rows[j + 1] + c0 + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + 2 * c, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(out + 2 * c + 32, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+// Rows that do not all see the same keys of a chunk (the causal diagonal or a window's edge in
+// prefill): a key a row does not see has probability 0 for it, but the pair product (tile or
+// vdpbf16ps) still multiplies that 0 by the key's value, and 0 times an inf or NaN value is NaN (docs/ops.md: keys
+// a row does not see never influence it). For such chunks the non-finite values are zeroed in the
+// packed operands (zero_nonfinite_pairs) and added back afterwards by the rows that see them
+// (add_nonfinite_pairs). A chunk every row sees whole (decode, MLA decode, all but the diagonal
+// chunks of prefill) skips both.
+
+// bf16 bits with an all-ones exponent: inf or NaN.
+inline __mmask32 nonfinite_words(__m512i x) {
+  const __m512i expo = _mm512_set1_epi16(0x7F80);
+  return _mm512_cmpeq_epi16_mask(_mm512_and_si512(x, expo), expo);
+}
+
+// Zeroes the non-finite values of a packed group (pack_value_pairs, w columns); returns the keys
+// (bit j: key j of the chunk) that had one.
+inline uint64_t zero_nonfinite_pairs(bf16_bits* vp, int w) {
+  uint64_t keys = 0;
+  for (int kp = 0; kp < kTileChunk / 2; ++kp) {
+    bf16_bits* row = vp + size_t(kp) * 2 * w;
+    for (int c = 0; c < 2 * w; c += 32) {
+      const __m512i x = _mm512_loadu_si512(row + c);
+      const __mmask32 bad = nonfinite_words(x);
+      if (!bad) continue;
+      _mm512_storeu_si512(row + c, _mm512_maskz_mov_epi16(__mmask32(~bad), x));
+      // Words alternate between key 2 kp (even words) and key 2 kp + 1 (odd words).
+      if (bad & 0x55555555u) keys |= uint64_t(1) << (2 * kp);
+      if (bad & 0xAAAAAAAAu) keys |= uint64_t(1) << (2 * kp + 1);
+    }
+  }
+  return keys;
+}
+
+// acc[r][c] += P[r][j] v[j][c] for the non-finite values v[j][c] of the keys in `keys`, columns
+// [c0, c0 + w), for every real row r of a live tile that sees key j (sc.vis).
+template <typename C>
+inline void add_nonfinite_pairs(const TileScratch& sc, const C* const* vals, uint64_t keys, int c0,
+                              int w, int D, const bool* live, int tiles, int rows) {
+  for (int j = 0; j < kTileChunk; ++j) {
+    if (!((keys >> j) & 1)) continue;
+    for (int c = 0; c < w; c += 32) {
+      const __m512i x = row_words(vals[j] + c0 + c);
+      uint32_t bad = nonfinite_words(x);
+      if (!bad) continue;
+      alignas(64) uint16_t words[32];
+      _mm512_store_si512(words, x);
+      for (; bad; bad &= bad - 1) {
+        const int l = __builtin_ctz(bad);
+        const float v = bf16_bits_to_float(words[l]);
+        for (int r = 0; r < kmin(rows, 16 * tiles); ++r) {
+          if (!live[r / 16] || j < sc.vis[2 * r] || j >= sc.vis[2 * r + 1]) continue;
+          sc.acc[size_t(r) * D + c0 + c + l] += bf16_bits_to_float(sc.p[size_t(r) * kTileChunk + j]) * v;
+        }
+      }
+    }
+  }
+}
+
+// O += P V for the live row tiles, 64 value columns at a time: each group of columns is packed
+// (pack_value_pairs) and then multiplied, by mult(acc, P, packed, w) for each live row tile (acc:
+// its first row at the group's first column, P: its bf16 probabilities), while it is still in L1
+// (packing all 64 x 512 values of an MLA chunk at once, 64 KB, went through L2). Groups alternate
+// between two buffers, so the tile loads of a group never follow right after the vector stores of
+// its own lines.
+template <typename C, typename Mult>
+inline void paired_values(const TileScratch& sc, const C* const* vals, int j0, int j1, int D,
+                          const bool* live, int tiles, int rows, Mult mult) {
+  // One group: kTileChunk / 2 pair rows of 2 x 64 bf16 (8 KB). Both buffers fit the value region
+  // (Dv x kTileChunk floats) whenever there is a second group (Dv > 64).
+  constexpr size_t kGroupBf16 = (kTileChunk / 2) * 2 * 64;
+  bf16_bits* const buf[2] = {sc.vp_bf16(), sc.vp_bf16() + kGroupBf16};
+  const int groups = (D + 63) / 64;  // D % 32 == 0: the last group may be 32 wide
+  bool uniform = true;  // every real row of a live tile sees exactly [j0, j1)
+  for (int r = 0; r < kmin(rows, 16 * tiles) && uniform; ++r)
+    uniform = !live[r / 16] || (sc.vis[2 * r] == j0 && sc.vis[2 * r + 1] == j1);
+  uint64_t bad[2] = {0, 0};  // keys with non-finite values in each buffer's group (not uniform)
+  pack_value_pairs(vals, j0, j1, 0, kmin(64, D), buf[0]);
+  if (!uniform) bad[0] = zero_nonfinite_pairs(buf[0], kmin(64, D));
+  for (int g = 0; g < groups; ++g) {
+    const int c = 64 * g;
+    if (g + 1 < groups) {
+      pack_value_pairs(vals, j0, j1, c + 64, kmin(64, D - c - 64), buf[(g + 1) & 1]);
+      if (!uniform) bad[(g + 1) & 1] = zero_nonfinite_pairs(buf[(g + 1) & 1], kmin(64, D - c - 64));
+    }
+    for (int t = 0; t < tiles; ++t) {
+      if (!live[t]) continue;
+      mult(sc.acc + size_t(16 * t) * D + c, sc.p + size_t(16 * t) * kTileChunk, buf[g & 1], kmin(64, D - c));
+    }
+    if (bad[g & 1]) add_nonfinite_pairs(sc, vals, bad[g & 1], c, kmin(64, D - c), D, live, tiles, rows);
+  }
+}
+
+// ---- dp form: vdpbf16ps tiles (avx512bf16; the FMA form's loops at two multiply-adds per lane) ----
+
+// Keys [j0, j1) of a chunk as bf16 dimension pairs transposed: kt[dp * kTileChunk + key] holds
+// dims 2dp and 2dp + 1 of the key (32 bits), zero outside [j0, j1). Per 16 keys x 32 dims one
+// 16 x 16 transpose of dwords.
+template <typename C>
+inline void dp_pack_keys(const C* const* rows, int j0, int j1, int D, uint32_t* kt) {
+  for (int kb = 0; kb < kTileChunk / 16; ++kb) {
+    if (kb * 16 + 16 <= j0 || kb * 16 >= j1) {  // no key of this group: zeros
+      for (int dp = 0; dp < D / 2; ++dp)
+        _mm512_storeu_si512(kt + size_t(dp) * kTileChunk + kb * 16, _mm512_setzero_si512());
+      continue;
+    }
+    for (int db = 0; db < D / 32; ++db) {
+      __m512i r[16];
+      for (int n = 0; n < 16; ++n) {
+        const int j = kb * 16 + n;
+        r[n] = j >= j0 && j < j1 ? row_words(rows[j] + db * 32) : _mm512_setzero_si512();
+      }
+      transpose16_epi32(r);
+      for (int i = 0; i < 16; ++i)
+        _mm512_storeu_si512(kt + size_t(db * 16 + i) * kTileChunk + kb * 16, r[i]);
+    }
+  }
+}
+
+// S[16, 64] = Q[16, D] K^T (unscaled): 4 rows x 64 keys in 16 registers while the dim pairs
+// stream through (per pair: 4 key vectors, 4 broadcast query pairs, 16 vdpbf16ps).
+inline void dp_logits(const bf16_bits* q, int D, const uint32_t* kt, float* s) {
+  for (int r = 0; r < 16; r += 4) {
+    Vec a[4][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+      for (int x = 0; x < 4; ++x) a[i][x] = Vec::zero();
+    const bf16_bits* qr = q + size_t(r) * D;
+    for (int dp = 0; dp < D / 2; ++dp) {
+      const uint32_t* k = kt + size_t(dp) * kTileChunk;
+      const __m512i k0 = _mm512_loadu_si512(k), k1 = _mm512_loadu_si512(k + 16),
+                    k2 = _mm512_loadu_si512(k + 32), k3 = _mm512_loadu_si512(k + 48);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        uint32_t u;
+        std::memcpy(&u, qr + size_t(i) * D + 2 * dp, sizeof u);
+        const __m512i qb = _mm512_set1_epi32(int(u));
+        a[i][0] = dpbf16(a[i][0], qb, k0), a[i][1] = dpbf16(a[i][1], qb, k1);
+        a[i][2] = dpbf16(a[i][2], qb, k2), a[i][3] = dpbf16(a[i][3], qb, k3);
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+      for (int x = 0; x < 4; ++x) a[i][x].store(s + (r + i) * kTileChunk + x * 16);
+  }
+}
+
+// The probabilities of a row tile (softmax_tile's float rows) as bf16 rows for P V.
+inline void dp_probs_bf16(const float* s, bf16_bits* P) {
+  for (int i = 0; i < 16; ++i)
+    for (int x = 0; x < kTileChunk; x += 32) {
+      const __m512bh pb = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + i * kTileChunk + x + 16),
+                                              _mm512_loadu_ps(s + i * kTileChunk + x));
+      _mm512_storeu_si512(P + i * kTileChunk + x, (__m512i)pb);
+    }
+}
+
+// O[16, W] = alpha O + P[16, 64] V[64, W] for one row tile and W = 16 N columns (N <= 4) packed by
+// pack_value_pairs: 4 rows x W columns in registers while the 32 key pairs stream through.
+template <int N>
+inline void dp_pv_tile(float* acc, int D, const bf16_bits* P, const float* alpha, const bf16_bits* vp) {
+  constexpr int row = 32 * N;  // bf16 per packed pair row
+  for (int r = 0; r < 16; r += 4) {
+    Vec a[4][N];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const Vec al = Vec::set1(alpha[r + i]);
+#pragma GCC unroll 4
+      for (int x = 0; x < N; ++x) a[i][x] = Vec::load(acc + size_t(r + i) * D + 16 * x) * al;
+    }
+    for (int kp = 0; kp < kTileChunk / 2; ++kp) {
+      __m512i v[N];
+#pragma GCC unroll 4
+      for (int x = 0; x < N; ++x) v[x] = _mm512_loadu_si512(vp + size_t(kp) * row + 32 * x);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        uint32_t u;
+        std::memcpy(&u, P + size_t(r + i) * kTileChunk + 2 * kp, sizeof u);
+        const __m512i pp = _mm512_set1_epi32(int(u));
+#pragma GCC unroll 4
+        for (int x = 0; x < N; ++x) a[i][x] = dpbf16(a[i][x], pp, v[x]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+      for (int x = 0; x < N; ++x) a[i][x].store(acc + size_t(r + i) * D + 16 * x);
+  }
+}
+#endif  // KVK_BF16
+
 }  // namespace kvkernels::cpu::KVK_ISA
 
 #if defined(KVK_AMX)
@@ -309,7 +548,7 @@ namespace kvkernels::cpu::KVK_ISA {
 // One item on tiles (plan.tiles: one kv head per item; head_dim and head_dim_v multiples of 16, of
 // 32 on AMX, whose tile configuration the caller loads; equal, or for MLA the value is a prefix of
 // the key row).
-template <typename Q, typename C, bool kAmx>
+template <typename Q, typename C, TileKernel kMode>
 void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, const AttentionItem& it,
                        float* scratch, float* part_acc, float* part_m, float* part_d) {
   const paged_kv_t& kv = p.kv;
@@ -320,12 +559,14 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
   const RowMap map{p.q_begin(it.seq) + it.q0, seq_len - p.q_len(it.seq) + it.q0, G,
                    it.kv_head * G};
   const TileScratch sc(plan, scratch);
+  constexpr bool kAmx = kMode == TileKernel::kAmx, kDp = kMode == TileKernel::kDp;
+  constexpr bool kBf16 = kAmx || kDp;  // bf16 queries and pairs
 
   for (int r = 0; r < rows16; ++r) {
     const Q* src = r < rows ? static_cast<const Q*>(p.q) + map.token(r) * p.q_stride_token +
                                   map.head(r) * p.q_stride_head
                             : nullptr;
-    if constexpr (kAmx) {  // bf16 as it is
+    if constexpr (kBf16) {  // bf16 as it is
       bf16_bits* q = sc.q_bf16() + size_t(r) * Dk;
       if (src) std::memcpy(q, src, size_t(Dk) * sizeof(bf16_bits));
       else std::memset(q, 0, size_t(Dk) * sizeof(bf16_bits));
@@ -377,7 +618,10 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
     KeyTiles kt;
     if constexpr (kAmx) kt = amx_key_tiles(keys, j0, j1, Dk, sc.kp_bf16());
 #endif
-    if constexpr (!kAmx) {
+#if defined(KVK_BF16)
+    if constexpr (kDp) dp_pack_keys(keys, j0, j1, Dk, reinterpret_cast<uint32_t*>(sc.kp));
+#endif
+    if constexpr (!kBf16) {
       fma_pack_keys(keys, j0, j1, Dk, sc.kp);
       fma_pack_values(vals, j0, j1, Dv, sc.vp, fvals);
     }
@@ -406,6 +650,11 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
         return amx_logits(kt, sc.qt_bf16(plan) + size_t(r0 / 16) * (Dk / 32) * 512, Dk, s);
       }
 #endif
+#if defined(KVK_BF16)
+      if constexpr (kDp) {
+        return dp_logits(sc.q_bf16() + size_t(r0) * Dk, Dk, reinterpret_cast<const uint32_t*>(sc.kp), s);
+      }
+#endif
       fma_logits(sc.q + size_t(r0) * Dk, Dk, sc.kp, s);
     });
     const int per_tile = (pf.total() + live_tiles - 1) / kmax(live_tiles, 1);
@@ -422,11 +671,25 @@ void attend_item_tiles(const AttentionParams& p, const AttentionPlan& plan, cons
       }
 #endif
       softmax_tile(p, s, mul, m, d, alpha, a, b, map, r0, cs);
+#if defined(KVK_BF16)
+      if constexpr (kDp) dp_probs_bf16(s, sc.p + size_t(r0) * kTileChunk);
+#endif
     });
 #if defined(KVK_AMX)
     if constexpr (kAmx) amx_values(sc, vals, j0, j1, Dv, live, tiles, rows);
 #endif
-    if constexpr (!kAmx)
+#if defined(KVK_BF16)
+    if constexpr (kDp) {
+      const float* alpha = sc.alpha;
+      paired_values(sc, vals, j0, j1, Dv, live, tiles, rows,
+                    [&](float* acc, const bf16_bits* P, const bf16_bits* vp, int w) {
+                      const int r0 = int((P - sc.p) / kTileChunk);
+                      if (w == 64) dp_pv_tile<4>(acc, Dv, P, alpha + r0, vp);
+                      else dp_pv_tile<2>(acc, Dv, P, alpha + r0, vp);
+                    });
+    }
+#endif
+    if constexpr (!kBf16)
       each_live_tile([&](int r0) { fma_values(sc, r0, rows, Dv, fvals, j0, j1, mk.v); });
   }
   store_rows<Q>(p, plan, map, it.seq, it.kv_head, 0, rows, sc.acc, sc.m, sc.d, part_acc, part_m, part_d);
@@ -436,26 +699,29 @@ template <typename Q, typename C>
 void attend_tiles(const AttentionParams& p, const AttentionPlan& plan, const AttentionItem* items,
                   int64_t begin, int64_t end, float* scratch, const AttentionPartials& part) {
   const size_t item_rows = size_t(plan.heads) * plan.max_rows;
-  auto run = [&](auto amx) {
+  auto run = [&](auto mode) {
     for (int64_t i = begin; i < end; ++i) {
       const size_t row0 = size_t(i) * item_rows;
       const bool split = plan.splits > 1;
-      attend_item_tiles<Q, C, decltype(amx)::value>(
+      attend_item_tiles<Q, C, decltype(mode)::value>(
           p, plan, items[i], scratch, split ? part.acc + row0 * plan.dv : nullptr,
           split ? part.m + row0 : nullptr, split ? part.d + row0 : nullptr);
     }
   };
-#if defined(KVK_AMX)
+#if defined(KVK_BF16)
   if constexpr (std::is_same_v<Q, c10::BFloat16> && kWordRows<C>) {
+#if defined(KVK_AMX)
     if (plan.tiles == TileKernel::kAmx) {
       amx_configure();
-      run(std::true_type{});
+      run(std::integral_constant<TileKernel, TileKernel::kAmx>{});
       _tile_release();
       return;
     }
+#endif
+    if (plan.tiles == TileKernel::kDp) return run(std::integral_constant<TileKernel, TileKernel::kDp>{});
   }
 #endif
-  run(std::false_type{});
+  run(std::integral_constant<TileKernel, TileKernel::kFma>{});
 }
 
 }  // namespace kvkernels::cpu::KVK_ISA

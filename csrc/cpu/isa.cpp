@@ -40,6 +40,7 @@ const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::kAvx512Amx: return "avx512amx";
     case Isa::kAvx512Vbmi: return "avx512vbmi";
+    case Isa::kAvx512Bf16: return "avx512bf16";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
     case Isa::kPortable: return "portable";
@@ -59,7 +60,9 @@ bool isa_supported(Isa isa) {
   if (isa == Isa::kAvx512) return avx512;
   const bool vbmi = avx512 && __builtin_cpu_supports("avx512vbmi");
   if (isa == Isa::kAvx512Vbmi) return vbmi;
-  return vbmi && __builtin_cpu_supports("avx512bf16") && amx_granted();
+  const bool bf16 = vbmi && __builtin_cpu_supports("avx512bf16");
+  if (isa == Isa::kAvx512Bf16) return bf16;
+  return bf16 && amx_granted();
 #else
   return false;
 #endif
@@ -68,11 +71,12 @@ bool isa_supported(Isa isa) {
 Isa active_isa() {
   const char* forced = std::getenv("KVKERNELS_CPU_ISA");
   if (forced == nullptr || forced[0] == '\0') {
-    for (Isa isa : {Isa::kAvx512Amx, Isa::kAvx512Vbmi, Isa::kAvx512, Isa::kAvx2})
+    for (Isa isa : {Isa::kAvx512Amx, Isa::kAvx512Bf16, Isa::kAvx512Vbmi, Isa::kAvx512, Isa::kAvx2})
       if (isa_supported(isa)) return isa;
     return Isa::kPortable;
   }
-  for (Isa isa : {Isa::kAvx512Amx, Isa::kAvx512Vbmi, Isa::kAvx512, Isa::kAvx2, Isa::kPortable}) {
+  for (Isa isa : {Isa::kAvx512Amx, Isa::kAvx512Bf16, Isa::kAvx512Vbmi, Isa::kAvx512, Isa::kAvx2,
+                  Isa::kPortable}) {
     if (std::strcmp(forced, isa_name(isa)) != 0) continue;
     if (!isa_supported(isa))
       throw std::runtime_error(std::string("kvkernels: KVKERNELS_CPU_ISA=") + forced +
@@ -80,7 +84,7 @@ Isa active_isa() {
     return isa;
   }
   throw std::runtime_error(std::string("kvkernels: KVKERNELS_CPU_ISA=") + forced +
-                           ": expected one of avx512amx, avx512vbmi, avx512, avx2, portable");
+                           ": expected one of avx512amx, avx512bf16, avx512vbmi, avx512, avx2, portable");
 }
 
 }  // namespace kvkernels::cpu

@@ -8,8 +8,8 @@ namespace kvkernels::cpu {
 const RowKernels& row_kernels() {
   const Isa isa = active_isa();
 #if defined(__x86_64__)
-  // The VBMI path only changes the attention kernel's fp8 reads; the rows use plain AVX-512.
-  if (isa == Isa::kAvx512 || isa == Isa::kAvx512Vbmi || isa == Isa::kAvx512Amx) return kRowsAvx512;
+  // The VBMI, BF16 and AMX paths only change the attention kernels; the rows use plain AVX-512.
+  if (isa >= Isa::kAvx512) return kRowsAvx512;
   if (isa == Isa::kAvx2) return kRowsAvx2;
 #endif
   (void)isa;

@@ -97,7 +97,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "paged_attention kernel slows down when exp() underflows into denormals)")
     p.add_argument("--generate-cases", type=_csv(str, ("greedy", "beam")), default=["greedy", "beam"],
                    help="generate suite: comma-separated subset of greedy,beam")
-    p.add_argument("--isa", choices=("avx512amx", "avx512vbmi", "avx512", "avx2", "portable"),
+    p.add_argument("--isa", choices=("avx512amx", "avx512bf16", "avx512vbmi", "avx512", "avx2", "portable"),
                    help="sets KVKERNELS_CPU_ISA for the kernels' runtime dispatch")
     return p.parse_args(argv)
 
