@@ -141,7 +141,7 @@ $(VLLM_VENV)/.kvkernels: $(VLLM_VENV)/.ready pyproject.toml
 	touch $@
 
 build-vllm/.built: $(VLLM_VENV)/.kvkernels $(SOURCES)
-	MAX_JOBS=$${MAX_JOBS:-2} $(VLLM_PY) setup.py -q build_ext --inplace --build-temp build-vllm/temp
+	KVKERNELS_NO_JAX=1 MAX_JOBS=$${MAX_JOBS:-2} $(VLLM_PY) setup.py -q build_ext --inplace --build-temp build-vllm/temp
 	touch $@
 
 test-vllm: build-vllm/.built
