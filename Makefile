@@ -40,8 +40,9 @@ $(VENV)/.ready: $(LOCK) requirements/dev.txt
 
 # In-place build; ninja keeps it incremental. --no-build-isolation semantics: compile against the
 # torch in the venv (an isolated build would download another torch).
+# KVKERNELS_NO_JAX=1: the JAX libraries are the jax / jax-cpu targets' (make demo needs none).
 kvkernels/.built: $(VENV)/.ready $(SOURCES)
-	MAX_JOBS=$${MAX_JOBS:-2} $(PY) setup.py -q build_ext --inplace
+	KVKERNELS_NO_JAX=1 MAX_JOBS=$${MAX_JOBS:-2} $(PY) setup.py -q build_ext --inplace
 	touch $@
 
 build: kvkernels/.built
@@ -140,7 +141,7 @@ $(VLLM_VENV)/.kvkernels: $(VLLM_VENV)/.ready pyproject.toml
 	touch $@
 
 build-vllm/.built: $(VLLM_VENV)/.kvkernels $(SOURCES)
-	MAX_JOBS=$${MAX_JOBS:-2} $(VLLM_PY) setup.py -q build_ext --inplace --build-temp build-vllm/temp
+	KVKERNELS_NO_JAX=1 MAX_JOBS=$${MAX_JOBS:-2} $(VLLM_PY) setup.py -q build_ext --inplace --build-temp build-vllm/temp
 	touch $@
 
 test-vllm: build-vllm/.built

@@ -216,8 +216,49 @@ def cxx_runtime_error(path, readelf_dynamic):
             "would crash beside torch's. Build with a compiler that links it shared (CXX=/usr/bin/g++).")
 
 
+def jax_plan(jax_installed, no_jax, sanitize_or_emu):
+    """Whether build_ext also builds kvkernels.jax's XLA FFI libraries (docs/jax.md): when jax is installed
+    (its FFI headers come from jaxlib), unless KVKERNELS_NO_JAX=1 or the build is a sanitizer / AMX-emulator
+    one (those test the torch extension alone)."""
+    return jax_installed and not no_jax and not sanitize_or_emu
+
+
+def jax_installed():
+    try:
+        import jax.ffi  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_jax_libraries(cuda):
+    """Runs scripts/build_jax.sh (what `make jax` runs; incremental, into build-jax/) with this python and
+    returns the paths of the libraries it built: the CPU one, and the CUDA one when `cuda` (the torch
+    extension's CUDA kernels are built, so nvcc is there)."""
+    env = dict(os.environ, PY=sys.executable, JAX_CUDA="1" if cuda else "0")
+    subprocess.run([os.path.join(ROOT, "scripts", "build_jax.sh")], cwd=ROOT, env=env, check=True)
+    names = ["libkvkernels_jax.so"] + (["libkvkernels_jax_cuda.so"] if cuda else [])
+    return [os.path.join(ROOT, "build-jax", n) for n in names]
+
+
 class BuildExtension(cpp_extension.BuildExtension):
-    """torch's build_ext, plus a check of the linked C++ runtime of every built extension."""
+    """torch's build_ext, plus a check of the linked C++ runtime of every built extension, plus
+    kvkernels.jax's libraries when jax is installed (`jax_plan`). In place (a checkout, `pip install -e`)
+    they stay in build-jax/, where kvkernels.jax looks in a checkout; in a wheel / `pip install .` they
+    go inside the package (kvkernels/jax/), where it looks first."""
+
+    def run(self):
+        super().run()
+        if not jax_plan(jax_installed(), os.environ.get("KVKERNELS_NO_JAX") == "1", SANITIZE or AMX_EMU):
+            return
+        cuda = any(isinstance(e, setuptools.Extension) and any(s.endswith(".cu") for s in e.sources)
+                   for e in self.extensions)
+        libraries = build_jax_libraries(cuda)
+        if not self.inplace:
+            target = os.path.join(self.build_lib, "kvkernels", "jax")
+            os.makedirs(target, exist_ok=True)
+            for path in libraries:
+                self.copy_file(path, os.path.join(target, os.path.basename(path)))
 
     def build_extension(self, ext):
         super().build_extension(ext)

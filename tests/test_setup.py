@@ -181,3 +181,10 @@ def test_toolkit_root_is_found_behind_an_nvcc_wrapper(setup_py, tmp_path):
     assert setup_py.cuda_toolkit_root([str(tmp_path), setup_py.nvcc_top(str(wrapper)), None]) == str(toolkit)
     assert setup_py.cuda_toolkit_root([str(tmp_path), None]) is None
     assert setup_py.nvcc_top(str(tmp_path / "missing")) is None
+
+
+def test_jax_libraries_are_built_when_jax_is_installed(setup_py):
+    assert setup_py.jax_plan(True, False, False)
+    assert not setup_py.jax_plan(False, False, False)  # no jax: the torch extension alone
+    assert not setup_py.jax_plan(True, True, False)    # KVKERNELS_NO_JAX=1 (make build: make jax-cpu builds them)
+    assert not setup_py.jax_plan(True, False, True)    # sanitizer / AMX-emulator builds

@@ -1,7 +1,8 @@
 """Finding, building and loading the kvkernels XLA FFI libraries, and registering their handlers.
 
-* ``build-jax/libkvkernels_jax.so`` (CPU) and ``build-jax/libkvkernels_jax_cuda.so`` (CUDA, when it was
-  built) of the checkout, or the files named by ``$KVKERNELS_JAX_LIB`` / ``$KVKERNELS_JAX_CUDA_LIB``;
+* ``libkvkernels_jax.so`` (CPU) and ``libkvkernels_jax_cuda.so`` (CUDA, when it was built): the files named by
+  ``$KVKERNELS_JAX_LIB`` / ``$KVKERNELS_JAX_CUDA_LIB``, else those inside the installed package (setup.py's
+  build_ext puts them there in a wheel when jax is installed), else ``build-jax/`` of the checkout;
   ``build_library()`` runs ``scripts/build_jax.sh`` (what ``make jax`` runs).
 * The libraries are loaded with ctypes and their handlers registered with
   ``jax.ffi.register_ffi_target`` the first time an op is traced (``load()``), not at import.
@@ -33,16 +34,26 @@ def target_name(op: str) -> str:
     return f"kvkernels_{op}"
 
 
+def _find(name: str, env_var: str) -> Path:
+    """``$<env_var>``; else the package's own copy (a wheel / ``pip install .``: setup.py puts the libraries
+    beside this file); else ``build-jax/<name>`` of the checkout."""
+    env = os.environ.get(env_var)
+    if env:
+        return Path(env)
+    packaged = Path(__file__).resolve().parent / name
+    return packaged if packaged.exists() else _ROOT / "build-jax" / name
+
+
 def library_path() -> Path:
-    """``$KVKERNELS_JAX_LIB``, else ``build-jax/libkvkernels_jax.so`` of the checkout."""
-    env = os.environ.get("KVKERNELS_JAX_LIB")
-    return Path(env) if env else _ROOT / "build-jax" / "libkvkernels_jax.so"
+    """``$KVKERNELS_JAX_LIB``, else the installed package's ``libkvkernels_jax.so``, else
+    ``build-jax/libkvkernels_jax.so`` of the checkout."""
+    return _find("libkvkernels_jax.so", "KVKERNELS_JAX_LIB")
 
 
 def cuda_library_path() -> Path:
-    """``$KVKERNELS_JAX_CUDA_LIB``, else ``build-jax/libkvkernels_jax_cuda.so`` of the checkout."""
-    env = os.environ.get("KVKERNELS_JAX_CUDA_LIB")
-    return Path(env) if env else _ROOT / "build-jax" / "libkvkernels_jax_cuda.so"
+    """``$KVKERNELS_JAX_CUDA_LIB``, else the installed package's ``libkvkernels_jax_cuda.so``, else
+    ``build-jax/libkvkernels_jax_cuda.so`` of the checkout."""
+    return _find("libkvkernels_jax_cuda.so", "KVKERNELS_JAX_CUDA_LIB")
 
 
 def build_library(cuda: bool | None = None) -> Path:
