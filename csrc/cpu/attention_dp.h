@@ -287,16 +287,7 @@ inline void dp_attend_chunk(const AttentionParams& p, const AttentionPlan& plan,
   const DpReader<C> rd;
   const bf16_bits* q = reinterpret_cast<const bf16_bits*>(sc.q);
   dp_chunk_logits(sc, q, plan.dk, rows4, keys, j0, j1, mk.k, rd, mul, pf_k);
-  for (int r = 0; r < rows4; ++r) {
-    if (r >= rows) {  // padding row: stays empty
-      mask_logits(p, sc.s + r * kChunk, 0, 0, cs, 0, 0);
-      continue;
-    }
-    const int64_t pos = h.map.pos(r);
-    int a, b;
-    visible_keys(p, pos, cs, j0, j1, &a, &b);
-    mask_logits(p, sc.s + r * kChunk, h.map.head(r), pos, cs, a, b);
-  }
+  mask_chunk_rows(p, h, rows, rows4, cs, j0, j1);
   constexpr int ps = 2 * kChunk;  // bf16 probabilities per row: kChunk, then zeros
   static_assert(kChunk == 16, "one __m256bh of probabilities per row");
   for (int r = 0; r < rows4; r += 4) {

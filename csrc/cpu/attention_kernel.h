@@ -571,6 +571,22 @@ struct Head {
   Scratch sc;
 };
 
+// The chunk's logits of rows [0, rows4) (keys [j0, j1) at position cs) masked for softmax_rows4: each
+// row's visible keys kept (mask_logits), padding rows past `rows` emptied.
+inline void mask_chunk_rows(const AttentionParams& p, const Head& h, int rows, int rows4, int64_t cs,
+                            int j0, int j1) {
+  for (int r = 0; r < rows4; ++r) {
+    if (r >= rows) {  // padding row: stays empty
+      mask_logits(p, h.sc.s + r * kChunk, 0, 0, cs, 0, 0);
+      continue;
+    }
+    const int64_t pos = h.map.pos(r);
+    int a, b;
+    visible_keys(p, pos, cs, j0, j1, &a, &b);
+    mask_logits(p, h.sc.s + r * kChunk, h.map.head(r), pos, cs, a, b);
+  }
+}
+
 // Queries of a head into scratch as float times scale * k_scale, zero past head_dim; `paired`
 // stores each block of 32 columns as [even columns, odd columns] (for keys read as Words).
 template <typename Q>
@@ -607,16 +623,7 @@ inline void attend_chunk(const AttentionParams& p, const AttentionPlan& plan, co
   else
 #endif
     chunk_logits(sc, plan.dk, rows4, keys, j0, j1, mk.nv, mk.k, pf_k);
-  for (int r = 0; r < rows4; ++r) {
-    if (r >= rows) {  // padding row: stays empty
-      mask_logits(p, sc.s + r * kChunk, 0, 0, cs, 0, 0);
-      continue;
-    }
-    const int64_t pos = h.map.pos(r);
-    int a, b;
-    visible_keys(p, pos, cs, j0, j1, &a, &b);
-    mask_logits(p, sc.s + r * kChunk, h.map.head(r), pos, cs, a, b);
-  }
+  mask_chunk_rows(p, h, rows, rows4, cs, j0, j1);
   for (int r = 0; r < rows4; r += 4) softmax_rows4(sc.s + r * kChunk, sc.m + r, sc.d + r, sc.alpha + r);
   const ChunkRows cr{p, h.map, rows, cs, j0, j1};
 #if defined(KVK_WORDS)
