@@ -286,6 +286,8 @@ cuda::Status launch_wgmma(DecompressArgs d, int cc_major, int dev, cudaStream_t 
   if (d.n_total > 0x7fffffff - Cfg::BN) return failed("too many heads for one launch");
   d.n_tiles = (d.n_total + Cfg::BN - 1) / Cfg::BN;
   const int64_t total = m_tiles * d.n_tiles;
+  if (total * (d.rpad / Cfg::BK) > 0x7fffffff)  // the kernel's 32-bit tile and K-step numbers
+    return failed("too many tokens / heads for one launch");
   const unsigned grid = unsigned(std::min<int64_t>(total, std::max(sms, 1)));
   if (encode_tiled_fn() == nullptr)
     return failed("KVKERNELS_CUDA_DECOMPRESS=wgmma: cudaGetDriverEntryPoint found no cuTensorMapEncodeTiled in "
