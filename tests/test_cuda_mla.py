@@ -13,7 +13,9 @@ one (KVKERNELS_CUDA_TMA=require / KVKERNELS_CUDA_NO_TMA=1: partial token, row an
 200, fp8, norm on / off; both against the reference and bit-identical to each other). Both decompress
 kernels (KVKERNELS_CUDA_DECOMPRESS=persist64 / persist128, the persist kernel's two token tiles, and tile64)
 run those cases, and the persist kernel is bit-identical to tile64 on DeepSeek shapes (several column tiles per CTA), odd dims and fp8; tokens past
-sum(seq_lens) are zeros; an unknown variant raises. Then: the absorbed
+sum(seq_lens) are zeros; an unknown variant raises. On 9.x devices the opt-in sm_90a wgmma kernel
+(KVKERNELS_CUDA_DECOMPRESS=wgmma) runs the 16-bit cases, persist's cases and many tokens against the
+reference, and refuses an unaligned w_kv_b with the reason (test_mla_decompress_wgmma*). Then: the absorbed
 formulation equals decompress-then-attend on CUDA, opcheck on CUDA tensors, bad input raises an error
 naming the argument, debug-mode index checks.
 
