@@ -276,8 +276,9 @@ cuda::Status launch_wgmma(DecompressArgs d, int cc_major, int dev, cudaStream_t 
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (err != cudaSuccess) return cuda::Status{err, nullptr};
   d.stages = 0;
+  // + 128: the kernel's static shared memory (the sm_90a marker, as ptxas rounds it), also out of the limit.
   for (int st = Cfg::MAX_STAGES; st >= Cfg::MIN_STAGES && d.stages == 0; --st)
-    if (Cfg::smem(d.rpad, st) <= optin) d.stages = st;
+    if (Cfg::smem(d.rpad, st) + 128 <= optin) d.stages = st;
   if (d.stages == 0)
     return failed("KVKERNELS_CUDA_DECOMPRESS=wgmma does not fit this device's shared memory per block");
   d.pair_out = p.qk_nope_head_dim % 2 == 0 && p.v_head_dim % 2 == 0 && p.rope_dim % 2 == 0 &&
