@@ -175,7 +175,9 @@ step_t_ops() { pytest_step tests.log tests/test_cuda_ops.py -k "not opcheck and 
 step_t_cache() { pytest_step tests.log tests/test_cache_ops.py -k cuda; }
 step_t_attn() { pytest_par tests/test_cuda_attention.py -k "not ($BAD)"; }
 # mla_decompress and its TMA pipeline (sm_90) alone, serially, under a short cap: a TMA / mbarrier phase
-# error hangs rather than fails; faulthandler dumps the stacks of a test stuck for 20 s.
+# error hangs rather than fails; faulthandler dumps the stacks of a test stuck for 20 s. Includes the
+# sm_90a wgmma kernel's tests (test_mla_decompress_wgmma*: KVKERNELS_CUDA_DECOMPRESS=wgmma, never run on a
+# GPU before; its mbarrier ring is the likeliest to hang).
 step_t_mla_tma() { FAULT_S=20 pytest_step tests.log tests/test_cuda_mla.py -k test_mla_decompress; }
 step_t_mla_attn() { pytest_par tests/test_cuda_mla.py -k "not test_mla_decompress and not ($BAD)"; }
 step_t_cascade_mla() { pytest_step tests.log tests/test_cascade.py tests/test_mla.py -k cuda; }
@@ -337,13 +339,15 @@ step_b_sizes() {
   return $rc
 }
 
-# The mla_decompress A/B: the persist kernel (the default) with 64- and 128-row token tiles against tile64
-# (the first) and the torch matmul of the same GEMM on the same latent rows, in one process, alternating
-# batches; T 2048 and 32768 x 16 and 128 heads, bf16 cache first, then fp8 (the cap stops what does not
-# fit; rows are written as each case ends). "variant:" lines give each time and its speed-up over tile64.
+# The mla_decompress A/B: persist128 (the default's tile on an H100 / H200; the first named) against the
+# sm_90a wgmma kernel (opt-in, first GPU run: the prediction is in csrc/cuda/README.md, "mla_decompress on
+# wgmma"), persist64 and tile64, and the torch matmul of the same GEMM on the same latent rows, in one
+# process, alternating batches; T 2048 and 32768 x 16 and 128 heads, bf16 cache first, then fp8 (the cap
+# stops what does not fit; rows are written as each case ends). "variant:" lines give each time, TFLOP/s
+# and its speed-up over persist128; the torch matmul's time is on the same lines.
 step_b_decomp() {
   bench -m kvkernels.bench.cuda_mla --mla-batches '' --mla-dtypes bfloat16,fp8_e4m3 --mla-heads 16,128 \
-    --mla-decompress-tokens 2048,32768 --decompress-variants tile64,persist64,persist128 --mla-reps 5 \
+    --mla-decompress-tokens 2048,32768 --decompress-variants persist128,wgmma,persist64,tile64 --mla-reps 5 \
     --mla-min-ms 10 \
     --json "$SCRATCH/results/bench/cuda-mla-decomp-$STAMP.json"
 }
@@ -359,7 +363,7 @@ b_wgmma 60
 t_ops 60
 t_cache 60
 t_attn 180
-t_mla_tma 60
+t_mla_tma 75
 t_mla_attn 120
 t_cascade_mla 45
 t_nonfinite 60
@@ -372,7 +376,7 @@ b_targets 120
 b_variants 90
 b_pvariants 60
 b_sizes 90
-b_decomp 45
+b_decomp 60
 t_bad 120
 t_compile 150
 t_amx 90
@@ -405,7 +409,7 @@ done <<<"$PLAN"
   cat "$SCRATCH/targets-b_wgmma.txt" 2>/dev/null
   echo "---- prefill kernel A/B, wide vs deep vs SDPA flash (bench.log)"
   cat "$SCRATCH/targets-b_pvariants.txt" 2>/dev/null
-  echo "---- mla_decompress A/B, tile64 vs persist64 / persist128 vs torch matmul (bench.log)"
+  echo "---- mla_decompress A/B, persist128 vs wgmma / persist64 / tile64 vs torch matmul (bench.log)"
   cat "$SCRATCH/targets-b_decomp.txt" 2>/dev/null
 } | tee -a "$OUT/summary.txt"
 gpu_finish

@@ -19,7 +19,9 @@ where the emulator would be slow (it runs a 64-row CTA of 576-wide rows in about
 
 The emulator's sm_90 model (wgmma, setmaxnreg, named barriers, mbarrier phases with cp.async arrivals) has
 self-tests of its own (test_sm90_*: tests/cuda_emu/sm90_selftest.cpp), and the Hopper wgmma prefill
-(csrc/cuda/attention_sm90.cuh, opt-in) runs on it (test_wgmma_prefill*).
+(csrc/cuda/attention_sm90.cuh, opt-in) runs on it (test_wgmma_prefill*), as does the sm_90a wgmma
+mla_decompress (csrc/cuda/mla_decompress_sm90.cuh, KVKERNELS_CUDA_DECOMPRESS=wgmma: every decompress case
+of the `variant` fixture, bit for bit against persist128 / tile64, test_mla_decompress_wgmma*).
 """
 
 import dataclasses
@@ -1096,15 +1098,16 @@ def test_mla_unaligned_cache_rows(emu, dtype, fp8, mla_path):
 # mla_decompress (csrc/cuda/mla_decompress.cu / .cuh): the cp.async weight pipeline
 # ---------------------------------------------------------------------------------------------------
 
-DECOMPRESS_VARIANTS = ("persist64", "persist128", "tile64")
+DECOMPRESS_VARIANTS = ("persist64", "persist128", "tile64", "wgmma")
 
 
 @pytest.fixture(params=DECOMPRESS_VARIANTS)
 def variant(request, monkeypatch):
     """KVKERNELS_CUDA_DECOMPRESS=<variant>: the persist kernel with 64- or 128-row token tiles (the default,
     "persist", picks one by the device's shared memory; float32 weights run tile64's CUDA-core kernel under
-    every value) or the tile64 kernel on its cp.async weight pipeline
-    (KVKERNELS_CUDA_NO_TMA=1; its TMA pipeline has its own tests below)."""
+    every value), the tile64 kernel on its cp.async weight pipeline (KVKERNELS_CUDA_NO_TMA=1; its TMA pipeline
+    has its own tests below) or the sm_90a wgmma kernel (opt-in; TMA always: KVKERNELS_CUDA_NO_TMA does not
+    concern it)."""
     monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
     monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "1")
     monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", request.param)
@@ -1181,8 +1184,14 @@ def test_mla_decompress_no_tokens(emu, with_num_tokens, variant):
 
 @pytest.mark.parametrize("dtype", [f16, bf16, f32])
 def test_mla_decompress_unaligned_weight(emu, dtype, variant):
-    """w_kv_b at a 1-element offset into its storage: element loads instead of cp.async."""
-    run_emu_decompress(emu, (dtype, None, 64, 16, 2, 16, 24, True, 16, False), [9, 40, 3], seed=63, w_offset=1)
+    """w_kv_b at a 1-element offset into its storage: element loads instead of cp.async. The wgmma kernel
+    (TMA only; opt-in, so no silent fallback) refuses it, naming w_kv_b and the alignment."""
+    case = (dtype, None, 64, 16, 2, 16, 24, True, 16, False)
+    if variant == "wgmma" and dtype != f32:
+        with pytest.raises(RuntimeError, match=r"KVKERNELS_CUDA_DECOMPRESS=wgmma: w_kv_b is not 16-byte aligned"):
+            run_emu_decompress(emu, case, [9, 40, 3], seed=63, w_offset=1)
+        return
+    run_emu_decompress(emu, case, [9, 40, 3], seed=63, w_offset=1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1242,13 +1251,13 @@ def test_mla_decompress_tma_require_float32(emu, monkeypatch):
         run_emu_decompress(emu, (f32, None, 64, 16, 2, 16, 24, False, 16, False), [9, 3])
 
 
-@pytest.mark.parametrize("kernel", ["persist", "tile64-cp.async", "tile64-tma"])
+@pytest.mark.parametrize("kernel", ["persist", "tile64-cp.async", "tile64-tma", "wgmma"])
 def test_mla_decompress_rounds_the_latent(emu, kernel, monkeypatch):
     """docs/ops.md: the normalised latent is rounded to w_kv_b's dtype before the product."""
     from test_mla import check_decompress_rounding
     _tma_env(monkeypatch, kernel == "tile64-tma")
-    if kernel == "persist":
-        monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "persist")
+    if kernel in ("persist", "wgmma"):
+        monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", kernel)
         monkeypatch.delenv("KVKERNELS_CUDA_NO_TMA")
 
     def op(kv_cache, block_tables, seq_lens, w, *, kv_lora_rank, qk_nope_head_dim, v_head_dim, norm_eps,
@@ -1285,8 +1294,9 @@ PERSIST_CASES = {
 def test_mla_decompress_persist_equals_tile64(emu, case, seq_lens, monkeypatch):
     """Several column tiles per CTA (the weight ring streaming across tile boundaries), partial last
     column and token tiles, CTAs of one token tile splitting the k_pe copies: the persist kernel (64- and
-    128-row token tiles) matches the float64 reference and the tile64 kernel bit for bit (the same
-    mma.sync chain per element)."""
+    128-row token tiles) and the wgmma kernel (one persistent CTA walking every tile: a new token tile
+    staged mid-range) match the float64 reference and the tile64 kernel bit for bit (the same products,
+    summed 16 at a time in the same k order per element)."""
     monkeypatch.setenv("KVKERNELS_EMU_SM_COUNT", "1")
     monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
     monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "1")
@@ -1294,7 +1304,7 @@ def test_mla_decompress_persist_equals_tile64(emu, case, seq_lens, monkeypatch):
     for variant in DECOMPRESS_VARIANTS:
         monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", variant)
         results[variant] = run_emu_decompress(emu, case, seq_lens, seed=71)
-    for variant in ("persist64", "persist128"):
+    for variant in ("persist64", "persist128", "wgmma"):
         for i, name in enumerate(("key", "value")):
             assert_bytes_equal(results[variant][i], results["tile64"][i], msg=f"{name}: {variant} vs tile64")
 
@@ -1326,8 +1336,12 @@ def test_mla_decompress_persist_with_less_shared_memory(emu, part, monkeypatch):
         monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "persist128")
         with pytest.raises(RuntimeError, match=r"persist128 does not fit .*persist64 or tile64"):
             run_emu_decompress(emu, case, SEQ_243, seed=73)
+        # wgmma: 128 KiB of latent rows + 2 stages of 16 KiB do not fit 99 KiB
+        monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "wgmma")
+        with pytest.raises(RuntimeError, match=r"wgmma does not fit this device's shared memory"):
+            run_emu_decompress(emu, case, SEQ_243, seed=73)
     else:
-        variants.append("persist128")
+        variants += ["persist128", "wgmma"]  # wgmma: the 2-stage ring (161 KiB)
     for variant in variants:
         monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", variant)
         got = run_emu_decompress(emu, case, SEQ_243, seed=73)
@@ -1372,6 +1386,62 @@ def test_mla_decompress_variant_errors(emu, monkeypatch):
     monkeypatch.setenv("KVKERNELS_CUDA_TMA", "require")
     with pytest.raises(RuntimeError, match=r"the persist kernel has no TMA path"):
         run_emu_decompress(emu, case, [9, 3])
+
+
+# ---------------------------------------------------------------------------------------------------
+# mla_decompress: the sm_90a wgmma kernel (csrc/cuda/mla_decompress_sm90.cuh; opt-in)
+# ---------------------------------------------------------------------------------------------------
+
+# (case, seq_lens, KVKERNELS_EMU_SM_COUNT, KVKERNELS_EMU_SMEM_OPTIN or None). The static schedule gives CTA b
+# tiles [b total / grid, (b + 1) total / grid) of the token-tile-major tile list (128 x 128 tiles):
+#   R512-H3 (N 264: 3 column tiles), 243 tokens (2 token tiles, the second 115 rows): 6 tiles;
+#     1 SM: one CTA walks all 6 (re-stages the latent at tile 3; the 6-stage ring wraps 8 times);
+#     4 SMs: ranges [0,1) [1,3) [3,4) [4,6): CTAs of one token tile split its k_pe heads (2 + 1);
+#     5 SMs with 163 KiB of shared memory: a 2-stage ring, 5 CTAs, the last two tiles in one CTA;
+#   R64-H11 (dn 5, dv 7, P 3: element stores; N 132: 2 column tiles, the second 4 columns), 1 SM;
+#   R200 (a partial last TMA box along k) fp8 e5m2, 3 SMs: 2 tiles x 4 token tiles = 8 over 3 CTAs
+#     ([0,2) [2,5) [5,8)): ranges that start and end inside token tiles.
+WGMMA_SCHEDULES = {
+    "e4m3-bf16-R512-H3-1sm": ((bf16, "e4m3", 512, 64, 3, 48, 40, True, 64, True), SEQ_243, 1, None),
+    "e4m3-bf16-R512-H3-4sm": ((bf16, "e4m3", 512, 64, 3, 48, 40, True, 64, True), SEQ_243, 4, None),
+    "f16-R512-H3-5sm-2stages": ((f16, None, 512, 64, 3, 48, 40, True, 16, False), SEQ_243, 5, 163 * 1024),
+    "bf16-R64-P3-H11-dn5-dv7-1sm": ((bf16, None, 64, 3, 11, 5, 7, True, 1, True), SEQ_243, 1, None),
+    "e5m2-f16-R200-H2-3sm": ((f16, "e5m2", 200, 16, 2, 40, 28, False, 16, False), [300, 0, 77, 9], 3, None),
+}
+
+
+@pytest.mark.parametrize("case,seq_lens,sms,optin", WGMMA_SCHEDULES.values(), ids=WGMMA_SCHEDULES.keys())
+def test_mla_decompress_wgmma_schedules(emu, case, seq_lens, sms, optin, monkeypatch):
+    """The wgmma kernel's persistent static schedule (ranges crossing token tiles, k_pe heads split between
+    CTAs), its ring at 2 and 6 stages, partial tiles along every dimension: the float64 reference and the
+    persist128 kernel bit for bit (emulated: the same products summed 16 at a time in the same k order)."""
+    monkeypatch.setenv("KVKERNELS_EMU_SM_COUNT", str(sms))
+    if optin:
+        monkeypatch.setenv("KVKERNELS_EMU_SMEM_OPTIN", str(optin))
+    monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
+    monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "1")
+    results = {}
+    for variant in ("persist128", "wgmma"):
+        monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", variant)
+        results[variant] = run_emu_decompress(emu, case, seq_lens, seed=81)
+    for i, name in enumerate(("key", "value")):
+        assert_bytes_equal(results["wgmma"][i], results["persist128"][i], msg=f"{name}: wgmma vs persist128")
+
+
+def test_mla_decompress_wgmma_errors(emu, monkeypatch):
+    """KVKERNELS_CUDA_DECOMPRESS=wgmma is opt-in: where it cannot run the call fails with the reason instead
+    of falling back (a build without sm_90a code: KVKERNELS_EMU_PTX_VERSION=80 models it); float32 weights
+    run the tile64 kernel under it, as under every value."""
+    case = (bf16, None, 64, 16, 2, 16, 24, False, 16, False)
+    monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
+    monkeypatch.delenv("KVKERNELS_CUDA_NO_TMA", raising=False)
+    monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "wgmma")
+    monkeypatch.setenv("KVKERNELS_EMU_PTX_VERSION", "80")
+    with pytest.raises(RuntimeError, match=r"wgmma: the kernels were compiled without sm_90a device code"):
+        run_emu_decompress(emu, case, [9, 3])
+    monkeypatch.delenv("KVKERNELS_EMU_PTX_VERSION")
+    run_emu_decompress(emu, case, [9, 3])
+    run_emu_decompress(emu, (f32, None, 64, 16, 2, 16, 24, False, 16, False), [9, 3])
 
 
 # ---------------------------------------------------------------------------------------------------

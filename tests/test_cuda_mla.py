@@ -13,7 +13,9 @@ one (KVKERNELS_CUDA_TMA=require / KVKERNELS_CUDA_NO_TMA=1: partial token, row an
 200, fp8, norm on / off; both against the reference and bit-identical to each other). Both decompress
 kernels (KVKERNELS_CUDA_DECOMPRESS=persist64 / persist128, the persist kernel's two token tiles, and tile64)
 run those cases, and the persist kernel is bit-identical to tile64 on DeepSeek shapes (several column tiles per CTA), odd dims and fp8; tokens past
-sum(seq_lens) are zeros; an unknown variant raises. Then: the absorbed
+sum(seq_lens) are zeros; an unknown variant raises. On 9.x devices the opt-in sm_90a wgmma kernel
+(KVKERNELS_CUDA_DECOMPRESS=wgmma) runs the 16-bit cases, persist's cases and many tokens against the
+reference, and refuses an unaligned w_kv_b with the reason (test_mla_decompress_wgmma*). Then: the absorbed
 formulation equals decompress-then-attend on CUDA, opcheck on CUDA tensors, bad input raises an error
 naming the argument, debug-mode index checks.
 
@@ -431,6 +433,63 @@ def test_mla_decompress_variant_errors(monkeypatch):
     monkeypatch.setenv("KVKERNELS_CUDA_TMA", "require")
     with pytest.raises(RuntimeError, match=r"the persist kernel has no TMA path"):
         run_decompress((bf16, None, 64, 16, 2, 16, 24, False, 16, False), [9, 3])
+
+
+# ----------------------------------------------------------------------------------------------------
+# mla_decompress: the sm_90a wgmma kernel (KVKERNELS_CUDA_DECOMPRESS=wgmma, opt-in; csrc/cuda/mla_decompress_sm90.cuh)
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def wgmma(monkeypatch):
+    """KVKERNELS_CUDA_DECOMPRESS=wgmma on a 9.x device (elsewhere the launch fails by design: skipped); a build
+    without sm_90a code fails saying so (skipped with that reason)."""
+    major, minor = torch.cuda.get_device_capability(0)
+    if major != 9:
+        pytest.skip(f"the wgmma mla_decompress is for compute capability 9.x (sm_90a); this device is {major}.{minor}")
+    monkeypatch.delenv("KVKERNELS_CUDA_TMA", raising=False)
+    monkeypatch.delenv("KVKERNELS_CUDA_NO_TMA", raising=False)
+    monkeypatch.setenv("KVKERNELS_CUDA_DECOMPRESS", "wgmma")
+
+
+def _run_wgmma(case, seq_lens, seed=2):
+    try:
+        return run_decompress(case, seq_lens, seed=seed)
+    except RuntimeError as error:
+        if "without sm_90a device code" in str(error):
+            pytest.skip(f"this build of kvkernels has no sm_90a device code: {error}")
+        raise
+
+
+@pytest.mark.parametrize("case", {k: v for k, v in DECOMPRESS_CUDA_CASES.items() if v[0] != f32}.values(),
+                         ids=[k for k, v in DECOMPRESS_CUDA_CASES.items() if v[0] != f32])
+def test_mla_decompress_wgmma(case, wgmma):
+    _run_wgmma(case, [5, 0, 70, 1, case[8], 200])
+
+
+@pytest.mark.parametrize("case,seq_lens", PERSIST_CASES.values(), ids=PERSIST_CASES.keys())
+def test_mla_decompress_wgmma_persist_cases(case, seq_lens, wgmma):
+    """persist's DeepSeek / odd-dim / fp8 cases (several column tiles per CTA) on the wgmma kernel, against the
+    float64 reference (not bit for bit against persist: wgmma's summation order within a k16 step is the
+    hardware's)."""
+    _run_wgmma(case, seq_lens, seed=81)
+
+
+def test_mla_decompress_wgmma_many_tokens(wgmma):
+    """More tiles than SMs (each CTA's range crosses token tiles: the latent re-staged mid-range)."""
+    _run_wgmma((bf16, None, 512, 64, 16, 128, 128, True, 64, True), [3001, 17, 1000, 0, 64], seed=9)
+
+
+def test_mla_decompress_wgmma_unaligned_weight(wgmma):
+    """w_kv_b not 16-byte aligned: the wgmma kernel (TMA only) refuses, naming w_kv_b."""
+    w = random_weight(2 * 40, 64, bf16, generator(63)).to(DEV)
+    storage = torch.empty(w.numel() + 8, dtype=bf16, device=DEV)
+    w_view = storage[1:1 + w.numel()].view_as(w)
+    w_view.copy_(w)
+    mla = make_paged_mla([9, 3], 64, 16, 16, dtype=bf16, seed=64)
+    with pytest.raises(RuntimeError, match=r"wgmma: w_kv_b is not 16-byte aligned"):
+        ops.mla_decompress(like_on(mla.kv_cache), mla.block_tables.to(DEV), mla.seq_lens.to(DEV), w_view,
+                           kv_lora_rank=64, qk_nope_head_dim=16, v_head_dim=24)
 
 
 # ----------------------------------------------------------------------------------------------------

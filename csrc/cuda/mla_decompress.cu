@@ -10,8 +10,13 @@
 //     map is encoded on the host for each call (no device work, no allocation: capturable) through
 //     cuTensorMapEncodeTiled, looked up once with cudaGetDriverEntryPoint[ByVersion] (libcuda is not
 //     linked).
+//   - wgmma (opt-in, sm_90a; mla_decompress_sm90.cuh, instances in mla_decompress_sm90_{f16,bf16}.cu):
+//     fp16 / bf16 weights; a warp-specialized persistent kernel, w_kv_b by TMA into an mbarrier ring,
+//     wgmma from shared memory; launch_wgmma below fails with the reason where it cannot run (not a 9.x
+//     device, no sm_90a code in the build, w_kv_b not 16-byte aligned, shared memory). float32
+//     weights run tile64 under it too.
 // Instances: every weight dtype over its own cache dtype and both fp8 formats. tile64 ran on an
-// H200; persist is compiled and emulated, not run on a GPU.
+// H200; persist and wgmma are compiled and emulated, not run on a GPU.
 #include <cuda.h>
 
 #include <algorithm>
@@ -24,6 +29,7 @@
 #include "mla_api.h"
 #include "mla_decompress.cuh"
 #include "mla_decompress_persist.cuh"
+#include "mla_decompress_sm90.cuh"
 
 namespace kvkernels::mla_cuda {
 namespace {
@@ -245,16 +251,68 @@ cuda::Status launch_persist_variant(const DecompressArgs& d, int device, int bm,
   return launch_persist<T, C, 64>(d, f64, sms, stream);
 }
 
+// ---- wgmma (mla_decompress_sm90.cuh) -----------------------------------------------------------------
+
+// The wgmma kernel's launch, or why it cannot run (it is opt-in: the caller asked for it, so nothing
+// falls back silently). Ring depth: the most stages (2..6) that fit the opt-in shared memory with the
+// 128-row latent tile (R 512 on an H100 / H200: 6 stages, 225 KiB). Grid: one persistent CTA per SM,
+// or one per tile when there are fewer tiles.
+template <typename T, typename C>
+cuda::Status launch_wgmma(DecompressArgs d, int cc_major, int dev, cudaStream_t stream) {
+  using Cfg = Sm90DecCfg;
+  const MlaDecompressParams& p = d.p;
+  if (cc_major != 9)
+    return failed("KVKERNELS_CUDA_DECOMPRESS=wgmma needs a compute capability 9.x device (wgmma, TMA); "
+                  "unset it for the persist kernel");
+  if (!sm90_decompress_compiled<T, C>())
+    return failed("KVKERNELS_CUDA_DECOMPRESS=wgmma: the kernels were compiled without sm_90a device code "
+                  "(TORCH_CUDA_ARCH_LIST must include 9.0a)");
+  if (!aligned(p.w_kv_b, 16))
+    return failed("KVKERNELS_CUDA_DECOMPRESS=wgmma: w_kv_b is not 16-byte aligned (its TMA tensor map needs "
+                  "it); unset it for the persist kernel");
+  set_load_args<C>(d, Cfg::BK);
+  int sms = 0, optin = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (err != cudaSuccess) return cuda::Status{err, nullptr};
+  d.stages = 0;
+  // + 128: the kernel's static shared memory (the sm_90a marker, as ptxas rounds it), also out of the limit.
+  for (int st = Cfg::MAX_STAGES; st >= Cfg::MIN_STAGES && d.stages == 0; --st)
+    if (Cfg::smem(d.rpad, st) + 128 <= optin) d.stages = st;
+  if (d.stages == 0)
+    return failed("KVKERNELS_CUDA_DECOMPRESS=wgmma does not fit this device's shared memory per block");
+  d.pair_out = p.qk_nope_head_dim % 2 == 0 && p.v_head_dim % 2 == 0 && p.rope_dim % 2 == 0 &&
+               aligned(p.key, 4) && aligned(p.value, 4);
+  const int64_t m_tiles = (p.num_tokens + Cfg::BM - 1) / Cfg::BM;
+  if (d.n_total > 0x7fffffff - Cfg::BN) return failed("too many heads for one launch");
+  d.n_tiles = (d.n_total + Cfg::BN - 1) / Cfg::BN;
+  const int64_t total = m_tiles * d.n_tiles;
+  if (total * (d.rpad / Cfg::BK) > 0x7fffffff)  // the kernel's 32-bit tile and K-step numbers
+    return failed("too many tokens / heads for one launch");
+  const unsigned grid = unsigned(std::min<int64_t>(total, std::max(sms, 1)));
+  if (encode_tiled_fn() == nullptr)
+    return failed("KVKERNELS_CUDA_DECOMPRESS=wgmma: cudaGetDriverEntryPoint found no cuTensorMapEncodeTiled in "
+                  "the CUDA driver");
+  CUtensorMap wmap;
+  std::memset(&wmap, 0, sizeof(wmap));
+  if (!encode_w_map<T>(d, &wmap))
+    return failed("KVKERNELS_CUDA_DECOMPRESS=wgmma: cuTensorMapEncodeTiled rejected the w_kv_b tensor map");
+  return cuda::Status{launch_sm90_decompress<T, C>(d, wmap, grid, Cfg::smem(d.rpad, d.stages), stream), nullptr};
+}
+
 // KVKERNELS_CUDA_DECOMPRESS (read per call): unset, empty or "persist" -> the persist kernel with its
 // token tile picked by launch_persist_variant (*bm = 0), "persist64" / "persist128" -> that tile
-// (*bm = 64 / 128), "tile64" -> the tile64 kernel (cp.async or TMA; *bm = -1); false for anything
-// else. float32 weights run the tile64 kernel's CUDA-core path under every value.
+// (*bm = 64 / 128), "tile64" -> the tile64 kernel (cp.async or TMA; *bm = -1), "wgmma" -> the sm_90a
+// kernel (*bm = kWgmma); false for anything else. float32 weights run the tile64 kernel's CUDA-core
+// path under every value.
+constexpr int kWgmma = -2;
 bool decompress_variant(int* bm) {
   const char* v = std::getenv("KVKERNELS_CUDA_DECOMPRESS");
   if (v == nullptr || *v == '\0' || std::strcmp(v, "persist") == 0) *bm = 0;
   else if (std::strcmp(v, "persist64") == 0) *bm = 64;
   else if (std::strcmp(v, "persist128") == 0) *bm = 128;
   else if (std::strcmp(v, "tile64") == 0) *bm = -1;
+  else if (std::strcmp(v, "wgmma") == 0) *bm = kWgmma;
   else return false;
   return true;
 }
@@ -266,6 +324,7 @@ template <typename T, typename C>
 cuda::Status launch_variant(const DecompressArgs& d, int cc_major, int dev, int persist_bm,
                             cudaStream_t stream) {
   if constexpr (sizeof(T) == 2) {
+    if (persist_bm == kWgmma) return launch_wgmma<T, C>(d, cc_major, dev, stream);
     if (persist_bm >= 0) {
       if (env_is("KVKERNELS_CUDA_TMA", "require"))
         return failed("KVKERNELS_CUDA_TMA=require: the persist kernel has no TMA path "
@@ -304,7 +363,8 @@ cuda::Status mla_decompress(const MlaDecompressParams& p, int device, int64_t* t
   // on calls with tokens.
   int persist_bm = 0;
   if (!decompress_variant(&persist_bm))
-    return failed("KVKERNELS_CUDA_DECOMPRESS must be persist (the default), persist64, persist128 or tile64");
+    return failed("KVKERNELS_CUDA_DECOMPRESS must be persist (the default), persist64, persist128, tile64 or "
+                  "wgmma");
   if (p.num_tokens == 0) return cuda::Status{};
   if (p.kv_lora_rank <= 0 || p.kv_lora_rank % 8 != 0 || p.kv_lora_rank > kMaxValueWidth)
     return failed("kv_lora_rank must be a positive multiple of 8 up to 512");

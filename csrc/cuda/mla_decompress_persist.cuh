@@ -73,15 +73,21 @@ struct PersistCfg {
 // row are three dependent global loads per row), the warp's rows are located at once (lane i finds
 // row i) and read UNROLL at a time, so the loads of several rows are in flight together: with one
 // wave of CTAs (T 2048) nothing else hides this latency at the start of the kernel.
-template <typename T, typename C, int BM, int NW>
-__device__ __forceinline__ void stage_latent(const DecompressArgs& d, char* sa, int64_t m0, int h0,
-                                             int h1) {
+// The layout of the staged tile: `off(r, c8)` is the byte offset of 16-byte chunk c8 of row r. Here
+// the row-major swizzle of the mma.sync kernels; the wgmma kernel (mla_decompress_sm90.cuh) passes the
+// 128B-swizzle canonical layout wgmma reads, and its warpgroup's warp index as `warp`.
+struct RowSwizzle {
+  int cpr;  // 16-byte chunks per row
+  __device__ __forceinline__ int operator()(int r, int c8) const { return swz_rt(r, c8, cpr); }
+};
+template <typename T, typename C, int BM, int NW, typename Layout>
+__device__ __forceinline__ void stage_latent_rows(const DecompressArgs& d, char* sa, int64_t m0, int h0,
+                                                  int h1, int warp, Layout off) {
   constexpr int RPW = BM / NW, UNROLL = 4;
   static_assert(RPW <= 32 && RPW % UNROLL == 0, "a lane per row, whole groups of rows");
   const MlaDecompressParams& p = d.p;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
   const int R = p.kv_lora_rank, P = p.rope_dim, dn = p.qk_nope_head_dim, H = p.num_heads;
-  const int cpr_a = d.rpad * int(sizeof(T)) / 16;
   const float scale = p.kv.k_scale_of(0);
   const T* nw = static_cast<const T*>(p.norm_weight);
   const C* mine = lane < RPW ? locate_latent<C>(p, m0 + warp + int64_t(NW) * lane) : nullptr;
@@ -129,7 +135,7 @@ __device__ __forceinline__ void stage_latent(const DecompressArgs& d, char* sa, 
       for (int j = 0; j < 2; ++j) {
         const int c8 = lane + 32 * j;
         if (c8 * 8 >= d.rpad) continue;
-        *reinterpret_cast<uint4*>(sa + swz_rt(r, c8, cpr_a)) =
+        *reinterpret_cast<uint4*>(sa + off(r, c8)) =
             make_uint4(ac::pack2<T>(x[u][j][0], x[u][j][1]), ac::pack2<T>(x[u][j][2], x[u][j][3]),
                        ac::pack2<T>(x[u][j][4], x[u][j][5]), ac::pack2<T>(x[u][j][6], x[u][j][7]));
       }
@@ -152,6 +158,13 @@ __device__ __forceinline__ void stage_latent(const DecompressArgs& d, char* sa, 
       }
     }
   }
+}
+
+template <typename T, typename C, int BM, int NW>
+__device__ __forceinline__ void stage_latent(const DecompressArgs& d, char* sa, int64_t m0, int h0,
+                                             int h1) {
+  stage_latent_rows<T, C, BM, NW>(d, sa, m0, h0, h1, int(threadIdx.x >> 5),
+                                  RowSwizzle{d.rpad * int(sizeof(T)) / 16});
 }
 
 // The tile64 kernel's warp K loop as a function (the tile64 kernel keeps its inline copy, and its

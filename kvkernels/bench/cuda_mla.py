@@ -23,7 +23,8 @@ Decompress kernel A/B (``--decompress-variants tile64,persist64,persist128``): m
 kernels for fp16 / bf16 weights, chosen per call by KVKERNELS_CUDA_DECOMPRESS (csrc/cuda/README.md):
 ``persist`` (the default: a CTA keeps its latent tile and streams many 128-column weight tiles; ``persist64``
 / ``persist128`` force its 64- or 128-token tile, ``persist`` picks one from the device's shared memory) and
-``tile64`` (the first: one CTA per 64 x 64 output tile). With the option every decompress case checks each
+``tile64`` (the first: one CTA per 64 x 64 output tile), plus the opt-in sm_90a ``wgmma`` kernel (warp-specialized,
+TMA + wgmma; a device where it cannot run gives a skipped row with the reason). With the option every decompress case checks each
 named variant and times them and the torch matmul in one process on the same data, in alternating batches
 (A B C, C B A, ...),
 as rows ``kvkernels-<variant>`` and ``torch-matmul``; the matmul's latent is the case's own latent rows,
@@ -59,7 +60,7 @@ FP8_SCALE = 0.05
 SCALE = (NOPE + ROPE) ** -0.5
 DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 # --decompress-variants names = KVKERNELS_CUDA_DECOMPRESS values (csrc/cuda/mla_decompress.cu).
-DECOMPRESS_VARIANTS = ("persist", "persist64", "persist128", "tile64")
+DECOMPRESS_VARIANTS = ("persist", "persist64", "persist128", "tile64", "wgmma")
 
 
 def _variants(text: str) -> list[str]:
