@@ -71,6 +71,14 @@ def test_paged_attention_isa_paths(isa, mode, monkeypatch):
     run_paged_attention(kv, query, qsl, op=ort_ops.paged_attention, window_left=20)
 
 
+@pytest.mark.parametrize("head_dim", [264, 512])
+def test_paged_attention_large_head_dims(head_dim):
+    """Head dims up to 512, as the CPU kernels (and the torch CPU op) take them."""
+    kv, query, qsl = make_case("varlen", [9, 20], dtype=bf16, num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                               block_size=8, seed=21)
+    run_paged_attention(kv, query, qsl, op=ort_ops.paged_attention)
+
+
 def test_paged_attention_fresh_inputs_each_call():
     """Several calls of one session on fresh random inputs (the session and its thread-local scratch are
     reused across calls)."""
@@ -218,7 +226,8 @@ ATTENTION_ERRORS = {
                              r"num_heads \(3\)"),
     "decode query count": (lambda a: a.__setitem__("query", make_query(3, 4, 32, f32, generator(1))), "query",
                            "decode"),
-    "cache dtype": (lambda a: a.__setitem__("key_cache", a["key_cache"].to(f16)), "value_cache", "expected"),
+    "cache dtype": (lambda a: a.__setitem__("key_cache", a["key_cache"].to(f16)), "value_cache",
+                    "dtype float32 must equal key_cache's float16"),
     "query vs cache dtype": (lambda a: a.__setitem__("query", a["query"].to(bf16)), "key_cache",
                              "must have the query's type"),
     "value cache shape": (lambda a: a.__setitem__("value_cache", a["value_cache"][:-1].clone()), "value_cache",

@@ -52,19 +52,7 @@ std::string shape_str(const std::vector<int64_t>& shape) {
   return ss.str();
 }
 
-int64_t In::numel() const {
-  int64_t n = 1;
-  for (int64_t s : shape) n *= s;
-  return n;
-}
 
-int64_t In::stride(int64_t d) const {
-  int64_t s = 1;
-  for (size_t i = static_cast<size_t>(d) + 1; i < shape.size(); ++i) s *= shape[i];
-  return s;
-}
-
-size_t In::bytes() const { return static_cast<size_t>(numel()) * ffi::ByteWidth(type); }
 
 namespace {
 
@@ -120,34 +108,6 @@ std::vector<int64_t> Batch::index(int64_t flat) const {
   return idx;
 }
 
-void Check::dim(const In& t, int64_t ndim) const {
-  expect(t.present, t.name, "is required");
-  expect(t.dim() == ndim, t.name, "expected ", ndim, " dims, got shape ", shape_str(t.shape));
-}
-
-void Check::type(const In& t, DataType expected) const {
-  expect(t.type == expected, t.name, "expected ", type_name(expected), ", got ", type_name(t.type));
-}
-
-void Check::size(const In& t, int64_t d, int64_t expected, const char* what) const {
-  expect(t.size(d) == expected, t.name, "dimension ", d, " must be ", expected, " (", what,
-         "), got shape ", shape_str(t.shape));
-}
-
-int Check::to_int(int64_t v, const char* arg, const char* what) const {
-  expect(v >= 0 && v <= INT32_MAX, arg, what, " = ", v, " does not fit in an int");
-  return static_cast<int>(v);
-}
-
-bool Check::scale(const In& t, const char* cache_arg, int64_t per_head) const {
-  expect(t.present, t.name, "is required when ", cache_arg, " is fp8");
-  type(t, DataType::F32);
-  const int64_t n = t.numel();
-  expect(n == 1 || n == per_head, t.name, "must have 1 element or one per kv head (", per_head,
-         "), got shape ", shape_str(t.shape));
-  return n != 1;
-}
-
 Batch Check::batch(std::initializer_list<const Operand*> ops, int64_t batch_dims) const {
   Batch b;
   b.shape.assign(static_cast<size_t>(batch_dims), 1);
@@ -186,49 +146,8 @@ void read_optional(const Check& c, const ffi::RemainingArgs& rest, int64_t mask,
 paged_kv_t paged_kv(const Check& c, const In& key_cache, const In& value_cache,
                     const In& block_tables, const In& seq_lens, const In& k_scale,
                     const In& v_scale) {
-  c.dim(key_cache, 4);
-  c.expect(is_float(key_cache.type) || is_fp8(key_cache.type), key_cache.name,
-           "expected float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got ",
-           type_name(key_cache.type));
-  c.expect(key_cache.size(1) >= 1 && key_cache.size(1) <= kMaxBlockSize, key_cache.name,
-           "block size (dimension 1) must be in [1, ", kMaxBlockSize, "], got ", key_cache.size(1));
-  c.dim(value_cache, 4);
-  c.expect(value_cache.type == key_cache.type, value_cache.name, "dtype ",
-           type_name(value_cache.type), " must equal key_cache's ", type_name(key_cache.type));
-  for (int64_t d = 0; d < 3; ++d)
-    c.size(value_cache, d, key_cache.size(d), "num_blocks, block_size, num_kv_heads of key_cache");
-  c.dim(block_tables, 2);
-  c.type(block_tables, DataType::S32);
-  c.dim(seq_lens, 1);
-  c.type(seq_lens, DataType::S32);
-  c.size(seq_lens, 0, block_tables.size(0), "num_seqs = block_tables.shape[0]");
-
-  paged_kv_t kv;
-  kv.k = key_cache.data;
-  kv.v = value_cache.data;
-  kv.k_stride_block = key_cache.stride(0);
-  kv.k_stride_slot = key_cache.stride(1);
-  kv.k_stride_head = key_cache.stride(2);
-  kv.v_stride_block = value_cache.stride(0);
-  kv.v_stride_slot = value_cache.stride(1);
-  kv.v_stride_head = value_cache.stride(2);
-  kv.num_blocks = key_cache.size(0);
-  kv.block_size = static_cast<int>(key_cache.size(1));
-  kv.num_kv_heads = c.to_int(key_cache.size(2), key_cache.name, "num_kv_heads (dimension 2)");
-  kv.head_dim = c.to_int(key_cache.size(3), key_cache.name, "head_dim (dimension 3)");
-  kv.head_dim_v = c.to_int(value_cache.size(3), value_cache.name, "head_dim (dimension 3)");
-  kv.format = cache_format(key_cache.type);
-  if (is_fp8(key_cache.type)) {
-    kv.k_scale_per_head = c.scale(k_scale, key_cache.name, kv.num_kv_heads);
-    kv.v_scale_per_head = c.scale(v_scale, value_cache.name, kv.num_kv_heads);
-    kv.k_scale = k_scale.as<const float>();
-    kv.v_scale = v_scale.as<const float>();
-  }
-  kv.block_tables = block_tables.as<const int32_t>();
-  kv.seq_lens = seq_lens.as<const int32_t>();
-  kv.num_seqs = c.to_int(block_tables.size(0), block_tables.name, "num_seqs (dimension 0)");
-  kv.max_blocks_per_seq = block_tables.size(1);
-  return kv;
+  return dense_paged_kv(c, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale,
+                        /*same_head_dims=*/false);
 }
 
 AttentionParams attention_params(const Check& c, const In& query, const In& key_cache,

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "../arg_error.h"
+#include "../dense_args.h"
 #include "kvkernels/params.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -25,10 +26,9 @@ namespace kvkernels::jaxffi {
 
 namespace ffi = xla::ffi;
 
-// Limits shared with csrc/prepare.cpp (the torch binding).
-constexpr int64_t kMaxHeadDimCpu = 512;
-constexpr int64_t kMaxHeadDimCuda = 256;
-constexpr int64_t kMaxBlockSize = 256;
+constexpr int64_t kMaxHeadDimCpu = kDenseMaxHeadDimCpu;
+constexpr int64_t kMaxHeadDimCuda = kDenseMaxHeadDimCuda;
+constexpr int64_t kMaxBlockSize = kDenseMaxBlockSize;
 
 const char* type_name(ffi::DataType t);
 bool is_float(ffi::DataType t);  // float32 / float16 / bfloat16
@@ -38,23 +38,22 @@ FloatFormat float_format(ffi::DataType t);
 CacheFormat cache_format(ffi::DataType t);
 std::string shape_str(const std::vector<int64_t>& shape);
 
-// One operand of one example (one vmapped call). Dense, row-major.
-struct In {
-  const char* name = "";
-  bool present = false;  // false: an optional argument not given
-  ffi::DataType type = ffi::DataType::INVALID;
-  std::vector<int64_t> shape;
-  void* data = nullptr;
-
-  explicit operator bool() const { return present; }
-  int64_t dim() const { return static_cast<int64_t>(shape.size()); }
-  int64_t size(int64_t d) const { return shape[static_cast<size_t>(d)]; }
-  int64_t numel() const;
-  int64_t stride(int64_t d) const;  // elements
-  size_t bytes() const;
-  template <typename T>
-  T* as() const { return static_cast<T*>(data); }
+// XLA element types for the checks shared with the ONNX Runtime binding (dense_args.h).
+struct XlaTypes {
+  using Type = ffi::DataType;
+  static const char* name(Type t) { return type_name(t); }
+  static std::string shape(const std::vector<int64_t>& s) { return shape_str(s); }
+  static bool is_float(Type t) { return jaxffi::is_float(t); }
+  static bool is_fp8(Type t) { return jaxffi::is_fp8(t); }
+  static CacheFormat cache_format(Type t) { return jaxffi::cache_format(t); }
+  static constexpr Type kFloat32 = ffi::DataType::F32;
+  static constexpr Type kInt32 = ffi::DataType::S32;
+  static constexpr const char* kCacheTypes = "float32, float16, bfloat16, float8_e4m3fn or float8_e5m2";
 };
+
+// One operand of one example (one vmapped call). Dense, row-major.
+using In = DenseIn<ffi::DataType>;
+inline size_t bytes(const In& t) { return static_cast<size_t>(t.numel()) * ffi::ByteWidth(t.type); }
 
 // An operand with `batch_dims` leading dimensions added by jax.vmap (kvkernels/jax/_primitives.py):
 // each is either the batch's size or 1 (broadcast: the same data for every example).
@@ -94,15 +93,10 @@ struct Batch {
   std::vector<int64_t> index(int64_t flat) const;
 };
 
-class Check : public ArgError {
+// The shared checks, plus the batch of a vmapped call.
+class Check : public DenseCheck<XlaTypes> {
  public:
-  using ArgError::ArgError;
-  void dim(const In& t, int64_t ndim) const;
-  void type(const In& t, ffi::DataType expected) const;
-  void size(const In& t, int64_t d, int64_t expected, const char* what) const;
-  int to_int(int64_t v, const char* arg, const char* what) const;
-  // A float32 scale of 1 or `per_head` elements; returns whether it is per head.
-  bool scale(const In& t, const char* cache_arg, int64_t per_head) const;
+  explicit Check(const char* op) : DenseCheck<XlaTypes>(op) {}
   // The batch shape of `ops` (those present): each leading dim the same or 1 everywhere.
   Batch batch(std::initializer_list<const Operand*> ops, int64_t batch_dims) const;
 };

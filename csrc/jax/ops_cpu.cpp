@@ -97,7 +97,7 @@ struct XlaHost {
 // The output of an op that updates `in` in place: XLA aliases the two (one buffer); if it did not,
 // the input is copied first so that the result is still the updated input.
 void alias_or_copy(const In& in, const In& out) {
-  if (out.data != in.data && in.bytes() > 0) std::memcpy(out.data, in.data, in.bytes());
+  if (out.data != in.data && bytes(in) > 0) std::memcpy(out.data, in.data, bytes(in));
 }
 
 // An int32 or int64 index operand as int64 (widened into `buf` when it is int32).

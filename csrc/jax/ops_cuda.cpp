@@ -60,8 +60,8 @@ struct Scratch {
 
 // The updated cache is the input cache (XLA aliases them); otherwise it starts as a copy of it.
 void alias_or_copy(const Check& c, const In& in, const In& out, cudaStream_t stream) {
-  if (out.data == in.data || in.bytes() == 0) return;
-  check_cuda(c, cudaMemcpyAsync(out.data, in.data, in.bytes(), cudaMemcpyDeviceToDevice, stream),
+  if (out.data == in.data || bytes(in) == 0) return;
+  check_cuda(c, cudaMemcpyAsync(out.data, in.data, bytes(in), cudaMemcpyDeviceToDevice, stream),
              "copying the cache into its result");
 }
 

@@ -12,7 +12,7 @@
 namespace kvkernels::ort {
 namespace {
 
-constexpr int kMaxHeadDim = 256;  // as csrc/prepare.cpp
+constexpr int kMaxHeadDim = kDenseMaxHeadDimCpu;  // the CPU kernels, as csrc/prepare.cpp
 constexpr auto kAny = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
 constexpr auto kI32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
 constexpr auto kI64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;

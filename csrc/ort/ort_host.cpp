@@ -8,19 +8,17 @@
 
 namespace kvkernels::ort {
 
-constexpr int64_t kMaxBlockSize = 256;  // as csrc/prepare.cpp
-
 In input(Ort::KernelContext& ctx, size_t index, const char* name) {
   In t;
   t.name = name;
   if (index >= ctx.GetInputCount()) return t;
   Ort::ConstValue v = ctx.GetInput(index);
   if (v == nullptr) return t;
-  t.value = v;
+  t.present = true;
   auto info = v.GetTensorTypeAndShapeInfo();
   t.type = info.GetElementType();
   t.shape = info.GetShape();
-  t.data = v.GetTensorRawData();
+  t.data = const_cast<void*>(v.GetTensorRawData());  // inputs are read, never written
   return t;
 }
 
@@ -92,37 +90,6 @@ std::string shape_str(const std::vector<int64_t>& shape) {
   return ss.str();
 }
 
-void Check::required(const In& t) const { expect(bool(t), t.name, "is required"); }
-
-void Check::dim(const In& t, int64_t ndim) const {
-  required(t);
-  expect(t.dim() == ndim, t.name, "expected ", ndim, " dims, got shape ", shape_str(t.shape));
-}
-
-void Check::type(const In& t, ONNXTensorElementDataType expected) const {
-  expect(t.type == expected, t.name, "expected ", type_name(expected), ", got ", type_name(t.type));
-}
-
-void Check::size(const In& t, int64_t d, int64_t expected, const char* what) const {
-  expect(t.size(d) == expected, t.name, "dimension ", d, " must be ", expected, " (", what,
-         "), got shape ", shape_str(t.shape));
-}
-
-int Check::to_int(int64_t v, const char* arg, const char* what) const {
-  expect(v >= 0 && v <= INT32_MAX, arg, what, " = ", v, " does not fit in an int");
-  return static_cast<int>(v);
-}
-
-bool Check::scale(const In& t, const char* cache_arg, int64_t per_head) const {
-  expect(bool(t), t.name, "is required when ", cache_arg, " is fp8");
-  type(t, ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT);
-  const int64_t n = t.numel();
-  expect(n == 1 || (per_head > 0 && n == per_head), t.name, "must have 1 element",
-         per_head > 0 ? " or one per kv head (" : "", per_head > 0 ? std::to_string(per_head) : "",
-         per_head > 0 ? ")" : "", ", got shape ", shape_str(t.shape));
-  return n != 1;
-}
-
 void Check::disjoint(const In& t, const In& out) const {
   if (!t || !out || t.numel() == 0 || out.numel() == 0) return;
   const char* a = static_cast<const char*>(t.data);
@@ -135,47 +102,8 @@ void Check::disjoint(const In& t, const In& out) const {
 paged_kv_t paged_kv(const Check& c, const In& key_cache, const In& value_cache,
                     const In& block_tables, const In& seq_lens, const In& k_scale,
                     const In& v_scale) {
-  c.dim(key_cache, 4);
-  c.expect(is_float(key_cache.type) || is_fp8(key_cache.type), key_cache.name,
-           "expected float32, float16, bfloat16, float8e4m3fn or float8e5m2, got ",
-           type_name(key_cache.type));
-  c.expect(key_cache.size(1) >= 1 && key_cache.size(1) <= kMaxBlockSize, key_cache.name,
-           "block size (dimension 1) must be in [1, ", kMaxBlockSize, "], got ",
-           key_cache.size(1));
-  c.dim(value_cache, 4);
-  c.type(value_cache, key_cache.type);
-  for (int64_t d = 0; d < 4; ++d) c.size(value_cache, d, key_cache.size(d), key_cache.name);
-  c.dim(block_tables, 2);
-  c.type(block_tables, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
-  c.dim(seq_lens, 1);
-  c.type(seq_lens, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32);
-  c.size(seq_lens, 0, block_tables.size(0), "num_seqs = block_tables.shape[0]");
-
-  paged_kv_t kv;
-  kv.k = key_cache.data;
-  kv.v = value_cache.data;
-  kv.k_stride_block = key_cache.stride(0);
-  kv.k_stride_slot = key_cache.stride(1);
-  kv.k_stride_head = key_cache.stride(2);
-  kv.v_stride_block = value_cache.stride(0);
-  kv.v_stride_slot = value_cache.stride(1);
-  kv.v_stride_head = value_cache.stride(2);
-  kv.num_blocks = key_cache.size(0);
-  kv.block_size = static_cast<int>(key_cache.size(1));
-  kv.num_kv_heads = c.to_int(key_cache.size(2), key_cache.name, "num_kv_heads (dimension 2)");
-  kv.head_dim = c.to_int(key_cache.size(3), key_cache.name, "head_dim (dimension 3)");
-  kv.head_dim_v = kv.head_dim;
-  kv.format = cache_format(key_cache.type);
-  if (is_fp8(key_cache.type)) {
-    kv.k_scale_per_head = c.scale(k_scale, key_cache.name, kv.num_kv_heads);
-    kv.v_scale_per_head = c.scale(v_scale, key_cache.name, kv.num_kv_heads);
-    kv.k_scale = k_scale.as<float>();
-    kv.v_scale = v_scale.as<float>();
-  }
-  kv.block_tables = block_tables.as<int32_t>();
-  kv.seq_lens = seq_lens.as<int32_t>();
-  kv.num_seqs = c.to_int(block_tables.size(0), block_tables.name, "num_seqs (dimension 0)");
-  kv.max_blocks_per_seq = block_tables.size(1);
+  paged_kv_t kv = dense_paged_kv(c, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale,
+                                 /*same_head_dims=*/true);
   check_paged_kv_indices(c, kv);
   return kv;
 }

@@ -15,37 +15,11 @@
 #include <vector>
 
 #include "../arg_error.h"
+#include "../dense_args.h"
 #include "../cpu/attention_run.h"
 #include "kvkernels/params.h"
 
 namespace kvkernels::ort {
-
-// An input of the op, as the kernels see it. ORT tensors are dense and row-major.
-struct In {
-  const OrtValue* value = nullptr;  // nullptr: an optional input that is absent
-  const char* name = "";
-  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
-  std::vector<int64_t> shape;
-  const void* data = nullptr;
-
-  explicit operator bool() const { return value != nullptr; }
-  int64_t dim() const { return static_cast<int64_t>(shape.size()); }
-  int64_t size(int64_t d) const { return shape[static_cast<size_t>(d)]; }
-  int64_t numel() const {
-    int64_t n = 1;
-    for (int64_t s : shape) n *= s;
-    return n;
-  }
-  int64_t stride(int64_t d) const {  // in elements, row-major
-    int64_t s = 1;
-    for (size_t i = static_cast<size_t>(d) + 1; i < shape.size(); ++i) s *= shape[i];
-    return s;
-  }
-  template <typename T>
-  const T* as() const { return static_cast<const T*>(data); }
-};
-
-In input(Ort::KernelContext& ctx, size_t index, const char* name);
 
 const char* type_name(ONNXTensorElementDataType t);
 size_t element_size(ONNXTensorElementDataType t);
@@ -55,23 +29,36 @@ FloatFormat float_format(ONNXTensorElementDataType t);
 CacheFormat cache_format(ONNXTensorElementDataType t);
 std::string shape_str(const std::vector<int64_t>& shape);
 
-// ArgError plus the checks of ORT tensors.
-class Check : public ArgError {
+// ONNX element types for the checks shared with the XLA binding (dense_args.h).
+struct OrtTypes {
+  using Type = ONNXTensorElementDataType;
+  static const char* name(Type t) { return type_name(t); }
+  static std::string shape(const std::vector<int64_t>& s) { return shape_str(s); }
+  static bool is_float(Type t) { return ort::is_float(t); }
+  static bool is_fp8(Type t) { return ort::is_fp8(t); }
+  static CacheFormat cache_format(Type t) { return ort::cache_format(t); }
+  static constexpr Type kFloat32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  static constexpr Type kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+  static constexpr const char* kCacheTypes = "float32, float16, bfloat16, float8e4m3fn or float8e5m2";
+};
+
+// An input of the op, as the kernels see it (ORT tensors are dense and row-major); absent optional
+// inputs are not `present`.
+using In = DenseIn<ONNXTensorElementDataType>;
+
+In input(Ort::KernelContext& ctx, size_t index, const char* name);
+
+// The shared checks, plus one of ORT's own.
+class Check : public DenseCheck<OrtTypes> {
  public:
-  using ArgError::ArgError;
-  void required(const In& t) const;
-  void dim(const In& t, int64_t ndim) const;
-  void type(const In& t, ONNXTensorElementDataType expected) const;
-  void size(const In& t, int64_t d, int64_t expected, const char* what) const;
-  int to_int(int64_t v, const char* arg, const char* what) const;
-  // A float32 scale of 1 or `per_head` elements (0: only 1); returns whether it is per head.
-  bool scale(const In& t, const char* cache_arg, int64_t per_head) const;
+  explicit Check(const char* op) : DenseCheck<OrtTypes>(op) {}
   // `t` shares no byte with `out` (an input bound to the very buffer an op writes in place).
   void disjoint(const In& t, const In& out) const;
 };
 
-// The paged half of PagedAttention / GatherKV: caches, block tables, sequence lengths, fp8 scales
-// (the index checks of index_checks.h included: everything is valid when it returns).
+// The paged half of PagedAttention / GatherKV: caches (head_dim of value_cache = key_cache's), block
+// tables, sequence lengths, fp8 scales (the index checks of index_checks.h included: everything is
+// valid when it returns).
 paged_kv_t paged_kv(const Check& c, const In& key_cache, const In& value_cache,
                     const In& block_tables, const In& seq_lens, const In& k_scale,
                     const In& v_scale);
