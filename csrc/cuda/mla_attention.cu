@@ -9,6 +9,10 @@
 //                                                   ~158 KiB of shared memory fit the device
 //                                                   (sm_80: 163 KiB, sm_90: 227 KiB; not sm_86/89)
 //   otherwise fp16 / bf16                        -> tensor cores, 16 rows per CTA (<= 94 KiB)
+//   KVKERNELS_CUDA_MLA_PATH=wgmma (opt-in)       -> the sm_90a wgmma decode (mla_attention_sm90.cuh)
+//                                                   where mla_wgmma_unsupported finds no reason
+//                                                   against it, else the choice above;
+//                                                   KVKERNELS_CUDA_WGMMA=require fails instead
 // Pipeline depth: as many 32-key stages as fit so that two CTAs share an SM, else one CTA; 2 to 4.
 // Split count: from the number of work items (shapes), the longest context a block-table row can
 // describe (block_tables.shape[1] * block_size), the SM count and the CTAs per SM, never from
@@ -21,6 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <string>
 
 #include "mla_api.h"
 #include "mla_common.cuh"
@@ -34,7 +39,7 @@ constexpr int kMinKeysPerSplit = 256;  // below this a split costs more in mergi
 cuda::Status failed(const char* message) { return cuda::Status{cudaSuccess, message}; }
 
 struct DeviceInfo {
-  int sm_count = 0, major = 0, smem_optin = 0;
+  int sm_count = 0, major = 0, minor = 0, smem_optin = 0;
   cudaError_t error = cudaSuccess;
 };
 
@@ -47,6 +52,8 @@ DeviceInfo device_info(int device) {
     info.error = cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, dev);
     if (info.error == cudaSuccess)
       info.error = cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (info.error == cudaSuccess)
+      info.error = cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, dev);
     if (info.error == cudaSuccess)
       info.error = cudaDeviceGetAttribute(&info.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     return info;
@@ -81,6 +88,31 @@ int pick_stages(MlaPath path, int dp, int esz, int optin) {
   return 0;
 }
 
+// Stages of the wgmma decode: as many 64-key 16-bit tiles (2..4) as fit one CTA; 0 when 2 do not.
+int pick_sm90_stages(int dp, int optin) {
+  for (int s = 4; s >= 2; --s)
+    if (mla_sm90_smem(dp, s).total <= optin) return s;
+  return 0;
+}
+
+// Why the wgmma decode cannot run this call, or nullptr (docs/ops.md, "CUDA kernels"; the planner then
+// runs what it would without KVKERNELS_CUDA_MLA_PATH=wgmma). Shapes, pointers and the device only.
+const char* mla_wgmma_unsupported(const AttentionParams& p, int device, const DeviceInfo& dev) {
+  if (p.q_format == FloatFormat::kFloat32) return "float32 queries: the SIMT kernel";
+  if (p.query_start_loc != nullptr)
+    return "varlen prefill (query_start_loc): the mma.sync 64-row kernel (rows see different keys there; the "
+           "wgmma kernel is decode only)";
+  if (dev.major != 9 || dev.minor != 0) return "not an sm_90 (Hopper) device";
+  int optin = 0;  // (read per call, not cached with the rest: the emulator's tests vary it)
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+      pick_sm90_stages(mla_sm90_dp(p.kv.head_dim, p.kv.head_dim_v), optin) == 0)
+    return "less opt-in shared memory than the kernel needs (two 64-key stages)";
+  const bool built = p.q_format == FloatFormat::kFloat16 ? mla_sm90_available_f16(p.kv.format)
+                                                         : mla_sm90_available_bf16(p.kv.format);
+  if (!built) return "this build has no sm_90a code for this cache format (TORCH_CUDA_ARCH_LIST without 9.0a)";
+  return nullptr;
+}
+
 }  // namespace
 
 cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* out) {
@@ -96,6 +128,8 @@ cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* o
   const int esz = esize(p.kv.format);
   const bool decode = p.query_start_loc == nullptr;
   const char* forced = env("KVKERNELS_CUDA_MLA_PATH");
+  const bool wgmma_asked = forced && std::strcmp(forced, "wgmma") == 0;
+  const char* wgmma_why = wgmma_asked ? mla_wgmma_unsupported(p, device, dev) : nullptr;
   MlaPath path;
   if (p.q_format == FloatFormat::kFloat32 || (forced && std::strcmp(forced, "simt") == 0)) {
     path = MlaPath::kSimt;
@@ -107,10 +141,26 @@ cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* o
     const bool wide = p.num_heads > 16 || !decode;
     path = wide && pick_stages(MlaPath::kMma64, plan.dp, esz, dev.smem_optin) > 0 ? MlaPath::kMma64
                                                                                  : MlaPath::kMma16;
+    if (wgmma_asked && wgmma_why == nullptr) path = MlaPath::kWgmma;
   }
-  plan.stages = pick_stages(path, plan.dp, esz, dev.smem_optin);
-  if (plan.stages == 0) return failed("not enough shared memory per block on this device for the MLA kernel");
-  plan.smem = smem_of(path, plan.dp, esz, plan.stages);
+  if (wgmma_asked && path != MlaPath::kWgmma) {
+    const char* req = env("KVKERNELS_CUDA_WGMMA");
+    if (req != nullptr && std::strcmp(req, "require") == 0) {
+      // Status carries static text: the message lives in this thread's buffer until its next failed plan.
+      static thread_local std::string message;
+      message = std::string("KVKERNELS_CUDA_WGMMA=require: the wgmma MLA decode cannot run this call: ") + wgmma_why;
+      return failed(message.c_str());
+    }
+  }
+  if (path == MlaPath::kWgmma) {
+    plan.dp = mla_sm90_dp(D, R);
+    plan.stages = pick_sm90_stages(plan.dp, dev.smem_optin);
+    plan.smem = mla_sm90_smem(plan.dp, plan.stages).total;
+  } else {
+    plan.stages = pick_stages(path, plan.dp, esz, dev.smem_optin);
+    if (plan.stages == 0) return failed("not enough shared memory per block on this device for the MLA kernel");
+    plan.smem = smem_of(path, plan.dp, esz, plan.stages);
+  }
   plan.path = static_cast<int>(path);
 
   const int rows = mla_rows(path);
@@ -128,7 +178,8 @@ cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* o
   const int kt = mla_key_tile(path);
   const int64_t max_keys = p.kv.max_blocks_per_seq * p.kv.block_size;
   const int64_t items = plan.grid_x * plan.grid_y;
-  const int ctas_per_sm = 2 * (plan.smem + 1024) <= dev.smem_optin ? 2 : 1;
+  // (the wgmma kernel: 384 threads of up to 168 registers fill an SM's register file)
+  const int ctas_per_sm = path != MlaPath::kWgmma && 2 * (plan.smem + 1024) <= dev.smem_optin ? 2 : 1;
   const int64_t max_tiles = std::max<int64_t>(1, (max_keys + kt - 1) / kt);
   const int64_t most = std::min<int64_t>(
       {std::max<int64_t>(1, max_keys / kMinKeysPerSplit), kMaxSplits, max_tiles});
@@ -185,6 +236,9 @@ cuda::Status launch_mla_attention(const AttentionParams& p, const MlaPlan& plan,
   cudaError_t err;
   if (path == MlaPath::kSimt) {
     err = launch_mla_simt(m, grid, plan.smem, stream);
+  } else if (path == MlaPath::kWgmma) {
+    err = p.q_format == FloatFormat::kFloat16 ? launch_mla_sm90_f16(m, grid, plan.smem, stream)
+                                              : launch_mla_sm90_bf16(m, grid, plan.smem, stream);
   } else if (p.q_format == FloatFormat::kFloat16) {
     err = launch_mla_mma_f16(m, path, grid, plan.smem, stream);
   } else if (p.q_format == FloatFormat::kBFloat16) {
