@@ -19,7 +19,8 @@ where the emulator would be slow (it runs a 64-row CTA of 576-wide rows in about
 
 The emulator's sm_90 model (wgmma, setmaxnreg, named barriers, mbarrier phases with cp.async arrivals) has
 self-tests of its own (test_sm90_*: tests/cuda_emu/sm90_selftest.cpp), and the Hopper wgmma prefill
-(csrc/cuda/attention_sm90.cuh, opt-in) runs on it (test_wgmma_prefill*).
+(csrc/cuda/attention_sm90.cuh, opt-in) runs on it (test_wgmma_prefill*), as does the Hopper wgmma MLA decode
+(csrc/cuda/mla_attention_sm90.cuh, opt-in: test_mla_wgmma_*).
 """
 
 import dataclasses

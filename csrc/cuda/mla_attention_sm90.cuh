@@ -4,17 +4,18 @@
 // The absorbed decode of mla_attention_mma.cuh (q [T, H, R + P] over latent rows [R + P], V = the
 // first R columns of the same row, all heads sharing it) with FlashMLA's CTA shape: 64 rows (the heads
 // of one decode token; H > 64 takes several head chunks), 64-key tiles, 3 warpgroups (384 threads):
-//   warpgroup 2, the producer (setmaxnreg.dec to 40 registers): fills a ring of `stages` 16-bit latent
+//   warpgroup 2, the producer (setmaxnreg.dec to 48 registers): fills a ring of `stages` 16-bit latent
 //     tiles. 16-bit caches: cp.async gathers (one block-table lookup per row, so every block size
 //     works; keys outside [w.lo, w.hi], out-of-range block ids and bytes past the row zero-filled),
 //     completing the stage's `full` mbarrier through cp.async.mbarrier.arrive.noinc (count 128). fp8
-//     caches: plain 16-byte loads converted in registers to the q dtype (mla_attention_mma.cuh's exact
-//     conversion, values in units of fp8_unit) and stored to the tile, then a plain arrival (16-bit rows
-//     that are not 16-byte aligned, a rare view, take the same register path with element loads): the tile
-//     the consumers read is the same 16-bit tile either way, and no raw fp8 staging buffer is needed
-//     (which would not fit beside two 72-KiB stages at R + P = 576). Before refilling a stage it waits
+//     caches: cp.async of the raw bytes into the top half of the stage itself, converted in place one
+//     tile behind (so the next tile's copies fly meanwhile) into the 16-bit tile with the exact conversion
+//     of mla_attention_mma.cuh (values in units of fp8_unit), then fence.proxy.async and a plain arrival:
+//     the consumers see one tile format, and no separate fp8 buffer is needed (it would not fit beside two
+//     72-KiB stages at R + P = 576). Rows that are not 16-byte aligned (a rare view) are loaded element
+//     by element through registers instead. Before refilling a stage the producer waits
 //     for the stage's `empty` mbarrier (count 256: every consumer thread, after its P V product).
-//   warpgroups 0 and 1, the consumers (setmaxnreg.inc to 232): warpgroup c owns output columns
+//   warpgroups 0 and 1, the consumers (setmaxnreg.inc to 224): warpgroup c owns output columns
 //     [256 c, 256 c + 256) of all 64 rows (2 x 64 fp32 accumulators of m64n128) and computes the logits
 //     of keys [32 c, 32 c + 32) of each tile: S_c = Q K_c^T as ceil((R + P) / 16) wgmma m64n32k16 (A = Q,
 //     B = the key rows, both K-major from shared memory). The two halves of the row maximum meet in
@@ -98,10 +99,45 @@ __global__ void __launch_bounds__(kSm90Threads, 1) mla_sm90_kernel(const __grid_
     const int chunks = FP8 ? dp / 16 : cpr;  // 16-byte source chunks per row
     // cp.async straight into the tile: 16-bit rows with 16-byte aligned chunks (uniform per launch)
     const bool direct = !FP8 && a.kv_aligned;
+    // fp8 rows with 16-byte aligned chunks: cp.async of the raw bytes into the top of the stage, converted
+    // in place one tile behind (staged); otherwise loads through registers (unaligned rows, a rare view).
+    const bool staged = FP8 && a.kv_aligned;
     const char* const cache = static_cast<const char*>(kv.k);
     const uint64_t sb = uint64_t(kv.k_stride_block) * ESZ, ss = uint64_t(kv.k_stride_slot) * ESZ;
     const int32_t* bt = kv.block_tables + int64_t(w.seq) * kv.max_blocks_per_seq;
     const uint32_t nblk = ac::block_id_limit(kv);
+    // The staged fp8 layout: raw block b (fp8 columns [128 b, 128 b + 128): 64 rows x 128 bytes, plain) at
+    // raw_off + b * KT * 128 of the stage, the nb blocks ending where the stage ends. Block b converts into
+    // 16-bit column blocks 2 b and 2 b + 1 ([16 KiB b, 16 KiB b + 16 KiB) of the stage), which overlap only
+    // raw blocks <= b (raw_off >= 8 KiB (nb - 1)): converted in order, each block read into registers
+    // before any thread writes (named barrier 4), nothing is overwritten before it is read.
+    const int nb = (dp + 127) / 128;
+    const uint32_t raw_off = uint32_t(L.tile_bytes - nb * KT * 128);
+    auto convert = [&](int t) {  // tile t's raw bytes (landed) -> its 16-bit tile; then `full`
+      const int s = t % stages;
+      unsigned char* const tile = smem + (sK(s) - base);
+      s9::named_bar_sync(4, 128);  // every producer thread's copies of the tile have landed
+      for (int b = 0; b < nb; ++b) {
+        const unsigned char* const raw = tile + raw_off + b * KT * 128;
+        uint4 u[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) u[k] = *reinterpret_cast<const uint4*>(raw + (pt + 128 * k) * 16);
+        s9::named_bar_sync(4, 128);  // block b read by all before its 16-bit columns are written
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int idx = pt + 128 * k, r = idx >> 3, c16 = 16 * b + 2 * (idx & 7);
+          if (c16 >= cpr) continue;  // the half block past dp (dp / 64 odd)
+          const uint32_t wd[4] = {u[k].x, u[k].y, u[k].z, u[k].w};
+          uint32_t h[8];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) ac::fp8x4_to_pairs<T, CF>(wd[j], &h[2 * j], &h[2 * j + 1]);
+          *reinterpret_cast<uint4*>(tile + sm90_off(KT, r, c16)) = make_uint4(h[0], h[1], h[2], h[3]);
+          *reinterpret_cast<uint4*>(tile + sm90_off(KT, r, c16 + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+        }
+      }
+      s9::fence_proxy_async();  // the generic-proxy stores, before the consumers' wgmma reads
+      s9::mbar_arrive(full(s));
+    };
     for (int it = 0; it < ntiles; ++it) {
       const int s = it % stages, use = it / stages;
       const int k0 = (w.tile_begin + it) * KT;
@@ -129,16 +165,15 @@ __global__ void __launch_bounds__(kSm90Threads, 1) mla_sm90_kernel(const __grid_
             ac::cp_async16_at(dst + sm90_off(KT, r, c), src, bytes);
             continue;
           }
-          // Through registers: fp8 (converted), or 16-bit rows that are not 16-byte aligned (element loads).
+          if (staged) {  // raw chunk c of row r: block c / 8, chunk c % 8 of the row's 128 bytes there
+            ac::cp_async16_at(dst + raw_off + uint32_t((c >> 3) * KT * 128 + r * 128 + (c & 7) * 16), src, bytes);
+            continue;
+          }
+          // Through registers: element loads (rows not 16-byte aligned), fp8 converted.
           using Loader = ac::TileLoader<1, 1, 1, ESZ>;
           uint32_t wd[4];
-          if (a.kv_aligned && bytes == 16) {
-            const uint4 u = __ldg(reinterpret_cast<const uint4*>(src));
-            wd[0] = u.x, wd[1] = u.y, wd[2] = u.z, wd[3] = u.w;
-          } else {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) wd[j] = Loader::word_at(src, 4 * j, bytes);
-          }
+          for (int j = 0; j < 4; ++j) wd[j] = Loader::word_at(src, 4 * j, bytes);
           unsigned char* d = smem + (dst - base);
           if constexpr (FP8) {
             uint32_t h[8];
@@ -153,10 +188,21 @@ __global__ void __launch_bounds__(kSm90Threads, 1) mla_sm90_kernel(const __grid_
       }
       if (direct) {
         s9::cp_async_mbar_arrive(full(s));
+      } else if (staged) {
+        // The copies of this tile fly while the previous tile is converted (its group: all but the newest).
+        ac::cp_async_commit();
+        if (it > 0) {
+          ac::cp_async_wait<1>();
+          convert(it - 1);
+        }
       } else {
         s9::fence_proxy_async();  // the generic-proxy stores, before the consumers' wgmma reads
         s9::mbar_arrive(full(s));
       }
+    }
+    if (staged && ntiles > 0) {
+      ac::cp_async_wait<0>();
+      convert(ntiles - 1);
     }
     ac::cp_async_commit();  // every copy complete (and so every arrival made) before the thread exits
     ac::cp_async_wait<0>();

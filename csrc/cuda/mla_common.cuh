@@ -80,8 +80,10 @@ __host__ __device__ inline MmaSmem mma_smem(MlaPath path, int dp, int esz, int s
 constexpr int kSm90KeyTile = 64;    // keys per stage
 constexpr int kSm90Rows = 64;       // rows (heads) per CTA: one m64 wgmma row block
 constexpr int kSm90Threads = 384;   // 2 consumer warpgroups + 1 producer
-constexpr int kSm90ProducerRegs = 40, kSm90ConsumerRegs = 232;
-static_assert(kSm90ProducerRegs * 128 + kSm90ConsumerRegs * 256 <= 65536, "setmaxnreg pool");
+// setmaxnreg: the producer gives back what the consumers take (the CTA starts with 168 a thread: the
+// launch bound of 384 threads); 48 for the producer (its fp8 conversion spilled at 40), so 224 for them.
+constexpr int kSm90ProducerRegs = 48, kSm90ConsumerRegs = 224;
+static_assert(kSm90ProducerRegs * 128 + kSm90ConsumerRegs * 256 <= 168 * 384, "setmaxnreg pool");
 
 // Tile width of the wgmma kernel in elements: R + P rounded up to 64, and at least R rounded up to 128
 // (its P V n128 blocks read whole 128-column slices of the tile; the extra columns are zero-filled).
