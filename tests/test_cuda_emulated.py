@@ -1993,6 +1993,30 @@ def test_mla_wgmma_decode(emu, case, splits, monkeypatch):
         assert plan["splits"] == 3, plan
 
 
+@pytest.mark.parametrize("case", ["bf16-R512-P64-H16-b64", "f16-R64-P16-H8-b64", "bf16-R72-P8-H3-b64-strided"])
+def test_mla_wgmma_tma_and_cp_async(emu, case, monkeypatch):
+    """Block size 64: whole-page tiles load by TMA (64 x 64 boxes, 128B swizzle; R + P = 80: a box partly past
+    the row, zero-filled), partial / masked tiles by the gathers; KVKERNELS_CUDA_NO_TMA=1 gathers every tile.
+    Both against the reference and bit-identical to each other. "strided": rows of a wider allocation (the
+    page stride is still 64 rows), which the map's row stride carries."""
+    r, p, h = {"bf16-R512-P64-H16-b64": (512, 64, 16), "f16-R64-P16-H8-b64": (64, 16, 8),
+               "bf16-R72-P8-H3-b64-strided": (72, 8, 3)}[case]
+    dtype = f16 if case.startswith("f16") else bf16
+    use_mla_wgmma(monkeypatch)
+    mla, q, _ = make_mla_case("decode", [330, 0, 64, 65, 128], dtype, None, r, p, h, 64, seed=68)
+    if case.endswith("strided"):
+        wide = torch.full((*mla.kv_cache.shape[:2], r + p + 16), float("nan"), dtype=dtype)
+        wide[..., 8:8 + r + p] = mla.kv_cache
+        mla.kv_cache = wide[..., 8:8 + r + p]
+    results = []
+    for no_tma in ("0", "1"):
+        monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", no_tma)
+        out, lse, _ = run_emu_mla_attention(emu, mla, q, None, 0.1, path=MLA_WGMMA)
+        results.append((out, lse))
+    assert_bytes_equal(results[0][0], results[1][0], "out")
+    assert_bytes_equal(results[0][1], results[1][1], "lse")
+
+
 def test_mla_wgmma_plan(emu, monkeypatch):
     """DeepSeek widths: 576-wide tiles, 2 stages of 72 KiB beside the 72-KiB query tile (226 KiB of the
     227 KiB opt-in limit); narrower rows get up to 4 stages; heads above 64 take head chunks."""

@@ -19,6 +19,7 @@
 // seq_lens, so the launch is the same for every step of a decode loop. Decode takes the count with
 // the least wave-quantized time (attention_common.cuh choose_splits), prefill splits only when the
 // work items alone leave SMs idle.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -111,6 +112,56 @@ const char* mla_wgmma_unsupported(const AttentionParams& p, int device, const De
                                                          : mla_sm90_available_bf16(p.kv.format);
   if (!built) return "this build has no sm_90a code for this cache format (TORCH_CUDA_ARCH_LIST without 9.0a)";
   return nullptr;
+}
+
+// ---- TMA for the wgmma decode's latent tiles -------------------------------------------------------
+
+// cuTensorMapEncodeTiled's signature (CUDA 12.0+ driver API), called through a pointer (libcuda is not
+// linked; mla_decompress.cu looks it up the same way for its own map).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiledFn encode_tiled_fn() {
+  static const EncodeTiledFn fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found);
+#else
+    cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &found);
+#endif
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();  // not a launch error of this op
+      ptr = nullptr;
+    }
+    return reinterpret_cast<EncodeTiledFn>(ptr);
+  }();
+  return fn;
+}
+
+// The wgmma decode loads a tile that is one whole page (block size 64) with TMA: the cache viewed as
+// [num_blocks x 64 rows, R + P columns] (pages contiguous: block stride = 64 x slot stride), 64 x 64 boxes
+// (128 bytes of a row: the 128B swizzle's width, which is the kernel's tile layout), 16-bit caches (fp8
+// tiles are converted by the producer), 16-byte aligned rows, R + P a multiple of 8 (whole 16-byte chunks
+// at the row's end), KVKERNELS_CUDA_NO_TMA not 1. False (cp.async gathers for every tile) otherwise, or
+// when the driver has no cuTensorMapEncodeTiled or rejects the map.
+bool encode_latent_map(const AttentionParams& p, bool kv_aligned, CUtensorMap* map) {
+  const paged_kv_t& kv = p.kv;
+  const char* no_tma = env("KVKERNELS_CUDA_NO_TMA");
+  if ((no_tma && std::strcmp(no_tma, "1") == 0) || is_fp8(kv.format) || kv.block_size != kSm90KeyTile ||
+      !kv_aligned || kv.k_stride_block != int64_t(kSm90KeyTile) * kv.k_stride_slot || kv.head_dim % 8 != 0 ||
+      encode_tiled_fn() == nullptr)
+    return false;
+  const cuuint64_t dims[2] = {cuuint64_t(kv.head_dim), cuuint64_t(kv.num_blocks) * kSm90KeyTile};
+  const cuuint64_t strides[1] = {cuuint64_t(kv.k_stride_slot) * 2};  // bytes between rows
+  const cuuint32_t box[2] = {64, cuuint32_t(kSm90KeyTile)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUtensorMapDataType type =
+      kv.format == CacheFormat::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  return encode_tiled_fn()(map, type, 2, const_cast<void*>(kv.k), dims, strides, box, elem_strides,
+                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 }  // namespace
@@ -237,8 +288,10 @@ cuda::Status launch_mla_attention(const AttentionParams& p, const MlaPlan& plan,
   if (path == MlaPath::kSimt) {
     err = launch_mla_simt(m, grid, plan.smem, stream);
   } else if (path == MlaPath::kWgmma) {
-    err = p.q_format == FloatFormat::kFloat16 ? launch_mla_sm90_f16(m, grid, plan.smem, stream)
-                                              : launch_mla_sm90_bf16(m, grid, plan.smem, stream);
+    CUtensorMap map;
+    const CUtensorMap* use_map = encode_latent_map(p, a.kv_aligned != 0, &map) ? &map : nullptr;
+    err = p.q_format == FloatFormat::kFloat16 ? launch_mla_sm90_f16(m, use_map, grid, plan.smem, stream)
+                                              : launch_mla_sm90_bf16(m, use_map, grid, plan.smem, stream);
   } else if (p.q_format == FloatFormat::kFloat16) {
     err = launch_mla_mma_f16(m, path, grid, plan.smem, stream);
   } else if (p.q_format == FloatFormat::kBFloat16) {

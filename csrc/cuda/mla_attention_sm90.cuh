@@ -7,7 +7,9 @@
 //   warpgroup 2, the producer (setmaxnreg.dec to 48 registers): fills a ring of `stages` 16-bit latent
 //     tiles. 16-bit caches: cp.async gathers (one block-table lookup per row, so every block size
 //     works; keys outside [w.lo, w.hi], out-of-range block ids and bytes past the row zero-filled),
-//     completing the stage's `full` mbarrier through cp.async.mbarrier.arrive.noinc (count 128). fp8
+//     completing the stage's `full` mbarrier through cp.async.mbarrier.arrive.noinc (count 128); with a
+//     tensor map (block size 64, pages contiguous: mla_attention.cu), a tile that is one whole, fully
+//     visible page is instead dp / 64 TMA boxes issued by one thread (arrive.expect_tx of the tile). fp8
 //     caches: cp.async of the raw bytes into the top half of the stage itself, converted in place one
 //     tile behind (so the next tile's copies fly meanwhile) into the 16-bit tile with the exact conversion
 //     of mla_attention_mma.cuh (values in units of fp8_unit), then fence.proxy.async and a plain arrival:
@@ -37,7 +39,10 @@
 // other devices stay on the mma.sync kernels (mla_attention.cu, mla_wgmma_unsupported).
 #pragma once
 
+#include <cuda.h>  // CUtensorMap
+
 #include <atomic>
+#include <cstring>
 
 #include "mla_common.cuh"
 #include "sm90_ptx.cuh"
@@ -51,8 +56,11 @@ __device__ __forceinline__ uint32_t sm90_off(int rows, int r, int c) {
   return uint32_t((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
+// `map`: with `tma`, the 2-D tensor map of the latent cache as [num_blocks x 64 rows, R + P columns] (block size
+// 64, pages contiguous), boxes of 64 x 64 with the 128B swizzle (mla_attention.cu, encode_latent_map).
 template <typename T, CacheFormat CF>
-__global__ void __launch_bounds__(kSm90Threads, 1) mla_sm90_kernel(const __grid_constant__ MlaArgs m) {
+__global__ void __launch_bounds__(kSm90Threads, 1)
+    mla_sm90_kernel(const __grid_constant__ MlaArgs m, const __grid_constant__ CUtensorMap map, int tma) {
 #if KVK_SM90_PTX || defined(KVKERNELS_CUDA_EMU)
   namespace s9 = ::kvkernels::sm90;
   constexpr bool FP8 = CF == CacheFormat::kFp8E4M3 || CF == CacheFormat::kFp8E5M2;
@@ -150,6 +158,22 @@ __global__ void __launch_bounds__(kSm90Threads, 1) mla_sm90_kernel(const __grid_
       }
       if (use > 0) s9::mbar_wait(empty(s), uint32_t(use - 1) & 1u);
       const uint32_t dst = sK(s);
+      // TMA: a tile that is one whole page (block size 64), every key visible, its block id valid: one
+      // thread loads its dp / 64 boxes (columns past R + P zero-filled by the engine), the others arrive.
+      // Partial or masked tiles take the gathers below (they zero-fill keys that must not be read).
+      if (!FP8 && tma && k0 >= w.lo && k0 + KT - 1 <= w.hi) {
+        const int id0 = __shfl_sync(0xffffffffu, my_id, 0);  // rows warp, warp + 4, ..: one page, one id
+        if (ac::block_id_ok(id0, nblk)) {
+          if (pt == 0) {
+            s9::mbar_arrive_expect_tx(full(s), uint32_t(L.tile_bytes));
+            for (int j = 0; j < dp / 64; ++j)
+              s9::tma_load_2d(dst + uint32_t(j * KT * 128), &map, 64 * j, id0 * KT, full(s));
+          } else {
+            s9::mbar_arrive(full(s));
+          }
+          continue;
+        }
+      }
 #pragma unroll 2
       for (int i = 0; i < KT / 4; ++i) {
         const int r = warp + 4 * i, key = k0 + r;
@@ -428,11 +452,14 @@ bool mla_sm90_compiled() {
 }
 
 template <typename T, CacheFormat CF>
-cudaError_t launch_mla_sm90_instance(const MlaArgs& m, dim3 grid, int smem, cudaStream_t stream) {
+cudaError_t launch_mla_sm90_instance(const MlaArgs& m, const CUtensorMap* map, dim3 grid, int smem,
+                                     cudaStream_t stream) {
   static std::atomic<int> configured[64] = {};
   const cudaError_t err = raise_smem_limit(mla_sm90_kernel<T, CF>, configured, smem);
   if (err != cudaSuccess) return err;
-  mla_sm90_kernel<T, CF><<<grid, kSm90Threads, smem, stream>>>(m);
+  CUtensorMap none;
+  if (map == nullptr) std::memset(&none, 0, sizeof(none));
+  mla_sm90_kernel<T, CF><<<grid, kSm90Threads, smem, stream>>>(m, map ? *map : none, map ? 1 : 0);
   return cudaGetLastError();
 }
 
@@ -447,11 +474,13 @@ struct MlaSm90ForQ {
       default: return false;
     }
   }
-  static cudaError_t launch(const MlaArgs& m, dim3 grid, int smem, cudaStream_t stream) {
+  static cudaError_t launch(const MlaArgs& m, const CUtensorMap* map, dim3 grid, int smem, cudaStream_t stream) {
     switch (m.a.p.kv.format) {
-      case SELF: return launch_mla_sm90_instance<T, SELF>(m, grid, smem, stream);
-      case CacheFormat::kFp8E4M3: return launch_mla_sm90_instance<T, CacheFormat::kFp8E4M3>(m, grid, smem, stream);
-      case CacheFormat::kFp8E5M2: return launch_mla_sm90_instance<T, CacheFormat::kFp8E5M2>(m, grid, smem, stream);
+      case SELF: return launch_mla_sm90_instance<T, SELF>(m, map, grid, smem, stream);
+      case CacheFormat::kFp8E4M3:
+        return launch_mla_sm90_instance<T, CacheFormat::kFp8E4M3>(m, nullptr, grid, smem, stream);
+      case CacheFormat::kFp8E5M2:
+        return launch_mla_sm90_instance<T, CacheFormat::kFp8E5M2>(m, nullptr, grid, smem, stream);
       default: return cudaErrorInvalidValue;
     }
   }

@@ -6,10 +6,13 @@
 
 namespace kvkernels::mla_cuda {
 
-bool mla_sm90_available_bf16(CacheFormat format) { return MlaSm90ForQ<__nv_bfloat16, CacheFormat::kBFloat16>::compiled(format); }
+bool mla_sm90_available_bf16(CacheFormat format) {
+  return MlaSm90ForQ<__nv_bfloat16, CacheFormat::kBFloat16>::compiled(format);
+}
 
-cudaError_t launch_mla_sm90_bf16(const MlaArgs& m, dim3 grid, int smem, cudaStream_t stream) {
-  return MlaSm90ForQ<__nv_bfloat16, CacheFormat::kBFloat16>::launch(m, grid, smem, stream);
+cudaError_t launch_mla_sm90_bf16(const MlaArgs& m, const CUtensorMap* map, dim3 grid, int smem,
+                              cudaStream_t stream) {
+  return MlaSm90ForQ<__nv_bfloat16, CacheFormat::kBFloat16>::launch(m, map, grid, smem, stream);
 }
 
 }  // namespace kvkernels::mla_cuda

@@ -12,6 +12,8 @@
 // from the device's shared memory).
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (the wgmma decode's TMA map; nothing links libcuda)
+
 #include <atomic>
 
 #include "attention_common.cuh"
@@ -237,8 +239,9 @@ cudaError_t launch_mla_simt(const MlaArgs& m, dim3 grid, int smem, cudaStream_t 
 // cache format, and its launch.
 bool mla_sm90_available_f16(CacheFormat format);
 bool mla_sm90_available_bf16(CacheFormat format);
-cudaError_t launch_mla_sm90_f16(const MlaArgs& m, dim3 grid, int smem, cudaStream_t stream);
-cudaError_t launch_mla_sm90_bf16(const MlaArgs& m, dim3 grid, int smem, cudaStream_t stream);
+// `map`: the latent cache's tensor map for TMA (16-bit caches, block size 64; mla_attention.cu), or nullptr.
+cudaError_t launch_mla_sm90_f16(const MlaArgs& m, const CUtensorMap* map, dim3 grid, int smem, cudaStream_t stream);
+cudaError_t launch_mla_sm90_bf16(const MlaArgs& m, const CUtensorMap* map, dim3 grid, int smem, cudaStream_t stream);
 cudaError_t launch_mla_merge(const MlaArgs& m, cudaStream_t stream);
 
 // Raises `kernel`'s opt-in limit of dynamic shared memory to `smem` bytes unless this process already

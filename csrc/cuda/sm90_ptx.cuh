@@ -373,4 +373,32 @@ __device__ __forceinline__ void wgmma_ss_n32(float (&d)[16], uint64_t da, uint64
 
 #undef KVK_WGMMA_SS_32
 
+// mbarrier.arrive.expect_tx: one arrival that also expects `bytes` of transactions (bulk copies
+// completing on the barrier) in the current phase; the phase completes when both are done.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+#if KVK_SM90_PTX
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::mbarrier_arrive_expect_tx(bar, bytes);
+#else
+  (void)bar, (void)bytes;
+#endif
+}
+
+// cp.async.bulk.tensor.2d (TMA): the box of the tensor map `map` (a __grid_constant__ kernel parameter)
+// at (column c0, row c1) into shared `dst` (128-byte aligned; 1024 with the 128B swizzle), its bytes
+// completing on `bar`. Elements outside the tensor are zero-filled by the copy engine.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c0, int c1, uint32_t bar) {
+#if KVK_SM90_PTX
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::bulk_tensor_load_2d(dst, map, c0, c1, bar);
+#else
+  (void)dst, (void)map, (void)c0, (void)c1, (void)bar;
+#endif
+}
+
 }  // namespace kvkernels::sm90
