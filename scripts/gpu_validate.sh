@@ -179,7 +179,7 @@ step_t_attn() { pytest_par tests/test_cuda_attention.py -k "not ($BAD)"; }
 # sm_90a wgmma kernel's tests (test_mla_decompress_wgmma*: KVKERNELS_CUDA_DECOMPRESS=wgmma, never run on a
 # GPU before; its mbarrier ring is the likeliest to hang).
 step_t_mla_tma() { FAULT_S=20 pytest_step tests.log tests/test_cuda_mla.py -k test_mla_decompress; }
-step_t_mla_attn() { pytest_par tests/test_cuda_mla.py -k "not test_mla_decompress and not ($BAD)"; }
+step_t_mla_attn() { pytest_par tests/test_cuda_mla.py -k "not test_mla_decompress and not wgmma and not ($BAD)"; }
 step_t_cascade_mla() { pytest_step tests.log tests/test_cascade.py tests/test_mla.py -k cuda; }
 # NaN / inf in keys, values, queries, parameters, MLA rows, merge lse: the CPU cases, on the CUDA kernels.
 step_t_nonfinite() { pytest_par tests/test_nonfinite.py -k cuda; }
@@ -197,6 +197,11 @@ step_t_wgmma() {
   STEP_DETAIL="$detail; non-finite: $STEP_DETAIL"
   return $rc
 }
+# The sm_90a wgmma MLA decode (MlaPath::kWgmma, KVKERNELS_CUDA_MLA_PATH=wgmma; compiled and emulated before
+# this run, never on a GPU): its tests alone and serially under a short cap, with KVKERNELS_CUDA_WGMMA=require
+# set by the tests (a fallback fails); an mbarrier / named-barrier protocol error hangs rather than fails
+# (faulthandler dumps the stacks of a test stuck for 30 s).
+step_t_mla_wgmma() { FAULT_S=30 pytest_step tests.log tests/test_cuda_mla.py -k wgmma; }
 step_t_compile() {
   pytest_step tests.log tests/test_cuda_ops.py::test_compile_reduce_overhead tests/test_cuda_ops.py::test_compiled_decode_step \
     tests/test_compile_decode.py::test_reduce_overhead_captures_cuda_graph
@@ -327,6 +332,17 @@ step_b_wgmma() {
     --json "$SCRATCH/results/bench/cuda-attention-wgmma-$STAMP.json"
 }
 
+# The A/B of the MLA decode kernels at the issue's shapes (b64 x 4k, DeepSeek rows 512 + 64, block 64; 16 and
+# 128 heads; bf16 then e4m3 latents, bf16 q): mma (today's default: kMma16 at 16 heads, kMma64 at 128) vs
+# wgmma (the sm_90a kernel, with require: a fallback is a skipped row), alternating batches on the same data,
+# against the copy bandwidth measured in the same run. "variant:" lines: ms, TFLOP/s, GB/s, fraction of copy
+# and wgmma's speed-up over mma; the predictions are in csrc/cuda/README.md ("MLA decode on wgmma").
+step_b_mla_wgmma() {
+  bench -m kvkernels.bench.cuda_mla --mla-batches 64 --mla-contexts 4096 --mla-heads 16,128 \
+    --mla-dtypes bfloat16,fp8_e4m3 --mla-decompress-tokens '' --mla-attn-variants mma,wgmma --mla-reps 5 \
+    --mla-min-ms 10 --json "$SCRATCH/results/bench/cuda-mla-wgmma-$STAMP.json"
+}
+
 # The other targets at full size: copy_blocks (1024 pairs x 32 layers, >= 80% of copy bandwidth) with
 # the other cache ops, and MLA decode (>= 70%) / mla_decompress (against a torch matmul) at one size each.
 step_b_sizes() {
@@ -360,6 +376,8 @@ build 300
 verify 30
 t_wgmma 90
 b_wgmma 60
+t_mla_wgmma 60
+b_mla_wgmma 60
 t_ops 60
 t_cache 60
 t_attn 180
@@ -407,6 +425,8 @@ done <<<"$PLAN"
   cat "$SCRATCH/targets-b_variants.txt" 2>/dev/null
   echo "---- wgmma prefill A/B, wide vs wgmma vs SDPA flash / cuDNN (bench.log)"
   cat "$SCRATCH/targets-b_wgmma.txt" 2>/dev/null
+  echo "---- MLA decode A/B, mma vs wgmma, b64 x 4k (bench.log)"
+  cat "$SCRATCH/targets-b_mla_wgmma.txt" 2>/dev/null
   echo "---- prefill kernel A/B, wide vs deep vs SDPA flash (bench.log)"
   cat "$SCRATCH/targets-b_pvariants.txt" 2>/dev/null
   echo "---- mla_decompress A/B, persist128 vs wgmma / persist64 / tile64 vs torch matmul (bench.log)"

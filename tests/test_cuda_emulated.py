@@ -19,9 +19,10 @@ where the emulator would be slow (it runs a 64-row CTA of 576-wide rows in about
 
 The emulator's sm_90 model (wgmma, setmaxnreg, named barriers, mbarrier phases with cp.async arrivals) has
 self-tests of its own (test_sm90_*: tests/cuda_emu/sm90_selftest.cpp), and the Hopper wgmma prefill
-(csrc/cuda/attention_sm90.cuh, opt-in) runs on it (test_wgmma_prefill*), as does the sm_90a wgmma
+(csrc/cuda/attention_sm90.cuh, opt-in) runs on it (test_wgmma_prefill*), as do the sm_90a wgmma
 mla_decompress (csrc/cuda/mla_decompress_sm90.cuh, KVKERNELS_CUDA_DECOMPRESS=wgmma: every decompress case
-of the `variant` fixture, bit for bit against persist128 / tile64, test_mla_decompress_wgmma*).
+of the `variant` fixture, bit for bit against persist128 / tile64, test_mla_decompress_wgmma*) and the Hopper
+wgmma MLA decode (csrc/cuda/mla_attention_sm90.cuh, opt-in: test_mla_wgmma_*).
 """
 
 import dataclasses
@@ -2012,3 +2013,201 @@ def test_wgmma_prefill_plan_and_fallbacks(emu, monkeypatch):
     monkeypatch.setenv("KVKERNELS_EMU_SMEM_OPTIN", str(160 * 1024))
     with pytest.raises(RuntimeError, match="less opt-in shared memory"):
         plan_of(emu, kv, query, qsl)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The sm_90a wgmma MLA decode (csrc/cuda/mla_attention_sm90.cuh; KVKERNELS_CUDA_MLA_PATH=wgmma, opt-in).
+# Every case runs with KVKERNELS_CUDA_WGMMA=require, so a planner fallback fails the test instead of
+# quietly testing the mma.sync kernels; the plan's path is asserted too.
+# ---------------------------------------------------------------------------------------------------
+
+MLA_WGMMA = 3
+
+
+def use_mla_wgmma(monkeypatch, splits=None, require=True):
+    force_cuda_plan(monkeypatch, "MLA", "wgmma", splits)
+    monkeypatch.delenv("KVKERNELS_CUDA_WGMMA", raising=False)
+    if require:
+        monkeypatch.setenv("KVKERNELS_CUDA_WGMMA", "require")
+
+
+# id: q dtype, cache fp8, R, P, heads, block size, strided q. DeepSeek widths (R 512 + 64: both consumers'
+# two V slices, 2 stages so the ring wraps), H 128 (two head chunks), fp8 (converted by the producer),
+# R not a multiple of 256 / 128 (slices past R), rows whose last 16-byte chunk is partial (R + P = 131
+# 16-bit, 72 fp8), block sizes 1 / 7 / 13 / 16 / 64 / 256.
+MLA_WGMMA_CASES = {
+    "bf16-R512-P64-H16-b64": (bf16, None, 512, 64, 16, 64, None),
+    "bf16-R512-P64-H128-b64": (bf16, None, 512, 64, 128, 64, None),
+    "f16-R512-P64-H64-b16-transposed": (f16, None, 512, 64, 64, 16, "transposed"),
+    "e4m3-bf16-R512-P64-H16-b64": (bf16, "e4m3", 512, 64, 16, 64, None),
+    "e5m2-f16-R64-P16-H4-b1": (f16, "e5m2", 64, 16, 4, 1, None),
+    "e4m3-f16-R64-P8-H24-b13": (f16, "e4m3", 64, 8, 24, 13, None),
+    "bf16-R128-P3-H20-b7": (bf16, None, 128, 3, 20, 7, None),
+    "f16-R72-P8-H5-b256-fused": (f16, None, 72, 8, 5, 256, "fused"),
+    "bf16-R384-P64-H3-b16": (bf16, None, 384, 64, 3, 16, None),
+}
+
+
+@pytest.mark.parametrize("splits", [None, 3], ids=["planned", "split3"])
+@pytest.mark.parametrize("case", MLA_WGMMA_CASES.values(), ids=MLA_WGMMA_CASES.keys())
+def test_mla_wgmma_decode(emu, case, splits, monkeypatch):
+    """Decode over shuffled blocks: a sequence of 6 key tiles (the 2-stage ring wraps), an empty one (out 0,
+    lse -inf), one key, a tile exactly full, one a key past it."""
+    use_mla_wgmma(monkeypatch, splits)
+    dtype, fp8, r, p, h, b, strided = case
+    mla, q, _ = make_mla_case("decode", [330, 0, 1, 64, 65], dtype, fp8, r, p, h, b, strided, seed=61)
+    out, lse, plan = run_emu_mla_attention(emu, mla, q, None, (128 + p) ** -0.5, path=MLA_WGMMA)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+    assert plan["heads_per_cta"] == min(h, 64) and plan["dp"] >= -(-r // 128) * 128, plan
+    if splits:
+        assert plan["splits"] == 3, plan
+
+
+@pytest.mark.parametrize("case", ["bf16-R512-P64-H16-b64", "f16-R64-P16-H8-b64", "bf16-R72-P8-H3-b64-strided"])
+def test_mla_wgmma_tma_and_cp_async(emu, case, monkeypatch):
+    """Block size 64: whole-page tiles load by TMA (64 x 64 boxes, 128B swizzle; R + P = 80: a box partly past
+    the row, zero-filled), partial / masked tiles by the gathers; KVKERNELS_CUDA_NO_TMA=1 gathers every tile.
+    Both against the reference and bit-identical to each other. "strided": rows of a wider allocation (the
+    page stride is still 64 rows), which the map's row stride carries."""
+    r, p, h = {"bf16-R512-P64-H16-b64": (512, 64, 16), "f16-R64-P16-H8-b64": (64, 16, 8),
+               "bf16-R72-P8-H3-b64-strided": (72, 8, 3)}[case]
+    dtype = f16 if case.startswith("f16") else bf16
+    use_mla_wgmma(monkeypatch)
+    mla, q, _ = make_mla_case("decode", [330, 0, 64, 65, 128], dtype, None, r, p, h, 64, seed=68)
+    if case.endswith("strided"):
+        wide = torch.full((*mla.kv_cache.shape[:2], r + p + 16), float("nan"), dtype=dtype)
+        wide[..., 8:8 + r + p] = mla.kv_cache
+        mla.kv_cache = wide[..., 8:8 + r + p]
+    results = []
+    for no_tma in ("0", "1"):
+        monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", no_tma)
+        out, lse, _ = run_emu_mla_attention(emu, mla, q, None, 0.1, path=MLA_WGMMA)
+        results.append((out, lse))
+    assert_bytes_equal(results[0][0], results[1][0], "out")
+    assert_bytes_equal(results[0][1], results[1][1], "lse")
+
+
+def test_mla_wgmma_plan(emu, monkeypatch):
+    """DeepSeek widths: 576-wide tiles, 2 stages of 72 KiB beside the 72-KiB query tile (226 KiB of the
+    227 KiB opt-in limit); narrower rows get up to 4 stages; heads above 64 take head chunks."""
+    use_mla_wgmma(monkeypatch)
+    mla, q, _ = make_mla_case("decode", [100, 3], bf16, None, 512, 64, 128, 64)
+    plan = mla_plan_of(emu, mla, q, None)
+    assert (plan["path"], plan["dp"], plan["stages"], plan["smem"]) == (MLA_WGMMA, 576, 2, 231456), plan
+    assert (plan["heads_per_cta"], plan["grid_y"], plan["q_tile"]) == (64, 2, 1), plan
+    mla, q, _ = make_mla_case("decode", [100, 3], bf16, None, 64, 16, 8, 16)
+    plan = mla_plan_of(emu, mla, q, None)
+    assert (plan["path"], plan["dp"], plan["stages"]) == (MLA_WGMMA, 128, 4), plan
+
+
+@pytest.mark.parametrize("splits", [None, 128], ids=["planned", "128"])
+@pytest.mark.parametrize("fp8", [None, "e4m3"])
+def test_mla_wgmma_long_context(emu, fp8, splits, monkeypatch):
+    """Thousands of keys over few sequences: the planner splits them (4 emulated SMs); 128 forced splits
+    leave the short sequences' splits empty (lse -inf partials the merge skips)."""
+    from helpers import make_paged_mla
+    use_mla_wgmma(monkeypatch, splits)
+    mla = make_paged_mla([2100, 1, 700], 128, 16, 16, dtype=bf16, fp8=fp8, seed=62)
+    q = make_query(3, 16, 144, bf16, generator(63))
+    _, _, plan = run_emu_mla_attention(emu, mla, q, None, 144 ** -0.5, path=MLA_WGMMA)
+    assert plan["splits"] > 1, plan
+
+
+def test_mla_wgmma_agrees_with_mma64(emu, monkeypatch):
+    """The wgmma and the mma.sync 64-row kernels on the same inputs agree to the q dtype's tolerance."""
+    from helpers import TOLERANCES
+    mla, q, _ = make_mla_case("decode", [150, 64, 1, 129], bf16, None, 512, 64, 32, 64, seed=64)
+    args = (q, mla.kv_cache, mla.block_tables, mla.seq_lens, 512, 0.07, None, mla.scale)
+    force_cuda_plan(monkeypatch, "MLA", "mma64", None)
+    out_m, lse_m = emu.mla_paged_attention(*args)
+    use_mla_wgmma(monkeypatch)
+    out_w, lse_w = emu.mla_paged_attention(*args)
+    rtol, atol = TOLERANCES[bf16]
+    assert_close(out_w, out_m.double(), bf16, rtol=2 * rtol, atol=2 * atol, msg="out")
+    assert_close(lse_w, lse_m.double(), f32, rtol=1e-4, atol=1e-4, msg="lse")
+
+
+def test_mla_wgmma_out_variants(emu, monkeypatch):
+    """out= + lse= and out= into a padded view: the bytes of the allocating call, nothing around the view."""
+    use_mla_wgmma(monkeypatch)
+    mla, q, _ = make_mla_case("decode", [37, 0, 70], bf16, None, 512, 64, 16, 64)
+    args, kw = (q, mla.kv_cache, mla.block_tables, mla.seq_lens), dict(kv_lora_rank=512, scale=0.1)
+    assert mla_plan_of(emu, mla, q, None)["path"] == MLA_WGMMA
+    want, want_lse = emu.mla_paged_attention(*args, **kw)
+    out, lse = torch.full_like(want, float("nan")), torch.full_like(want_lse, 7.0)
+    emu.mla_paged_attention_out(*args, **kw, out=out, lse=lse)
+    assert_bytes_equal(out, want, "out")
+    assert_bytes_equal(lse, want_lse, "lse")
+    buf = torch.full((3, 16, 520), 3.0, dtype=bf16)
+    emu.mla_paged_attention_out(*args, **kw, out=buf[..., 4:516])
+    expect = torch.full_like(buf, 3.0)
+    expect[..., 4:516] = want
+    assert_bytes_equal(buf, expect, "padded out")
+
+
+@pytest.mark.parametrize("splits", [None, 3], ids=["planned", "split3"])
+def test_mla_wgmma_nonfinite(emu, splits, monkeypatch):
+    """inf in a value column and NaN in a rope column of visible keys (their rows NaN, as the reference), NaN
+    in cache slots past the sequences and in blocks no table names (never read), an inf kv_scale (fp8)."""
+    use_mla_wgmma(monkeypatch, splits)
+    r, p, h, b = 64, 16, 16, 16
+    seq_lens = [70, 5, 200]
+    mla, q, _ = make_mla_case("decode", seq_lens, bf16, None, r, p, h, b, seed=65)
+    slots = lambda i, pos: int(__import__("helpers").token_slots(mla.blocks[i], seq_lens[i], b)[pos])  # noqa: E731
+    s = slots(0, 45)
+    mla.kv_cache[s // b, s % b, 7] = float("inf")
+    s = slots(2, 150)
+    mla.kv_cache[s // b, s % b, r + 3] = float("nan")
+    out, lse, _ = run_emu_mla_attention(emu, mla, q, None, 0.1, path=MLA_WGMMA)
+    assert out[1].isfinite().all() and not out[0].isfinite().all() and lse[2].isnan().all()
+    mla, q, _ = make_mla_case("decode", seq_lens, bf16, "e4m3", r, p, h, b, seed=66)
+    mla.scale[0] = float("inf")
+    out, _, _ = run_emu_mla_attention(emu, mla, q, None, 0.1, path=MLA_WGMMA)
+    assert out.isnan().all()
+
+
+def test_mla_wgmma_out_of_range_block_ids_read_nothing(emu, monkeypatch):
+    """Block ids past the cache or negative, between NaN blocks: zero rows, nothing read."""
+    use_mla_wgmma(monkeypatch)
+    b, seq_lens = 16, [3 * 16 + 5, 2 * 16, 16 + 1]
+    mla, q, _ = make_mla_case("decode", seq_lens, bf16, None, 64, 16, 8, b)
+    n = mla.kv_cache.shape[0]
+    cache = between_nan_blocks(mla.kv_cache)
+    table, ref_table = out_of_range_ids(mla.block_tables, [(0, 1), (1, 0), (0, 3), (2, 1)], n)
+    assert mla_plan_of(emu, dataclasses.replace(mla, kv_cache=cache, block_tables=table), q, None)["path"] == MLA_WGMMA
+    out, lse = emu.mla_paged_attention(q, cache, table, mla.seq_lens, 64, 80 ** -0.5, None, None)
+    ref_cache = torch.cat([cache, torch.zeros(1, *cache.shape[1:], dtype=cache.dtype)])
+    ref_out, ref_lse = reference.mla_paged_attention(upcast(q), upcast(ref_cache), ref_table, mla.seq_lens,
+                                                     kv_lora_rank=64, scale=80 ** -0.5)
+    assert out.isfinite().all()
+    assert_close(out, ref_out, bf16, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
+
+
+@pytest.mark.parametrize("dtype,fp8", [(bf16, None), (f16, "e4m3")], ids=["bf16", "e4m3"])
+def test_mla_wgmma_unaligned_cache_rows(emu, dtype, fp8, monkeypatch):
+    """Latent rows not 16-byte aligned (a [..., 2:2+W] slice of wider rows, NaN around it): the producer's
+    register path with element loads instead of cp.async."""
+    use_mla_wgmma(monkeypatch)
+    mla, q, qsl = make_mla_case("decode", [140, 9, 0, 16], dtype, fp8, 64, 16, 8, 16, seed=29)
+    mla.kv_cache = unaligned_copy(mla.kv_cache)
+    run_emu_mla_attention(emu, mla, q, qsl, 0.1, path=MLA_WGMMA)
+
+
+@pytest.mark.parametrize("why", ["varlen", "float32", "smem"])
+def test_mla_wgmma_fallbacks(emu, why, monkeypatch):
+    """Where the wgmma decode cannot run, the planner takes the mma.sync / SIMT kernels (results still
+    right) and KVKERNELS_CUDA_WGMMA=require fails naming the reason."""
+    dtype = f32 if why == "float32" else bf16
+    mode = "varlen" if why == "varlen" else "decode"
+    mla, q, qsl = make_mla_case(mode, [40, 9, 0, 16], dtype, None, 64, 16, 8, 16, q_lens=[3, 2, 0, 1], seed=67)
+    if why == "smem":
+        monkeypatch.setenv("KVKERNELS_EMU_SMEM_OPTIN", str(99 * 1024))
+        mla, q, qsl = make_mla_case(mode, [40, 9], dtype, None, 512, 64, 8, 16, seed=67)
+    reason = {"varlen": "varlen prefill", "float32": "float32 queries", "smem": "less opt-in shared memory"}[why]
+    use_mla_wgmma(monkeypatch, require=True)
+    with pytest.raises(RuntimeError, match=f"KVKERNELS_CUDA_WGMMA=require: the wgmma MLA decode cannot run this call: .*{reason}"):
+        emu.mla_paged_attention(q, mla.kv_cache, mla.block_tables, mla.seq_lens, mla.kv_lora_rank, 0.1, qsl, None)
+    use_mla_wgmma(monkeypatch, require=False)
+    _, _, plan = run_emu_mla_attention(emu, mla, q, qsl, 0.1)
+    assert plan["path"] != MLA_WGMMA, plan

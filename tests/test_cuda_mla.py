@@ -116,6 +116,52 @@ def test_mla_paged_attention(case, mode, path):
         assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
 
 
+def use_mla_wgmma(monkeypatch, splits=None):
+    """The sm_90a wgmma decode (csrc/cuda/mla_attention_sm90.cuh) with KVKERNELS_CUDA_WGMMA=require: a planner
+    fallback fails the test instead of running the mma.sync kernels; skipped off sm_90 devices."""
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip(f"the wgmma MLA decode is sm_90a only; this device is sm_{''.join(map(str, torch.cuda.get_device_capability(0)))}")
+    force_cuda_plan(monkeypatch, "MLA", "wgmma", splits)
+    monkeypatch.setenv("KVKERNELS_CUDA_WGMMA", "require")
+
+
+WGMMA_CASES = {name: case for name, case in ATTN_CASES.items() if case[0] != f32}
+
+
+@pytest.mark.parametrize("splits", [None, 3], ids=["planned", "split3"])
+@pytest.mark.parametrize("case", WGMMA_CASES.values(), ids=WGMMA_CASES.keys())
+def test_mla_wgmma_decode(case, splits, monkeypatch):
+    """The ATTN_CASES with 16-bit q, decode, on the wgmma kernel: every block size, fp8, head chunks, the
+    stage ring wrapping many times (4097 keys), an empty sequence."""
+    use_mla_wgmma(monkeypatch, splits)
+    dtype, fp8, r, p, h, b, strided = case
+    seq_lens = [b + 1, 0, 2 * b + 5, 1, b, 300, 4097]
+    mla, q, _ = make_mla_case("decode", seq_lens, dtype, fp8, r, p, h, b, strided)
+    out, lse = run_attention(mla, q, None, (128 + p) ** -0.5)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+
+
+@pytest.mark.parametrize("splits", [None, 128], ids=["planned", "128"])
+@pytest.mark.parametrize("fp8", [None, "e4m3"])
+def test_mla_wgmma_long_context(fp8, splits, monkeypatch):
+    use_mla_wgmma(monkeypatch, splits)
+    mla = make_paged_mla([5000, 1, 2049], 512, 64, 64, dtype=bf16, fp8=fp8, seed=41)
+    run_attention(mla, make_query(3, 128, 576, bf16, generator(42)), None, 192 ** -0.5)
+
+
+def test_mla_wgmma_nonfinite(monkeypatch):
+    """inf in a value column, NaN in a rope column (their rows NaN / inf as the reference), NaN in unused slots."""
+    use_mla_wgmma(monkeypatch)
+    seq_lens, b = [70, 5, 200], 16
+    mla, q, _ = make_mla_case("decode", seq_lens, bf16, None, 512, 64, 16, b, seed=65)
+    from helpers import token_slots
+    s = int(token_slots(mla.blocks[0], seq_lens[0], b)[45])
+    mla.kv_cache[s // b, s % b, 7] = float("inf")
+    s = int(token_slots(mla.blocks[2], seq_lens[2], b)[150])
+    mla.kv_cache[s // b, s % b, 512 + 3] = float("nan")
+    run_attention(mla, q, None, 0.1)
+
+
 @pytest.mark.parametrize("splits", [None, 1, 16, 128], ids=["planned", "1", "16", "128"])
 @pytest.mark.parametrize("mode", ["decode", "varlen"])
 @pytest.mark.parametrize("dtype,fp8", [(bf16, None), (f32, None), (bf16, "e4m3")], ids=["bf16", "f32", "e4m3"])

@@ -17,7 +17,7 @@ namespace kvkernels::mla_cuda {
 // from seq_lens / block_tables / query_start_loc contents), so one plan serves every step of a
 // decode loop and a captured graph stays valid when those tensors change.
 struct MlaPlan {
-  int path = 0;           // mla_common.cuh MlaPath: 0 SIMT, 1 tensor cores x16 rows, 2 x64 rows
+  int path = 0;           // mla_common.cuh MlaPath: 0 SIMT, 1 tensor cores x16 rows, 2 x64 rows, 3 wgmma
   int dp = 0;             // shared-memory row width (head_dim rounded up to 64)
   int stages = 2;         // cp.async pipeline depth
   int smem = 0;           // dynamic shared memory bytes per CTA
@@ -32,8 +32,10 @@ struct MlaPlan {
 
 // Fills `plan` for validated params (prepare_mla_attention) on CUDA device `device`; a Status
 // with a message when the device or the shapes cannot run. Environment overrides (tests and
-// benchmarks): KVKERNELS_CUDA_MLA_PATH=simt|mma16|mma64 (simt for any dtype; mma16 / mma64 for
-// fp16 / bf16 q) and KVKERNELS_CUDA_MLA_SPLITS=<n> (that many KV splits, capped to 128).
+// benchmarks): KVKERNELS_CUDA_MLA_PATH=simt|mma16|mma64|wgmma (simt for any dtype; mma16 / mma64 for
+// fp16 / bf16 q; wgmma: the sm_90a decode where it can run, else the default choice, or a failure with
+// the reason under KVKERNELS_CUDA_WGMMA=require) and KVKERNELS_CUDA_MLA_SPLITS=<n> (that many KV
+// splits, capped to 128).
 cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* plan);
 
 // Enqueues the attention kernel (and with splits the merge kernel) on `stream` of the current

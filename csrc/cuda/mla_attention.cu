@@ -9,18 +9,24 @@
 //                                                   ~158 KiB of shared memory fit the device
 //                                                   (sm_80: 163 KiB, sm_90: 227 KiB; not sm_86/89)
 //   otherwise fp16 / bf16                        -> tensor cores, 16 rows per CTA (<= 94 KiB)
+//   KVKERNELS_CUDA_MLA_PATH=wgmma (opt-in)       -> the sm_90a wgmma decode (mla_attention_sm90.cuh)
+//                                                   where mla_wgmma_unsupported finds no reason
+//                                                   against it, else the choice above;
+//                                                   KVKERNELS_CUDA_WGMMA=require fails instead
 // Pipeline depth: as many 32-key stages as fit so that two CTAs share an SM, else one CTA; 2 to 4.
 // Split count: from the number of work items (shapes), the longest context a block-table row can
 // describe (block_tables.shape[1] * block_size), the SM count and the CTAs per SM, never from
 // seq_lens, so the launch is the same for every step of a decode loop. Decode takes the count with
 // the least wave-quantized time (attention_common.cuh choose_splits), prefill splits only when the
 // work items alone leave SMs idle.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <string>
 
 #include "mla_api.h"
 #include "mla_common.cuh"
@@ -34,7 +40,7 @@ constexpr int kMinKeysPerSplit = 256;  // below this a split costs more in mergi
 cuda::Status failed(const char* message) { return cuda::Status{cudaSuccess, message}; }
 
 struct DeviceInfo {
-  int sm_count = 0, major = 0, smem_optin = 0;
+  int sm_count = 0, major = 0, minor = 0, smem_optin = 0;
   cudaError_t error = cudaSuccess;
 };
 
@@ -47,6 +53,8 @@ DeviceInfo device_info(int device) {
     info.error = cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, dev);
     if (info.error == cudaSuccess)
       info.error = cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (info.error == cudaSuccess)
+      info.error = cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, dev);
     if (info.error == cudaSuccess)
       info.error = cudaDeviceGetAttribute(&info.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     return info;
@@ -81,6 +89,81 @@ int pick_stages(MlaPath path, int dp, int esz, int optin) {
   return 0;
 }
 
+// Stages of the wgmma decode: as many 64-key 16-bit tiles (2..4) as fit one CTA; 0 when 2 do not.
+int pick_sm90_stages(int dp, int optin) {
+  for (int s = 4; s >= 2; --s)
+    if (mla_sm90_smem(dp, s).total <= optin) return s;
+  return 0;
+}
+
+// Why the wgmma decode cannot run this call, or nullptr (docs/ops.md, "CUDA kernels"; the planner then
+// runs what it would without KVKERNELS_CUDA_MLA_PATH=wgmma). Shapes, pointers and the device only.
+const char* mla_wgmma_unsupported(const AttentionParams& p, int device, const DeviceInfo& dev) {
+  if (p.q_format == FloatFormat::kFloat32) return "float32 queries: the SIMT kernel";
+  if (p.query_start_loc != nullptr)
+    return "varlen prefill (query_start_loc): the mma.sync 64-row kernel (rows see different keys there; the "
+           "wgmma kernel is decode only)";
+  if (dev.major != 9 || dev.minor != 0) return "not an sm_90 (Hopper) device";
+  int optin = 0;  // (read per call, not cached with the rest: the emulator's tests vary it)
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+      pick_sm90_stages(mla_sm90_dp(p.kv.head_dim, p.kv.head_dim_v), optin) == 0)
+    return "less opt-in shared memory than the kernel needs (two 64-key stages)";
+  const bool built = p.q_format == FloatFormat::kFloat16 ? mla_sm90_available_f16(p.kv.format)
+                                                         : mla_sm90_available_bf16(p.kv.format);
+  if (!built) return "this build has no sm_90a code for this cache format (TORCH_CUDA_ARCH_LIST without 9.0a)";
+  return nullptr;
+}
+
+// ---- TMA for the wgmma decode's latent tiles -------------------------------------------------------
+
+// cuTensorMapEncodeTiled's signature (CUDA 12.0+ driver API), called through a pointer (libcuda is not
+// linked; mla_decompress.cu looks it up the same way for its own map).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiledFn encode_tiled_fn() {
+  static const EncodeTiledFn fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found);
+#else
+    cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &found);
+#endif
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();  // not a launch error of this op
+      ptr = nullptr;
+    }
+    return reinterpret_cast<EncodeTiledFn>(ptr);
+  }();
+  return fn;
+}
+
+// The wgmma decode loads a tile that is one whole page (block size 64) with TMA: the cache viewed as
+// [num_blocks x 64 rows, R + P columns] (pages contiguous: block stride = 64 x slot stride), 64 x 64 boxes
+// (128 bytes of a row: the 128B swizzle's width, which is the kernel's tile layout), 16-bit caches (fp8
+// tiles are converted by the producer), 16-byte aligned rows, R + P a multiple of 8 (whole 16-byte chunks
+// at the row's end), KVKERNELS_CUDA_NO_TMA not 1. False (cp.async gathers for every tile) otherwise, or
+// when the driver has no cuTensorMapEncodeTiled or rejects the map.
+bool encode_latent_map(const AttentionParams& p, bool kv_aligned, CUtensorMap* map) {
+  const paged_kv_t& kv = p.kv;
+  const char* no_tma = env("KVKERNELS_CUDA_NO_TMA");
+  if ((no_tma && std::strcmp(no_tma, "1") == 0) || is_fp8(kv.format) || kv.block_size != kSm90KeyTile ||
+      !kv_aligned || kv.k_stride_block != int64_t(kSm90KeyTile) * kv.k_stride_slot || kv.head_dim % 8 != 0 ||
+      encode_tiled_fn() == nullptr)
+    return false;
+  const cuuint64_t dims[2] = {cuuint64_t(kv.head_dim), cuuint64_t(kv.num_blocks) * kSm90KeyTile};
+  const cuuint64_t strides[1] = {cuuint64_t(kv.k_stride_slot) * 2};  // bytes between rows
+  const cuuint32_t box[2] = {64, cuuint32_t(kSm90KeyTile)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUtensorMapDataType type =
+      kv.format == CacheFormat::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  return encode_tiled_fn()(map, type, 2, const_cast<void*>(kv.k), dims, strides, box, elem_strides,
+                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 }  // namespace
 
 cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* out) {
@@ -96,6 +179,8 @@ cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* o
   const int esz = esize(p.kv.format);
   const bool decode = p.query_start_loc == nullptr;
   const char* forced = env("KVKERNELS_CUDA_MLA_PATH");
+  const bool wgmma_asked = forced && std::strcmp(forced, "wgmma") == 0;
+  const char* wgmma_why = wgmma_asked ? mla_wgmma_unsupported(p, device, dev) : nullptr;
   MlaPath path;
   if (p.q_format == FloatFormat::kFloat32 || (forced && std::strcmp(forced, "simt") == 0)) {
     path = MlaPath::kSimt;
@@ -107,10 +192,26 @@ cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* o
     const bool wide = p.num_heads > 16 || !decode;
     path = wide && pick_stages(MlaPath::kMma64, plan.dp, esz, dev.smem_optin) > 0 ? MlaPath::kMma64
                                                                                  : MlaPath::kMma16;
+    if (wgmma_asked && wgmma_why == nullptr) path = MlaPath::kWgmma;
   }
-  plan.stages = pick_stages(path, plan.dp, esz, dev.smem_optin);
-  if (plan.stages == 0) return failed("not enough shared memory per block on this device for the MLA kernel");
-  plan.smem = smem_of(path, plan.dp, esz, plan.stages);
+  if (wgmma_asked && path != MlaPath::kWgmma) {
+    const char* req = env("KVKERNELS_CUDA_WGMMA");
+    if (req != nullptr && std::strcmp(req, "require") == 0) {
+      // Status carries static text: the message lives in this thread's buffer until its next failed plan.
+      static thread_local std::string message;
+      message = std::string("KVKERNELS_CUDA_WGMMA=require: the wgmma MLA decode cannot run this call: ") + wgmma_why;
+      return failed(message.c_str());
+    }
+  }
+  if (path == MlaPath::kWgmma) {
+    plan.dp = mla_sm90_dp(D, R);
+    plan.stages = pick_sm90_stages(plan.dp, dev.smem_optin);
+    plan.smem = mla_sm90_smem(plan.dp, plan.stages).total;
+  } else {
+    plan.stages = pick_stages(path, plan.dp, esz, dev.smem_optin);
+    if (plan.stages == 0) return failed("not enough shared memory per block on this device for the MLA kernel");
+    plan.smem = smem_of(path, plan.dp, esz, plan.stages);
+  }
   plan.path = static_cast<int>(path);
 
   const int rows = mla_rows(path);
@@ -128,7 +229,8 @@ cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* o
   const int kt = mla_key_tile(path);
   const int64_t max_keys = p.kv.max_blocks_per_seq * p.kv.block_size;
   const int64_t items = plan.grid_x * plan.grid_y;
-  const int ctas_per_sm = 2 * (plan.smem + 1024) <= dev.smem_optin ? 2 : 1;
+  // (the wgmma kernel: 384 threads of up to 168 registers fill an SM's register file)
+  const int ctas_per_sm = path != MlaPath::kWgmma && 2 * (plan.smem + 1024) <= dev.smem_optin ? 2 : 1;
   const int64_t max_tiles = std::max<int64_t>(1, (max_keys + kt - 1) / kt);
   const int64_t most = std::min<int64_t>(
       {std::max<int64_t>(1, max_keys / kMinKeysPerSplit), kMaxSplits, max_tiles});
@@ -185,6 +287,11 @@ cuda::Status launch_mla_attention(const AttentionParams& p, const MlaPlan& plan,
   cudaError_t err;
   if (path == MlaPath::kSimt) {
     err = launch_mla_simt(m, grid, plan.smem, stream);
+  } else if (path == MlaPath::kWgmma) {
+    CUtensorMap map;
+    const CUtensorMap* use_map = encode_latent_map(p, a.kv_aligned != 0, &map) ? &map : nullptr;
+    err = p.q_format == FloatFormat::kFloat16 ? launch_mla_sm90_f16(m, use_map, grid, plan.smem, stream)
+                                              : launch_mla_sm90_bf16(m, use_map, grid, plan.smem, stream);
   } else if (p.q_format == FloatFormat::kFloat16) {
     err = launch_mla_mma_f16(m, path, grid, plan.smem, stream);
   } else if (p.q_format == FloatFormat::kBFloat16) {

@@ -12,6 +12,8 @@
 // from the device's shared memory).
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (the wgmma decode's TMA map; nothing links libcuda)
+
 #include <atomic>
 
 #include "attention_common.cuh"
@@ -34,6 +36,7 @@ enum class MlaPath : int {
   kSimt = 0,    // CUDA cores, float32 math: every q dtype (the only path for float32 q)
   kMma16 = 1,   // tensor cores, 16 rows (query x head pairs) per CTA, 4 warps
   kMma64 = 2,   // tensor cores, 64 rows per CTA, 8 warps
+  kWgmma = 3,   // sm_90a wgmma decode, 64 rows per CTA, 3 warpgroups (mla_attention_sm90.cuh; opt-in)
 };
 
 constexpr int kMmaKeyTile = 32;   // keys per pipeline stage, tensor-core kernels
@@ -45,13 +48,13 @@ constexpr int kPRowBytes = kMmaKeyTile * 2 + 16;  // P tile row: 64 bytes + 16 o
 
 __host__ __device__ constexpr int mla_wm(MlaPath path) { return path == MlaPath::kMma64 ? 4 : 1; }
 __host__ __device__ constexpr int mla_rows(MlaPath path) {
-  return path == MlaPath::kSimt ? kSimtRows : 16 * mla_wm(path);
+  return path == MlaPath::kSimt ? kSimtRows : path == MlaPath::kWgmma ? 64 : 16 * mla_wm(path);
 }
 __host__ __device__ constexpr int mla_threads(MlaPath path) {
-  return path == MlaPath::kSimt ? kSimtThreads : path == MlaPath::kMma64 ? 256 : 128;
+  return path == MlaPath::kSimt ? kSimtThreads : path == MlaPath::kMma64 ? 256 : path == MlaPath::kWgmma ? 384 : 128;
 }
 __host__ __device__ constexpr int mla_key_tile(MlaPath path) {
-  return path == MlaPath::kSimt ? kSimtKeyTile : kMmaKeyTile;
+  return path == MlaPath::kSimt ? kSimtKeyTile : path == MlaPath::kWgmma ? 64 : kMmaKeyTile;
 }
 __host__ __device__ constexpr int mla_dp(int head_dim) { return (head_dim + 63) / 64 * 64; }
 
@@ -72,6 +75,39 @@ __host__ __device__ inline MmaSmem mma_smem(MlaPath path, int dp, int esz, int s
   s.p_off = s.s_off + rows * kt * 4;
   s.stat_off = s.p_off + rows * kPRowBytes;
   s.total = s.stat_off + 3 * rows * 4;
+  return s;
+}
+
+// ---- the sm_90a wgmma decode (mla_attention_sm90.cuh) ----
+constexpr int kSm90KeyTile = 64;    // keys per stage
+constexpr int kSm90Rows = 64;       // rows (heads) per CTA: one m64 wgmma row block
+constexpr int kSm90Threads = 384;   // 2 consumer warpgroups + 1 producer
+// setmaxnreg: the producer gives back what the consumers take (the CTA starts with 168 a thread: the
+// launch bound of 384 threads); 48 for the producer (its fp8 conversion spilled at 40), so 224 for them.
+constexpr int kSm90ProducerRegs = 48, kSm90ConsumerRegs = 224;
+static_assert(kSm90ProducerRegs * 128 + kSm90ConsumerRegs * 256 <= 168 * 384, "setmaxnreg pool");
+
+// Tile width of the wgmma kernel in elements: R + P rounded up to 64, and at least R rounded up to 128
+// (its P V n128 blocks read whole 128-column slices of the tile; the extra columns are zero-filled).
+__host__ __device__ constexpr int mla_sm90_dp(int head_dim, int value_dim) {
+  return mla_dp(head_dim) > (value_dim + 127) / 128 * 128 ? mla_dp(head_dim) : (value_dim + 127) / 128 * 128;
+}
+
+// Shared memory: 1024 (alignment of the base) | Q [DP/64][64][128 B] | stages x tile [DP/64][64][128 B] |
+// P [64][128 B] | row maxima [2][64] float | row sums [2][64] float | full[stages], empty[stages] mbarriers.
+struct Sm90Smem {
+  int q_off, stage_off, tile_bytes, p_off, max_off, sum_off, bar_off, total;
+};
+__host__ __device__ inline Sm90Smem mla_sm90_smem(int dp, int stages) {
+  Sm90Smem s;
+  s.q_off = 0;
+  s.tile_bytes = kSm90KeyTile * dp * 2;
+  s.stage_off = kSm90Rows * dp * 2;
+  s.p_off = s.stage_off + stages * s.tile_bytes;
+  s.max_off = s.p_off + kSm90Rows * kSm90KeyTile * 2;
+  s.sum_off = s.max_off + 2 * kSm90Rows * 4;
+  s.bar_off = s.sum_off + 2 * kSm90Rows * 4;
+  s.total = s.bar_off + 2 * stages * 8 + 1024;
   return s;
 }
 
@@ -199,6 +235,13 @@ cudaError_t launch_mla_mma_f16(const MlaArgs& m, MlaPath path, dim3 grid, int sm
 cudaError_t launch_mla_mma_bf16(const MlaArgs& m, MlaPath path, dim3 grid, int smem,
                                 cudaStream_t stream);
 cudaError_t launch_mla_simt(const MlaArgs& m, dim3 grid, int smem, cudaStream_t stream);
+// The sm_90a wgmma decode (mla_attention_sm90_{f16,bf16}.cu): whether this build has its code for a
+// cache format, and its launch.
+bool mla_sm90_available_f16(CacheFormat format);
+bool mla_sm90_available_bf16(CacheFormat format);
+// `map`: the latent cache's tensor map for TMA (16-bit caches, block size 64; mla_attention.cu), or nullptr.
+cudaError_t launch_mla_sm90_f16(const MlaArgs& m, const CUtensorMap* map, dim3 grid, int smem, cudaStream_t stream);
+cudaError_t launch_mla_sm90_bf16(const MlaArgs& m, const CUtensorMap* map, dim3 grid, int smem, cudaStream_t stream);
 cudaError_t launch_mla_merge(const MlaArgs& m, cudaStream_t stream);
 
 // Raises `kernel`'s opt-in limit of dynamic shared memory to `smem` bytes unless this process already

@@ -341,3 +341,64 @@ __device__ __forceinline__ void fence_proxy_async() {
 }
 
 }  // namespace kvkernels::sm90
+
+// =====================================================================================================
+// Added for the MLA decode on wgmma (mla_attention_sm90.cuh). Kept in its own section, after the
+// prefill's wrappers, so that the two lines of work merge without touching each other's code.
+// =====================================================================================================
+namespace kvkernels::sm90 {
+
+#define KVK_WGMMA_SS_32(TY) \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
+    "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " " \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
+    "%16, %17, p, 1, 1, %19, %20;\n}\n" \
+    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
+    : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB))
+
+// wgmma_ss for m64n32k16 (16 accumulators a thread, the same D layout: acc[4 i + 2 h + e] is row
+// 16 w + g + 8 h, column 8 i + 2 t + e): the MLA decode's per-consumer logits, 32 keys of a 64-key tile.
+// The emulator's wgmma model takes any n (a multiple of 8 up to 256), so it needs no new model.
+template <typename T, int TA, int TB>
+__device__ __forceinline__ void wgmma_ss_n32(float (&d)[16], uint64_t da, uint64_t db, int scale_d) {
+#if KVK_SM90_PTX
+  if constexpr (kIsF16<T>) KVK_WGMMA_SS_32("f16"); else KVK_WGMMA_SS_32("bf16");
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::wgmma(32, kIsF16<T>, false, da, nullptr, db, d, scale_d, 1, 1, TA, TB);
+#else
+  (void)d, (void)da, (void)db, (void)scale_d;
+#endif
+}
+
+#undef KVK_WGMMA_SS_32
+
+// mbarrier.arrive.expect_tx: one arrival that also expects `bytes` of transactions (bulk copies
+// completing on the barrier) in the current phase; the phase completes when both are done.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+#if KVK_SM90_PTX
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::mbarrier_arrive_expect_tx(bar, bytes);
+#else
+  (void)bar, (void)bytes;
+#endif
+}
+
+// cp.async.bulk.tensor.2d (TMA): the box of the tensor map `map` (a __grid_constant__ kernel parameter)
+// at (column c0, row c1) into shared `dst` (128-byte aligned; 1024 with the 128B swizzle), its bytes
+// completing on `bar`. Elements outside the tensor are zero-filled by the copy engine.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c0, int c1, uint32_t bar) {
+#if KVK_SM90_PTX
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::bulk_tensor_load_2d(dst, map, c0, c1, bar);
+#else
+  (void)dst, (void)map, (void)c0, (void)c1, (void)bar;
+#endif
+}
+
+}  // namespace kvkernels::sm90

@@ -31,6 +31,14 @@ as rows ``kvkernels-<variant>`` and ``torch-matmul``; the matmul's latent is the
 gathered, normalized and rounded to bfloat16 beforehand. "variant:" lines give each time and the speed-up of
 every variant over the first named.
 
+Decode kernel A/B (``--mla-attn-variants mma,wgmma``): ``mma`` is the planner's default (the mma.sync
+kernels: 64 rows per CTA above 16 heads, 16 rows at 16 heads), ``wgmma`` the opt-in sm_90a kernel
+(KVKERNELS_CUDA_MLA_PATH=wgmma with KVKERNELS_CUDA_WGMMA=require, so a fallback shows as a skipped row, not as
+the other kernel timed twice). Each decode case checks every named variant, then times them in one process
+on the same data in alternating batches, as rows ``kvkernels-<variant>`` with TFLOP/s (2 x heads x context x
+(R + P + R) per sequence) beside GB/s and the fraction of the copy bandwidth; "variant:" lines give each time
+and the speed-up over the first named.
+
 Each decode implementation rotates through enough copies of its data that the bytes touched between two reuses
 exceed ``--rotate-mib`` (so no case times an L2-resident cache); the decompress cases use one copy (bf16
 latent rows: 2.25 MiB at T = 2048, L2-resident; 36 MiB at T = 32768).
@@ -39,6 +47,7 @@ latent rows: 2.25 MiB at T = 2048, L2-resident; 36 MiB at T = 32768).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -61,6 +70,8 @@ SCALE = (NOPE + ROPE) ** -0.5
 DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 # --decompress-variants names = KVKERNELS_CUDA_DECOMPRESS values (csrc/cuda/mla_decompress.cu).
 DECOMPRESS_VARIANTS = ("persist", "persist64", "persist128", "tile64", "wgmma")
+# --mla-attn-variants names -> (KVKERNELS_CUDA_MLA_PATH, KVKERNELS_CUDA_WGMMA) (csrc/cuda/mla_attention.cu).
+ATTN_VARIANTS = {"mma": (None, None), "wgmma": ("wgmma", "require")}
 
 
 def _variants(text: str) -> list[str]:
@@ -71,6 +82,27 @@ def _variants(text: str) -> list[str]:
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"a decompress variant named twice: {names}")
     return names
+
+
+def _attn_variants(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    bad = [x for x in names if x not in ATTN_VARIANTS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown MLA decode variant(s) {bad}: choose from {tuple(ATTN_VARIANTS)}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"an MLA decode variant named twice: {names}")
+    return names
+
+
+@contextlib.contextmanager
+def attn_variant_env(name: Optional[str]):
+    """The environment of a --mla-attn-variants name inside the block (None: unchanged)."""
+    if name is None:
+        yield
+        return
+    path, wgmma = ATTN_VARIANTS[name]
+    with env_var("KVKERNELS_CUDA_MLA_PATH", path), env_var("KVKERNELS_CUDA_WGMMA", wgmma):
+        yield
 
 
 def decompress_env(value: Optional[str]):
@@ -88,6 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decompress-variants", type=_variants, default=[],
                    help="A/B of the mla_decompress kernels, e.g. tile64,persist (KVKERNELS_CUDA_DECOMPRESS values): "
                         "each decompress case times them and the torch matmul in alternating batches")
+    g.add_argument("--mla-attn-variants", type=_attn_variants, default=[],
+                   help="A/B of the decode kernels, e.g. mma,wgmma (alternating batches, same data)")
     g.add_argument("--mla-reps", type=int, default=10, help="timed batches per implementation")
     g.add_argument("--mla-min-ms", type=float, default=20.0, help="minimum milliseconds per timed batch")
     g.add_argument("--mla-rotate-mib", type=int, default=200, help="bytes between reuses of one data copy")
@@ -140,13 +174,17 @@ def decode_case(dtype_name: str, heads: int, batch: int, context: int, copy_gbps
     esize = torch.empty(0, dtype=dtype).element_size()
     layer_bytes = batch * math.ceil(context / BLOCK) * BLOCK * (RANK + ROPE) * esize
     case = f"mla decode {dtype_name} h{heads} b{batch} ctx{context}"
-    row = _row(case, "decode", dtype_name, batch, context, "kvkernels", heads=heads)
+    variants = getattr(args, "mla_attn_variants", None) or []
+    rows = [_row(case, "decode", dtype_name, batch, context, f"kvkernels-{v}" if variants else "kvkernels",
+                 heads=heads) for v in (variants or [None])]
+    row = rows[0]
     copies = rotation_copies(layer_bytes, args.mla_rotate_mib)
     if not _fits(layer_bytes * (copies + 1), args):
         copies = 1
         if not _fits(layer_bytes * 2, args):
-            row["skipped"] = "does not fit in GPU memory"
-            return [row]
+            for r in rows:
+                r["skipped"] = "does not fit in GPU memory"
+            return rows
     data = LatentCache(batch, context, dtype, copies, gen)
     q = torch.randn(batch, heads, RANK + ROPE, generator=gen, device="cuda").to(torch.bfloat16)
 
@@ -163,12 +201,41 @@ def decode_case(dtype_name: str, heads: int, batch: int, context: int, copy_gbps
             diff = max(diff, float((w @ rows[:, :RANK] - out[s].float()).abs().max()))
         return diff, 2e-2
 
-    attempt(row, call, args.mla_reps, args.mla_min_ms, check)
-    if row["ms"]:
-        row["gbps"] = batch * context * (RANK + ROPE) * esize / (row["ms"] * 1e-3) / 1e9
-        row["fraction_of_copy_bw"] = row["gbps"] / copy_gbps
+    if variants:
+        calls = {}
+        for v, r in zip(variants, rows):
+            others = [x for x in variants if x != v]
+            r["note"] = (f"KVKERNELS_CUDA_MLA_PATH / _WGMMA = {ATTN_VARIANTS[v]}"
+                         + (f"; timed in batches alternating with {', '.join(others)}" if others else ""))
+            try:
+                with attn_variant_env(v):
+                    out = call(0)
+                    torch.cuda.synchronize()
+                r["max_abs_diff"], r["tolerance"] = check(out)
+                r["checked"] = r["max_abs_diff"] <= r["tolerance"]
+                calls[r["impl"]] = call
+            except Exception as error:  # noqa: BLE001 - one failing variant must not end the run
+                r["skipped"] = skip_reason(error)
+                torch.cuda.synchronize()
+        if calls:
+            time_paired_into({r["impl"]: r for r in rows}, calls, args.mla_reps, args.mla_min_ms,
+                             lambda impl: attn_variant_env(impl[len("kvkernels-"):]))
+    else:
+        attempt(row, call, args.mla_reps, args.mla_min_ms, check)
+    for r in rows:
+        if r.get("ms"):
+            r["gbps"] = batch * context * (RANK + ROPE) * esize / (r["ms"] * 1e-3) / 1e9
+            r["fraction_of_copy_bw"] = r["gbps"] / copy_gbps
+            r["tflops"] = 2.0 * batch * heads * context * (2 * RANK + ROPE) / (r["ms"] * 1e-3) / 1e12
     del data
-    return [row]
+    return rows
+
+
+def attn_variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
+    """--mla-attn-variants: each decode variant's time, TFLOP/s, GB/s and fraction of the copy bandwidth,
+    and its speed-up over the first variant named (ab_lines)."""
+    return ab_lines(rows, "decode", variants,
+                    lambda r: f" ({r['tflops']:.0f} TFLOP/s, {r['gbps']:.0f} GB/s, {r['fraction_of_copy_bw']:.2f} of copy)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -320,6 +387,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 json.dump(done, f, indent=1)
 
     rows = run(args, emit)
+    if args.mla_attn_variants:
+        for line in attn_variant_lines(rows, args.mla_attn_variants):
+            print("variant:", line)
     if args.decompress_variants:
         for line in decompress_variant_lines(rows, args.decompress_variants):
             print("variant:", line)

@@ -23,10 +23,11 @@ ATTN_HEADERS = ("attention_api.cuh", "attention_common.cuh", "attention_launch.c
                 "attention_mma.cuh", "attention_simt.cuh", "attention_sm90.cuh", "sm90_ptx.cuh")
 # The MLA sources (attention: planner, per-q-dtype instances, merge; decompress: launcher and GEMM).
 MLA_UNITS = ("mla_attention.cu", "mla_attention_f16.cu", "mla_attention_bf16.cu", "mla_attention_simt.cu",
+             "mla_attention_sm90_f16.cu", "mla_attention_sm90_bf16.cu",
              "mla_decompress.cu", "mla_decompress_sm90_f16.cu", "mla_decompress_sm90_bf16.cu")
 MLA_HEADERS = ("mla_api.h", "mla_common.cuh", "mla_attention_launch.cuh", "mla_attention_mma.cuh",
                "mla_attention_simt.cuh", "mla_merge.cuh", "mla_decompress.cuh",
-               "mla_decompress_persist.cuh", "mla_decompress_sm90.cuh")
+               "mla_decompress_persist.cuh", "mla_decompress_sm90.cuh", "mla_attention_sm90.cuh")
 LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^;<>]*>)?)\s*<<<(.*?)>>>\((.*?)\);", re.S)
 
 

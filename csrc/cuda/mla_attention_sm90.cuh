@@ -1,0 +1,489 @@
+// Hopper (sm_90a) MLA decode on wgmma, warp-specialized (MlaPath::kWgmma; opt-in:
+// KVKERNELS_CUDA_MLA_PATH=wgmma; csrc/cuda/README.md, section "MLA decode on wgmma").
+//
+// The absorbed decode of mla_attention_mma.cuh (q [T, H, R + P] over latent rows [R + P], V = the
+// first R columns of the same row, all heads sharing it) with FlashMLA's CTA shape: 64 rows (the heads
+// of one decode token; H > 64 takes several head chunks), 64-key tiles, 3 warpgroups (384 threads):
+//   warpgroup 2, the producer (setmaxnreg.dec to 48 registers): fills a ring of `stages` 16-bit latent
+//     tiles. 16-bit caches: cp.async gathers (one block-table lookup per row, so every block size
+//     works; keys outside [w.lo, w.hi], out-of-range block ids and bytes past the row zero-filled),
+//     completing the stage's `full` mbarrier through cp.async.mbarrier.arrive.noinc (count 128); with a
+//     tensor map (block size 64, pages contiguous: mla_attention.cu), a tile that is one whole, fully
+//     visible page is instead dp / 64 TMA boxes issued by one thread (arrive.expect_tx of the tile). fp8
+//     caches: cp.async of the raw bytes into the top half of the stage itself, converted in place one
+//     tile behind (so the next tile's copies fly meanwhile) into the 16-bit tile with the exact conversion
+//     of mla_attention_mma.cuh (values in units of fp8_unit), then fence.proxy.async and a plain arrival:
+//     the consumers see one tile format, and no separate fp8 buffer is needed (it would not fit beside two
+//     72-KiB stages at R + P = 576). Rows that are not 16-byte aligned (a rare view) are loaded element
+//     by element through registers instead. Before refilling a stage the producer waits
+//     for the stage's `empty` mbarrier (count 256: every consumer thread, after its P V product).
+//   warpgroups 0 and 1, the consumers (setmaxnreg.inc to 224): warpgroup c owns output columns
+//     [256 c, 256 c + 256) of all 64 rows (2 x 64 fp32 accumulators of m64n128) and computes the logits
+//     of keys [32 c, 32 c + 32) of each tile: S_c = Q K_c^T as ceil((R + P) / 16) wgmma m64n32k16 (A = Q,
+//     B = the key rows, both K-major from shared memory). The two halves of the row maximum meet in
+//     shared memory (named barrier 1), each consumer writes its half of P (rounded to the q dtype) into
+//     a shared 64 x 64 tile (named barrier 2), and O_c = alpha O_c + P V_c runs as 4 k16 steps x 2
+//     wgmma m64n128k16 with A = P (K-major) and B = V (N-major, the same tile bytes). The row sums
+//     stay per consumer (each over its own keys, with the same maxima) and are added at the end.
+//     Splitting S by keys instead of computing all 64 keys in both consumers saves half of the Q K^T
+//     product (at R + P = 576 it is 53% of the MACs) for two named barriers per tile.
+// Tiles (Q, the latent stages) are [DP / 64 column blocks][rows][128 bytes], 16-byte chunk c of row r
+// at (c ^ (r % 8)) * 16: the 128B-swizzle canonical layout (as attention_sm90.cuh), base aligned to
+// 1024 bytes at run time. DP = R + P rounded up to 64, and at least R rounded up to 128 (the P V
+// n128 blocks read whole 128-column slices of the tile).
+//
+// Semantics are mla_attention_mma.cuh's decode: scale, kv_scale (fp8), causal (keys up to the token's
+// position; in decode all rows of a CTA see the same keys, so a NaN / inf latent value reaches exactly
+// the rows that see it and no fix-up is needed), empty sequences (out 0, lse -inf), KV splits with
+// float32 partials merged by mla_merge.cuh. Varlen prefill, float32 q, unaligned latent rows and
+// other devices stay on the mma.sync kernels (mla_attention.cu, mla_wgmma_unsupported).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+
+#include <atomic>
+#include <cstring>
+
+#include "mla_common.cuh"
+#include "sm90_ptx.cuh"
+
+namespace kvkernels::mla_cuda {
+
+// Geometry (kSm90KeyTile, kSm90Rows, mla_sm90_dp, mla_sm90_smem): mla_common.cuh, shared with the planner.
+
+// Byte offset of 16-byte chunk c of row r in a [DP / 64][ROWS][128 B] swizzled tile.
+__device__ __forceinline__ uint32_t sm90_off(int rows, int r, int c) {
+  return uint32_t((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// `map`: with `tma`, the 2-D tensor map of the latent cache as [num_blocks x 64 rows, R + P columns] (block size
+// 64, pages contiguous), boxes of 64 x 64 with the 128B swizzle (mla_attention.cu, encode_latent_map).
+template <typename T, CacheFormat CF>
+__global__ void __launch_bounds__(kSm90Threads, 1)
+    mla_sm90_kernel(const __grid_constant__ MlaArgs m, const __grid_constant__ CUtensorMap map, int tma) {
+#if KVK_SM90_PTX || defined(KVKERNELS_CUDA_EMU)
+  namespace s9 = ::kvkernels::sm90;
+  constexpr bool FP8 = CF == CacheFormat::kFp8E4M3 || CF == CacheFormat::kFp8E5M2;
+  constexpr int KT = kSm90KeyTile, ROWS = kSm90Rows;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // Static shared memory marks the sm_90a build's kernel (mla_sm90_compiled: the stub has none).
+  __shared__ int built_marker[4];
+
+  const ac::AttnArgs& a = m.a;
+  ac::Work w;
+  if (!ac::make_work<KT>(a, w)) return;
+  const AttentionParams& p = a.p;
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int dp = m.dp, stages = m.stages, cpr = dp / 8;
+  const Sm90Smem L = mla_sm90_smem(dp, stages);
+  const uint32_t raw = ac::smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* const smem = smem_raw + (base - raw);
+  const uint32_t sQ = base + uint32_t(L.q_off), sP = base + uint32_t(L.p_off);
+  auto sK = [&](int s) { return base + uint32_t(L.stage_off + s * L.tile_bytes); };
+  auto full = [&](int s) { return base + uint32_t(L.bar_off + 8 * s); };
+  auto empty = [&](int s) { return base + uint32_t(L.bar_off + 8 * (stages + s)); };
+  float* const s_max = reinterpret_cast<float*>(smem + L.max_off);  // [2][64]
+  float* const s_sum = reinterpret_cast<float*>(smem + L.sum_off);  // [2][64]
+  const int ntiles = w.tile_end - w.tile_begin;
+
+  if (tid == 0) {
+    built_marker[0] = 1;
+    for (int s = 0; s < stages; ++s) {
+      s9::mbar_init(full(s), 128);
+      s9::mbar_init(empty(s), 256);
+    }
+    s9::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (wg == 2) {
+    // ---- producer: latent rows of each key tile -> the stage ring ------------------------------
+    s9::setmaxnreg_dec<kSm90ProducerRegs>();
+    const paged_kv_t& kv = p.kv;
+    const int pt = tid - 256, warp = pt >> 5, lane = pt & 31;
+    constexpr int ESZ = FP8 ? 1 : 2;
+    const int row_bytes = kv.head_dim * ESZ;
+    const int chunks = FP8 ? dp / 16 : cpr;  // 16-byte source chunks per row
+    // cp.async straight into the tile: 16-bit rows with 16-byte aligned chunks (uniform per launch)
+    const bool direct = !FP8 && a.kv_aligned;
+    // fp8 rows with 16-byte aligned chunks: cp.async of the raw bytes into the top of the stage, converted
+    // in place one tile behind (staged); otherwise loads through registers (unaligned rows, a rare view).
+    const bool staged = FP8 && a.kv_aligned;
+    const char* const cache = static_cast<const char*>(kv.k);
+    const uint64_t sb = uint64_t(kv.k_stride_block) * ESZ, ss = uint64_t(kv.k_stride_slot) * ESZ;
+    const int32_t* bt = kv.block_tables + int64_t(w.seq) * kv.max_blocks_per_seq;
+    const uint32_t nblk = ac::block_id_limit(kv);
+    // The staged fp8 layout: raw block b (fp8 columns [128 b, 128 b + 128): 64 rows x 128 bytes, plain) at
+    // raw_off + b * KT * 128 of the stage, the nb blocks ending where the stage ends. Block b converts into
+    // 16-bit column blocks 2 b and 2 b + 1 ([16 KiB b, 16 KiB b + 16 KiB) of the stage), which overlap only
+    // raw blocks <= b (raw_off >= 8 KiB (nb - 1)): converted in order, each block read into registers
+    // before any thread writes (named barrier 4), nothing is overwritten before it is read.
+    const int nb = (dp + 127) / 128;
+    const uint32_t raw_off = uint32_t(L.tile_bytes - nb * KT * 128);
+    auto convert = [&](int t) {  // tile t's raw bytes (landed) -> its 16-bit tile; then `full`
+      const int s = t % stages;
+      unsigned char* const tile = smem + (sK(s) - base);
+      s9::named_bar_sync(4, 128);  // every producer thread's copies of the tile have landed
+      for (int b = 0; b < nb; ++b) {
+        const unsigned char* const raw = tile + raw_off + b * KT * 128;
+        uint4 u[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) u[k] = *reinterpret_cast<const uint4*>(raw + (pt + 128 * k) * 16);
+        s9::named_bar_sync(4, 128);  // block b read by all before its 16-bit columns are written
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int idx = pt + 128 * k, r = idx >> 3, c16 = 16 * b + 2 * (idx & 7);
+          if (c16 >= cpr) continue;  // the half block past dp (dp / 64 odd)
+          const uint32_t wd[4] = {u[k].x, u[k].y, u[k].z, u[k].w};
+          uint32_t h[8];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) ac::fp8x4_to_pairs<T, CF>(wd[j], &h[2 * j], &h[2 * j + 1]);
+          *reinterpret_cast<uint4*>(tile + sm90_off(KT, r, c16)) = make_uint4(h[0], h[1], h[2], h[3]);
+          *reinterpret_cast<uint4*>(tile + sm90_off(KT, r, c16 + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+        }
+      }
+      s9::fence_proxy_async();  // the generic-proxy stores, before the consumers' wgmma reads
+      s9::mbar_arrive(full(s));
+    };
+    for (int it = 0; it < ntiles; ++it) {
+      const int s = it % stages, use = it / stages;
+      const int k0 = (w.tile_begin + it) * KT;
+      // Lane i < 16 looks up the block of row warp + 4 i (a warp copies rows warp, warp + 4, ..).
+      int my_id = -1;
+      {
+        const int key = k0 + warp + 4 * lane;
+        if (lane < KT / 4 && key >= w.lo && key <= w.hi)
+          my_id = __ldg(bt + (a.bs_shift >= 0 ? key >> a.bs_shift : key / kv.block_size));
+      }
+      if (use > 0) s9::mbar_wait(empty(s), uint32_t(use - 1) & 1u);
+      const uint32_t dst = sK(s);
+      // TMA: a tile that is one whole page (block size 64), every key visible, its block id valid: one
+      // thread loads its dp / 64 boxes (columns past R + P zero-filled by the engine), the others arrive.
+      // Partial or masked tiles take the gathers below (they zero-fill keys that must not be read).
+      if (!FP8 && tma && k0 >= w.lo && k0 + KT - 1 <= w.hi) {
+        const int id0 = __shfl_sync(0xffffffffu, my_id, 0);  // rows warp, warp + 4, ..: one page, one id
+        if (ac::block_id_ok(id0, nblk)) {
+          if (pt == 0) {
+            s9::mbar_arrive_expect_tx(full(s), uint32_t(L.tile_bytes));
+            for (int j = 0; j < dp / 64; ++j)
+              s9::tma_load_2d(dst + uint32_t(j * KT * 128), &map, 64 * j, id0 * KT, full(s));
+          } else {
+            s9::mbar_arrive(full(s));
+          }
+          continue;
+        }
+      }
+#pragma unroll 2
+      for (int i = 0; i < KT / 4; ++i) {
+        const int r = warp + 4 * i, key = k0 + r;
+        const int id = __shfl_sync(0xffffffffu, my_id, i);
+        const bool ok = ac::block_id_ok(id, nblk);
+        const int slot = !ok ? 0 : a.bs_shift >= 0 ? key & ((1 << a.bs_shift) - 1) : key % kv.block_size;
+        const char* row = cache + (ok ? uint64_t(uint32_t(id)) * sb + uint64_t(slot) * ss : 0);
+        for (int c = lane; c < chunks; c += 32) {
+          const int b = ok ? row_bytes - c * 16 : 0;
+          const int bytes = b < 0 ? 0 : (b > 16 ? 16 : b);
+          const char* src = bytes > 0 ? row + c * 16 : cache;
+          if (direct) {
+            ac::cp_async16_at(dst + sm90_off(KT, r, c), src, bytes);
+            continue;
+          }
+          if (staged) {  // raw chunk c of row r: block c / 8, chunk c % 8 of the row's 128 bytes there
+            ac::cp_async16_at(dst + raw_off + uint32_t((c >> 3) * KT * 128 + r * 128 + (c & 7) * 16), src, bytes);
+            continue;
+          }
+          // Through registers: element loads (rows not 16-byte aligned), fp8 converted.
+          using Loader = ac::TileLoader<1, 1, 1, ESZ>;
+          uint32_t wd[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) wd[j] = Loader::word_at(src, 4 * j, bytes);
+          unsigned char* d = smem + (dst - base);
+          if constexpr (FP8) {
+            uint32_t h[8];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) ac::fp8x4_to_pairs<T, CF>(wd[j], &h[2 * j], &h[2 * j + 1]);
+            *reinterpret_cast<uint4*>(d + sm90_off(KT, r, 2 * c)) = make_uint4(h[0], h[1], h[2], h[3]);
+            *reinterpret_cast<uint4*>(d + sm90_off(KT, r, 2 * c + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+          } else {
+            *reinterpret_cast<uint4*>(d + sm90_off(KT, r, c)) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+          }
+        }
+      }
+      if (direct) {
+        s9::cp_async_mbar_arrive(full(s));
+      } else if (staged) {
+        // The copies of this tile fly while the previous tile is converted (its group: all but the newest).
+        ac::cp_async_commit();
+        if (it > 0) {
+          ac::cp_async_wait<1>();
+          convert(it - 1);
+        }
+      } else {
+        s9::fence_proxy_async();  // the generic-proxy stores, before the consumers' wgmma reads
+        s9::mbar_arrive(full(s));
+      }
+    }
+    if (staged && ntiles > 0) {
+      ac::cp_async_wait<0>();
+      convert(ntiles - 1);
+    }
+    ac::cp_async_commit();  // every copy complete (and so every arrival made) before the thread exits
+    ac::cp_async_wait<0>();
+    return;
+  }
+
+  // ---- consumers --------------------------------------------------------------------------------
+  s9::setmaxnreg_inc<kSm90ConsumerRegs>();
+  const int wt = tid % 128, lane = tid & 31, wq = wt >> 5, g = lane >> 2, t4 = lane & 3;
+  const int D = p.kv.head_dim, R = p.kv.head_dim_v;
+
+  // Queries of the CTA's 64 rows -> the swizzled 16-bit Q tile (both consumers, 256 threads); zeros as
+  // padding (rows of absent heads, columns past R + P).
+  for (int idx = tid; idx < ROWS * cpr; idx += 256) {
+    const int r = idx / cpr, c = idx - r * cpr;
+    const ac::RowId id = ac::row_id(a, w, r);
+    float x[8];
+    if (id.valid) {
+      const T* src = static_cast<const T*>(p.q) + id.token * p.q_stride_token + int64_t(id.head) * p.q_stride_head;
+      load_q8_tail(src, c * 8, D, a.q_aligned != 0, x);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = 0.0f;
+    }
+    *reinterpret_cast<uint4*>(smem + L.q_off + sm90_off(ROWS, r, c)) =
+        make_uint4(ac::pack2<T>(x[0], x[1]), ac::pack2<T>(x[2], x[3]), ac::pack2<T>(x[4], x[5]),
+                   ac::pack2<T>(x[6], x[7]));
+  }
+  s9::fence_proxy_async();  // the generic-proxy stores, before wgmma reads them
+  s9::named_bar_sync(3, 256);
+
+  constexpr float unit = FP8 ? ac::fp8_unit<CF>() : 1.0f;
+  const float qk_mul2 = p.scale * p.kv.k_scale_of(0) * unit * ac::kLog2e;  // logits in log2 units
+  const float v_mul = p.kv.k_scale_of(0) * unit;  // V is the same bytes as K: the same scale
+  // This thread's rows (the accumulator layout): 16 wq + g + 8 h of the 64.
+  int pos[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) pos[h] = ac::row_id(a, w, 16 * wq + g + 8 * h).pos;
+
+  float o0[64], o1[64];  // columns 256 wg + [0, 128) and + [128, 256)
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o0[i] = o1[i] = 0.0f;
+  // The 128-column slices of V this consumer multiplies: column blocks 4 wg and 4 wg + 2 of the tile.
+  // A slice past R (R < 512) is never stored; its wgmma still runs, on column block 0, because a
+  // wgmma under a warpgroup-dependent branch makes ptxas serialize every wgmma of the kernel (C7520).
+  const uint32_t v_slice0 = 256 * wg < R ? uint32_t(4 * wg * KT * 128) : 0u;
+  const uint32_t v_slice1 = 256 * wg + 128 < R ? uint32_t((4 * wg + 2) * KT * 128) : 0u;
+  float m_run[2] = {-INFINITY, -INFINITY}, d_run[2] = {0.0f, 0.0f};
+  const int ksteps = (D + 15) / 16;
+  const uint64_t dq0 = s9::make_desc(sQ, 16, 1024, s9::Swizzle::k128B);
+  const uint64_t dp0 = s9::make_desc(sP, 16, 1024, s9::Swizzle::k128B);
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int s = it % stages;
+    const uint32_t phase = uint32_t(it / stages) & 1u;
+    const int k0 = (w.tile_begin + it) * KT;
+
+    // S_c = Q K_c^T: 64 rows x this consumer's 32 keys (rows 32 wg .. of the tile: 4 whole 8-row groups).
+    float sacc[16];
+    s9::mbar_wait(full(s), phase);
+    s9::fence_proxy_async();
+    const uint64_t dk0 = s9::make_desc(sK(s) + uint32_t(32 * wg * 128), 16, 1024, s9::Swizzle::k128B);
+    s9::fence_regs(sacc);
+    s9::wgmma_fence();
+    for (int kk = 0; kk < ksteps; ++kk) {
+      // k16 step kk: column block kk / 4 (rows x 128 bytes further on), 32 bytes per step inside it
+      s9::wgmma_ss_n32<T, 0, 0>(sacc, s9::desc_add(dq0, uint32_t((kk >> 2) * ROWS * 128 + (kk & 3) * 32)),
+                                s9::desc_add(dk0, uint32_t((kk >> 2) * KT * 128 + (kk & 3) * 32)), kk > 0 ? 1 : 0);
+    }
+    s9::wgmma_commit();
+    s9::wgmma_wait<0>();
+    s9::fence_regs(sacc);
+
+    // Logits in log2 units, keys past the token's position masked; sacc[4 i + 2 h + e] is row
+    // 16 wq + g + 8 h, key 32 wg + 8 i + 2 t4 + e.
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = k0 + 32 * wg + 8 * i + 2 * t4 + (e & 1);
+        const float x = key <= pos[e >> 1] ? sacc[4 * i + e] * qk_mul2 : -INFINITY;
+        sacc[4 * i + e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      if (t4 == 0) s_max[wg * ROWS + 16 * wq + g + 8 * h] = mx[h];
+    }
+    // Both halves of the maxima (and, the previous tile's P V of both consumers having completed
+    // before either arrives here, the P tile free to overwrite).
+    s9::named_bar_sync(1, 256);
+    float alpha[2];
+    bool rescale = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * wq + g + 8 * h;
+      // The same expression in both consumers (same operands, same order): identical maxima.
+      const float m_new = fmaxf(m_run[h], fmaxf(s_max[r], s_max[ROWS + r]));
+      const float base_m = m_new == -INFINITY ? 0.0f : m_new;  // nothing visible yet: all weights 0
+      alpha[h] = exp2f(m_run[h] - base_m);                     // m_run = -inf gives 0
+      m_run[h] = m_new;
+      rescale = rescale || alpha[h] != 1.0f;
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        sacc[4 * i + 2 * h] = exp2f(sacc[4 * i + 2 * h] - base_m);
+        sacc[4 * i + 2 * h + 1] = exp2f(sacc[4 * i + 2 * h + 1] - base_m);
+        sum += sacc[4 * i + 2 * h] + sacc[4 * i + 2 * h + 1];
+      }
+      d_run[h] = d_run[h] * alpha[h] + sum;  // per-thread partial; quads and consumers summed at the end
+    }
+    // This consumer's half of P (rounded to T; the denominator uses the unrounded values, as the
+    // mma.sync kernels): row r, keys 32 wg + 8 i + 2 t4 .. -> chunk 4 wg + i of the swizzled P row.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = 16 * wq + g + 8 * h;
+        *reinterpret_cast<uint32_t*>(smem + L.p_off + r * 128 + (((4 * wg + i) ^ (r & 7)) << 4) + 4 * t4) =
+            ac::pack2<T>(sacc[4 * i + 2 * h], sacc[4 * i + 2 * h + 1]);
+      }
+    }
+    s9::fence_proxy_async();
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        o0[4 * i] *= alpha[0], o0[4 * i + 1] *= alpha[0], o0[4 * i + 2] *= alpha[1], o0[4 * i + 3] *= alpha[1];
+        o1[4 * i] *= alpha[0], o1[4 * i + 1] *= alpha[0], o1[4 * i + 2] *= alpha[1], o1[4 * i + 3] *= alpha[1];
+      }
+    }
+    s9::named_bar_sync(2, 256);  // both halves of P written
+
+    // O_c += P V_c: V N-major from the tile (64-value column blocks LBO = KT x 128 bytes apart, 8-key
+    // groups SBO = 1024 apart, a k16 step 16 keys = 2048 bytes).
+    const uint64_t dv0 = s9::make_desc(sK(s) + v_slice0, uint32_t(KT * 128), 1024, s9::Swizzle::k128B);
+    const uint64_t dv1 = s9::make_desc(sK(s) + v_slice1, uint32_t(KT * 128), 1024, s9::Swizzle::k128B);
+    s9::fence_regs(o0);
+    s9::fence_regs(o1);
+    s9::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < KT / 16; ++kk) {
+      s9::wgmma_ss<128, T, 0, 1>(o0, s9::desc_add(dp0, kk * 32), s9::desc_add(dv0, kk * 2048), 1);
+      s9::wgmma_ss<128, T, 0, 1>(o1, s9::desc_add(dp0, kk * 32), s9::desc_add(dv1, kk * 2048), 1);
+    }
+    s9::wgmma_commit();
+    s9::wgmma_wait<0>();
+    s9::fence_regs(o0);
+    s9::fence_regs(o1);
+    s9::mbar_arrive(empty(s));  // this thread is done with the stage
+  }
+
+  // ---- epilogue: quad sums, the two consumers' sums, then rows to out / lse or the split's partial --
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    d_run[h] += __shfl_xor_sync(0xffffffffu, d_run[h], 1);
+    d_run[h] += __shfl_xor_sync(0xffffffffu, d_run[h], 2);
+    if (t4 == 0) s_sum[wg * ROWS + 16 * wq + g + 8 * h] = d_run[h];
+  }
+  s9::named_bar_sync(3, 256);
+  const int64_t rows_total = p.num_tokens * p.num_heads;
+  const float vm = ac::checked_v_mul(v_mul);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = 16 * wq + g + 8 * h;
+    const ac::RowId id = ac::row_id(a, w, r);
+    if (!id.valid) continue;
+    const float M = m_run[h], Dn = s_sum[r] + s_sum[ROWS + r];
+    float mul;
+    const bool has_keys = ac::pos_has_keys(p, id.pos, w.seq_len);
+    const float lse2 = a.num_splits == 1 ? finish_row<true>(M, Dn, has_keys, -INFINITY, &mul)
+                                         : (Dn == 0.0f ? -INFINITY : M + log2f(Dn));
+    if (a.num_splits != 1) mul = Dn == 0.0f ? 0.0f : 1.0f / Dn;
+    mul *= vm;
+    const int64_t row = id.token * p.num_heads + id.head;
+    const int64_t prow = int64_t(w.split) * rows_total + row;
+    // (a lambda per accumulator array rather than a pointer that selects one: registers cannot be
+    // addressed, and a pointer could put the arrays in local memory)
+    auto store = [&](const float (&o)[64], int c0) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int col = c0 + 8 * i + 2 * t4;
+        if (col >= R) continue;  // R is a multiple of 8: col + 1 < R too
+        const float x0 = o[4 * i + 2 * h] * mul, x1 = o[4 * i + 2 * h + 1] * mul;
+        if (a.num_splits == 1)
+          *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * R + col) = ac::pack2<T>(x0, x1);
+        else
+          *reinterpret_cast<float2*>(a.part_o + prow * R + col) = make_float2(x0, x1);
+      }
+    };
+    store(o0, 256 * wg);
+    store(o1, 256 * wg + 128);
+    if (wg == 0 && t4 == 0) {
+      if (a.num_splits == 1) p.lse[row] = lse2 * ac::kLn2;
+      else a.part_lse[prow] = lse2;
+    }
+  }
+#else
+  (void)m;
+#endif
+}
+
+// Whether this build has the kernel's sm_90a code (its static shared memory: the stub compiled for other
+// architectures has none). Asked only on an sm_90 device, once per process and instance.
+template <typename T, CacheFormat CF>
+bool mla_sm90_compiled() {
+#if defined(KVKERNELS_CUDA_EMU)
+  return true;
+#else
+  static const bool compiled = [] {
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, mla_sm90_kernel<T, CF>) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return attr.sharedSizeBytes >= sizeof(int) * 4;
+  }();
+  return compiled;
+#endif
+}
+
+template <typename T, CacheFormat CF>
+cudaError_t launch_mla_sm90_instance(const MlaArgs& m, const CUtensorMap* map, dim3 grid, int smem,
+                                     cudaStream_t stream) {
+  static std::atomic<int> configured[64] = {};
+  const cudaError_t err = raise_smem_limit(mla_sm90_kernel<T, CF>, configured, smem);
+  if (err != cudaSuccess) return err;
+  CUtensorMap none;
+  if (map == nullptr) std::memset(&none, 0, sizeof(none));
+  mla_sm90_kernel<T, CF><<<grid, kSm90Threads, smem, stream>>>(m, map ? *map : none, map ? 1 : 0);
+  return cudaGetLastError();
+}
+
+// The cache formats a 16-bit q reads: its own and both fp8 formats.
+template <typename T, CacheFormat SELF>
+struct MlaSm90ForQ {
+  static bool compiled(CacheFormat f) {
+    switch (f) {
+      case SELF: return mla_sm90_compiled<T, SELF>();
+      case CacheFormat::kFp8E4M3: return mla_sm90_compiled<T, CacheFormat::kFp8E4M3>();
+      case CacheFormat::kFp8E5M2: return mla_sm90_compiled<T, CacheFormat::kFp8E5M2>();
+      default: return false;
+    }
+  }
+  static cudaError_t launch(const MlaArgs& m, const CUtensorMap* map, dim3 grid, int smem, cudaStream_t stream) {
+    switch (m.a.p.kv.format) {
+      case SELF: return launch_mla_sm90_instance<T, SELF>(m, map, grid, smem, stream);
+      case CacheFormat::kFp8E4M3:
+        return launch_mla_sm90_instance<T, CacheFormat::kFp8E4M3>(m, nullptr, grid, smem, stream);
+      case CacheFormat::kFp8E5M2:
+        return launch_mla_sm90_instance<T, CacheFormat::kFp8E5M2>(m, nullptr, grid, smem, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
+};
+
+}  // namespace kvkernels::mla_cuda
