@@ -45,6 +45,7 @@
 
 #include "common.cuh"
 #include "mla_common.cuh"
+#include "sm90_ptx.cuh"
 
 namespace kvkernels::mla_cuda {
 
@@ -168,89 +169,9 @@ __device__ __forceinline__ void issue_w_tile(const DecompressArgs& d, int n0, in
   }
 }
 
-// ---- TMA (sm_90+) ---------------------------------------------------------------------------
-// Every PTX instruction below exists from sm_90 on; the sm_80 build compiles these to nothing
-// (the TMA kernel variant traps there and the launcher never selects it).
-namespace tma {
-
-__device__ __forceinline__ void bar_init(uint32_t bar, uint32_t count) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-#elif defined(KVKERNELS_CUDA_EMU)
-  ::emu::mbarrier_init(bar, count);
-#else
-  (void)bar, (void)count;
-#endif
-}
-
-// After mbarrier.init, before the copy engine may complete a transaction on the barrier.
-__device__ __forceinline__ void fence_bar_init() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-
-// One arrival (the barriers are initialized with count 1) that also expects `bytes` of
-// transactions in the current phase.
-__device__ __forceinline__ void arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-#elif defined(KVKERNELS_CUDA_EMU)
-  ::emu::mbarrier_arrive_expect_tx(bar, bytes);
-#else
-  (void)bar, (void)bytes;
-#endif
-}
-
-// Blocks until the phase of parity `parity` of the barrier has completed.
-__device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (done == 0);
-#elif defined(KVKERNELS_CUDA_EMU)
-  ::emu::mbarrier_wait_parity(bar, parity);
-#else
-  (void)bar, (void)parity;
-#endif
-}
-
-// The box of `map` at (column c0, row c1) into shared `dst`; completes `bytes` on `bar`.
-__device__ __forceinline__ void load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                        uint32_t bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-#elif defined(KVKERNELS_CUDA_EMU)
-  ::emu::bulk_tensor_load_2d(dst, map, c0, c1, bar);
-#else
-  (void)dst, (void)map, (void)c0, (void)c1, (void)bar;
-#endif
-}
-
-__device__ __forceinline__ void prefetch_map(const CUtensorMap* map) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-#else
-  (void)map;
-#endif
-}
-
-}  // namespace tma
+// ---- TMA (sm_90+) ----------------------------------------------------------------------------
+// The mbarrier and TMA wrappers are sm90_ptx.cuh's (compiled for every sm_90 target; nothing on sm_80,
+// where the TMA kernel variant traps and the launcher never selects it).
 
 // K-tile kt of the CTA's 64 weight rows by TMA into stage `stage` (one thread calls this).
 template <typename T>
@@ -258,8 +179,8 @@ __device__ __forceinline__ void issue_w_tile_tma(const CUtensorMap* map, int n0,
                                                  uint32_t sw_u32, uint32_t bar0, int stage) {
   using Cfg = DecCfg<T>;
   const uint32_t bar = bar0 + 8u * uint32_t(stage);
-  tma::arrive_expect_tx(bar, Cfg::W_STAGE);  // the whole box, zero-filled parts included
-  tma::load_2d(sw_u32 + uint32_t(stage * Cfg::W_STAGE), map, kt * Cfg::BK, n0, bar);
+  sm90::mbar_arrive_expect_tx(bar, Cfg::W_STAGE);  // the whole box, zero-filled parts included
+  sm90::tma_load_2d(sw_u32 + uint32_t(stage * Cfg::W_STAGE), map, kt * Cfg::BK, n0, bar);
 }
 
 template <typename T, typename C, bool TMA>
@@ -295,9 +216,10 @@ __global__ void __launch_bounds__(128)
 
   if constexpr (TMA) {
     if (tid == 0) {
-      tma::prefetch_map(&wmap);
-      for (int s = 0; s < STAGES; ++s) tma::bar_init(bar0 + 8u * uint32_t(s), 1);
-      tma::fence_bar_init();
+      sm90::tma_prefetch_map(&wmap);
+      for (int s = 0; s < STAGES; ++s) sm90::mbar_init(bar0 + 8u * uint32_t(s), 1);
+      sm90::mbar_init_fence();  // before the copy engine may complete a transaction on the barriers
+      sm90::fence_proxy_async();
       for (int s = 0; s < STAGES - 1 && s < ktiles; ++s)
         issue_w_tile_tma<T>(&wmap, n0, s, sw_u32, bar0, s);
     }
@@ -389,7 +311,7 @@ __global__ void __launch_bounds__(128)
       const int nx = kt + STAGES - 1;
       if (tid == 0 && nx < ktiles) issue_w_tile_tma<T>(&wmap, n0, nx, sw_u32, bar0, nx % STAGES);
       // Tile kt is completion number kt / STAGES of its stage's barrier (phases 0, 1, 0, ...).
-      tma::wait(bar0 + 8u * uint32_t(kt % STAGES), uint32_t(kt / STAGES) & 1u);
+      sm90::mbar_wait(bar0 + 8u * uint32_t(kt % STAGES), uint32_t(kt / STAGES) & 1u);
     } else {
       ac::cp_async_wait<STAGES - 2>();
       __syncthreads();  // W tile kt landed; the latent tile is complete (first pass)

@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(Sm90DecCfg::NT, 1)
     // ---- producer: w_kv_b K-tiles -> the ring, by TMA --------------------------------------------
     s9::setmaxnreg_dec<Cfg::PRODUCER_REGS>();
     if (tid == 128 * Cfg::CONSUMERS) {
-      tma::prefetch_map(&wmap);
+      s9::tma_prefetch_map(&wmap);
       int step = 0;  // K-tiles issued: stage step % S, that stage's use step / S
       for (int t = t_begin; t < t_end; ++t) {
         const int n0 = int(t % n_tiles) * BN;
@@ -134,9 +134,9 @@ __global__ void __launch_bounds__(Sm90DecCfg::NT, 1)
           const int use = step / S;
           // Use u of a stage follows the consumers' release of use u - 1 (completion u - 1 of `empty`).
           if (use > 0) s9::mbar_wait(empty(s), uint32_t(use - 1) & 1u);
-          tma::arrive_expect_tx(full(s), Cfg::W_STAGE);  // both boxes, zero-filled parts included
-          tma::load_2d(sW(s), &wmap, kt * BK, n0, full(s));
-          tma::load_2d(sW(s) + uint32_t(Cfg::W_STAGE / 2), &wmap, kt * BK, n0 + Cfg::BOX_ROWS, full(s));
+          s9::mbar_arrive_expect_tx(full(s), Cfg::W_STAGE);  // both boxes, zero-filled parts included
+          s9::tma_load_2d(sW(s), &wmap, kt * BK, n0, full(s));
+          s9::tma_load_2d(sW(s) + uint32_t(Cfg::W_STAGE / 2), &wmap, kt * BK, n0 + Cfg::BOX_ROWS, full(s));
         }
       }
     }

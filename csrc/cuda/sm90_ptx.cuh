@@ -34,6 +34,14 @@
 #else
 #define KVK_SM90_PTX 0
 #endif
+// mbarrier phases with transaction counts, the async-proxy fence and the TMA bulk copies exist on every
+// sm_90 target, "a" or not: their wrappers are compiled under this wider condition, so the sm_90
+// (non-"a") build of mla_decompress's tile64 TMA weight ring uses them too.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KVK_SM90_ASYNC 1
+#else
+#define KVK_SM90_ASYNC 0
+#endif
 
 namespace kvkernels::sm90 {
 
@@ -273,7 +281,7 @@ __device__ __forceinline__ void named_bar_arrive(uint32_t id, uint32_t count) {
 
 // ---- mbarriers (shared::cta, 64-bit objects, addressed by their shared-window address) ---------------
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-#if KVK_SM90_PTX
+#if KVK_SM90_ASYNC
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 #elif defined(KVKERNELS_CUDA_EMU)
   ::emu::mbarrier_init(bar, count);
@@ -284,7 +292,7 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 
 // After the inits, before other threads (or the async proxy) use the barriers (then a __syncthreads).
 __device__ __forceinline__ void mbar_init_fence() {
-#if KVK_SM90_PTX
+#if KVK_SM90_ASYNC
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 #endif
 }
@@ -292,7 +300,7 @@ __device__ __forceinline__ void mbar_init_fence() {
 // One arrival (release semantics: this thread's prior shared-memory reads and writes are ordered before
 // the phase completes for a waiter).
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-#if KVK_SM90_PTX
+#if KVK_SM90_ASYNC
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 #elif defined(KVKERNELS_CUDA_EMU)
   ::emu::mbarrier_arrive(bar);
@@ -304,7 +312,7 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 // An arrival once every cp.async this thread issued so far has completed (the copies' data visible
 // to the barrier's waiters); .noinc: it counts against the barrier's expected arrivals.
 __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
-#if KVK_SM90_PTX
+#if KVK_SM90_ASYNC
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 #elif defined(KVKERNELS_CUDA_EMU)
   ::emu::cp_async_mbarrier_arrive_noinc(bar);
@@ -315,7 +323,7 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
 
 // Waits until the phase of parity `parity` has completed (acquire: the arrivals' writes are visible).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-#if KVK_SM90_PTX
+#if KVK_SM90_ASYNC
   uint32_t done = 0;
   do {
     asm volatile(
@@ -335,7 +343,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 // the data of completed cp.async) with later async-proxy ones (wgmma operand reads). The emulator has
 // no proxies: a no-op there (csrc/cuda/README.md lists it among what the emulator cannot show).
 __device__ __forceinline__ void fence_proxy_async() {
-#if KVK_SM90_PTX
+#if KVK_SM90_ASYNC
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
@@ -343,8 +351,8 @@ __device__ __forceinline__ void fence_proxy_async() {
 }  // namespace kvkernels::sm90
 
 // =====================================================================================================
-// Added for the MLA decode on wgmma (mla_attention_sm90.cuh). Kept in its own section, after the
-// prefill's wrappers, so that the two lines of work merge without touching each other's code.
+// wgmma m64n32k16, mbarrier expect_tx arrivals and TMA 2D loads (first used by the MLA decode,
+// mla_attention_sm90.cuh; the TMA paths of mla_decompress use them too).
 // =====================================================================================================
 namespace kvkernels::sm90 {
 
@@ -376,7 +384,7 @@ __device__ __forceinline__ void wgmma_ss_n32(float (&d)[16], uint64_t da, uint64
 // mbarrier.arrive.expect_tx: one arrival that also expects `bytes` of transactions (bulk copies
 // completing on the barrier) in the current phase; the phase completes when both are done.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-#if KVK_SM90_PTX
+#if KVK_SM90_ASYNC
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 #elif defined(KVKERNELS_CUDA_EMU)
   ::emu::mbarrier_arrive_expect_tx(bar, bytes);
@@ -389,7 +397,7 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 // at (column c0, row c1) into shared `dst` (128-byte aligned; 1024 with the 128B swizzle), its bytes
 // completing on `bar`. Elements outside the tensor are zero-filled by the copy engine.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c0, int c1, uint32_t bar) {
-#if KVK_SM90_PTX
+#if KVK_SM90_ASYNC
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
@@ -398,6 +406,16 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c
   ::emu::bulk_tensor_load_2d(dst, map, c0, c1, bar);
 #else
   (void)dst, (void)map, (void)c0, (void)c1, (void)bar;
+#endif
+}
+
+// prefetch.tensormap: brings the tensor map (a __grid_constant__ kernel parameter) into the cache
+// before its first TMA copy.
+__device__ __forceinline__ void tma_prefetch_map(const void* map) {
+#if KVK_SM90_ASYNC
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+#else
+  (void)map;
 #endif
 }
 
