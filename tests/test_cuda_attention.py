@@ -340,7 +340,7 @@ def use_wgmma(monkeypatch, splits=None):
     monkeypatch.setenv("KVKERNELS_CUDA_WGMMA", "require")
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [bf16, f16])
 def test_wgmma_prefill_matches_reference_and_wide(dtype, d, monkeypatch):
     """The Hopper wgmma prefill (csrc/cuda/attention_sm90.cuh) against the reference and the wide mma.sync

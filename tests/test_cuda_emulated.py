@@ -1408,6 +1408,7 @@ NONFINITE_ATTN = {
     "bf16-split3": (bf16, None, 4, 2, 64, "decode", MMA_DECODE, 3),
     # the wgmma prefill over fp8 caches (the producer's dequantization: NaN bytes, e5m2 inf, scales)
     "e4m3-bf16-wgmma-prefill-d128": (bf16, "e4m3", 4, 1, 128, "prefill", WGMMA_PREFILL, None),
+    "bf16-wgmma-prefill-d256": (bf16, None, 4, 1, 256, "prefill", WGMMA_PREFILL, None),
     "e5m2-f16-wgmma-prefill-d64": (f16, "e5m2", 2, 2, 64, "prefill", WGMMA_PREFILL, None),
 }
 
@@ -1763,6 +1764,42 @@ def test_wgmma_prefill(emu, config, monkeypatch):
     assert plan["heads_per_cta"] == hpc and plan["q_tile"] == 128 // hpc, plan
 
 
+# id: dtype, layout, Hq, Hkv, Dk, Dv, B. Padded head dim 256: 64-key tiles, 2 stages, P V as two n128 halves.
+# Head dims 160 / 192 (zero-filled columns past them) and 256; Dv != Dk both ways (the larger sets the padding);
+# block sizes 16 (a 64-key tile spans 4 blocks), 7 and 1; the 261-key sequence runs 5 key tiles
+# (the 2-stage ring wraps twice) and its 131 last queries 2 query tiles.
+WGMMA_D256_CONFIGS = {
+    "bf16-NHD-gqa4-d256-b16": (bf16, "NHD", 8, 2, 256, 256, 16),
+    "f16-HND-gqa3-d160-b7": (f16, "HND", 6, 2, 160, 160, 7),
+    "bf16-stacked-mha-k192-v64-b1": (bf16, "stacked", 2, 2, 192, 64, 1),
+    "f16-stacked-gqa8-k128-v256-b16": (f16, "stacked", 8, 1, 128, 256, 16),
+}
+
+
+@pytest.mark.parametrize("config", WGMMA_D256_CONFIGS.values(), ids=WGMMA_D256_CONFIGS.keys())
+def test_wgmma_prefill_head_dim_256(emu, config, monkeypatch):
+    """Padded head dim 256 on the wgmma kernel against the float64 reference: full / chunked prefill, empty and
+    one-key sequences, a value head dim other than the key's (out Dv wide), KV splits of the 64-key tiles."""
+    dtype, layout, hq, hkv, dk, dv, b = config
+    use_wgmma(monkeypatch)
+    seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b, 261]
+    kv, query, qsl = dv_case("varlen", seq_lens, dtype, None, layout, hq, hkv, dk, dv, b, seed=71)
+    out, _, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL)
+    assert plan["dpad"] == 256 and out.shape[-1] == dv, plan
+    use_wgmma(monkeypatch, splits=3)
+    _, _, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL, window_left=70, soft_cap=4.0)
+    assert plan["splits"] == 3, plan
+
+
+def test_wgmma_prefill_head_dim_256_all_features(emu, monkeypatch):
+    """check_features' "all" case (window, soft cap, ALiBi, sinks and scale at once) at head dim 256 with a 300-key
+    sequence (5 tiles of 64 keys); each option alone runs at 64 / 128 (test_wgmma_prefill_features), and
+    window + soft cap with splits at 256 above: one case here keeps the emulated time small."""
+    use_wgmma(monkeypatch)
+    check_features(lambda kv, q, qsl, **kw: run_emu_attention(emu, kv, q, qsl, path=WGMMA_PREFILL, **kw)[:2],
+                   (bf16, None, False, "NHD", 2, 256, 16), "all", "varlen", more_seq_lens=(300,))
+
+
 def test_wgmma_prefill_group_above_128(emu, monkeypatch):
     """A GQA group of 160 heads: 128 rows hold one query's first 128 heads, a second head chunk its last 32
     (warpgroup 1 of that chunk has no valid row: it still takes part in the pipeline and writes nothing)."""
@@ -1970,6 +2007,8 @@ def test_wgmma_prefill_plan_and_fallbacks(emu, monkeypatch):
                                        block_size=16, fp8="e4m3")
     kv256, q256, qsl256 = make_case("varlen", [30, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=256,
                                     block_size=16)
+    kv256_fp8, q256_fp8, qsl256_fp8 = make_case("varlen", [30, 7], dtype=bf16, num_heads=8, num_kv_heads=2,
+                                                head_dim=256, block_size=16, fp8="e4m3")
     kv32, q32, qsl32 = make_case("varlen", [30, 7], dtype=f32, num_heads=8, num_kv_heads=2, head_dim=64,
                                  block_size=16)
     kvu, qu, qslu = make_case("varlen", [30, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=64,
@@ -1979,7 +2018,8 @@ def test_wgmma_prefill_plan_and_fallbacks(emu, monkeypatch):
         "decode": ((kv, decode_query, None), MMA_DECODE, None),  # (the decode kernel: the wgmma choice unread)
         "decode-gqa32": ((kv_gqa32, q_gqa32, None), MMA_PREFILL, "decode"),
         "fp8": ((kv_fp8, q_fp8, qsl_fp8), WGMMA_PREFILL, None),
-        "d256": ((kv256, q256, qsl256), MMA_PREFILL, "head dims above 128"),
+        "d256": ((kv256, q256, qsl256), WGMMA_PREFILL, None),
+        "fp8-d256": ((kv256_fp8, q256_fp8, qsl256_fp8), MMA_PREFILL, "fp8 caches at head dims above 128"),
         "f32": ((kv32, q32, qsl32), SIMT, None),
         "unaligned": ((kvu, qu, qslu), MMA_PREFILL, "not 16-byte aligned"),
     }

@@ -2,7 +2,7 @@
 // KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill; csrc/cuda/README.md, section "Hopper prefill (wgmma)").
 //
 // CTA = 3 warpgroups (384 threads) over 128 rows (q_tile queries x the GQA group's heads, make_work /
-// row_id of attention_common.cuh) of one kv head, key tiles of 128 keys:
+// row_id of attention_common.cuh) of one kv head, key tiles of 128 keys (64 at padded head dim 256):
 //   warpgroup 2, the producer (setmaxnreg.dec to 40 registers): gathers each key tile's K and V rows
 //     from the paged cache with cp.async (any block size: one block-table lookup per row; rows outside
 //     the CTA's visible range [w.lo, w.hi], out-of-range block ids and columns past the head dims are
@@ -32,8 +32,10 @@
 // keys each row sees: 0 * inf never reaches a row that does not see the key). Caches of the query's
 // 16-bit dtype, or fp8 (e4m3 / e5m2, per-tensor or per-head k / v scales): the producer gathers the raw
 // bytes into a raw tile and dequantizes them into the 16-bit stage (the producer section below), the
-// consumers apply k_scale to the logits and v_scale to the output. Head dims above 128, decode and
-// unaligned K/V rows: the planner runs the mma.sync kernels (docs/ops.md lists the fallbacks).
+// consumers apply k_scale to the logits and v_scale to the output. Padded head dims 64 / 128 / 256 (at
+// 256 64-key tiles: shared memory, csrc/cuda/README.md "Head dim 256 on the wgmma prefill"). fp8 caches
+// at 256, decode and unaligned K/V rows: the planner runs the mma.sync kernels (docs/ops.md lists the
+// fallbacks).
 #pragma once
 
 #include <atomic>
@@ -45,11 +47,11 @@ namespace kvkernels::attn_cuda {
 
 template <typename T, CacheFormat CF, int DPAD>
 struct Sm90Cfg {
-  static_assert(DPAD == 64 || DPAD == 128, "head dims up to 128");
+  static_assert(DPAD == 64 || DPAD == 128 || DPAD == 256, "padded head dims 64 / 128 / 256");
   // An fp8 cache (e4m3 / e5m2): the producer gathers raw bytes and dequantizes them into the 16-bit
   // stages the consumers read (the consumers' code is the 16-bit one).
   static constexpr bool FP8 = CF == CacheFormat::kFp8E4M3 || CF == CacheFormat::kFp8E5M2;
-  static constexpr int KT = 128;          // keys per tile (the n of S = Q K^T)
+  static constexpr int KT = sm90_key_tile(DPAD);  // keys per tile (the n of S = Q K^T): 128, 64 at 256
   static constexpr int WG_ROWS = 64;      // rows of one consumer warpgroup (wgmma m64)
   static constexpr int CONSUMERS = 2;
   static constexpr int ROWS = WG_ROWS * CONSUMERS;
@@ -72,7 +74,7 @@ struct Sm90Cfg {
   static_assert(SMEM == sm90_prefill_smem(DPAD, FP8), "the planner's size (attention_common.cuh)");
   static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 256 <= 65536, "setmaxnreg pool");
-  static_assert(SMEM <= 227 * 1024, "sm_90 opt-in shared memory");
+  static_assert(SMEM <= 227 * 1024, "sm_90 opt-in shared memory (no fp8 at head dim 256)");
 };
 
 // Byte offset of 16-byte chunk c of row r in a [DPAD / 64][ROWS_][128 B] swizzled tile.
@@ -405,8 +407,22 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
       const uint64_t dv0 = s9::make_desc(sV(s), uint32_t(KT * 128), 1024, s9::Swizzle::k128B);
       s9::fence_regs(o);
       s9::wgmma_fence();
+      if constexpr (DPAD <= 128) {
 #pragma unroll
-      for (int kk = 0; kk < KT / 16; ++kk) s9::wgmma_rs<DPAD, T, 1>(o, pa[kk], s9::desc_add(dv0, kk * 2048), 1);
+        for (int kk = 0; kk < KT / 16; ++kk) s9::wgmma_rs<DPAD, T, 1>(o, pa[kk], s9::desc_add(dv0, kk * 2048), 1);
+      } else {
+        // 256 output columns as two m64n128k16 products per k-step (the wrappers stop at n128): half h
+        // reads V's column blocks 2 h, 2 h + 1 (2 LBO = 2 KT x 128 bytes on) into o[64 h ..], which in
+        // the accumulator layout are exactly the n256 fragment's columns 128 h .. (o[4 i + ..] is column
+        // 8 i + ..), so the softmax rescale and the epilogue index o as at the other head dims.
+        float(&o_lo)[64] = *reinterpret_cast<float(*)[64]>(&o[0]);
+        float(&o_hi)[64] = *reinterpret_cast<float(*)[64]>(&o[64]);
+#pragma unroll
+        for (int kk = 0; kk < KT / 16; ++kk) {
+          s9::wgmma_rs<128, T, 1>(o_lo, pa[kk], s9::desc_add(dv0, kk * 2048), 1);
+          s9::wgmma_rs<128, T, 1>(o_hi, pa[kk], s9::desc_add(dv0, kk * 2048 + 2 * KT * 128), 1);
+        }
+      }
       s9::wgmma_commit();
       s9::wgmma_wait<0>();
       s9::fence_regs(o);
