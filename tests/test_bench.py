@@ -315,6 +315,13 @@ def test_cuda_attention_prefill_variants_options_and_report(capsys):
     assert ca.prefill_variant_lines(rows2, ["wide", "wgmma"]) == [
         f"{b}: wide 2.0000 ms (0.20x SDPA flash), wgmma 0.5000 ms (0.80x SDPA flash, 0.52x cuDNN) = 4.00x wide, "
         "sdpa-flash 0.4000 ms, sdpa-cudnn 0.2600 ms"]
+    # the e4m3-cache prefill against the same variant's bf16-cache one (b_wgmma: target 1.0)
+    rows3 = [row(b, "kvkernels-wgmma", 0.5), row(f, "kvkernels-wgmma", 0.4), row(f, "kvkernels-wide", 1.0),
+             row(b, "kvkernels-wide", None, skipped="boom")]
+    assert ca.prefill_fp8_lines(rows3, ["wide", "wgmma"]) == [
+        f"{f} [wide]: missing against its bfloat16 cache",
+        f"{f} [wgmma]: 0.4000 ms = 1.25x its bfloat16 cache (0.5000 ms) (target 1.0)"]
+    assert ca.prefill_fp8_lines(rows2, ["wide", "wgmma"]) == []
 
     if not torch.cuda.is_available():
         assert ca.main(["--prefill-variants", "wide,deep", "--attn-dtypes", "", "--attn-prefill-dtypes",

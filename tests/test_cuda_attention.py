@@ -340,7 +340,7 @@ def use_wgmma(monkeypatch, splits=None):
     monkeypatch.setenv("KVKERNELS_CUDA_WGMMA", "require")
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [bf16, f16])
 def test_wgmma_prefill_matches_reference_and_wide(dtype, d, monkeypatch):
     """The Hopper wgmma prefill (csrc/cuda/attention_sm90.cuh) against the reference and the wide mma.sync
@@ -354,6 +354,27 @@ def test_wgmma_prefill_matches_reference_and_wide(dtype, d, monkeypatch):
     slopes, sinks = torch.linspace(-0.2, 0.3, 16), torch.linspace(-1.0, 1.0, 16)
     for splits in (None, 3):
         for opts in ({}, dict(soft_cap=5.0, window_left=200), dict(alibi_slopes=slopes, sinks=sinks, causal=False)):
+            force_cuda_plan(monkeypatch, "ATTN", None, splits)
+            monkeypatch.delenv("KVKERNELS_CUDA_WGMMA", raising=False)
+            wide = run_cuda(kv, query, qsl, **opts)
+            use_wgmma(monkeypatch, splits)
+            wg = run_cuda(kv, query, qsl, **opts)
+            assert_close(wg[0], wide[0].double(), dtype, rtol=2 * rtol, atol=2 * atol, msg=f"out {opts}")
+            assert_close(wg[1], wide[1].double(), f32, rtol=1e-4, atol=1e-4, msg=f"lse {opts}")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("fp8,dtype", [("e4m3", bf16), ("e5m2", f16)], ids=["e4m3-bf16", "e5m2-f16"])
+def test_wgmma_prefill_fp8_caches(fp8, dtype, d, monkeypatch):
+    """The wgmma prefill over fp8 caches (the producer dequantizes each raw tile into the 16-bit stages; k_scale on
+    the logits, v_scale on the output), per-head scales: against the reference and the wide mma.sync prefill over
+    the same cache, plain and with window + soft cap, planned and 3 forced splits."""
+    require_sm90a()
+    kv, query, qsl = make_case("varlen", [300, 150, 64, 1, 0, 1000], dtype=dtype, num_heads=16, num_kv_heads=4,
+                               head_dim=d, block_size=16, fp8=fp8, per_head=True, seed=48)
+    rtol, atol = TOLERANCES[dtype]
+    for splits in (None, 3):
+        for opts in ({}, dict(soft_cap=5.0, window_left=200)):
             force_cuda_plan(monkeypatch, "ATTN", None, splits)
             monkeypatch.delenv("KVKERNELS_CUDA_WGMMA", raising=False)
             wide = run_cuda(kv, query, qsl, **opts)

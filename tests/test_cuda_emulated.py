@@ -226,6 +226,7 @@ def test_merge_attention_states(emu, dtype):
 # ---------------------------------------------------------------------------------------------------
 
 SIMT, MMA_DECODE, MMA_PREFILL, MMA_DECODE_DEEP, MMA_PREFILL_DEEP, MMA_DECODE_FP8_SMEM, MMA_PREFILL_TALL = range(7)
+WGMMA_PREFILL = 7  # the sm_90a kernel (opt-in: KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill; section "wgmma prefill")
 # The tensor-core kernels' two configurations each (csrc/cuda/attention_common.cuh, mma_wn / key_tile_of):
 # "wide", the default (decode: 64 keys per stage, 2 stages at head dim 128 / 256; prefill: 64 keys per stage,
 # 32 at head dim 256, 2 stages at head dim 128 / 256), and "deep" (16 KiB stages, 4 in flight), chosen by
@@ -1476,13 +1477,19 @@ NONFINITE_ATTN = {
     "e5m2-bf16-mma-prefill-deep-d128": (bf16, "e5m2", 4, 1, 128, "prefill", MMA_PREFILL_DEEP, None),
     "bf16-mma-prefill-d256": (bf16, None, 4, 1, 256, "prefill", MMA_PREFILL, None),
     "bf16-split3": (bf16, None, 4, 2, 64, "decode", MMA_DECODE, 3),
+    # the wgmma prefill over fp8 caches (the producer's dequantization: NaN bytes, e5m2 inf, scales)
+    "e4m3-bf16-wgmma-prefill-d128": (bf16, "e4m3", 4, 1, 128, "prefill", WGMMA_PREFILL, None),
+    "bf16-wgmma-prefill-d256": (bf16, None, 4, 1, 256, "prefill", WGMMA_PREFILL, None),
+    "e5m2-f16-wgmma-prefill-d64": (f16, "e5m2", 2, 2, 64, "prefill", WGMMA_PREFILL, None),
 }
 
 
 @pytest.mark.parametrize("config", NONFINITE_ATTN.values(), ids=NONFINITE_ATTN.keys())
 def test_paged_attention_nonfinite(emu, config, monkeypatch):
     dtype, fp8, hq, hkv, d, mode, path, splits = config
-    force_cuda_plan(monkeypatch, "ATTN", "mma-prefill-deep" if path == MMA_PREFILL_DEEP else None, splits)
+    force_cuda_plan(monkeypatch, "ATTN", {MMA_PREFILL_DEEP: "mma-prefill-deep", WGMMA_PREFILL: "wgmma-prefill"}.get(path),
+                    splits)
+    monkeypatch.setenv("KVKERNELS_CUDA_WGMMA", "require") if path == WGMMA_PREFILL else None
     seq_lens = [70, 5]
     kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=d, block_size=16, dtype=dtype, fp8=fp8,
                        seed=31)
@@ -1792,9 +1799,6 @@ def test_sm90_warp_specialized_pipeline(emu, stages):
 # part (4 SMs, 227 KiB of opt-in shared memory).
 # ---------------------------------------------------------------------------------------------------
 
-WGMMA_PREFILL = 7
-
-
 def use_wgmma(monkeypatch, splits=None, require=True):
     force_cuda_plan(monkeypatch, "ATTN", "wgmma-prefill", splits)
     monkeypatch.delenv("KVKERNELS_CUDA_WGMMA", raising=False)
@@ -1831,6 +1835,42 @@ def test_wgmma_prefill(emu, config, monkeypatch):
     assert plan["heads_per_cta"] == hpc and plan["q_tile"] == 128 // hpc, plan
 
 
+# id: dtype, layout, Hq, Hkv, Dk, Dv, B. Padded head dim 256: 64-key tiles, 2 stages, P V as two n128 halves.
+# Head dims 160 / 192 (zero-filled columns past them) and 256; Dv != Dk both ways (the larger sets the padding);
+# block sizes 16 (a 64-key tile spans 4 blocks), 7 and 1; the 261-key sequence runs 5 key tiles
+# (the 2-stage ring wraps twice) and its 131 last queries 2 query tiles.
+WGMMA_D256_CONFIGS = {
+    "bf16-NHD-gqa4-d256-b16": (bf16, "NHD", 8, 2, 256, 256, 16),
+    "f16-HND-gqa3-d160-b7": (f16, "HND", 6, 2, 160, 160, 7),
+    "bf16-stacked-mha-k192-v64-b1": (bf16, "stacked", 2, 2, 192, 64, 1),
+    "f16-stacked-gqa8-k128-v256-b16": (f16, "stacked", 8, 1, 128, 256, 16),
+}
+
+
+@pytest.mark.parametrize("config", WGMMA_D256_CONFIGS.values(), ids=WGMMA_D256_CONFIGS.keys())
+def test_wgmma_prefill_head_dim_256(emu, config, monkeypatch):
+    """Padded head dim 256 on the wgmma kernel against the float64 reference: full / chunked prefill, empty and
+    one-key sequences, a value head dim other than the key's (out Dv wide), KV splits of the 64-key tiles."""
+    dtype, layout, hq, hkv, dk, dv, b = config
+    use_wgmma(monkeypatch)
+    seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b, 261]
+    kv, query, qsl = dv_case("varlen", seq_lens, dtype, None, layout, hq, hkv, dk, dv, b, seed=71)
+    out, _, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL)
+    assert plan["dpad"] == 256 and out.shape[-1] == dv, plan
+    use_wgmma(monkeypatch, splits=3)
+    _, _, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL, window_left=70, soft_cap=4.0)
+    assert plan["splits"] == 3, plan
+
+
+def test_wgmma_prefill_head_dim_256_all_features(emu, monkeypatch):
+    """check_features' "all" case (window, soft cap, ALiBi, sinks and scale at once) at head dim 256 with a 300-key
+    sequence (5 tiles of 64 keys); each option alone runs at 64 / 128 (test_wgmma_prefill_features), and
+    window + soft cap with splits at 256 above: one case here keeps the emulated time small."""
+    use_wgmma(monkeypatch)
+    check_features(lambda kv, q, qsl, **kw: run_emu_attention(emu, kv, q, qsl, path=WGMMA_PREFILL, **kw)[:2],
+                   (bf16, None, False, "NHD", 2, 256, 16), "all", "varlen", more_seq_lens=(300,))
+
+
 def test_wgmma_prefill_group_above_128(emu, monkeypatch):
     """A GQA group of 160 heads: 128 rows hold one query's first 128 heads, a second head chunk its last 32
     (warpgroup 1 of that chunk has no valid row: it still takes part in the pipeline and writes nothing)."""
@@ -1841,10 +1881,59 @@ def test_wgmma_prefill_group_above_128(emu, monkeypatch):
     assert plan["heads_per_cta"] == 128 and plan["q_tile"] == 1 and plan["grid"][1] == 2, plan
 
 
+# id: dtype, fp8, per-head scales (one flag for k and v, or a (k, v) pair), layout, Hq, Hkv, D, B. The
+# producer gathers raw fp8 rows and dequantizes them into the 16-bit stages: e4m3 and e5m2, under bf16 and
+# f16 queries, per-tensor and per-head k / v scales, block sizes that do (16) and do not (1, 5, 13) divide
+# the 128-key tile, head dims 64 / 80 / 96 / 128 (fp8 rows must be 16-byte aligned: the head dim a multiple of
+# 16 here; a raw chunk partly past the head dim: the e5m2 k40 case of WGMMA_DV_CONFIGS).
+WGMMA_FP8_CONFIGS = {
+    "e4m3-bf16-NHD-gqa4-d128-b16-head": (bf16, "e4m3", True, "NHD", 8, 2, 128, 16),
+    "e5m2-f16-HND-gqa3-d96-b13-tensor": (f16, "e5m2", False, "HND", 6, 2, 96, 13),
+    "e5m2-bf16-stacked-mha-d64-b1-khead": (bf16, "e5m2", (True, False), "stacked", 4, 4, 64, 1),
+    "e4m3-f16-NHD-mqa-d80-b5-vhead": (f16, "e4m3", (False, True), "NHD", 8, 1, 80, 5),
+}
+
+
+@pytest.mark.parametrize("config", WGMMA_FP8_CONFIGS.values(), ids=WGMMA_FP8_CONFIGS.keys())
+def test_wgmma_prefill_fp8(emu, config, monkeypatch):
+    """Varlen prefill over an fp8 cache on the wgmma kernel against the float64 reference (the reference reads
+    the fp8 values times the scales): test_wgmma_prefill's sequences, the 261-key one wrapping the stage ring at
+    head dim 128."""
+    dtype, fp8, per_head, layout, hq, hkv, d, b = config
+    use_wgmma(monkeypatch)
+    seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b, 261]
+    kv, query, qsl = make_case("varlen", seq_lens, dtype=dtype, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                               block_size=b, layout=layout, fp8=fp8, per_head=per_head, seed=61)
+    _, _, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL)
+    assert plan["dpad"] == (64 if d <= 64 else 128), plan
+
+
+@pytest.mark.parametrize("fp8,dtype,d", [("e4m3", bf16, 128), ("e5m2", f16, 64)], ids=["e4m3-bf16-d128", "e5m2-f16-d64"])
+def test_wgmma_prefill_fp8_bitwise_as_16bit(emu, fp8, dtype, d, monkeypatch):
+    """With unit scales, an fp8 cache gives bit for bit the output of a 16-bit cache holding its values (the
+    dequantization is exact, and the consumers' code is the same): a misplaced chunk, a wrong swizzle or a
+    converted tile read before it lands changes bits even where it stays within the reference's tolerance."""
+    use_wgmma(monkeypatch)
+    seq_lens = [150, 7, 300]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=2, head_dim=d, block_size=16, dtype=dtype, fp8=fp8, seed=63)
+    kv.k_scale.fill_(1.0)
+    kv.v_scale.fill_(1.0)
+    q_lens = [150, 2, 130]
+    qsl = query_start_loc(q_lens)
+    query = make_query(sum(q_lens), 8, d, dtype, generator(64))
+    assert plan_of(emu, kv, query, qsl)["path"] == WGMMA_PREFILL
+    out8, lse8 = emulated_paged_attention(emu, query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                          qsl, window_left=100, **kv.scales)
+    k16, v16 = kv.key_cache.to(dtype), kv.value_cache.to(dtype)  # exact: every fp8 value is an f16 / bf16 value
+    out16, lse16 = emulated_paged_attention(emu, query, k16, v16, kv.block_tables, kv.seq_lens, qsl, window_left=100)
+    assert out8.isfinite().all() and torch.equal(out8, out16) and torch.equal(lse8, lse16)
+
+
 # id: dtype, fp8, per-head, layout, Hkv, D, B (Hq = 8): check_features' cases
 WGMMA_FEATURE_CONFIGS = {
     "bf16-HND-d64-b3": (bf16, None, False, "HND", 1, 64, 3),
     "f16-NHD-d128-b16": (f16, None, False, "NHD", 2, 128, 16),
+    "e4m3-bf16-NHD-d64-b16-head": (bf16, "e4m3", True, "NHD", 2, 64, 16),
 }
 
 
@@ -1896,9 +1985,10 @@ def test_wgmma_prefill_long_context_splits(emu, splits, monkeypatch):
 
 
 # id: dtype, layout, Hq, Hkv, Dk, Dv, B (the stacked views sit in a NaN-filled max(Dk, Dv)-wide allocation)
-WGMMA_DV_CONFIGS = {
-    "f16-stacked-k32-v96-b16": (f16, "stacked", 4, 1, 32, 96, 16),
-    "bf16-stacked-k128-v40-b7": (bf16, "stacked", 8, 2, 128, 40, 7),
+WGMMA_DV_CONFIGS = {  # id: dtype, fp8, layout, Hq, Hkv, Dk, Dv, B
+    "f16-stacked-k32-v96-b16": (f16, None, "stacked", 4, 1, 32, 96, 16),
+    "bf16-stacked-k128-v40-b7": (bf16, None, "stacked", 8, 2, 128, 40, 7),
+    "e5m2-bf16-stacked-k40-v128-b7": (bf16, "e5m2", "stacked", 8, 2, 40, 128, 7),
 }
 
 
@@ -1906,9 +1996,9 @@ WGMMA_DV_CONFIGS = {
 def test_wgmma_prefill_value_head_dim(emu, config, monkeypatch):
     """A value head dim other than the key's: K zero-filled past Dk and V past Dv (the padded dim of the
     larger), out Dv wide."""
-    dtype, layout, hq, hkv, dk, dv, b = config
+    dtype, fp8, layout, hq, hkv, dk, dv, b = config
     use_wgmma(monkeypatch)
-    kv, query, qsl = dv_case("varlen", [b + 1, 0, max(3 * b - 1, 37), 1, b, 150], dtype, None, layout, hq, hkv,
+    kv, query, qsl = dv_case("varlen", [b + 1, 0, max(3 * b - 1, 37), 1, b, 150], dtype, fp8, layout, hq, hkv,
                              dk, dv, b)
     run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL)
 
@@ -1988,6 +2078,8 @@ def test_wgmma_prefill_plan_and_fallbacks(emu, monkeypatch):
                                        block_size=16, fp8="e4m3")
     kv256, q256, qsl256 = make_case("varlen", [30, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=256,
                                     block_size=16)
+    kv256_fp8, q256_fp8, qsl256_fp8 = make_case("varlen", [30, 7], dtype=bf16, num_heads=8, num_kv_heads=2,
+                                                head_dim=256, block_size=16, fp8="e4m3")
     kv32, q32, qsl32 = make_case("varlen", [30, 7], dtype=f32, num_heads=8, num_kv_heads=2, head_dim=64,
                                  block_size=16)
     kvu, qu, qslu = make_case("varlen", [30, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=64,
@@ -1996,8 +2088,9 @@ def test_wgmma_prefill_plan_and_fallbacks(emu, monkeypatch):
     cases = {  # (kv, query, qsl) -> the path without require, the reason with it
         "decode": ((kv, decode_query, None), MMA_DECODE, None),  # (the decode kernel: the wgmma choice unread)
         "decode-gqa32": ((kv_gqa32, q_gqa32, None), MMA_PREFILL, "decode"),
-        "fp8": ((kv_fp8, q_fp8, qsl_fp8), MMA_PREFILL, "fp8 caches"),
-        "d256": ((kv256, q256, qsl256), MMA_PREFILL, "head dims above 128"),
+        "fp8": ((kv_fp8, q_fp8, qsl_fp8), WGMMA_PREFILL, None),
+        "d256": ((kv256, q256, qsl256), WGMMA_PREFILL, None),
+        "fp8-d256": ((kv256_fp8, q256_fp8, qsl256_fp8), MMA_PREFILL, "fp8 caches at head dims above 128"),
         "f32": ((kv32, q32, qsl32), SIMT, None),
         "unaligned": ((kvu, qu, qslu), MMA_PREFILL, "not 16-byte aligned"),
     }
@@ -2013,6 +2106,15 @@ def test_wgmma_prefill_plan_and_fallbacks(emu, monkeypatch):
     monkeypatch.setenv("KVKERNELS_EMU_SMEM_OPTIN", str(160 * 1024))
     with pytest.raises(RuntimeError, match="less opt-in shared memory"):
         plan_of(emu, kv, query, qsl)
+    # over an fp8 cache at head dim 128 it needs 225 KiB (the raw fp8 K / V tile on top of the stages)
+    kv_fp8_128, q_fp8_128, qsl_fp8_128 = make_case("varlen", [30, 7], dtype=bf16, num_heads=8, num_kv_heads=2,
+                                                   head_dim=128, block_size=16, fp8="e5m2")
+    monkeypatch.setenv("KVKERNELS_EMU_SMEM_OPTIN", str(200 * 1024))
+    assert plan_of(emu, kv, query, qsl)["path"] == WGMMA_PREFILL
+    with pytest.raises(RuntimeError, match="less opt-in shared memory"):
+        plan_of(emu, kv_fp8_128, q_fp8_128, qsl_fp8_128)
+    monkeypatch.setenv("KVKERNELS_EMU_SMEM_OPTIN", str(227 * 1024))
+    assert plan_of(emu, kv_fp8_128, q_fp8_128, qsl_fp8_128)["path"] == WGMMA_PREFILL
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -175,18 +175,18 @@ int resident_ctas(Path path, int dpad, CacheFormat format, int smem_per_sm) {
 const char* wgmma_prefill_unsupported(const AttentionParams& p, int device) {
   if (p.query_start_loc == nullptr) return "decode (no query_start_loc): the mma.sync decode kernels";
   if (p.q_format == FloatFormat::kFloat32) return "float32 queries: the SIMT kernel";
-  if (is_fp8(p.kv.format)) return "fp8 caches (wgmma's fp8 form needs K-major V: not written yet)";
   const int dpad = dpad_of(std::max(p.kv.head_dim, p.kv.head_dim_v));
-  if (dpad > 128) return "head dims above 128";
+  if (dpad > 128 && is_fp8(p.kv.format))
+    return "fp8 caches at head dims above 128 (the raw fp8 tile does not fit in shared memory next to the stages)";
   const DeviceInfo dev = device_info(device);
   if (dev.major != 9 || dev.minor != 0) return "not an sm_90 (Hopper) device";
   int optin = 0;  // (read per call, not cached with the rest: the emulator's tests vary it)
   if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
-      optin < sm90_prefill_smem(dpad))
+      optin < sm90_prefill_smem(dpad, is_fp8(p.kv.format)))
     return "less opt-in shared memory than the kernel needs";
   if (!kv_rows_aligned(p)) return "K / V rows not 16-byte aligned (cp.async gathers whole 16-byte chunks)";
-  const bool built = p.q_format == FloatFormat::kFloat16 ? sm90_prefill_available_f16(dpad)
-                                                         : sm90_prefill_available_bf16(dpad);
+  const bool built = p.q_format == FloatFormat::kFloat16 ? sm90_prefill_available_f16(dpad, p.kv.format)
+                                                         : sm90_prefill_available_bf16(dpad, p.kv.format);
   if (!built) return "this build has no sm_90a code (TORCH_CUDA_ARCH_LIST without 9.0a)";
   return nullptr;
 }

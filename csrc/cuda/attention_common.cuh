@@ -177,8 +177,12 @@ __host__ __device__ constexpr int mma_wn(Path path, int dpad) {
 }
 
 // Keys per pipeline stage.
+// The sm_90a wgmma prefill's key tile (the n of S = Q K^T): 128 keys at padded head dims 64 / 128, 64
+// at 256 (shared memory: csrc/cuda/README.md, "Head dim 256 on the wgmma prefill").
+__host__ __device__ constexpr int sm90_key_tile(int dpad) { return dpad == 256 ? 64 : 128; }
+
 __host__ __device__ constexpr int key_tile_of(Path path, int dpad) {
-  return path == Path::kWgmmaPrefill      ? 128
+  return path == Path::kWgmmaPrefill      ? sm90_key_tile(dpad)
          : path == Path::kSimt            ? (dpad == 256 ? 16 : 32)
          : is_mma_decode(path)            ? 16 * mma_wn(path, dpad)
          : path == Path::kMmaPrefillDeep ? 64 * 64 / dpad  // 16 KiB of 16-bit K + V
@@ -200,13 +204,17 @@ __host__ __device__ constexpr int pipeline_stages(int stage_bytes, int cvt_bytes
 // Every kernel fits the smallest opt-in shared memory of sm_80+ parts (99 KiB on sm_86 / sm_89).
 constexpr int kMaxSmem = 99 * 1024;
 
-// Dynamic shared memory of the sm_90a wgmma prefill at padded head dim 64 / 128 (Sm90Cfg::SMEM,
-// attention_sm90.cuh, asserts the layout adds up to it): Q 128 rows, 4 / 2 stages of 128-key K and
-// V tiles, the non-finite fix-up's 16-bit P of 2 x 64 rows, 3 mbarriers per stage, 1 KiB to align the
-// base to 1024 bytes. 177 / 193 KiB: sm_90 parts only (227 KiB opt-in).
+// Dynamic shared memory of the sm_90a wgmma prefill (Sm90Cfg::SMEM, attention_sm90.cuh, asserts the
+// layout adds up to it): Q 128 rows, 4 / 2 / 2 stages (padded head dim 64 / 128 / 256) of K and V
+// tiles of sm90_key_tile keys (16-bit), the non-finite fix-up's 16-bit P of 2 x 64 rows, 3 mbarriers
+// per stage, 1 KiB to align the base to 1024 bytes; over an fp8 cache also one raw fp8 K and V tile
+// (key tile x dpad bytes each) that the producer gathers into and dequantizes from. 177 / 193 / 209
+// KiB (16-bit caches), 193 / 225 / 241 KiB (fp8: too much at 256, which the planner does not take):
+// sm_90 parts only (227 KiB opt-in).
 __host__ __device__ constexpr int sm90_prefill_stages(int dpad) { return dpad == 64 ? 4 : 2; }
-__host__ __device__ constexpr int sm90_prefill_smem(int dpad) {
-  return 128 * dpad * 2 + sm90_prefill_stages(dpad) * 2 * 128 * dpad * 2 + 2 * 64 * 128 * 2 +
+__host__ __device__ constexpr int sm90_prefill_smem(int dpad, bool fp8) {
+  return 128 * dpad * 2 + sm90_prefill_stages(dpad) * 2 * sm90_key_tile(dpad) * dpad * 2 +
+         2 * 64 * sm90_key_tile(dpad) * 2 + (fp8 ? 2 * sm90_key_tile(dpad) * dpad : 0) +
          3 * sm90_prefill_stages(dpad) * 8 + 1024;
 }
 
@@ -940,12 +948,18 @@ cudaError_t launch_attention_f16(const AttnArgs& a, Path path, int dpad, dim3 gr
                                  cudaStream_t stream);
 cudaError_t launch_attention_bf16(const AttnArgs& a, Path path, int dpad, dim3 grid,
                                   cudaStream_t stream);
-// The Hopper wgmma prefill (attention_sm90_{bf16,f16}.cu; 16-bit caches of the query dtype, padded head
-// dims 64 / 128): whether this build has its sm_90a code, and its launch.
-bool sm90_prefill_available_bf16(int dpad);
-bool sm90_prefill_available_f16(int dpad);
+// The Hopper wgmma prefill (attention_sm90_{bf16,f16}.cu: 16-bit caches of the query dtype;
+// attention_sm90_{bf16,f16}_fp8.cu: e4m3 / e5m2 caches; padded head dims 64 / 128 / 256, fp8 at 64 /
+// 128 only): whether this build
+// has its sm_90a code for the cache format `cf`, and its launch (the format is a.p.kv.format).
+bool sm90_prefill_available_bf16(int dpad, CacheFormat cf);
+bool sm90_prefill_available_f16(int dpad, CacheFormat cf);
+bool sm90_prefill_available_bf16_fp8(int dpad, CacheFormat cf);
+bool sm90_prefill_available_f16_fp8(int dpad, CacheFormat cf);
 cudaError_t launch_attention_sm90_bf16(const AttnArgs& a, int dpad, dim3 grid, cudaStream_t stream);
 cudaError_t launch_attention_sm90_f16(const AttnArgs& a, int dpad, dim3 grid, cudaStream_t stream);
+cudaError_t launch_attention_sm90_bf16_fp8(const AttnArgs& a, int dpad, dim3 grid, cudaStream_t stream);
+cudaError_t launch_attention_sm90_f16_fp8(const AttnArgs& a, int dpad, dim3 grid, cudaStream_t stream);
 cudaError_t launch_merge_f32(const AttnArgs& a, cudaStream_t stream);
 cudaError_t launch_merge_f16(const AttnArgs& a, cudaStream_t stream);
 cudaError_t launch_merge_bf16(const AttnArgs& a, cudaStream_t stream);

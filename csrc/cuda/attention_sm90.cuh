@@ -2,7 +2,7 @@
 // KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill; csrc/cuda/README.md, section "Hopper prefill (wgmma)").
 //
 // CTA = 3 warpgroups (384 threads) over 128 rows (q_tile queries x the GQA group's heads, make_work /
-// row_id of attention_common.cuh) of one kv head, key tiles of 128 keys:
+// row_id of attention_common.cuh) of one kv head, key tiles of 128 keys (64 at padded head dim 256):
 //   warpgroup 2, the producer (setmaxnreg.dec to 40 registers): gathers each key tile's K and V rows
 //     from the paged cache with cp.async (any block size: one block-table lookup per row; rows outside
 //     the CTA's visible range [w.lo, w.hi], out-of-range block ids and columns past the head dims are
@@ -29,9 +29,13 @@
 // dim != key head dim (both <= DPAD), KV splits with float32 partials for the merge kernel, key tiles
 // wholly outside every row's range never loaded, the non-finite rules of docs/ops.md (a key tile with
 // keys some rows see and others do not, whose V holds inf / NaN, runs its P V in scalar code over the
-// keys each row sees: 0 * inf never reaches a row that does not see the key). 16-bit caches only
-// (fp8 caches, head dims above 128, decode, unaligned K/V rows: the planner runs the mma.sync
-// kernels; docs/ops.md lists the fallbacks).
+// keys each row sees: 0 * inf never reaches a row that does not see the key). Caches of the query's
+// 16-bit dtype, or fp8 (e4m3 / e5m2, per-tensor or per-head k / v scales): the producer gathers the raw
+// bytes into a raw tile and dequantizes them into the 16-bit stage (the producer section below), the
+// consumers apply k_scale to the logits and v_scale to the output. Padded head dims 64 / 128 / 256 (at
+// 256 64-key tiles: shared memory, csrc/cuda/README.md "Head dim 256 on the wgmma prefill"). fp8 caches
+// at 256, decode and unaligned K/V rows: the planner runs the mma.sync kernels (docs/ops.md lists the
+// fallbacks).
 #pragma once
 
 #include <atomic>
@@ -41,10 +45,13 @@
 
 namespace kvkernels::attn_cuda {
 
-template <typename T, int DPAD>
+template <typename T, CacheFormat CF, int DPAD>
 struct Sm90Cfg {
-  static_assert(DPAD == 64 || DPAD == 128, "head dims up to 128");
-  static constexpr int KT = 128;          // keys per tile (the n of S = Q K^T)
+  static_assert(DPAD == 64 || DPAD == 128 || DPAD == 256, "padded head dims 64 / 128 / 256");
+  // An fp8 cache (e4m3 / e5m2): the producer gathers raw bytes and dequantizes them into the 16-bit
+  // stages the consumers read (the consumers' code is the 16-bit one).
+  static constexpr bool FP8 = CF == CacheFormat::kFp8E4M3 || CF == CacheFormat::kFp8E5M2;
+  static constexpr int KT = sm90_key_tile(DPAD);  // keys per tile (the n of S = Q K^T): 128, 64 at 256
   static constexpr int WG_ROWS = 64;      // rows of one consumer warpgroup (wgmma m64)
   static constexpr int CONSUMERS = 2;
   static constexpr int ROWS = WG_ROWS * CONSUMERS;
@@ -56,12 +63,18 @@ struct Sm90Cfg {
   static constexpr int Q_OFF = 0;
   static constexpr int KV_OFF = Q_BYTES;  // stage s: K at KV_OFF + 2 s TILE_BYTES, V right after
   static constexpr int P_OFF = KV_OFF + STAGES * 2 * TILE_BYTES;  // [2][64][KT] 16-bit P (non-finite fix-up)
-  static constexpr int BAR_OFF = P_OFF + CONSUMERS * WG_ROWS * KT * 2;  // full_k, full_v, empty per stage
+  // fp8: one raw K and one raw V tile ([KT][DPAD / 16] 16-byte chunks each, 1 byte per element); each
+  // producer thread gathers and converts the same chunks of every tile, so no other thread touches its
+  // bytes and one buffer (not one per stage) is enough: the copies of tile j + 1 fly while the stage
+  // of tile j is converted and while the consumers work.
+  static constexpr int RAW_TILE = FP8 ? KT * DPAD : 0;
+  static constexpr int RAW_OFF = P_OFF + CONSUMERS * WG_ROWS * KT * 2;
+  static constexpr int BAR_OFF = RAW_OFF + 2 * RAW_TILE;  // full_k, full_v, empty per stage
   static constexpr int SMEM = BAR_OFF + 3 * STAGES * 8 + 1024;         // + the alignment of the base
-  static_assert(SMEM == sm90_prefill_smem(DPAD), "the planner's size (attention_common.cuh)");
+  static_assert(SMEM == sm90_prefill_smem(DPAD, FP8), "the planner's size (attention_common.cuh)");
   static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 256 <= 65536, "setmaxnreg pool");
-  static_assert(SMEM <= 227 * 1024, "sm_90 opt-in shared memory");
+  static_assert(SMEM <= 227 * 1024, "sm_90 opt-in shared memory (no fp8 at head dim 256)");
 };
 
 // Byte offset of 16-byte chunk c of row r in a [DPAD / 64][ROWS_][128 B] swizzled tile.
@@ -76,10 +89,10 @@ __device__ __forceinline__ uint32_t sw128_elem(int r, int col) {
   return sw128_off<ROWS_>(r, col >> 3) + uint32_t((col & 7) * 2);
 }
 
-template <typename T, int DPAD>
+template <typename T, CacheFormat CF, int DPAD>
 __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_constant__ AttnArgs a) {
 #if KVK_SM90_PTX || defined(KVKERNELS_CUDA_EMU)
-  using C = Sm90Cfg<T, DPAD>;
+  using C = Sm90Cfg<T, CF, DPAD>;
   namespace s9 = ::kvkernels::sm90;
   constexpr int KT = C::KT, STAGES = C::STAGES;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -117,42 +130,115 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
     s9::setmaxnreg_dec<C::PRODUCER_REGS>();
     const paged_kv_t& kv = p.kv;
     const int pt = tid - 128 * C::CONSUMERS;
-    const int col = pt % C::CPR, row0 = pt / C::CPR;
-    constexpr int RPP = 128 / C::CPR;  // rows per pass
-    const int kb = kv.head_dim * 2 - col * 16, vb = kv.head_dim_v * 2 - col * 16;
-    const int k_bytes = kb < 0 ? 0 : (kb > 16 ? 16 : kb), v_bytes = vb < 0 ? 0 : (vb > 16 ? 16 : vb);
-    const char* k_base = static_cast<const char*>(kv.k) + (int64_t(w.kv_head) * kv.k_stride_head + col * 8) * 2;
-    const char* v_base = static_cast<const char*>(kv.v) + (int64_t(w.kv_head) * kv.v_stride_head + col * 8) * 2;
-    const uint64_t k_block = uint64_t(kv.k_stride_block) * 2, k_slot = uint64_t(kv.k_stride_slot) * 2;
-    const uint64_t v_block = uint64_t(kv.v_stride_block) * 2, v_slot = uint64_t(kv.v_stride_slot) * 2;
     const int32_t* bt = kv.block_tables + int64_t(w.seq) * kv.max_blocks_per_seq;
     const uint32_t nblk = block_id_limit(kv);
     const int bs = kv.block_size, shift = a.bs_shift;
-    // One K or V tile: each thread its chunk column of rows row0, row0 + RPP, ...
-    auto rows = [&](int tile, uint32_t dst, const char* src_base, uint64_t blk, uint64_t slt, int bytes) {
+    if constexpr (!C::FP8) {
+      const int col = pt % C::CPR, row0 = pt / C::CPR;
+      constexpr int RPP = 128 / C::CPR;  // rows per pass
+      const int kb = kv.head_dim * 2 - col * 16, vb = kv.head_dim_v * 2 - col * 16;
+      const int k_bytes = kb < 0 ? 0 : (kb > 16 ? 16 : kb), v_bytes = vb < 0 ? 0 : (vb > 16 ? 16 : vb);
+      const char* k_base = static_cast<const char*>(kv.k) + (int64_t(w.kv_head) * kv.k_stride_head + col * 8) * 2;
+      const char* v_base = static_cast<const char*>(kv.v) + (int64_t(w.kv_head) * kv.v_stride_head + col * 8) * 2;
+      const uint64_t k_block = uint64_t(kv.k_stride_block) * 2, k_slot = uint64_t(kv.k_stride_slot) * 2;
+      const uint64_t v_block = uint64_t(kv.v_stride_block) * 2, v_slot = uint64_t(kv.v_stride_slot) * 2;
+      // One K or V tile: each thread its chunk column of rows row0, row0 + RPP, ...
+      auto rows = [&](int tile, uint32_t dst, const char* src_base, uint64_t blk, uint64_t slt, int bytes) {
 #pragma unroll 4
-      for (int r = row0; r < KT; r += RPP) {
-        const int key = tile * KT + r;
-        int id = -1, slot = 0;
-        if (key >= w.lo && key <= w.hi) {
-          id = __ldg(bt + (shift >= 0 ? key >> shift : key / bs));
-          slot = shift >= 0 ? key & ((1 << shift) - 1) : key % bs;
+        for (int r = row0; r < KT; r += RPP) {
+          const int key = tile * KT + r;
+          int id = -1, slot = 0;
+          if (key >= w.lo && key <= w.hi) {
+            id = __ldg(bt + (shift >= 0 ? key >> shift : key / bs));
+            slot = shift >= 0 ? key & ((1 << shift) - 1) : key % bs;
+          }
+          const bool ok = block_id_ok(id, nblk);
+          const char* src = src_base + (ok ? uint64_t(uint32_t(id)) * blk + uint64_t(slot) * slt : 0);
+          cp_async16_at(dst + sw128_off<KT>(r, col), src, ok ? bytes : 0);
         }
-        const bool ok = block_id_ok(id, nblk);
-        const char* src = src_base + (ok ? uint64_t(uint32_t(id)) * blk + uint64_t(slot) * slt : 0);
-        cp_async16_at(dst + sw128_off<KT>(r, col), src, ok ? bytes : 0);
+      };
+      for (int it = 0; it < ntiles; ++it) {
+        const int s = it % STAGES, use = it / STAGES;
+        if (use > 0) s9::mbar_wait(empty(s), uint32_t(use - 1) & 1u);
+        rows(w.tile_begin + it, sK(s), k_base, k_block, k_slot, k_bytes);
+        s9::cp_async_mbar_arrive(full_k(s));
+        rows(w.tile_begin + it, sV(s), v_base, v_block, v_slot, v_bytes);
+        s9::cp_async_mbar_arrive(full_v(s));
       }
-    };
-    for (int it = 0; it < ntiles; ++it) {
-      const int s = it % STAGES, use = it / STAGES;
-      if (use > 0) s9::mbar_wait(empty(s), uint32_t(use - 1) & 1u);
-      rows(w.tile_begin + it, sK(s), k_base, k_block, k_slot, k_bytes);
-      s9::cp_async_mbar_arrive(full_k(s));
-      rows(w.tile_begin + it, sV(s), v_base, v_block, v_slot, v_bytes);
-      s9::cp_async_mbar_arrive(full_v(s));
+      cp_async_commit();  // every copy complete (and so every arrival made) before the thread exits
+      cp_async_wait<0>();
+    } else {
+      // fp8: raw 16-byte chunks (16 elements) of each K / V row by cp.async into the raw tiles, then,
+      // once landed, dequantized by the same thread into the stage: two 16-bit chunks in the swizzled
+      // layout the consumers read (exact: every fp8 value is an fp16 / bf16 value, in units of
+      // fp8_unit; k_scale and v_scale are applied by the consumers, as in the mma.sync kernels). A
+      // thread converts only chunks it copied itself, so its own cp.async.wait_group is the only
+      // synchronization on the raw tiles. Groups in flight: the K and the V copies of one tile, in
+      // that order (one group each); waiting for all but the newest group completes the older one.
+      constexpr int RCPR = DPAD / 16;  // raw 16-byte chunks per row
+      constexpr int RPP = 128 / RCPR;  // rows per pass
+      const int col = pt % RCPR, row0 = pt / RCPR;
+      const uint32_t raw_k = base + uint32_t(C::RAW_OFF), raw_v = raw_k + uint32_t(C::RAW_TILE);
+      // (The strides and pointers are read from the kernel parameters where they are used, not held in
+      // registers: the producer runs under PRODUCER_REGS, and a copy of each would spill.)
+      auto gather = [&](int tile, bool v) {
+        const int left = (v ? kv.head_dim_v : kv.head_dim) - col * 16;
+        const int bytes = left < 0 ? 0 : (left > 16 ? 16 : left);
+        const char* src_base = static_cast<const char*>(v ? kv.v : kv.k) +
+                               int64_t(w.kv_head) * (v ? kv.v_stride_head : kv.k_stride_head) + col * 16;
+        const uint64_t blk = uint64_t(v ? kv.v_stride_block : kv.k_stride_block);
+        const uint64_t slt = uint64_t(v ? kv.v_stride_slot : kv.k_stride_slot);
+        const uint32_t raw = v ? raw_v : raw_k;
+#pragma unroll 2
+        for (int r = row0; r < KT; r += RPP) {
+          const int key = tile * KT + r;
+          int id = -1, slot = 0;
+          if (key >= w.lo && key <= w.hi) {
+            id = __ldg(bt + (shift >= 0 ? key >> shift : key / bs));
+            slot = shift >= 0 ? key & ((1 << shift) - 1) : key % bs;
+          }
+          const bool ok = block_id_ok(id, nblk);
+          const char* src = src_base + (ok ? uint64_t(uint32_t(id)) * blk + uint64_t(slot) * slt : 0);
+          cp_async16_at(raw + uint32_t((r * RCPR + col) * 16), src, ok ? bytes : 0);
+        }
+        cp_async_commit();
+      };
+      auto convert = [&](uint32_t raw, uint32_t dst) {
+        const unsigned char* rp = smem + (raw - base);
+        unsigned char* dp = smem + (dst - base);
+#pragma unroll 1
+        for (int r = row0; r < KT; r += RPP) {
+          const uint4 u = *reinterpret_cast<const uint4*>(rp + (r * RCPR + col) * 16);
+          uint32_t h[8];
+          fp8x4_to_pairs<T, CF>(u.x, &h[0], &h[1]);
+          fp8x4_to_pairs<T, CF>(u.y, &h[2], &h[3]);
+          fp8x4_to_pairs<T, CF>(u.z, &h[4], &h[5]);
+          fp8x4_to_pairs<T, CF>(u.w, &h[6], &h[7]);
+          *reinterpret_cast<uint4*>(dp + sw128_off<KT>(r, 2 * col)) = make_uint4(h[0], h[1], h[2], h[3]);
+          *reinterpret_cast<uint4*>(dp + sw128_off<KT>(r, 2 * col + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+        }
+        s9::fence_proxy_async();  // the generic-proxy stores, before the consumers' wgmma read them
+      };
+      if (ntiles > 0) {
+        gather(w.tile_begin, false);
+        gather(w.tile_begin, true);
+      }
+      for (int it = 0; it < ntiles; ++it) {
+        const int s = it % STAGES, use = it / STAGES;
+        const bool next = it + 1 < ntiles;
+        if (use > 0) s9::mbar_wait(empty(s), uint32_t(use - 1) & 1u);
+        cp_async_wait<1>();  // this thread's K chunks of tile it (its V chunks may still fly)
+        convert(raw_k, sK(s));
+        s9::mbar_arrive(full_k(s));
+        if (next) gather(w.tile_begin + it + 1, false);
+        else cp_async_commit();  // (an empty group keeps the count of groups in flight)
+        cp_async_wait<1>();  // its V chunks of tile it
+        convert(raw_v, sV(s));
+        s9::mbar_arrive(full_v(s));
+        if (next) gather(w.tile_begin + it + 1, true);
+      }
+      cp_async_wait<0>();
     }
-    cp_async_commit();  // every copy complete (and so every arrival made) before the thread exits
-    cp_async_wait<0>();
     return;
   }
 
@@ -188,9 +274,12 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
     rid[h] = row_id(a, w, row_base + 16 * wq + g + 8 * h);
     slope[h] = (p.alibi_slopes && rid[h].valid) ? p.alibi_slopes[rid[h].head] : 0.0f;
   }
-  const float qk_mul = p.scale * p.kv.logit_k_scale_of(w.kv_head);
+  // k_scale on the logits, v_scale on the output (the mma.sync kernels' order); fp8_unit: what one unit
+  // of a dequantized value is worth (1 on sm_90a, whose e4m3 conversion is the cvt instruction).
+  constexpr float unit = C::FP8 ? fp8_unit<CF>() : 1.0f;
+  const float qk_mul = p.scale * p.kv.logit_k_scale_of(w.kv_head) * unit;
   const float plain_mul = qk_mul * kLog2e;
-  const float v_mul = p.kv.v_scale_of(w.kv_head);
+  const float v_mul = p.kv.v_scale_of(w.kv_head) * unit;
   const LogitOps ops = logit_ops(p, w);
 
   float o[DPAD / 2];
@@ -318,8 +407,22 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
       const uint64_t dv0 = s9::make_desc(sV(s), uint32_t(KT * 128), 1024, s9::Swizzle::k128B);
       s9::fence_regs(o);
       s9::wgmma_fence();
+      if constexpr (DPAD <= 128) {
 #pragma unroll
-      for (int kk = 0; kk < KT / 16; ++kk) s9::wgmma_rs<DPAD, T, 1>(o, pa[kk], s9::desc_add(dv0, kk * 2048), 1);
+        for (int kk = 0; kk < KT / 16; ++kk) s9::wgmma_rs<DPAD, T, 1>(o, pa[kk], s9::desc_add(dv0, kk * 2048), 1);
+      } else {
+        // 256 output columns as two m64n128k16 products per k-step (the wrappers stop at n128): half h
+        // reads V's column blocks 2 h, 2 h + 1 (2 LBO = 2 KT x 128 bytes on) into o[64 h ..], which in
+        // the accumulator layout are exactly the n256 fragment's columns 128 h .. (o[4 i + ..] is column
+        // 8 i + ..), so the softmax rescale and the epilogue index o as at the other head dims.
+        float(&o_lo)[64] = *reinterpret_cast<float(*)[64]>(&o[0]);
+        float(&o_hi)[64] = *reinterpret_cast<float(*)[64]>(&o[64]);
+#pragma unroll
+        for (int kk = 0; kk < KT / 16; ++kk) {
+          s9::wgmma_rs<128, T, 1>(o_lo, pa[kk], s9::desc_add(dv0, kk * 2048), 1);
+          s9::wgmma_rs<128, T, 1>(o_hi, pa[kk], s9::desc_add(dv0, kk * 2048 + 2 * KT * 128), 1);
+        }
+      }
       s9::wgmma_commit();
       s9::wgmma_wait<0>();
       s9::fence_regs(o);
@@ -411,14 +514,14 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
 // Whether this build has the kernel's sm_90a code (its static shared memory: the stub compiled for
 // other architectures has none); the planner falls back to the mma.sync prefill otherwise. Asked only
 // on an sm_90 device (the planner checks that first), once per process.
-template <typename T, int DPAD>
+template <typename T, CacheFormat CF, int DPAD>
 bool sm90_prefill_compiled() {
 #if defined(KVKERNELS_CUDA_EMU)
   return true;
 #else
   static const bool compiled = [] {
     cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, sm90_prefill_kernel<T, DPAD>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attr, sm90_prefill_kernel<T, CF, DPAD>) != cudaSuccess) {
       (void)cudaGetLastError();
       return false;
     }
@@ -428,20 +531,20 @@ bool sm90_prefill_compiled() {
 #endif
 }
 
-template <typename T, int DPAD>
+template <typename T, CacheFormat CF, int DPAD>
 cudaError_t launch_sm90_prefill(const AttnArgs& a, dim3 grid, cudaStream_t stream) {
-  using C = Sm90Cfg<T, DPAD>;
+  using C = Sm90Cfg<T, CF, DPAD>;
   static std::atomic<uint64_t> configured{0};
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
   if (bit == 0 || !(configured.load(std::memory_order_acquire) & bit)) {
-    err = cudaFuncSetAttribute(sm90_prefill_kernel<T, DPAD>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+    err = cudaFuncSetAttribute(sm90_prefill_kernel<T, CF, DPAD>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
     if (err != cudaSuccess) return err;
     configured.fetch_or(bit, std::memory_order_acq_rel);
   }
-  sm90_prefill_kernel<T, DPAD><<<grid, C::NT, C::SMEM, stream>>>(a);
+  sm90_prefill_kernel<T, CF, DPAD><<<grid, C::NT, C::SMEM, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -1,4 +1,5 @@
-// The Hopper wgmma prefill (attention_sm90.cuh) for __nv_bfloat16 queries over bf16 caches, head dims 64 / 128.
+// The Hopper wgmma prefill (attention_sm90.cuh) for __nv_bfloat16 queries over bf16 caches, padded head dims 64 / 128 / 256
+// (fp8 caches: attention_sm90_bf16_fp8.cu).
 // Its kernel body exists in the sm_90a build only (the other architectures of a multi-arch build compile
 // an empty stub, which sm90_prefill_compiled() tells apart); scripts/check_cuda.sh compiles this unit for
 // sm_90a alone.
@@ -6,14 +7,21 @@
 
 namespace kvkernels::attn_cuda {
 
-bool sm90_prefill_available_bf16(int dpad) {
-  return dpad == 64 ? sm90_prefill_compiled<__nv_bfloat16, 64>() : dpad == 128 ? sm90_prefill_compiled<__nv_bfloat16, 128>() : false;
+bool sm90_prefill_available_bf16(int dpad, CacheFormat cf) {
+  if (cf != CacheFormat::kBFloat16) return sm90_prefill_available_bf16_fp8(dpad, cf);
+  constexpr CacheFormat CF = CacheFormat::kBFloat16;
+  return dpad == 64    ? sm90_prefill_compiled<__nv_bfloat16, CF, 64>()
+         : dpad == 128 ? sm90_prefill_compiled<__nv_bfloat16, CF, 128>()
+         : dpad == 256 ? sm90_prefill_compiled<__nv_bfloat16, CF, 256>()
+                       : false;
 }
 
 cudaError_t launch_attention_sm90_bf16(const AttnArgs& a, int dpad, dim3 grid, cudaStream_t stream) {
-  if (a.p.kv.format != CacheFormat::kBFloat16) return cudaErrorInvalidValue;
-  if (dpad == 64) return launch_sm90_prefill<__nv_bfloat16, 64>(a, grid, stream);
-  if (dpad == 128) return launch_sm90_prefill<__nv_bfloat16, 128>(a, grid, stream);
+  if (a.p.kv.format != CacheFormat::kBFloat16) return launch_attention_sm90_bf16_fp8(a, dpad, grid, stream);
+  constexpr CacheFormat CF = CacheFormat::kBFloat16;
+  if (dpad == 64) return launch_sm90_prefill<__nv_bfloat16, CF, 64>(a, grid, stream);
+  if (dpad == 128) return launch_sm90_prefill<__nv_bfloat16, CF, 128>(a, grid, stream);
+  if (dpad == 256) return launch_sm90_prefill<__nv_bfloat16, CF, 256>(a, grid, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -1,4 +1,5 @@
-// The Hopper wgmma prefill (attention_sm90.cuh) for __half queries over f16 caches, head dims 64 / 128.
+// The Hopper wgmma prefill (attention_sm90.cuh) for __half queries over f16 caches, padded head dims 64 / 128 / 256
+// (fp8 caches: attention_sm90_f16_fp8.cu).
 // Its kernel body exists in the sm_90a build only (the other architectures of a multi-arch build compile
 // an empty stub, which sm90_prefill_compiled() tells apart); scripts/check_cuda.sh compiles this unit for
 // sm_90a alone.
@@ -6,14 +7,21 @@
 
 namespace kvkernels::attn_cuda {
 
-bool sm90_prefill_available_f16(int dpad) {
-  return dpad == 64 ? sm90_prefill_compiled<__half, 64>() : dpad == 128 ? sm90_prefill_compiled<__half, 128>() : false;
+bool sm90_prefill_available_f16(int dpad, CacheFormat cf) {
+  if (cf != CacheFormat::kFloat16) return sm90_prefill_available_f16_fp8(dpad, cf);
+  constexpr CacheFormat CF = CacheFormat::kFloat16;
+  return dpad == 64    ? sm90_prefill_compiled<__half, CF, 64>()
+         : dpad == 128 ? sm90_prefill_compiled<__half, CF, 128>()
+         : dpad == 256 ? sm90_prefill_compiled<__half, CF, 256>()
+                       : false;
 }
 
 cudaError_t launch_attention_sm90_f16(const AttnArgs& a, int dpad, dim3 grid, cudaStream_t stream) {
-  if (a.p.kv.format != CacheFormat::kFloat16) return cudaErrorInvalidValue;
-  if (dpad == 64) return launch_sm90_prefill<__half, 64>(a, grid, stream);
-  if (dpad == 128) return launch_sm90_prefill<__half, 128>(a, grid, stream);
+  if (a.p.kv.format != CacheFormat::kFloat16) return launch_attention_sm90_f16_fp8(a, dpad, grid, stream);
+  constexpr CacheFormat CF = CacheFormat::kFloat16;
+  if (dpad == 64) return launch_sm90_prefill<__half, CF, 64>(a, grid, stream);
+  if (dpad == 128) return launch_sm90_prefill<__half, CF, 128>(a, grid, stream);
+  if (dpad == 256) return launch_sm90_prefill<__half, CF, 256>(a, grid, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -153,6 +153,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attn-prefill", type=_ints, default=list(PREFILL), help="queries,context ('' = none)")
     g.add_argument("--attn-prefill-dtypes", type=_prefill_dtypes, default=["bfloat16"],
                    help="prefill cache dtypes (bfloat16 queries): bfloat16, fp8_e4m3 (e4m3 cache, per-tensor scale)")
+    g.add_argument("--attn-head-dim", type=int, choices=(64, 128, 256), default=HEAD_DIM,
+                   help="head dim of every case (default 128; the case names say it when it is not 128)")
     g.add_argument("--attn-reps", type=int, default=10, help="timed batches per implementation")
     g.add_argument("--attn-min-ms", type=float, default=20.0, help="minimum milliseconds per timed batch")
     g.add_argument("--rotate-mib", type=int, default=200, help="bytes between reuses of one data copy")
@@ -566,7 +568,7 @@ def variant_rows(name: str, kind: str, dtype_name: str, batch: int, context: int
 
 
 def prefill_case(q_len: int, context: int, args, gen: torch.Generator, dtype_name: str = "bfloat16") -> list[dict]:
-    name = f"prefill {dtype_name} q{q_len} ctx{context}"
+    name = f"prefill {dtype_name} q{q_len} ctx{context}" + (f" d{HEAD_DIM}" if HEAD_DIM != 128 else "")
     dtype = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[dtype_name]
     layer_bytes = 2 * math.ceil(context / BLOCK) * BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
     copies = rotation_copies(layer_bytes, args.rotate_mib)
@@ -663,6 +665,10 @@ def run(args: Optional[argparse.Namespace] = None,
     if args is None:
         args = _defaults()
     emit = emit or (lambda new_rows: None)
+    # --attn-head-dim: the module's HEAD_DIM, read by every case when it runs (kvkernels.bench.attention's
+    # value by default)
+    global HEAD_DIM
+    HEAD_DIM = getattr(args, "attn_head_dim", HEAD_DIM)
     if not torch.cuda.is_available():
         rows = [dict(case="cuda attention", kind="copy", impl="copy", skipped="no CUDA device")]
         emit(rows)
@@ -761,6 +767,26 @@ def prefill_variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
                     peer=[("sdpa-flash-contiguous", "sdpa-flash"), ("sdpa-cudnn-contiguous", "sdpa-cudnn")])
 
 
+def prefill_fp8_lines(rows: list[dict], variants: list[str]) -> list[str]:
+    """--prefill-variants with --attn-prefill-dtypes bfloat16,fp8_e4m3: per variant, the e4m3-cache prefill's time
+    against the same variant's bfloat16-cache prefill (the wgmma issue's target: e4m3 >= 1.0x our bf16 prefill,
+    i.e. no slower), from the rows of one run."""
+    lines = []
+    for v in variants:
+        impl = f"kvkernels-{v}"
+        for r in rows:
+            if r.get("kind") != "prefill" or r["impl"] != impl or r.get("dtype") != "fp8_e4m3":
+                continue
+            b = next((x for x in rows if x["case"] == r["case"].replace("fp8_e4m3", "bfloat16") and x["impl"] == impl),
+                     None)
+            if r.get("ms") and b and b.get("ms"):
+                lines.append(f"{r['case']} [{v}]: {r['ms']:.4f} ms = {b['ms'] / r['ms']:.2f}x its bfloat16 cache "
+                             f"({b['ms']:.4f} ms) (target 1.0)")
+            else:
+                lines.append(f"{r['case']} [{v}]: missing against its bfloat16 cache")
+    return lines
+
+
 def row_text(r: dict) -> tuple[str, str]:
     """A result row's time (or why it was skipped) and its rate, as the benchmarks print them."""
     extra = (f"{r['gbps']:.0f} GB/s ({r['fraction_of_copy_bw']:.2f} of copy)" if r.get("fraction_of_copy_bw")
@@ -802,6 +828,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("variant:", line)
     if args.prefill_variants:
         for line in prefill_variant_lines(rows, args.prefill_variants):
+            print("variant:", line)
+        for line in prefill_fp8_lines(rows, args.prefill_variants):
             print("variant:", line)
     return 0
 

@@ -18,7 +18,7 @@ EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([A-Z
 # The attention sources: compiled translation units and the headers they include.
 ATTN_UNITS = ("attention.cu", "attention_f32.cu", "attention_f16.cu", "attention_bf16.cu", "attention_f16_e4m3.cu",
               "attention_f16_e5m2.cu", "attention_bf16_e4m3.cu", "attention_bf16_e5m2.cu", "attention_sm90_bf16.cu",
-              "attention_sm90_f16.cu")
+              "attention_sm90_f16.cu", "attention_sm90_bf16_fp8.cu", "attention_sm90_f16_fp8.cu")
 ATTN_HEADERS = ("attention_api.cuh", "attention_common.cuh", "attention_launch.cuh", "attention_merge.cuh",
                 "attention_mma.cuh", "attention_simt.cuh", "attention_sm90.cuh", "sm90_ptx.cuh")
 # The MLA sources (attention: planner, per-q-dtype instances, merge; decompress: launcher and GEMM).
