@@ -29,6 +29,7 @@
 #include <string>
 
 #include "mla_api.h"
+#include "tma_encode.h"
 #include "mla_common.cuh"
 
 namespace kvkernels::mla_cuda {
@@ -115,30 +116,6 @@ const char* mla_wgmma_unsupported(const AttentionParams& p, int device, const De
 }
 
 // ---- TMA for the wgmma decode's latent tiles -------------------------------------------------------
-
-// cuTensorMapEncodeTiled's signature (CUDA 12.0+ driver API), called through a pointer (libcuda is not
-// linked; mla_decompress.cu looks it up the same way for its own map).
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiledFn encode_tiled_fn() {
-  static const EncodeTiledFn fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found);
-#else
-    cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &found);
-#endif
-    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();  // not a launch error of this op
-      ptr = nullptr;
-    }
-    return reinterpret_cast<EncodeTiledFn>(ptr);
-  }();
-  return fn;
-}
 
 // The wgmma decode loads a tile that is one whole page (block size 64) with TMA: the cache viewed as
 // [num_blocks x 64 rows, R + P columns] (pages contiguous: block stride = 64 x slot stride), 64 x 64 boxes

@@ -27,6 +27,7 @@
 
 #include "gather.cuh"
 #include "mla_api.h"
+#include "tma_encode.h"
 #include "mla_decompress.cuh"
 #include "mla_decompress_persist.cuh"
 #include "mla_decompress_sm90.cuh"
@@ -57,34 +58,6 @@ bool env_is(const char* name, const char* value) {
 }
 
 // ---- TMA -----------------------------------------------------------------------------------------
-
-// cuTensorMapEncodeTiled's signature (CUDA 12.0+ driver API), called through a pointer.
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// The driver's cuTensorMapEncodeTiled, looked up once (thread-safe static); nullptr when the
-// driver does not have it (then TMA is reported as unavailable, never silently skipped).
-EncodeTiledFn encode_tiled_fn() {
-  static const EncodeTiledFn fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
-                                                       cudaEnableDefault, &found);
-#else
-    cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault,
-                                              &found);
-#endif
-    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();  // not a launch error of this op
-      ptr = nullptr;
-    }
-    return reinterpret_cast<EncodeTiledFn>(ptr);
-  }();
-  return fn;
-}
 
 // PTX (virtual) architecture of the device code the runtime picked for `kernel` on the current
 // device, cached per device: 90+ means the TMA variant was compiled with TMA (an sm_80-only
