@@ -654,3 +654,48 @@ def test_cuda_lowering_adds_the_scratch_result(monkeypatch):
     with pytest.raises(ValueError, match=re.escape("kvkernels.paged_attention: key_cache: head_dim 512 is not "
                                                    "supported on CUDA")):
         cuda_mlir(kj.paged_attention, jnp.ones((1, 1, 512), jnp.bfloat16), big, big, bt[:1], sl[:1])
+
+
+def test_handlers_check_what_they_write():
+    """The handlers' own checks of their outputs, reached only by a custom call that kvkernels.jax did not build
+    (its wrappers give XLA the right result shapes): out / lse of paged_attention, the updated caches of
+    reshape_and_cache and copy_blocks. A wrong one is an error naming it, raised before anything is written."""
+    from kvkernels.jax import _library
+
+    _library.load()
+    i32, fp = jnp.int32, jnp.float32
+    q, kc = jnp.ones((1, 2, 8), fp), jnp.zeros((2, 4, 1, 8), fp)
+    bt, sl = jnp.zeros((1, 2), i32), jnp.ones((1,), i32)
+    attn = dict(scale=np.float32(0.3), soft_cap=np.float32(0), window_left=np.int64(-1), causal=True,
+                optional_mask=np.int64(0), batch_dims=np.int64(0))
+
+    def run(op, results, *args, **attrs):
+        call = jax.ffi.ffi_call(_library.target_name(op), results)
+        return jax.block_until_ready(call(*args, **attrs))
+
+    good_out, good_lse = jax.ShapeDtypeStruct((1, 2, 8), fp), jax.ShapeDtypeStruct((1, 2), fp)
+    out, lse = run("paged_attention", (good_out, good_lse), q, kc, kc, bt, sl, **attn)  # the call itself works
+    assert out.shape == (1, 2, 8) and np.isfinite(np.asarray(lse)).all()
+    with pytest.raises(JaxRuntimeError, match=re.escape("kvkernels.paged_attention: out: must be [num_tokens, "
+                                                        "num_heads, head_dim_v] in the query's dtype, got float32 (1, 2, 16)")):
+        run("paged_attention", (jax.ShapeDtypeStruct((1, 2, 16), fp), good_lse), q, kc, kc, bt, sl, **attn)
+    with pytest.raises(JaxRuntimeError, match=re.escape("kvkernels.paged_attention: lse: must be float32 "
+                                                        "[num_tokens, num_heads], got float16 (1, 2)")):
+        run("paged_attention", (good_out, jax.ShapeDtypeStruct((1, 2), jnp.float16)), q, kc, kc, bt, sl, **attn)
+
+    k, slots = jnp.ones((1, 1, 8), fp), jnp.asarray([3], i32)
+    wrong_cache = jax.ShapeDtypeStruct((2, 4, 1, 16), fp)
+    with pytest.raises(JaxRuntimeError, match=re.escape("kvkernels.reshape_and_cache: key_cache: the updated "
+                                                        "cache must have the input cache's dtype and shape")):
+        run("reshape_and_cache", (wrong_cache, jax.ShapeDtypeStruct(kc.shape, fp)), k, k, kc, kc, slots,
+            optional_mask=np.int64(0), batch_dims=np.int64(0))
+    with pytest.raises(JaxRuntimeError, match=re.escape("kvkernels.copy_blocks: cache: the updated cache must "
+                                                        "have the input cache's dtype and shape")):
+        run("copy_blocks", (wrong_cache,), kc, jnp.asarray([[0, 1]], i32), block_dim=np.int64(0),
+            batch_dims=np.int64(0))
+    # batch dims: the updated cache is never broadcast (batch 2 over inputs of batch 2, an output of batch 1)
+    kc2 = jnp.zeros((2,) + kc.shape, fp)
+    with pytest.raises(JaxRuntimeError, match=re.escape("kvkernels.copy_blocks: cache: the updated cache must "
+                                                        "have the batch's shape")):
+        run("copy_blocks", (jax.ShapeDtypeStruct((1,) + kc.shape, fp),), kc2, jnp.asarray([[[0, 1]], [[1, 0]]], i32),
+            block_dim=np.int64(0), batch_dims=np.int64(1))

@@ -207,6 +207,55 @@ AttentionParams attention_params(const Check& c, const In& query, const In& key_
   return p;
 }
 
+AttentionCall::AttentionCall(const Check& c, const ffi::AnyBuffer& query, const ffi::AnyBuffer& key_cache,
+                             const ffi::AnyBuffer& value_cache, const ffi::AnyBuffer& block_tables,
+                             const ffi::AnyBuffer& seq_lens, const ffi::RemainingArgs& optional,
+                             const ffi::Result<ffi::AnyBuffer>& out_buf,
+                             const ffi::Result<ffi::AnyBuffer>& lse_buf, int64_t optional_mask,
+                             int64_t batch_dims)
+    : q("query", query, batch_dims),
+      kc("key_cache", key_cache, batch_dims),
+      vc("value_cache", value_cache, batch_dims),
+      bt("block_tables", block_tables, batch_dims),
+      sl("seq_lens", seq_lens, batch_dims),
+      out("out", out_buf, batch_dims),
+      lse("lse", lse_buf, batch_dims) {
+  read_optional(c, optional, optional_mask, kOptionalNames, kNumOptional, batch_dims, opt);
+  batch = c.batch({&q, &kc, &vc, &bt, &sl, &out, &lse, &opt[0], &opt[1], &opt[2], &opt[3], &opt[4]},
+                  batch_dims);
+}
+
+AttentionParams attention_example(const Check& c, const AttentionCall& call, const std::vector<int64_t>& idx,
+                                  const AttentionAttrs& attrs, int64_t max_head_dim) {
+  const In out_b = call.out.at(idx), lse_b = call.lse.at(idx);
+  AttentionParams p = attention_params(c, call.q.at(idx), call.kc.at(idx), call.vc.at(idx), call.bt.at(idx),
+                                       call.sl.at(idx), call.opt[kQsl].at(idx), call.opt[kAlibi].at(idx),
+                                       call.opt[kSinks].at(idx), call.opt[kKScale].at(idx),
+                                       call.opt[kVScale].at(idx), attrs, max_head_dim);
+  c.dim(out_b, 3);
+  c.expect(out_b.type == call.q.type && out_b.size(0) == p.num_tokens && out_b.size(1) == p.num_heads &&
+               out_b.size(2) == p.kv.head_dim_v,
+           "out", "must be [num_tokens, num_heads, head_dim_v] in the query's dtype, got ",
+           type_name(out_b.type), " ", shape_str(out_b.shape));
+  c.dim(lse_b, 2);
+  c.expect(lse_b.type == DataType::F32 && lse_b.size(0) == p.num_tokens && lse_b.size(1) == p.num_heads,
+           "lse", "must be float32 [num_tokens, num_heads], got ", type_name(lse_b.type), " ",
+           shape_str(lse_b.shape));
+  p.out = out_b.data;
+  p.lse = lse_b.as<float>();
+  return p;
+}
+
+void check_updated_cache_batch(const Check& c, const Operand& out, const Batch& batch) {
+  for (size_t d = 0; d < batch.shape.size(); ++d)
+    c.expect(out.batch[d] == batch.shape[d], out.name, "the updated cache must have the batch's shape");
+}
+
+void check_updated_cache(const Check& c, const In& out, const In& in) {
+  c.expect(out.type == in.type && out.shape == in.shape, out.name,
+           "the updated cache must have the input cache's dtype and shape");
+}
+
 void cache_write_params(const Check& c, const In& key, const In& value, const In& key_cache,
                         const In& value_cache, const In& slots, const In& k_scale,
                         const In& v_scale, CacheWriteParams (&writes)[2]) {

@@ -128,6 +128,27 @@ AttentionParams attention_params(const Check& c, const In& query, const In& key_
                                  const In& sinks, const In& k_scale, const In& v_scale,
                                  const AttentionAttrs& attrs, int64_t max_head_dim);
 
+// The operands of one paged_attention call (its FFI arguments split into examples by the batch dims).
+struct AttentionCall {
+  Operand q, kc, vc, bt, sl, out, lse, opt[kNumOptional];
+  Batch batch;
+  AttentionCall(const Check& c, const ffi::AnyBuffer& query, const ffi::AnyBuffer& key_cache,
+                const ffi::AnyBuffer& value_cache, const ffi::AnyBuffer& block_tables,
+                const ffi::AnyBuffer& seq_lens, const ffi::RemainingArgs& optional,
+                const ffi::Result<ffi::AnyBuffer>& out, const ffi::Result<ffi::AnyBuffer>& lse,
+                int64_t optional_mask, int64_t batch_dims);
+};
+
+// The params of example `idx` of `call`, out and lse included and checked (shapes and dtypes only: the
+// index values are the CPU handler's to check).
+AttentionParams attention_example(const Check& c, const AttentionCall& call, const std::vector<int64_t>& idx,
+                                  const AttentionAttrs& attrs, int64_t max_head_dim);
+
+// A cache an op updates: its output holds one example per batch entry (never broadcast) ...
+void check_updated_cache_batch(const Check& c, const Operand& out, const Batch& batch);
+// ... and each example has the input cache's dtype and shape.
+void check_updated_cache(const Check& c, const In& out, const In& in);
+
 // reshape_and_cache: the two writes (key -> key_cache, value -> value_cache), slot_mapping left
 // unset (the handler widens an int32 mapping first).
 void cache_write_params(const Check& c, const In& key, const In& value, const In& key_cache,

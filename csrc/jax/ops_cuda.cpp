@@ -86,35 +86,15 @@ ffi::Error paged_attention_cuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::
                                 float soft_cap, int64_t window_left, bool causal,
                                 int64_t optional_mask, int64_t batch_dims) try {
   const Check c("paged_attention");
-  const Operand q("query", query, batch_dims), kc("key_cache", key_cache, batch_dims),
-      vc("value_cache", value_cache, batch_dims), bt("block_tables", block_tables, batch_dims),
-      sl("seq_lens", seq_lens, batch_dims), o("out", out, batch_dims), l("lse", lse, batch_dims);
-  Operand opt[kNumOptional];
-  read_optional(c, optional, optional_mask, kOptionalNames, kNumOptional, batch_dims, opt);
-  const Batch batch = c.batch({&q, &kc, &vc, &bt, &sl, &o, &l, &opt[0], &opt[1], &opt[2], &opt[3],
-                               &opt[4]}, batch_dims);
+  const AttentionCall call(c, query, key_cache, value_cache, block_tables, seq_lens, optional, out, lse,
+                           optional_mask, batch_dims);
   const Scratch scratch(scratch_buf);
   const AttentionAttrs attrs{scale, soft_cap, window_left, causal};
   const int device = stream_device(c, stream);
   std::vector<AttentionParams> params;
   std::vector<attn_cuda::LaunchPlan> plans;
-  for (int64_t b = 0; b < batch.count; ++b) {
-    const std::vector<int64_t> idx = batch.index(b);
-    const In out_b = o.at(idx), lse_b = l.at(idx);
-    AttentionParams p = attention_params(c, q.at(idx), kc.at(idx), vc.at(idx), bt.at(idx),
-                                         sl.at(idx), opt[kQsl].at(idx), opt[kAlibi].at(idx),
-                                         opt[kSinks].at(idx), opt[kKScale].at(idx),
-                                         opt[kVScale].at(idx), attrs, kMaxHeadDimCuda);
-    c.dim(out_b, 3);
-    c.expect(out_b.type == q.type && out_b.size(0) == p.num_tokens &&
-                 out_b.size(1) == p.num_heads && out_b.size(2) == p.kv.head_dim_v,
-             "out", "must be [num_tokens, num_heads, head_dim_v] in the query's dtype");
-    c.dim(lse_b, 2);
-    c.expect(lse_b.type == ffi::DataType::F32 && lse_b.size(0) == p.num_tokens &&
-                 lse_b.size(1) == p.num_heads,
-             "lse", "must be float32 [num_tokens, num_heads]");
-    p.out = out_b.data;
-    p.lse = lse_b.as<float>();
+  for (int64_t b = 0; b < call.batch.count; ++b) {
+    AttentionParams p = attention_example(c, call, call.batch.index(b), attrs, kMaxHeadDimCuda);
     attn_cuda::LaunchPlan plan;
     if (p.num_tokens > 0 && p.kv.num_seqs > 0) {
       plan = attn_cuda::plan_paged_attention(p, device);
@@ -160,10 +140,7 @@ ffi::Error reshape_and_cache_cuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::
   read_optional(c, optional, optional_mask, kScaleNames, 2, batch_dims, scales);
   const Batch batch =
       c.batch({&k, &v, &kc, &vc, &sm, &kco, &vco, &scales[0], &scales[1]}, batch_dims);
-  for (const Operand* out : {&kco, &vco})
-    for (size_t d = 0; d < batch.shape.size(); ++d)
-      c.expect(out->batch[d] == batch.shape[d], out->name,
-               "the updated cache must have the batch's shape");
+  for (const Operand* out : {&kco, &vco}) check_updated_cache_batch(c, *out, batch);
   const Scratch scratch(scratch_buf);
   struct Example {
     CacheWriteParams w[2];
@@ -180,9 +157,7 @@ ffi::Error reshape_and_cache_cuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::
     ex.outs[1] = vco.at(idx);
     cache_write_params(c, k.at(idx), v.at(idx), ex.caches[0], ex.caches[1], ex.slots,
                        scales[0].at(idx), scales[1].at(idx), ex.w);
-    for (int i = 0; i < 2; ++i)
-      c.expect(ex.outs[i].type == ex.caches[i].type && ex.outs[i].shape == ex.caches[i].shape,
-               ex.outs[i].name, "the updated cache must have the input cache's dtype and shape");
+    for (int i = 0; i < 2; ++i) check_updated_cache(c, ex.outs[i], ex.caches[i]);
   }
   // Examples run one after the other on the stream: one widened slot mapping at a time in scratch.
   for (Example& ex : examples) {
@@ -211,8 +186,7 @@ ffi::Error copy_blocks_cuda(cudaStream_t stream, ffi::AnyBuffer cache, ffi::AnyB
   const Operand ca("cache", cache, batch_dims), bm("block_mapping", block_mapping, batch_dims),
       co("cache", cache_out, batch_dims);
   const Batch batch = c.batch({&ca, &bm, &co}, batch_dims);
-  for (size_t d = 0; d < batch.shape.size(); ++d)
-    c.expect(co.batch[d] == batch.shape[d], "cache", "the updated cache must have the batch's shape");
+  check_updated_cache_batch(c, co, batch);
   const Scratch scratch(scratch_buf);
   struct Example {
     BlockCopyParams p;
@@ -227,8 +201,7 @@ ffi::Error copy_blocks_cuda(cudaStream_t stream, ffi::AnyBuffer cache, ffi::AnyB
     ex.out = co.at(idx);
     ex.mapping = bm.at(idx);
     ex.blocks = block_copy_params(c, ex.in, ex.mapping, block_dim, ex.p);
-    c.expect(ex.out.type == ex.in.type && ex.out.shape == ex.in.shape, "cache",
-             "the updated cache must have the input cache's dtype and shape");
+    check_updated_cache(c, ex.out, ex.in);
   }
   for (Example& ex : examples) {
     alias_or_copy(c, ex.in, ex.out, stream);
