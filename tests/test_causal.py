@@ -50,6 +50,31 @@ def no_key_rows(q_lens, seq_lens, causal):
     return rows
 
 
+# The cases the other bindings' paged_attention runs (ONNX Runtime, JAX on CPU and CUDA: their tests call
+# check_binding_case). id: (test_attention.CONFIGS-style config, extra keyword arguments).
+BINDING_CASES = {
+    "f32-gqa2-d32-b4": ((torch.float32, None, False, "NHD", 4, 2, 32, 4, None), {}),
+    "bf16-e4m3-head-gqa4-d64-b16-window-alibi": ((torch.bfloat16, "e4m3", True, "NHD", 8, 2, 64, 16, None),
+                                                 dict(window_left=5, alibi_slopes=torch.linspace(0.05, 0.6, 8))),
+    "f16-mqa-d128-b5-sinks-softcap": ((torch.float16, None, False, "stacked", 4, 1, 128, 5, None),
+                                      dict(sinks=torch.linspace(-1, 2, 4), soft_cap=6.0)),
+}
+
+
+def check_binding_case(op, case, causal):
+    """``op`` (a binding's paged_attention, called like kvkernels.ops.paged_attention) on a mixed_case of
+    BINDING_CASES: against the reference, varlen rows with q_len <, = and > seq_len (an empty sequence with
+    queries, 40 rows over 7 keys); rows that see no key are 0 (and their lse -inf, unless sinks give them
+    weight)."""
+    config, extra = case
+    kv, query, qsl, q_lens, seq_lens = mixed_case(config, seed=5)
+    out, lse = run_paged_attention(kv, query, qsl, op=op, causal=causal, **extra)
+    empty = no_key_rows(q_lens, seq_lens, causal)
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    if "sinks" not in extra:
+        assert torch.isneginf(lse[empty]).all()
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 def test_mixed_q_lens(config, causal):

@@ -38,7 +38,7 @@ from helpers import generator, make_paged_kv, make_query  # noqa: E402
 from kvkernels.jax import llama  # noqa: E402
 from test_attention import make_case, run_paged_attention  # noqa: E402
 from test_cache_ops import check_copy_blocks_stacked, check_gather_kv, check_reshape_and_cache  # noqa: E402
-from test_causal import mixed_case, no_key_rows  # noqa: E402
+from test_causal import BINDING_CASES, check_binding_case  # noqa: E402
 
 f32, bf16 = torch.float32, torch.bfloat16
 
@@ -69,13 +69,9 @@ def test_paged_attention(case, jit, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
-@pytest.mark.parametrize("case", cpu_tests.NONCAUSAL.values(), ids=cpu_tests.NONCAUSAL.keys())
+@pytest.mark.parametrize("case", BINDING_CASES.values(), ids=BINDING_CASES.keys())
 def test_paged_attention_causal_and_more_queries_than_keys(case, causal):
-    config, extra = case
-    kv, query, qsl, q_lens, seq_lens = mixed_case(config, seed=5)
-    out, lse = run_paged_attention(kv, query, qsl, op=jax_ops.paged_attention, causal=causal, **extra)
-    empty = no_key_rows(q_lens, seq_lens, causal)
-    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    check_binding_case(jax_ops.paged_attention, case, causal)
 
 
 @pytest.mark.parametrize("splits", ["1", "8", "64"])

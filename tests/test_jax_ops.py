@@ -31,7 +31,7 @@ from helpers import generator, make_paged_kv, make_query, randn, use_isa  # noqa
 from kvkernels import reference  # noqa: E402
 from test_attention import make_case, run_paged_attention  # noqa: E402
 from test_cache_ops import check_copy_blocks_stacked, check_gather_kv, check_reshape_and_cache  # noqa: E402
-from test_causal import mixed_case, no_key_rows  # noqa: E402
+from test_causal import BINDING_CASES, check_binding_case  # noqa: E402
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -100,27 +100,11 @@ def test_bad_isa_is_an_error_naming_the_variable(monkeypatch):
         jax_ops.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens)
 
 
-NONCAUSAL = {
-    "f32-gqa2-d32-b4": ((f32, None, False, "NHD", 4, 2, 32, 4, None), {}),
-    "bf16-e4m3-head-gqa4-d64-b16-window-alibi": ((bf16, "e4m3", True, "NHD", 8, 2, 64, 16, None),
-                                                 dict(window_left=5, alibi_slopes=torch.linspace(0.05, 0.6, 8))),
-    "f16-mqa-d128-b5-sinks-softcap": ((f16, None, False, "stacked", 4, 1, 128, 5, None),
-                                      dict(sinks=torch.linspace(-1, 2, 4), soft_cap=6.0)),
-}
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
-@pytest.mark.parametrize("case", NONCAUSAL.values(), ids=NONCAUSAL.keys())
+@pytest.mark.parametrize("case", BINDING_CASES.values(), ids=BINDING_CASES.keys())
 def test_paged_attention_causal_and_more_queries_than_keys(case, causal):
-    """``causal`` against the reference, varlen rows with q_len <, = and > seq_len (an empty sequence with
-    queries, 40 rows over 7 keys): rows that see no key are 0 / -inf."""
-    config, extra = case
-    kv, query, qsl, q_lens, seq_lens = mixed_case(config, seed=5)
-    out, lse = run_paged_attention(kv, query, qsl, op=jax_ops.paged_attention, causal=causal, **extra)
-    empty = no_key_rows(q_lens, seq_lens, causal)
-    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
-    if "sinks" not in extra:
-        assert torch.isneginf(lse[empty]).all()
+    """``causal`` against the reference, varlen rows with q_len <, = and > seq_len (test_causal.check_binding_case)."""
+    check_binding_case(jax_ops.paged_attention, case, causal)
 
 
 def test_paged_attention_value_head_dim_differs():

@@ -16,7 +16,7 @@ import ort_ops
 from helpers import generator, make_paged_kv, make_query, poison, randn, use_isa
 from kvkernels import reference
 from test_attention import make_case, run_paged_attention
-from test_causal import mixed_case, no_key_rows
+from test_causal import BINDING_CASES, check_binding_case, mixed_case
 from test_cache_ops import check_gather_kv, check_reshape_and_cache
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
@@ -90,28 +90,12 @@ def test_paged_attention_fresh_inputs_each_call():
 
 # ---- causal attribute (torch's causal=False) and sequences with more queries than keys -----------
 
-# id: test_attention.CONFIGS-style (dtype, fp8, per-head scales, layout, Hq, Hkv, D, B, strided query), kwargs
-NONCAUSAL = {
-    "f32-gqa2-d32-b4": ((f32, None, False, "NHD", 4, 2, 32, 4, None), {}),
-    "bf16-e4m3-head-gqa4-d64-b16-window-alibi": ((bf16, "e4m3", True, "NHD", 8, 2, 64, 16, None),
-                                                 dict(window_left=5, alibi_slopes=torch.linspace(0.05, 0.6, 8))),
-    "f16-mqa-d128-b5-sinks-softcap": ((f16, None, False, "stacked", 4, 1, 128, 5, None),
-                                      dict(sinks=torch.linspace(-1, 2, 4), soft_cap=6.0)),
-}
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
-@pytest.mark.parametrize("case", NONCAUSAL.values(), ids=NONCAUSAL.keys())
+@pytest.mark.parametrize("case", BINDING_CASES.values(), ids=BINDING_CASES.keys())
 def test_paged_attention_causal_attribute(case, causal):
-    """The ``causal`` attribute against kvkernels.reference, varlen rows with q_len <, = and > seq_len (an
-    empty sequence with queries, a prefill of 40 rows over 7 keys): rows that see no key are 0 / -inf."""
-    config, extra = case
-    kv, query, qsl, q_lens, seq_lens = mixed_case(config, seed=5)
-    out, lse = run_paged_attention(kv, query, qsl, op=ort_ops.paged_attention, causal=causal, **extra)
-    empty = no_key_rows(q_lens, seq_lens, causal)
-    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
-    if "sinks" not in extra:
-        assert torch.isneginf(lse[empty]).all()
+    """The ``causal`` attribute against kvkernels.reference, varlen rows with q_len <, = and > seq_len
+    (test_causal.check_binding_case)."""
+    check_binding_case(ort_ops.paged_attention, case, causal)
 
 
 @pytest.mark.parametrize("isa", ["portable", "avx2", "avx512", "avx512vbmi", "avx512bf16", "avx512amx"])
