@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -42,7 +41,7 @@ import transformers as tf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvkernels.bench.machine import machine_info, slug  # noqa: E402
+from kvkernels.bench.machine import machine_info, write_result  # noqa: E402
 from kvkernels.integrations.transformers_flash import continuous_batching_kernel  # noqa: E402
 
 
@@ -185,11 +184,7 @@ def main():
         f"{best['kvkernels'] / best['sdpa']:.2f}x (of the best runs); per ABBA round: "
         + ", ".join(f"{x:.2f}x" for x in per_round),
     ]
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"hf-cb-{slug(info['cpu_model'])}-{started:%Y%m%d-%H%M%S}"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    stem.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    stem = write_result(args.out, "hf-cb", record, "\n".join(lines), cpu=info["cpu_model"], when=started)
     print("\n".join(lines))
     print(f"wrote {stem}.json / .txt")
 

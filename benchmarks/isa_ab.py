@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import platform
@@ -39,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 import kvkernels  # noqa: E402
 from kvkernels import ops  # noqa: E402
 from kvkernels.bench import machine  # noqa: E402
-from kvkernels.bench.attention import (BLOCK, FP8_SCALE, HEAD_DIM, HEADS, KV_HEADS, attention_f32,  # noqa: E402
+from kvkernels.bench.attention import (FP8_SCALE, HEAD_DIM, HEADS, KV_HEADS, attention_f32,  # noqa: E402
                                        build_paged, paged_layer_bytes, sequence_f32)
 
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2,
@@ -230,10 +229,7 @@ def main() -> int:
             line += f"; matmul bf16 {c['matmul_bf16_2048_gflop_s']['median']:.0f} GFLOP/s"
         print(line)
     if not args.no_write and not args.quick:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"isa-ab-{machine.slug(machine.cpu_model())}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        stem.with_suffix(".txt").write_text(text)
+        stem = machine.write_result(args.out, "isa-ab", result, text)
         print(f"wrote {stem}.json and .txt", file=sys.stderr)
     return 0
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -45,7 +44,7 @@ from torch import nn
 import kvkernels
 import kvkernels.onnx as konnx
 import kvkernels.onnx.seq2seq as s2s
-from kvkernels.bench.machine import cpu_model, slug
+from kvkernels.bench.machine import cpu_model, write_result
 
 ORIGIN_PER_BEAM = 1.4e6  # bytes: the origin document's estimate (self 163 KB + cross 1.23 MB, per beam)
 
@@ -204,11 +203,7 @@ def main():
               f"{ORIGIN_PER_BEAM / 1e6:.1f} MB per beam, {ORIGIN_PER_BEAM * beams / 1e6:.1f} MB for {beams}"]
     text = "\n".join(lines)
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"onnx-{slug(cpu_model())}-{now.strftime('%Y%m%d-%H%M%S')}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
-    stem.with_suffix(".txt").write_text(text + "\n")
+    write_result(args.out, "onnx", report, text, when=now)
 
 
 if __name__ == "__main__":

@@ -207,10 +207,7 @@ def main() -> int:
     report["load_average_1_5_15min"] = {"start": load_before, "end": os.getloadavg()}
     text = render(report)
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"out-variants-{machine.slug(machine.cpu_model())}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    stem.with_suffix(".txt").write_text(text + "\n")
+    stem = machine.write_result(args.out, "out-variants", report, text)
     print(f"wrote {stem}.json and .txt")
     return 0
 

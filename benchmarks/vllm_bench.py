@@ -379,10 +379,7 @@ def main() -> int:
     text = table(result)
     print(text)
     if not args.quick:
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"vllm-{machine.slug(machine.cpu_model())}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        stem.with_suffix(".txt").write_text(text)
+        stem = machine.write_result(args.out, "vllm", result, text)
         print(f"wrote {stem}.json and .txt", file=sys.stderr)
     return 0
 

@@ -379,3 +379,18 @@ def test_cuda_mla_decompress_variants_options_and_report(capsys, monkeypatch):
     if not torch.cuda.is_available():
         assert cm.main(["--decompress-variants", "tile64,persist", "--mla-batches", ""]) == 0
         assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_write_result_names_the_files_after_the_kind_cpu_and_time(tmp_path):
+    """machine.write_result: the result files every benchmark script writes (<kind>-<cpu slug>-<time>.json /
+    .txt), the record as JSON (non-JSON values as text) and the text as printed, ending in one newline."""
+    import datetime
+
+    from kvkernels.bench import machine
+
+    when = datetime.datetime(2026, 11, 28, 21, 59, 7)
+    stem = machine.write_result(tmp_path / "new", "isa-ab", {"a": 1, "p": tmp_path}, "table\n\n",
+                                cpu="AMD EPYC 9B14", when=when)
+    assert stem == tmp_path / "new" / "isa-ab-amd-epyc-9b14-20261128-215907"
+    assert json.loads(stem.with_suffix(".json").read_text()) == {"a": 1, "p": str(tmp_path)}
+    assert stem.with_suffix(".txt").read_text() == "table\n"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import shlex
@@ -428,9 +427,8 @@ def run(args: argparse.Namespace, argv: list) -> int:
     text = format_text(record)
     if args.quick:
         text = f"{report.SMOKE_BANNER}\n{text}"
-    stem = report.output_dir(args) / f"cache-{machine.slug(info['cpu_model'])}-{started:%Y%m%d-%H%M%S}"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-    stem.with_suffix(".txt").write_text(text + "\n")
+    stem = machine.write_result(report.output_dir(args), "cache", record, text, cpu=info["cpu_model"],
+                                when=started)
     print(text)
     print(f"JSON: {stem.with_suffix('.json')}\nTXT: {stem.with_suffix('.txt')}")
     worst = max(r["median_us_per_seq"] for r in decode["runs"][:2])

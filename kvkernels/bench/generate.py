@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import os
 import platform
 import shlex
@@ -468,10 +467,8 @@ def run(args: argparse.Namespace, argv: list) -> int:
     text = format_text(record)
     if args.quick:
         text = f"{report.SMOKE_BANNER}\n{text}"
-    slug = machine.slug(record["machine"]["cpu_model"])
-    stem = report.output_dir(args) / f"generate-{slug}-{started:%Y%m%d-%H%M%S}"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-    stem.with_suffix(".txt").write_text(text + "\n")
+    stem = machine.write_result(report.output_dir(args), "generate", record, text,
+                                cpu=record["machine"]["cpu_model"], when=started)
     print(text)
     print(f"JSON: {stem.with_suffix('.json')}\nTXT: {stem.with_suffix('.txt')}")
     if flush:

@@ -3,12 +3,15 @@ torch in the same run (the yardstick every GB/s figure is compared with)."""
 
 from __future__ import annotations
 
+import datetime
 import glob
+import json
 import os
 import platform
 import re
 import statistics
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -34,6 +37,18 @@ def slug(text: str) -> str:
     """'Intel(R) Xeon(R) Platinum 8480+ CPU @ 2.0GHz' -> 'intel-xeon-platinum-8480'."""
     text = re.sub(r"\((r|tm)\)|\bcpu\b|@.*$", " ", text.lower())
     return re.sub(r"[^a-z0-9]+", "-", text).strip("-") or "cpu"
+
+
+def write_result(directory, kind: str, record: dict, text: str, cpu: Optional[str] = None,
+                 when: Optional[datetime.datetime] = None) -> Path:
+    """A run's result files, named after the CPU and the time: ``<directory>/<kind>-<cpu slug>-<YYYYmmdd-HHMMSS>``
+    ``.json`` (the record) and ``.txt`` (the text, as printed). Returns the stem (the path without a suffix)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = directory / f"{kind}-{slug(cpu or cpu_model())}-{(when or datetime.datetime.now()):%Y%m%d-%H%M%S}"
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    stem.with_suffix(".txt").write_text(text.rstrip("\n") + "\n")
+    return stem
 
 
 def _parse_size(text: str) -> int:
