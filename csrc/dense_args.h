@@ -117,16 +117,7 @@ paged_kv_t dense_paged_kv(const DenseCheck<Types>& c, const DenseIn<typename Typ
   c.size(seq_lens, 0, block_tables.size(0), "num_seqs = block_tables.shape[0]");
 
   paged_kv_t kv;
-  kv.k = key_cache.data;
-  kv.v = value_cache.data;
-  kv.k_stride_block = key_cache.stride(0);
-  kv.k_stride_slot = key_cache.stride(1);
-  kv.k_stride_head = key_cache.stride(2);
-  kv.v_stride_block = value_cache.stride(0);
-  kv.v_stride_slot = value_cache.stride(1);
-  kv.v_stride_head = value_cache.stride(2);
-  kv.num_blocks = key_cache.size(0);
-  kv.block_size = static_cast<int>(key_cache.size(1));
+  kv.set_caches(key_cache.data, key_cache, value_cache.data, value_cache);
   kv.num_kv_heads = c.to_int(key_cache.size(2), key_cache.name, "num_kv_heads (dimension 2)");
   kv.head_dim = c.to_int(key_cache.size(3), key_cache.name, "head_dim (dimension 3)");
   kv.head_dim_v = c.to_int(value_cache.size(3), value_cache.name, "head_dim (dimension 3)");

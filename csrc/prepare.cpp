@@ -139,16 +139,7 @@ paged_kv_t make_paged_kv(const ArgCheck& c, const Tensor& key_cache, const char*
                            bt.size(0), "num_seqs = block_tables.shape[0]");
 
   paged_kv_t kv;
-  kv.k = key_cache.const_data_ptr();
-  kv.v = value_cache.const_data_ptr();
-  kv.k_stride_block = key_cache.stride(0);
-  kv.k_stride_slot = key_cache.stride(1);
-  kv.k_stride_head = key_cache.stride(2);
-  kv.v_stride_block = value_cache.stride(0);
-  kv.v_stride_slot = value_cache.stride(1);
-  kv.v_stride_head = value_cache.stride(2);
-  kv.num_blocks = key_cache.size(0);
-  kv.block_size = static_cast<int>(key_cache.size(1));
+  kv.set_caches(key_cache.const_data_ptr(), key_cache, value_cache.const_data_ptr(), value_cache);
   kv.num_kv_heads = num_kv_heads;
   kv.head_dim = head_dim;
   kv.head_dim_v = head_dim_v;

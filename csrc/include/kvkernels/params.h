@@ -57,6 +57,23 @@ struct paged_kv_t {
     const float s = k_scale_of(head), z = s * 0.0f;
     return z == 0.0f ? s : z;
   }
+
+  // The cache pointers and layout (strides in elements, num_blocks, block_size) from the two caches, any
+  // type with size(d) / stride(d) (torch tensors, the bindings' dense operands): the bindings' one place
+  // for these fields.
+  template <class Cache>
+  void set_caches(const void* key, const Cache& key_cache, const void* value, const Cache& value_cache) {
+    k = key;
+    v = value;
+    k_stride_block = key_cache.stride(0);
+    k_stride_slot = key_cache.stride(1);
+    k_stride_head = key_cache.stride(2);
+    v_stride_block = value_cache.stride(0);
+    v_stride_slot = value_cache.stride(1);
+    v_stride_head = value_cache.stride(2);
+    num_blocks = key_cache.size(0);
+    block_size = static_cast<int>(key_cache.size(1));
+  }
 };
 
 // Element format of query / output / weight tensors (never fp8).
