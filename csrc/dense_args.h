@@ -13,9 +13,14 @@
 //   static CacheFormat cache_format(Type);
 //   static constexpr Type kFloat32, kInt32;
 //   static constexpr const char* kCacheTypes;           the cache dtypes, listed for an error message
+//   static constexpr const char* kDtype;                 "type" / "dtype", as the binding's docs say it
+//   static constexpr const char* kDecode;                how a decode call is spelled ("query_start_loc=None")
+//   static FloatFormat float_format(Type);
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -133,6 +138,76 @@ paged_kv_t dense_paged_kv(const DenseCheck<Types>& c, const DenseIn<typename Typ
   kv.num_seqs = c.to_int(block_tables.size(0), block_tables.name, "num_seqs (dimension 0)");
   kv.max_blocks_per_seq = block_tables.size(1);
   return kv;
+}
+
+// The options of paged_attention that are not arrays. scale: none = head_dim ** -0.5.
+struct DenseAttentionAttrs {
+  std::optional<float> scale;
+  float soft_cap = 0;
+  int64_t window_left = -1;
+  bool causal = true;
+};
+
+// Everything of paged_attention but the output pointers, shapes and dtypes checked (the index values: the
+// caller's, as for dense_paged_kv).
+template <class Types>
+AttentionParams dense_attention_params(
+    const DenseCheck<Types>& c, const DenseIn<typename Types::Type>& query,
+    const DenseIn<typename Types::Type>& key_cache, const DenseIn<typename Types::Type>& value_cache,
+    const DenseIn<typename Types::Type>& block_tables, const DenseIn<typename Types::Type>& seq_lens,
+    const DenseIn<typename Types::Type>& qsl, const DenseIn<typename Types::Type>& alibi,
+    const DenseIn<typename Types::Type>& sinks, const DenseIn<typename Types::Type>& k_scale,
+    const DenseIn<typename Types::Type>& v_scale, const DenseAttentionAttrs& attrs, int64_t max_head_dim,
+    bool same_head_dims) {
+  AttentionParams p;
+  p.kv = dense_paged_kv(c, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, same_head_dims);
+  const int d = p.kv.head_dim, dv = p.kv.head_dim_v;
+  c.expect(d % 8 == 0 && d > 0 && d <= max_head_dim, key_cache.name,
+           "head_dim must be a positive multiple of 8 up to ", max_head_dim, ", got ", d);
+  c.expect(dv % 8 == 0 && dv > 0 && dv <= max_head_dim, value_cache.name,
+           "head_dim must be a positive multiple of 8 up to ", max_head_dim, ", got ", dv);
+  c.dim(query, 3);
+  c.expect(Types::is_float(query.type), query.name, "expected float32, float16 or bfloat16, got ",
+           Types::name(query.type));
+  c.expect(Types::is_fp8(key_cache.type) || key_cache.type == query.type, key_cache.name, "must have the query's ",
+           Types::kDtype, " (", Types::name(query.type), ") or be fp8, got ", Types::name(key_cache.type));
+  c.size(query, 2, d, "head_dim of key_cache");
+  c.expect(p.kv.num_kv_heads > 0, key_cache.name, "num_kv_heads (dimension 2) must be positive");
+  c.expect(query.size(1) > 0 && query.size(1) % p.kv.num_kv_heads == 0, query.name, "num_heads (",
+           query.size(1), ") must be a positive multiple of num_kv_heads (", p.kv.num_kv_heads, ")");
+  p.num_heads = c.to_int(query.size(1), query.name, "num_heads (dimension 1)");
+  p.q = query.data;
+  p.q_stride_token = query.stride(0);
+  p.q_stride_head = query.stride(1);
+  p.q_format = Types::float_format(query.type);
+  p.num_tokens = query.size(0);
+  if (qsl) {
+    c.dim(qsl, 1);
+    c.type(qsl, Types::kInt32);
+    c.size(qsl, 0, p.kv.num_seqs + 1, "num_seqs + 1");
+    p.query_start_loc = qsl.template as<const int32_t>();
+  } else {
+    c.expect(p.num_tokens == p.kv.num_seqs, query.name, "decode (", Types::kDecode, ") needs one ",
+             "query per sequence: got ", p.num_tokens, " queries for ", p.kv.num_seqs, " sequences");
+  }
+  c.expect(!attrs.scale || std::isfinite(*attrs.scale), "scale", "must be finite");
+  c.expect(attrs.soft_cap >= 0 && std::isfinite(attrs.soft_cap), "soft_cap", "must be >= 0 (0 = off), got ",
+           attrs.soft_cap);
+  c.expect(attrs.window_left < (int64_t{1} << 31), "window_left", "too large: ", attrs.window_left);
+  // float32(1 / sqrt(Dk)) from float64, as the torch op computes its default.
+  p.scale = attrs.scale.value_or(static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))));
+  p.soft_cap = attrs.soft_cap;
+  p.window_left = attrs.window_left < 0 ? -1 : static_cast<int>(attrs.window_left);
+  p.causal = attrs.causal;
+  for (const DenseIn<typename Types::Type>* v : {&alibi, &sinks}) {
+    if (!*v) continue;
+    c.dim(*v, 1);
+    c.type(*v, Types::kFloat32);
+    c.size(*v, 0, p.num_heads, "num_heads of query");
+  }
+  p.alibi_slopes = alibi ? alibi.template as<const float>() : nullptr;
+  p.sinks = sinks ? sinks.template as<const float>() : nullptr;
+  return p;
 }
 
 }  // namespace kvkernels

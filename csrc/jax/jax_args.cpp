@@ -1,6 +1,5 @@
 #include "jax_args.h"
 
-#include <cmath>
 #include <sstream>
 
 namespace kvkernels::jaxffi {
@@ -150,63 +149,6 @@ paged_kv_t paged_kv(const Check& c, const In& key_cache, const In& value_cache,
                         /*same_head_dims=*/false);
 }
 
-AttentionParams attention_params(const Check& c, const In& query, const In& key_cache,
-                                 const In& value_cache, const In& block_tables, const In& seq_lens,
-                                 const In& qsl, const In& alibi, const In& sinks,
-                                 const In& k_scale, const In& v_scale, const AttentionAttrs& attrs,
-                                 int64_t max_head_dim) {
-  AttentionParams p;
-  p.kv = paged_kv(c, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale);
-  const int d = p.kv.head_dim, dv = p.kv.head_dim_v;
-  c.expect(d % 8 == 0 && d > 0 && d <= max_head_dim, key_cache.name,
-           "head_dim must be a positive multiple of 8 up to ", max_head_dim, ", got ", d);
-  c.expect(dv % 8 == 0 && dv > 0 && dv <= max_head_dim, value_cache.name,
-           "head_dim must be a positive multiple of 8 up to ", max_head_dim, ", got ", dv);
-  c.dim(query, 3);
-  c.expect(is_float(query.type), query.name, "expected float32, float16 or bfloat16, got ",
-           type_name(query.type));
-  c.expect(is_fp8(key_cache.type) || key_cache.type == query.type, key_cache.name,
-           "must have the query's dtype (", type_name(query.type), ") or be fp8, got ",
-           type_name(key_cache.type));
-  c.size(query, 2, d, "head_dim of key_cache");
-  c.expect(p.kv.num_kv_heads > 0, key_cache.name, "num_kv_heads (dimension 2) must be positive");
-  c.expect(query.size(1) > 0 && query.size(1) % p.kv.num_kv_heads == 0, query.name, "num_heads (",
-           query.size(1), ") must be a positive multiple of num_kv_heads (", p.kv.num_kv_heads, ")");
-  p.num_heads = c.to_int(query.size(1), query.name, "num_heads (dimension 1)");
-  p.q = query.data;
-  p.q_stride_token = query.stride(0);
-  p.q_stride_head = query.stride(1);
-  p.q_format = float_format(query.type);
-  p.num_tokens = query.size(0);
-  if (qsl) {
-    c.dim(qsl, 1);
-    c.type(qsl, DataType::S32);
-    c.size(qsl, 0, p.kv.num_seqs + 1, "num_seqs + 1");
-    p.query_start_loc = qsl.as<const int32_t>();
-  } else {
-    c.expect(p.num_tokens == p.kv.num_seqs, query.name, "decode (query_start_loc=None) needs one ",
-             "query per sequence: got ", p.num_tokens, " queries for ", p.kv.num_seqs,
-             " sequences");
-  }
-  c.expect(std::isfinite(attrs.scale), "scale", "must be finite");
-  c.expect(attrs.soft_cap >= 0 && std::isfinite(attrs.soft_cap), "soft_cap",
-           "must be >= 0 (0 = off), got ", attrs.soft_cap);
-  c.expect(attrs.window_left < (int64_t{1} << 31), "window_left", "too large: ", attrs.window_left);
-  p.scale = attrs.scale;
-  p.soft_cap = attrs.soft_cap;
-  p.window_left = attrs.window_left < 0 ? -1 : static_cast<int>(attrs.window_left);
-  p.causal = attrs.causal;
-  for (const In* v : {&alibi, &sinks}) {
-    if (!*v) continue;
-    c.dim(*v, 1);
-    c.type(*v, DataType::F32);
-    c.size(*v, 0, p.num_heads, "num_heads of query");
-  }
-  p.alibi_slopes = alibi ? alibi.as<const float>() : nullptr;
-  p.sinks = sinks ? sinks.as<const float>() : nullptr;
-  return p;
-}
-
 AttentionCall::AttentionCall(const Check& c, const ffi::AnyBuffer& query, const ffi::AnyBuffer& key_cache,
                              const ffi::AnyBuffer& value_cache, const ffi::AnyBuffer& block_tables,
                              const ffi::AnyBuffer& seq_lens, const ffi::RemainingArgs& optional,
@@ -228,10 +170,10 @@ AttentionCall::AttentionCall(const Check& c, const ffi::AnyBuffer& query, const 
 AttentionParams attention_example(const Check& c, const AttentionCall& call, const std::vector<int64_t>& idx,
                                   const AttentionAttrs& attrs, int64_t max_head_dim) {
   const In out_b = call.out.at(idx), lse_b = call.lse.at(idx);
-  AttentionParams p = attention_params(c, call.q.at(idx), call.kc.at(idx), call.vc.at(idx), call.bt.at(idx),
-                                       call.sl.at(idx), call.opt[kQsl].at(idx), call.opt[kAlibi].at(idx),
-                                       call.opt[kSinks].at(idx), call.opt[kKScale].at(idx),
-                                       call.opt[kVScale].at(idx), attrs, max_head_dim);
+  AttentionParams p = dense_attention_params(
+      c, call.q.at(idx), call.kc.at(idx), call.vc.at(idx), call.bt.at(idx), call.sl.at(idx), call.opt[kQsl].at(idx),
+      call.opt[kAlibi].at(idx), call.opt[kSinks].at(idx), call.opt[kKScale].at(idx), call.opt[kVScale].at(idx),
+      attrs, max_head_dim, /*same_head_dims=*/false);
   c.dim(out_b, 3);
   c.expect(out_b.type == call.q.type && out_b.size(0) == p.num_tokens && out_b.size(1) == p.num_heads &&
                out_b.size(2) == p.kv.head_dim_v,

@@ -49,6 +49,9 @@ struct XlaTypes {
   static constexpr Type kFloat32 = ffi::DataType::F32;
   static constexpr Type kInt32 = ffi::DataType::S32;
   static constexpr const char* kCacheTypes = "float32, float16, bfloat16, float8_e4m3fn or float8_e5m2";
+  static constexpr const char* kDtype = "dtype";
+  static constexpr const char* kDecode = "query_start_loc=None";
+  static FloatFormat float_format(Type t) { return jaxffi::float_format(t); }
 };
 
 // One operand of one example (one vmapped call). Dense, row-major.
@@ -108,25 +111,14 @@ void read_optional(const Check& c, const ffi::RemainingArgs& rest, int64_t mask,
 
 // ---- per-op parameter filling (shapes only; pointers as given, host or device) ------------------
 
-struct AttentionAttrs {
-  float scale = 0;       // resolved by the Python wrapper (head_dim ** -0.5 when not given)
-  float soft_cap = 0;
-  int64_t window_left = -1;
-  bool causal = true;
-};
+// paged_attention's options (dense_args.h); the Python wrapper always resolves `scale`.
+using AttentionAttrs = DenseAttentionAttrs;
 
 // paged_kv_t of a (key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale) set; checks
 // shapes and dtypes. max_head_dim: 512 on the CPU, 256 on CUDA.
 paged_kv_t paged_kv(const Check& c, const In& key_cache, const In& value_cache,
                     const In& block_tables, const In& seq_lens, const In& k_scale,
                     const In& v_scale);
-
-// Everything of paged_attention but the output pointers.
-AttentionParams attention_params(const Check& c, const In& query, const In& key_cache,
-                                 const In& value_cache, const In& block_tables, const In& seq_lens,
-                                 const In& query_start_loc, const In& alibi_slopes,
-                                 const In& sinks, const In& k_scale, const In& v_scale,
-                                 const AttentionAttrs& attrs, int64_t max_head_dim);
 
 // The operands of one paged_attention call (its FFI arguments split into examples by the batch dims).
 struct AttentionCall {

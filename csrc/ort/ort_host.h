@@ -40,6 +40,9 @@ struct OrtTypes {
   static constexpr Type kFloat32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   static constexpr Type kInt32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
   static constexpr const char* kCacheTypes = "float32, float16, bfloat16, float8e4m3fn or float8e5m2";
+  static constexpr const char* kDtype = "type";
+  static constexpr const char* kDecode = "no query_start_loc";
+  static FloatFormat float_format(Type t) { return ort::float_format(t); }
 };
 
 // An input of the op, as the kernels see it (ORT tensors are dense and row-major); absent optional
