@@ -50,7 +50,7 @@ XDIST=""  # "-n N" when pytest-xdist is importable and WORKERS > 0 (set by step_
 # ---- steps ------------------------------------------------------------------------------------------
 
 step_env() {
-  local ok=0 wheels
+  local ok=0 wheels bundles
   shopt -s nullglob
   wheels=(.whl/*.whl)
   shopt -u nullglob
@@ -59,11 +59,20 @@ step_env() {
       --target "$SCRATCH/site" "${wheels[@]}" >"$SCRATCH/pip.log" 2>&1 &&
       export PYTHONPATH="$SCRATCH/site${PYTHONPATH:+:$PYTHONPATH}"
   fi
+  shopt -s nullglob
+  bundles=(.whl/flashinfer-bundle-*.tar.gz)
+  shopt -u nullglob
+  if [ ${#bundles[@]} -gt 0 ]; then  # FlashInfer, its modules compiled ahead of time (scripts/flashinfer_bundle.sh)
+    mkdir -p "$SCRATCH/flashinfer" && tar xzf "${bundles[-1]}" -C "$SCRATCH/flashinfer" &&
+      export PYTHONPATH="$SCRATCH/flashinfer${PYTHONPATH:+:$PYTHONPATH}" FLASHINFER_DISABLE_JIT=1 \
+        FLASHINFER_WORKSPACE_BASE="$SCRATCH/flashinfer-jit"
+  fi
   {
     echo "date: $(date -Is)"
     echo "host: $(hostname)  kernel: $(uname -r)  cores: $NPROC  budget: ${BUDGET}s  dry run: $DRY_RUN"
     echo "git: $(git rev-parse HEAD 2>/dev/null || echo 'no git') ($(git status --short 2>/dev/null | wc -l) changed files)"
     echo "wheels: ${wheels[*]:-none}$([ -f "$SCRATCH/pip.log" ] && echo "; pip: $(tail -3 "$SCRATCH/pip.log")")"
+    echo "flashinfer bundle: ${bundles[*]:-none}"
     echo "--- nvidia-smi"; capped nvidia-smi 2>&1 || echo "nvidia-smi: not available"
     echo "--- nvcc"; { command -v nvcc && capped nvcc --version; } 2>&1 || echo "nvcc: not on PATH (CUDA_HOME=${CUDA_HOME:-unset})"
     echo "--- tools"
@@ -83,7 +92,8 @@ if torch.cuda.is_available():
           "L2", getattr(p, "L2_cache_size", 0) >> 20, "MiB", "smem optin", getattr(p, "shared_memory_per_block_optin", "?"))
 from torch.utils import cpp_extension
 print("CUDA_HOME", cpp_extension.CUDA_HOME)
-for mod in ("pytest", "xdist", "numpy", "expecttest", "hypothesis", "ninja", "transformers", "matplotlib", "jax", "jaxlib"):
+for mod in ("pytest", "xdist", "numpy", "expecttest", "hypothesis", "ninja", "transformers", "matplotlib", "jax", "jaxlib",
+            "flashinfer"):
     try:
         m = importlib.import_module(mod)
         print(f"module {mod}: {getattr(m, '__version__', 'ok')} ({os.path.dirname(m.__file__ or '?')})")
@@ -276,7 +286,7 @@ bench() {  # python arguments: output appended to bench.log; its target lines to
   rc=$?
   clocks_stop >>"$OUT/bench.log"
   section=$(tail -c +$((offset + 1)) "$OUT/bench.log")
-  printf '%s\n' "$section" | grep -E "^(target|variant|clocks):" >"$SCRATCH/targets-$STEP_NAME.txt"
+  printf '%s\n' "$section" | grep -E "^(target|variant|peer|clocks):" >"$SCRATCH/targets-$STEP_NAME.txt"
   STEP_DETAIL=$(printf '%s\n' "$section" | grep -E "^(target|variant|clocks):|no CUDA device|Error|MISMATCH" |
     tr -s ' ' | head -9 | tr '\n' ';' | cut -c1-900)
   # Without a GPU the benchmarks can only say so (after parsing their arguments): not a failure there.
@@ -299,6 +309,13 @@ step_b_mla() { bench -m kvkernels.bench.cuda_mla --quick --json "$SCRATCH/result
 step_b_targets() {
   bench -m kvkernels.bench.cuda_attention --no-flex --attn-shapes 64x4096,1x32768 \
     --json "$SCRATCH/results/bench/cuda-attention-targets-$STAMP.json"
+}
+# FlexAttention over the paged cache (torch.compile of flex_attention with torch's PagedAttention block-mask
+# conversion; tens of seconds of compilation per case, hence its own step late in the plan) at the decode
+# targets' shapes, bf16, beside kvkernels, SDPA and FlashInfer on the same data: "peer:" lines.
+step_b_flex() {
+  bench -m kvkernels.bench.cuda_attention --attn-shapes 64x4096,1x32768 --attn-dtypes bfloat16 --attn-prefill '' \
+    --json "$SCRATCH/results/bench/cuda-attention-flex-$STAMP.json"
 }
 # The A/B of the tensor-core decode kernel's configurations at the same shapes, bf16 and fp8, in one process
 # on the same data (alternating batches): wide (the default: 2 stages at head dim 128) vs deep (4 stages),
@@ -410,7 +427,8 @@ b_decomp 60
 t_bad 120
 t_compile 150
 t_amx 90
-b_cpu 75"
+b_cpu 75
+b_flex 120"
 
 if [ $# -gt 0 ]; then
   for step in "$@"; do
@@ -435,6 +453,8 @@ done <<<"$PLAN"
   cat "$SCRATCH/targets-b_targets.txt" 2>/dev/null
   echo "---- decode kernel A/B, wide vs deep (bench.log)"
   cat "$SCRATCH/targets-b_variants.txt" 2>/dev/null
+  echo "---- peers on the same data: SDPA flash / cuDNN, FlashInfer, FlexAttention (bench.log)"
+  cat "$SCRATCH"/targets-b_targets.txt "$SCRATCH"/targets-b_flex.txt 2>/dev/null | grep "^peer:"
   echo "---- wgmma prefill A/B, wide vs wgmma vs SDPA flash / cuDNN (bench.log)"
   cat "$SCRATCH/targets-b_wgmma.txt" 2>/dev/null
   echo "---- MLA decode A/B, mma vs wgmma, b64 x 4k (bench.log)"

@@ -263,6 +263,63 @@ def test_cuda_attention_decode_variants_options_and_report(capsys, monkeypatch):
         assert "no CUDA device" in capsys.readouterr().out
 
 
+def test_cuda_attention_peer_rows_and_lines(monkeypatch):
+    """The peers of the CUDA attention benchmark: FlashInfer's rows (kvkernels.bench.flashinfer_peer) are
+    skipped rows naming the reason where FlashInfer cannot be imported (this machine: not installed) or a call
+    cannot be planned, never missing rows; ``peer_lines`` gives our fastest row against each peer, from
+    synthetic rows (timing needs a GPU)."""
+    import argparse
+    import builtins
+
+    from kvkernels.bench import cuda_attention as ca
+    from kvkernels.bench import flashinfer_peer as fi
+
+    parser = argparse.ArgumentParser()
+    ca.add_arguments(parser)
+    assert parser.parse_args(["--no-flashinfer"]).no_flashinfer and not parser.parse_args([]).no_flashinfer
+
+    real_import = builtins.__import__
+
+    def no_flashinfer(name, *args, **kwargs):
+        if name == "flashinfer" or name.startswith("flashinfer."):
+            raise ModuleNotFoundError("No module named 'flashinfer'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_flashinfer)
+    monkeypatch.setattr(ca.torch.cuda, "get_device_name", lambda *a: "test device")
+    made = []
+    rows = ca.flashinfer_rows("decode bfloat16 b1 ctx32768", "decode", "bfloat16", 1, 32768, None, None,
+                              lambda module, tc: made.append(tc))
+    assert [r["impl"] for r in rows] == ["flashinfer-paged", "flashinfer-paged-cuda-cores"] and not made
+    assert all(r["ms"] is None and "FlashInfer not importable (ModuleNotFoundError" in r["skipped"] and
+               "flashinfer_bundle.sh" in r["skipped"] for r in rows)
+    monkeypatch.setattr(builtins, "__import__", real_import)
+
+    # importable, but the call cannot be built (e.g. a module missing from the bundle): skipped, with the error
+    monkeypatch.setattr(fi, "import_error", lambda: None)
+    monkeypatch.setattr(fi, "version", lambda: "9.9")
+    monkeypatch.setattr(ca.torch.cuda, "synchronize", lambda *a: None)
+
+    def unplannable(module, tensor_cores):
+        raise RuntimeError("MissingJITCacheError: batch_prefill_fa3 not in the cache")
+
+    rows = ca.flashinfer_rows("prefill bfloat16 q4096 ctx4096", "prefill", "bfloat16", 1, 4096, None, None,
+                              unplannable)
+    assert [r["impl"] for r in rows] == ["flashinfer-fa3-paged"]
+    assert rows[0]["skipped"] == "RuntimeError: MissingJITCacheError: batch_prefill_fa3 not in the cache"
+    assert "flashinfer 9.9" in rows[0]["note"]
+
+    def row(case, impl, ms, skipped=None):
+        return dict(case=case, kind="decode", dtype="bfloat16", impl=impl, ms=ms, skipped=skipped)
+
+    c = "decode bfloat16 b1 ctx32768"
+    lines = ca.peer_lines([row(c, "kvkernels-wide", 0.05), row(c, "kvkernels-deep", 0.04),
+                           row(c, "sdpa-flash-contiguous", 0.052), row(c, "flashinfer-paged", 0.02),
+                           row(c, "flex-paged", None, "InductorError: no"), row("decode x", "kvkernels", 1.0)])
+    assert lines == [f"{c}: kvkernels-deep 0.0400 ms; sdpa-flash-contiguous 0.0520 ms (ours 1.30x faster), "
+                     "flashinfer-paged 0.0200 ms (ours 0.50x faster), flex-paged skipped (InductorError: no)"]
+
+
 def test_cuda_attention_prefill_variants_options_and_report(capsys):
     """kvkernels.bench.cuda_attention --prefill-variants / --attn-prefill-dtypes (the GPU script's b_pvariants
     step): names checked when parsed; each prefill variant's target line and the A/B line against each other

@@ -13,7 +13,8 @@ Entry point (for the GPU script / the bench CLI)::
     {"case": "decode bfloat16 b64 ctx4096", "kind": "decode" | "prefill" | "copy", "dtype", "batch",
      "context", "impl": "kvkernels" | "kvkernels-<variant>" (--decode-variants / --prefill-variants) |
      "sdpa-flash-contiguous" | "sdpa-cudnn-contiguous" (prefill) |
-     "flex-paged" | "copy",
+     "flex-paged" | "flashinfer-paged" | "flashinfer-paged-cuda-cores" (decode) | "flashinfer-fa3-paged"
+     (prefill; kvkernels.bench.flashinfer_peer) | "copy",
      "ms": median milliseconds per call, "gbps": KV-cache bytes of the case / time (decode),
      "fraction_of_copy_bw": gbps / measured copy bandwidth (decode), "tflops" (prefill),
      "speedup_vs": {baseline: baseline_ms / kvkernels_ms} (kvkernels rows), "max_abs_diff",
@@ -161,6 +162,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-fraction", type=float, default=0.8, help="of free GPU memory a case may use")
     g.add_argument("--no-baselines", action="store_true")
     g.add_argument("--no-flex", action="store_true", help="skip the FlexAttention baseline (compile time)")
+    g.add_argument("--no-flashinfer", action="store_true",
+                   help="skip the FlashInfer rows (kvkernels.bench.flashinfer_peer; skipped rows where it is absent)")
     g.add_argument("--decode-variants", type=_variants_of(DECODE_VARIANTS), default=[],
                    help="time these configurations of the tensor-core decode kernel (wide: the default, "
                         "deep: 4-stage; -s<N> forces N KV splits, e.g. deep-s1) on the same data, alternating "
@@ -521,6 +524,10 @@ def decode_case(dtype_name: str, batch: int, context: int, copy_gbps: float, arg
             except Exception as error:  # noqa: BLE001
                 fx["skipped"] = skip_reason(error)
             rows.append(fx)
+    if not args.no_baselines and not getattr(args, "no_flashinfer", False):
+        rows += flashinfer_rows(name, "decode", dtype_name, batch, context, args, check,
+                                lambda fi, tensor_cores: fi.decode_call(data, tensor_cores, HEADS, KV_HEADS,
+                                                                        HEAD_DIM, BLOCK))
     for r in rows:
         if r["ms"]:
             r["gbps"] = kv_bytes / (r["ms"] * 1e-3) / 1e9
@@ -531,6 +538,35 @@ def decode_case(dtype_name: str, batch: int, context: int, copy_gbps: float, arg
                 mine["speedup_vs"][r["impl"]] = r["ms"] / mine["ms"]
     del data
     torch.cuda.empty_cache()
+    return rows
+
+
+def flashinfer_rows(name: str, kind: str, dtype_name: str, batch: int, context: int, args, check: Callable,
+                    make_call: Callable) -> list[dict]:
+    """FlashInfer's rows of a case (kvkernels.bench.flashinfer_peer): decode with its tensor-core and its
+    CUDA-core kernels, prefill with its FA3 template, over the same paged cache; ``make_call(module,
+    tensor_cores)`` builds the timed call. Where FlashInfer is absent, or a module is not in the bundle the GPU
+    script carries, the row is skipped with the reason."""
+    from kvkernels.bench import flashinfer_peer as fi
+
+    absent = fi.import_error()
+    impls = fi.DECODE_IMPLS if kind == "decode" else {fi.PREFILL_IMPL: True}
+    rows = []
+    for impl, tensor_cores in impls.items():
+        row = _row(name, kind, dtype_name, batch, context, impl,
+                   note="the same paged cache and block table (NHD K / V tuple), planned outside the timing"
+                        + ("" if absent else f"; flashinfer {fi.version()}"))
+        if absent:
+            row["skipped"] = absent
+        else:
+            try:
+                call = make_call(fi, tensor_cores)
+            except Exception as error:  # noqa: BLE001 - a peer that cannot plan is a skipped row
+                row["skipped"] = skip_reason(error)
+                torch.cuda.synchronize()
+            else:
+                attempt(row, call, args.attn_reps, args.attn_min_ms, check)
+        rows.append(row)
     return rows
 
 
@@ -640,6 +676,9 @@ def prefill_case(q_len: int, context: int, args, gen: torch.Generator, dtype_nam
 
             attempt(cd, cudnn, args.attn_reps, args.attn_min_ms, check)
         rows.append(cd)
+    if not args.no_baselines and not getattr(args, "no_flashinfer", False):
+        rows += flashinfer_rows(name, "prefill", dtype_name, 1, context, args, check,
+                                lambda fi, _: fi.prefill_call(data, q_len, HEADS, KV_HEADS, HEAD_DIM, BLOCK))
     for r in rows:
         if r["ms"]:
             r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
@@ -764,7 +803,8 @@ def prefill_variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
         return ((f" ({sdpa:.2f}x SDPA flash" if sdpa else "") + (f", {cudnn:.2f}x cuDNN" if sdpa and cudnn else
                 f" ({cudnn:.2f}x cuDNN" if cudnn else "") + (")" if sdpa or cudnn else ""))
     return ab_lines(rows, "prefill", variants, detail,
-                    peer=[("sdpa-flash-contiguous", "sdpa-flash"), ("sdpa-cudnn-contiguous", "sdpa-cudnn")])
+                    peer=[("sdpa-flash-contiguous", "sdpa-flash"), ("sdpa-cudnn-contiguous", "sdpa-cudnn"),
+                          ("flashinfer-fa3-paged", "flashinfer-fa3")])
 
 
 def prefill_fp8_lines(rows: list[dict], variants: list[str]) -> list[str]:
@@ -784,6 +824,29 @@ def prefill_fp8_lines(rows: list[dict], variants: list[str]) -> list[str]:
                              f"({b['ms']:.4f} ms) (target 1.0)")
             else:
                 lines.append(f"{r['case']} [{v}]: missing against its bfloat16 cache")
+    return lines
+
+
+def peer_lines(rows: list[dict]) -> list[str]:
+    """One line per decode / prefill case that has a peer row (SDPA, cuDNN, FlexAttention, FlashInfer): our
+    fastest row's time, then each peer's time and how many times ours is faster (peer ms / our ms), or why the
+    peer was skipped (shortened); the same data in the same process."""
+    lines = []
+    for case in dict.fromkeys(r["case"] for r in rows if r.get("kind") in ("decode", "prefill")):
+        mine = [r for r in rows if r["case"] == case and r["impl"].startswith("kvkernels") and r.get("ms")]
+        peers = [r for r in rows if r["case"] == case and not r["impl"].startswith("kvkernels")]
+        if not peers:
+            continue
+        best = min(mine, key=lambda r: r["ms"]) if mine else None
+        parts = []
+        for r in peers:
+            if r.get("ms"):
+                parts.append(f"{r['impl']} {r['ms']:.4f} ms" +
+                             (f" (ours {r['ms'] / best['ms']:.2f}x faster)" if best else ""))
+            else:
+                parts.append(f"{r['impl']} skipped ({str(r.get('skipped'))[:80]})")
+        ours = f"{best['impl']} {best['ms']:.4f} ms" if best else "ours missing"
+        lines.append(f"{case}: {ours}; " + ", ".join(parts))
     return lines
 
 
@@ -831,6 +894,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("variant:", line)
         for line in prefill_fp8_lines(rows, args.prefill_variants):
             print("variant:", line)
+    for line in peer_lines(rows):
+        print("peer:", line)
     return 0
 
 
