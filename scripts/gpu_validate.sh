@@ -397,6 +397,16 @@ step_b_decomp() {
     --json "$SCRATCH/results/bench/cuda-mla-decomp-$STAMP.json"
 }
 
+# The whole MLA prefill end to end (issue 38 item 3): mla_decompress (RMSNorm + fp8 dequantization fused) +
+# paged_attention over the decompressed K / V, against torch.matmul + SDPA (cuDNN; flash with V padded) on
+# the same tokens: one sequence of 4096 tokens, causal, 16 and 128 heads, bf16 then e4m3 latents; "peer:"
+# lines (the decode cases of the other MLA steps also carry a dense bf16 torch reference row).
+step_b_mla_prefill() {
+  bench -m kvkernels.bench.cuda_mla --mla-batches '' --mla-heads 16,128 --mla-dtypes bfloat16,fp8_e4m3 \
+    --mla-decompress-tokens '' --mla-prefill-tokens 4096 --mla-reps 5 --mla-min-ms 10 \
+    --json "$SCRATCH/results/bench/cuda-mla-prefill-$STAMP.json"
+}
+
 # ---- the run ----------------------------------------------------------------------------------------
 
 # name cap(s), in priority order
@@ -424,6 +434,7 @@ b_variants 90
 b_pvariants 60
 b_sizes 90
 b_decomp 60
+b_mla_prefill 60
 t_bad 120
 t_compile 150
 t_amx 90
@@ -454,7 +465,8 @@ done <<<"$PLAN"
   echo "---- decode kernel A/B, wide vs deep (bench.log)"
   cat "$SCRATCH/targets-b_variants.txt" 2>/dev/null
   echo "---- peers on the same data: SDPA flash / cuDNN, FlashInfer, FlexAttention (bench.log)"
-  cat "$SCRATCH"/targets-b_targets.txt "$SCRATCH"/targets-b_flex.txt 2>/dev/null | grep "^peer:"
+  cat "$SCRATCH"/targets-b_targets.txt "$SCRATCH"/targets-b_flex.txt "$SCRATCH"/targets-b_mla_prefill.txt \
+    2>/dev/null | grep "^peer:"
   echo "---- wgmma prefill A/B, wide vs wgmma vs SDPA flash / cuDNN (bench.log)"
   cat "$SCRATCH/targets-b_wgmma.txt" 2>/dev/null
   echo "---- MLA decode A/B, mma vs wgmma, b64 x 4k (bench.log)"

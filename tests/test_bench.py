@@ -451,3 +451,38 @@ def test_write_result_names_the_files_after_the_kind_cpu_and_time(tmp_path):
     assert stem == tmp_path / "new" / "isa-ab-amd-epyc-9b14-20261128-215907"
     assert json.loads(stem.with_suffix(".json").read_text()) == {"a": 1, "p": str(tmp_path)}
     assert stem.with_suffix(".txt").read_text() == "table\n"
+
+
+def test_cuda_mla_prefill_end_to_end_and_dense_decode_on_the_cpu(monkeypatch):
+    """kvkernels.bench.cuda_mla's MLA prefill end to end (mla_decompress + paged_attention vs torch.matmul +
+    SDPA) and the decode cases' dense bf16 reference row, their arithmetic run on the CPU ops (the data on
+    "cpu", timing replaced: it needs CUDA events): ours and the torch pipelines must match the float32 check
+    of the last queries, the dense decode must match the decode check, so that a GPU run's rows are right."""
+    import argparse
+
+    from kvkernels.bench import cuda_attention as ca
+    from kvkernels.bench import cuda_mla as m
+
+    monkeypatch.setattr(m, "DEVICE", "cpu")
+    monkeypatch.setattr(m, "_fits", lambda nbytes, args: True)
+    monkeypatch.setattr(ca.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(ca.torch.cuda, "get_device_name", lambda *a: "cpu (test)")
+    monkeypatch.setattr(ca, "time_cuda", lambda call, reps, min_ms: (call(1), 1.0)[1])
+    parser = argparse.ArgumentParser()
+    m.add_arguments(parser)
+    args = parser.parse_args(["--mla-prefill-tokens", "96"])
+    gen = torch.Generator().manual_seed(0)
+    for dtype_name in ("bfloat16", "fp8_e4m3"):
+        rows = {r["impl"]: r for r in m.prefill_case(dtype_name, 96, 2, args, gen)}
+        assert rows["kvkernels"]["checked"] is True, rows["kvkernels"]
+        assert rows["kvkernels"]["ms"] == 1.0 and rows["kvkernels"]["tflops"] > 0
+        timed = [r for r in rows.values() if r["ms"]]
+        assert all(r["checked"] is True for r in timed), timed  # the torch pipelines that ran on the CPU
+        assert all(r["skipped"] for r in rows.values() if not r["ms"])
+        dec = {r["impl"]: r for r in m.decode_case(dtype_name, 4, 2, 100, 1.0, args, gen)}
+        assert dec["kvkernels"]["checked"] is True and dec["torch-dense-bf16"]["checked"] is True, dec
+        assert dec["kvkernels"]["speedup_vs"] == {"torch-dense-bf16": 1.0}
+    assert m.prefill_case("bfloat16", 100, 2, args, gen)[0]["skipped"] == "tokens not a multiple of 16"
+    lines = ca.peer_lines(list(dec.values()))
+    assert lines == ["mla decode fp8_e4m3 h4 b2 ctx100: kvkernels 1.0000 ms; torch-dense-bf16 1.0000 ms "
+                     "(ours 1.00x faster)"]

@@ -56,7 +56,7 @@ from typing import Callable, Optional
 import torch
 
 from kvkernels import ops
-from kvkernels.bench.cuda_attention import (_ints, _row, ab_lines, attempt, copy_bandwidth, env_var,
+from kvkernels.bench.cuda_attention import (_ints, _row, ab_lines, attempt, copy_bandwidth, env_var, peer_lines,
                                             rotation_copies, row_text, skip_reason, time_paired_into)
 
 RANK, ROPE, BLOCK = 512, 64, 64
@@ -68,6 +68,7 @@ DECOMPRESS_TOKENS = (4096, 32768)
 FP8_SCALE = 0.05
 SCALE = (NOPE + ROPE) ** -0.5
 DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+DEVICE = "cuda"  # where the cases' data lives (the tests run the cases' arithmetic on "cpu")
 # --decompress-variants names = KVKERNELS_CUDA_DECOMPRESS values (csrc/cuda/mla_decompress.cu).
 DECOMPRESS_VARIANTS = ("persist", "persist64", "persist128", "tile64", "wgmma")
 # --mla-attn-variants names -> (KVKERNELS_CUDA_MLA_PATH, KVKERNELS_CUDA_WGMMA) (csrc/cuda/mla_attention.cu).
@@ -122,6 +123,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "each decompress case times them and the torch matmul in alternating batches")
     g.add_argument("--mla-attn-variants", type=_attn_variants, default=[],
                    help="A/B of the decode kernels, e.g. mma,wgmma (alternating batches, same data)")
+    g.add_argument("--mla-prefill-tokens", type=_ints, default=[],
+                   help="MLA prefill end to end (mla_decompress + paged_attention vs torch.matmul + SDPA), "
+                        "causal, one sequence of each of these lengths, at each --mla-heads")
+    g.add_argument("--no-mla-dense", action="store_true",
+                   help="skip the decode cases' dense bfloat16 torch reference row (torch-dense-bf16)")
     g.add_argument("--mla-reps", type=int, default=10, help="timed batches per implementation")
     g.add_argument("--mla-min-ms", type=float, default=20.0, help="minimum milliseconds per timed batch")
     g.add_argument("--mla-rotate-mib", type=int, default=200, help="bytes between reuses of one data copy")
@@ -147,12 +153,12 @@ class LatentCache:
         per_seq = math.ceil(context / BLOCK)
         num_blocks = batch * per_seq
         self.block_ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).view(
-            batch, per_seq).cuda()
+            batch, per_seq).to(DEVICE)
         self.block_tables = self.block_ids.to(torch.int32)
-        self.seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        self.seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
         fp8 = dtype == torch.float8_e4m3fn
-        self.scale = torch.tensor([FP8_SCALE], device="cuda") if fp8 else None
-        x = torch.randn(num_blocks, BLOCK, RANK + ROPE, generator=gen, device="cuda")
+        self.scale = torch.tensor([FP8_SCALE], device=DEVICE) if fp8 else None
+        x = torch.randn(num_blocks, BLOCK, RANK + ROPE, generator=gen, device=DEVICE)
         first = (x / FP8_SCALE).clamp(-448, 448).to(dtype) if fp8 else x.to(dtype)
         self.caches = [first] + [first.clone() for _ in range(copies - 1)]
         self.batch, self.context = batch, context
@@ -186,7 +192,7 @@ def decode_case(dtype_name: str, heads: int, batch: int, context: int, copy_gbps
                 r["skipped"] = "does not fit in GPU memory"
             return rows
     data = LatentCache(batch, context, dtype, copies, gen)
-    q = torch.randn(batch, heads, RANK + ROPE, generator=gen, device="cuda").to(torch.bfloat16)
+    q = torch.randn(batch, heads, RANK + ROPE, generator=gen, device=DEVICE).to(torch.bfloat16)
 
     def call(i):
         return ops.mla_paged_attention(q, data.caches[i % copies], data.block_tables, data.seq_lens,
@@ -222,13 +228,39 @@ def decode_case(dtype_name: str, heads: int, batch: int, context: int, copy_gbps
                              lambda impl: attn_variant_env(impl[len("kvkernels-"):]))
     else:
         attempt(row, call, args.mla_reps, args.mla_min_ms, check)
+    if not getattr(args, "no_mla_dense", False):
+        rows.append(dense_decode_row(case, dtype_name, heads, batch, context, data, q, check, args))
     for r in rows:
+        if r["impl"].startswith("kvkernels") and r.get("ms"):
+            r["speedup_vs"] = {x["impl"]: x["ms"] / r["ms"] for x in rows if x is not r and x.get("ms")}
         if r.get("ms"):
             r["gbps"] = batch * context * (RANK + ROPE) * esize / (r["ms"] * 1e-3) / 1e9
             r["fraction_of_copy_bw"] = r["gbps"] / copy_gbps
             r["tflops"] = 2.0 * batch * heads * context * (2 * RANK + ROPE) / (r["ms"] * 1e-3) / 1e12
     del data
     return rows
+
+
+def dense_decode_row(case: str, dtype_name: str, heads: int, batch: int, context: int, data: "LatentCache",
+                     q: torch.Tensor, check: Callable, args) -> dict:
+    """The absorbed decode as plain torch on contiguous bfloat16 latents (gathered, and dequantized for an fp8
+    cache, outside the timing): scores = q @ latents^T (batched matmul), softmax in float32, then @ the first
+    512 columns: the dense reference time of the issue. Skipped when the contiguous copy does not fit."""
+    r = _row(case, "decode", dtype_name, batch, context, "torch-dense-bf16", heads=heads,
+             note="bmm(q, latents^T) * scale, float32 softmax, bmm(p, latents[:, :, :512]) on contiguous bf16 "
+                  "latents gathered outside the timing")
+    if not _fits(batch * context * (RANK + ROPE) * 2 + batch * heads * context * 6, args):
+        r["skipped"] = "a contiguous bf16 copy of the latents does not fit in GPU memory"
+        return r
+    lat = torch.stack([data.rows(s).to(torch.bfloat16) for s in range(batch)])  # [B, ctx, 576]
+
+    def dense(i):
+        p = (torch.bmm(q, lat.transpose(1, 2)).float() * SCALE).softmax(-1).to(torch.bfloat16)
+        return torch.bmm(p, lat[:, :, :RANK]), None
+
+    attempt(r, dense, args.mla_reps, args.mla_min_ms, check)
+    del lat
+    return r
 
 
 def attn_variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
@@ -257,8 +289,8 @@ def decompress_case(dtype_name: str, tokens: int, heads: int, args, gen: torch.G
             r["skipped"] = "does not fit in GPU memory"
         return rows
     data = LatentCache(1, tokens, dtype, 1, gen)
-    w = (torch.randn(n, RANK, generator=gen, device="cuda") * RANK ** -0.5).to(torch.bfloat16)
-    norm = (1 + 0.1 * torch.randn(RANK, generator=gen, device="cuda")).to(torch.bfloat16)
+    w = (torch.randn(n, RANK, generator=gen, device=DEVICE) * RANK ** -0.5).to(torch.bfloat16)
+    norm = (1 + 0.1 * torch.randn(RANK, generator=gen, device=DEVICE)).to(torch.bfloat16)
 
     def call(i):
         return ops.mla_decompress(data.caches[0], data.block_tables, data.seq_lens, w, kv_lora_rank=RANK,
@@ -279,7 +311,7 @@ def decompress_case(dtype_name: str, tokens: int, heads: int, args, gen: torch.G
         decompress_variant_rows(rows, variants, call, check, data, w, norm, tokens, args)
     else:
         attempt(rows[0], call, args.mla_reps, args.mla_min_ms, check)
-        latent = torch.randn(tokens, RANK, generator=gen, device="cuda").to(torch.bfloat16)
+        latent = torch.randn(tokens, RANK, generator=gen, device=DEVICE).to(torch.bfloat16)
         attempt(base, lambda i: latent @ w.T, args.mla_reps, args.mla_min_ms)
     flops = 2.0 * tokens * RANK * n
     for r in rows:
@@ -327,6 +359,104 @@ def decompress_variant_lines(rows: list[dict], variants: list[str]) -> list[str]
 
 
 # ----------------------------------------------------------------------------------------------------
+# MLA prefill end to end: mla_decompress + paged_attention vs torch.matmul + SDPA
+# ----------------------------------------------------------------------------------------------------
+
+
+PREFILL_CHECKED = 64  # the last queries of the sequence, checked against float32
+
+
+def prefill_flops(tokens: int, heads: int) -> float:
+    """The decompression GEMM (2 T R heads (dn + dv)) plus causal attention (2 (dn + P + dv) heads per visible
+    (query, key) pair: T (T + 1) / 2 pairs)."""
+    return 2.0 * tokens * RANK * heads * (NOPE + VDIM) + 2.0 * heads * (NOPE + ROPE + VDIM) * tokens * (tokens + 1) / 2
+
+
+def prefill_case(dtype_name: str, tokens: int, heads: int, args, gen: torch.Generator) -> list[dict]:
+    """The whole MLA prefill of one sequence of ``tokens`` new tokens over its latent cache, causal:
+    ``kvkernels``: mla_decompress (RMSNorm + fp8 dequantization fused) into per-head K [T, h, 128 + 64] and
+    V [T, h, 128], then paged_attention over them (the contiguous K / V viewed as a cache of 16-token blocks
+    with an identity block table: no copy; Dv != Dk); ``torch-matmul+sdpa-cudnn`` / ``-flash``: the same GEMM
+    by torch.matmul on latents already gathered, normalized and rounded to bfloat16 (outside the timing: a
+    lower bound for any unfused implementation), the rotary key broadcast to the heads, then SDPA with the
+    cuDNN backend (flash: V padded to 192, which it needs). Checked on the last queries against float32."""
+    dtype = DTYPES[dtype_name]
+    case = f"mla prefill {dtype_name} T{tokens} h{heads}"
+    impls = ["kvkernels", "torch-matmul+sdpa-cudnn", "torch-matmul+sdpa-flash"]
+    rows = [_row(case, "prefill", dtype_name, 1, tokens, impl, heads=heads) for impl in impls]
+    kv_bytes = tokens * heads * (NOPE + ROPE + VDIM) * 2
+    if tokens % 16 or not _fits(6 * kv_bytes + tokens * (RANK + ROPE) * 8, args):
+        for r in rows:
+            r["skipped"] = "tokens not a multiple of 16" if tokens % 16 else "does not fit in GPU memory"
+        return rows
+    data = LatentCache(1, tokens, dtype, 1, gen)
+    w = (torch.randn(heads * (NOPE + VDIM), RANK, generator=gen, device=DEVICE) * RANK ** -0.5).to(torch.bfloat16)
+    norm = (1 + 0.1 * torch.randn(RANK, generator=gen, device=DEVICE)).to(torch.bfloat16)
+    q = torch.randn(tokens, heads, NOPE + ROPE, generator=gen, device=DEVICE).to(torch.bfloat16)
+    blocks = torch.arange(tokens // 16, dtype=torch.int32, device=DEVICE)[None]
+    seq_lens = torch.tensor([tokens], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, tokens], dtype=torch.int32, device=DEVICE)
+
+    def ours(i):
+        key, value = ops.mla_decompress(data.caches[0], data.block_tables, data.seq_lens, w, kv_lora_rank=RANK,
+                                        qk_nope_head_dim=NOPE, v_head_dim=VDIM, norm_weight=norm, scale=data.scale,
+                                        num_tokens=tokens)
+        return ops.paged_attention(q, key.view(-1, 16, heads, NOPE + ROPE), value.view(-1, 16, heads, VDIM),
+                                   blocks, seq_lens, qsl)[0]
+
+    rows_f = data.rows(0)
+    lat32 = rows_f[:, :RANK] * torch.rsqrt(rows_f[:, :RANK].pow(2).mean(-1, keepdim=True) + 1e-6) * norm.float()
+    lat = lat32.to(torch.bfloat16)
+    k_pe = rows_f[:, RANK:].to(torch.bfloat16)
+
+    # float32 reference of the last PREFILL_CHECKED queries (keys from the bf16-rounded normalized latents, as
+    # both implementations use them)
+    kv32 = (lat.float() @ w.float().T).view(tokens, heads, NOPE + VDIM)
+    k32 = torch.cat([kv32[..., :NOPE], k_pe.float()[:, None].expand(tokens, heads, ROPE)], -1)
+    last = min(PREFILL_CHECKED, tokens)
+    logits = torch.einsum("qhd,khd->hqk", q[-last:].float(), k32) * (NOPE + ROPE) ** -0.5
+    mask = torch.arange(tokens, device=DEVICE)[None, :] > torch.arange(tokens - last, tokens, device=DEVICE)[:, None]
+    expected = torch.einsum("hqk,khd->qhd", logits.masked_fill(mask, float("-inf")).softmax(-1), kv32[..., NOPE:])
+    del kv32, k32, logits
+
+    def check(out):
+        return float((out[-last:].float() - expected).abs().max()), 2e-2
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q4 = q.transpose(0, 1)[None]
+
+    def torch_prefill(backend, pad_v: bool):
+        def call(i):
+            kv = (lat @ w.T).view(tokens, heads, NOPE + VDIM)
+            k = torch.cat([kv[..., :NOPE], k_pe[:, None].expand(tokens, heads, ROPE)], -1).transpose(0, 1)[None]
+            v = kv[..., NOPE:]
+            if pad_v:
+                v = torch.nn.functional.pad(v, (0, NOPE + ROPE - VDIM))
+            with sdpa_kernel(backend):
+                out = torch.nn.functional.scaled_dot_product_attention(q4, k, v.transpose(0, 1)[None], is_causal=True)
+            return out[0, :, :, :VDIM].transpose(0, 1)
+        return call
+
+    attempt(rows[0], ours, args.mla_reps, args.mla_min_ms, check)
+    cudnn = getattr(SDPBackend, "CUDNN_ATTENTION", None)
+    if cudnn is None:
+        rows[1]["skipped"] = "this torch has no SDPBackend.CUDNN_ATTENTION"
+    else:
+        attempt(rows[1], torch_prefill(cudnn, False), args.mla_reps, args.mla_min_ms, check)
+    attempt(rows[2], torch_prefill(SDPBackend.FLASH_ATTENTION, True), args.mla_reps, args.mla_min_ms, check)
+    rows[0]["note"] = ("mla_decompress (RMSNorm, fp8 dequantization fused) + paged_attention over the decompressed "
+                       "K / V as 16-token blocks")
+    rows[1]["note"] = rows[2]["note"] = "torch.matmul on pre-normalized bf16 latents + rope broadcast + SDPA"
+    flops = prefill_flops(tokens, heads)
+    for r in rows:
+        if r.get("ms"):
+            r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
+    if rows[0].get("ms"):
+        rows[0]["speedup_vs"] = {r["impl"]: r["ms"] / rows[0]["ms"] for r in rows[1:] if r.get("ms")}
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
 # the run
 # ----------------------------------------------------------------------------------------------------
 
@@ -358,6 +488,12 @@ def run(args: Optional[argparse.Namespace] = None,
                     new_rows = decode_case(dtype_name, heads, batch, context, copy_gbps, args, gen)
                     rows += new_rows
                     emit(new_rows)
+    for dtype_name in dtypes:
+        for tokens in getattr(args, "mla_prefill_tokens", None) or []:
+            for heads in args.mla_heads:
+                new_rows = prefill_case(dtype_name, tokens, heads, args, gen)
+                rows += new_rows
+                emit(new_rows)
     for dtype_name in dtypes:
         for tokens in args.mla_decompress_tokens:
             for heads in args.mla_heads:
@@ -393,6 +529,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.decompress_variants:
         for line in decompress_variant_lines(rows, args.decompress_variants):
             print("variant:", line)
+    for line in peer_lines(rows):  # ours against the dense decode reference and the torch prefill pipelines
+        print("peer:", line)
     return 0
 
 
