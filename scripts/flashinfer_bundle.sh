@@ -85,8 +85,12 @@ EOF
 # The bundle: FlashInfer without its sources, the modules as ahead-of-time ones, tvm-ffi for python 3.12.
 rm -rf "$WORK/bundle" && mkdir -p "$WORK/bundle"
 cp -r "$WORK/site/flashinfer" "$WORK/bundle/"
-rm -rf "$WORK"/bundle/flashinfer/data/{csrc,cutlass,cccl,include,spdlog}
-find "$WORK/bundle/flashinfer" -type d \( -name csrc -o -name kernel_src -o -name __pycache__ \) -prune -exec rm -rf {} +
+# (data/csrc's top-level files stay: FlashInfer renders its module specs from those templates and sources
+# before it looks for an ahead-of-time module; ~13 MB, 2 MB packed)
+rm -rf "$WORK"/bundle/flashinfer/data/{cutlass,cccl,include,spdlog}
+find "$WORK/bundle/flashinfer/data/csrc" -mindepth 1 -maxdepth 1 -type d -exec rm -rf {} +
+find "$WORK/bundle/flashinfer" -type d \( -name kernel_src -o -name __pycache__ \) -prune -exec rm -rf {} +
+find "$WORK/bundle/flashinfer" -mindepth 2 -type d -name csrc -not -path "*/flashinfer/data/csrc" -prune -exec rm -rf {} +
 while read -r name path; do
   mkdir -p "$WORK/bundle/flashinfer/data/aot/$name"
   cp "$path" "$WORK/bundle/flashinfer/data/aot/$name/$name.so"
