@@ -305,7 +305,7 @@ step_b_targets() {
 # wide with the fp8 tiles dequantized in shared memory (fp8smem: the A/B of the register-level fp8
 # conversion; over bf16 the same kernel as wide), wide with 16 and 64 splits against the planner's
 # counts (1 at b64 x 4k, 32 at b1 x 32k on 132 SMs), and the opt-in variants of csrc/cuda/README.md "Decode at
-# the bandwidth limit": occ3 (3 CTAs per SM, its own split count: 3 at b64 x 4k, 49 at b1 x 32k; occ3-s1 the
+# the bandwidth limit": occ3 (3 CTAs per SM, its own split count: 3 at b64 x 4k, 47 at b1 x 32k; occ3-s1 the
 # same kernel unsplit at b64 x 4k), fused (first tiles before the query load, split merge in the kernel).
 # Timed as replayed CUDA graphs (--graph): eager, an H200 call costs ~40 us of host time, the GPU time of
 # b1 x 32k (b_targets times the default eagerly). "variant:" lines give each time and its speed-up over wide.

@@ -485,10 +485,11 @@ H200_DECODE_SPLITS = {
     # 66 splits would fill 528 slots; 64 already give 16 tiles per CTA, the least time, and win the tie.
     "attn-deep-b1-32k-e4m3": ("attn", 1, 32768, 32, "float8_e4m3fn", "mma-decode-deep", 64),
     # The occ3 decode (mma-decode-occ3): 3 CTAs per SM at every head dim and cache format, 396 slots. 8 work items
-    # over 512 tiles: 49 splits fill one wave of 392 CTAs; 512 items over 64 tiles: 3 splits (4 waves of 1536
-    # CTAs: 4 x (22 + 2) + 1 = 97 tile times against 2 x (64 + 2) = 132 for 1 split in 2 waves).
-    "attn-occ3-b1-32k-bf16": ("attn", 1, 32768, 32, "bfloat16", "mma-decode-occ3", 49),
-    "attn-occ3-b1-32k-e4m3": ("attn", 1, 32768, 32, "float8_e4m3fn", "mma-decode-occ3", 49),
+    # over 512 tiles: 47 splits, one wave of 376 CTAs of 11 tiles (up to 49 splits give 11 tiles too: the
+    # smallest count wins the tie); 512 items over 64 tiles: 3 splits (4 waves of 1536 CTAs: 4 x (22 + 2) + 1 =
+    # 97 tile times against 2 x (64 + 2) = 132 for 1 split in 2 waves).
+    "attn-occ3-b1-32k-bf16": ("attn", 1, 32768, 32, "bfloat16", "mma-decode-occ3", 47),
+    "attn-occ3-b1-32k-e4m3": ("attn", 1, 32768, 32, "float8_e4m3fn", "mma-decode-occ3", 47),
     "attn-occ3-b64-4k-e4m3": ("attn", 64, 4096, 32, "float8_e4m3fn", "mma-decode-occ3", 3),
     # The fused decode counts the wide one's 2 CTAs per SM.
     "attn-fused-b1-32k-bf16": ("attn", 1, 32768, 32, "bfloat16", "mma-decode-fused", 32),
