@@ -205,6 +205,9 @@ def test_cuda_attention_decode_variants_options_and_report(capsys, monkeypatch):
     assert parser.parse_args(["--decode-variants", "deep,deep-s1,wide-s33"]).decode_variants == [
         "deep", "deep-s1", "wide-s33"]
     assert parser.parse_args(["--decode-variants", "wide,fp8smem"]).decode_variants == ["wide", "fp8smem"]
+    graphed = parser.parse_args(["--decode-variants", "wide,occ3,occ3-s1,fused", "--graph"])
+    assert graphed.decode_variants == ["wide", "occ3", "occ3-s1", "fused"] and graphed.graph
+    assert not parser.parse_args([]).graph
     assert parser.parse_args(["--prefill-variants", "wide,deep,tall"]).prefill_variants == ["wide", "deep", "tall"]
     assert parser.parse_args([]).decode_variants == []
     for bad in ("wide,wdie", "deep,deep", "deep-s0", "deep-s", "deep-sx", "deep-s1,deep-s1", "s1", "tall"):
@@ -222,6 +225,11 @@ def test_cuda_attention_decode_variants_options_and_report(capsys, monkeypatch):
         assert ca.os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "mma-decode-deep"
     with ca.variant_env("fp8smem", ca.DECODE_VARIANTS):
         assert ca.os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "mma-decode-fp8-smem"
+    with ca.variant_env("occ3-s1", ca.DECODE_VARIANTS):
+        assert ca.os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "mma-decode-occ3"
+        assert ca.os.environ["KVKERNELS_CUDA_ATTN_SPLITS"] == "1"
+    with ca.variant_env("fused", ca.DECODE_VARIANTS):
+        assert ca.os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "mma-decode-fused"
     with ca.variant_env("wide", ca.DECODE_VARIANTS):
         assert "KVKERNELS_CUDA_ATTN_SPLITS" not in ca.os.environ
         assert ca.os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "mma-decode-wide"

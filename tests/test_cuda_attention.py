@@ -280,7 +280,8 @@ def test_decode_variants_agree(dtype, fp8, d, monkeypatch):
     and with 7 forced splits: each matches the reference, and they agree to the query dtype's tolerance
     (their key slices differ, so their float32 sums round differently). Over fp8 caches also the wide kernel
     with its stages dequantized in shared memory (mma-decode-fp8-smem) against the default, which converts
-    fragments in registers at head dims 64 / 128: the same products in another order."""
+    fragments in registers at head dims 64 / 128: the same products in another order. And the opt-in occ3 and
+    fused decode variants against the wide one."""
     kv, query, _ = make_case("decode", [1500, 64, 1, 333, 0], dtype=dtype, num_heads=16, num_kv_heads=4,
                              head_dim=d, block_size=16, fp8=fp8, per_head=True, seed=38)
     rtol, atol = TOLERANCES[dtype]
@@ -291,6 +292,13 @@ def test_decode_variants_agree(dtype, fp8, d, monkeypatch):
         deep = run_cuda(kv, query, soft_cap=5.0)
         assert_close(deep[0], wide[0].double(), dtype, rtol=2 * rtol, atol=2 * atol, msg="out")
         assert_close(deep[1], wide[1].double(), f32, rtol=1e-4, atol=1e-4, msg="lse")
+        # The opt-in variants of csrc/cuda/README.md "Decode at the bandwidth limit": occ3 (3 CTAs per SM, its
+        # own split count) and fused (split merge in the last CTA of each work item, arrival counters).
+        for variant in ("mma-decode-occ3", "mma-decode-fused"):
+            force_cuda_plan(monkeypatch, "ATTN", variant, splits)
+            other = run_cuda(kv, query, soft_cap=5.0)
+            assert_close(other[0], wide[0].double(), dtype, rtol=2 * rtol, atol=2 * atol, msg=f"out ({variant})")
+            assert_close(other[1], wide[1].double(), f32, rtol=1e-4, atol=1e-4, msg=f"lse ({variant})")
         if fp8:
             force_cuda_plan(monkeypatch, "ATTN", "mma-decode-fp8-smem", splits)
             smem = run_cuda(kv, query, soft_cap=5.0)

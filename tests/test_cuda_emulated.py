@@ -227,6 +227,10 @@ def test_merge_attention_states(emu, dtype):
 
 SIMT, MMA_DECODE, MMA_PREFILL, MMA_DECODE_DEEP, MMA_PREFILL_DEEP, MMA_DECODE_FP8_SMEM, MMA_PREFILL_TALL = range(7)
 WGMMA_PREFILL = 7  # the sm_90a kernel (opt-in: KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill; section "wgmma prefill")
+# The opt-in decode variants of csrc/cuda/README.md "Decode at the bandwidth limit": the wide kernel held to the
+# registers of 3 CTAs per SM (query fragments from shared memory), and the one that issues its first tiles before
+# the query load and merges splits in its last CTA per work item.
+MMA_DECODE_OCC3, MMA_DECODE_FUSED = 8, 9
 # The tensor-core kernels' two configurations each (csrc/cuda/attention_common.cuh, mma_wn / key_tile_of):
 # "wide", the default (decode: 64 keys per stage, 2 stages at head dim 128 / 256; prefill: 64 keys per stage,
 # 32 at head dim 256, 2 stages at head dim 128 / 256), and "deep" (16 KiB stages, 4 in flight), chosen by
@@ -237,17 +241,26 @@ WGMMA_PREFILL = 7  # the sm_90a kernel (opt-in: KVKERNELS_CUDA_ATTN_PATH=wgmma-p
 # of an fp8 config with KVKERNELS_CUDA_ATTN_PATH=mma-decode-fp8-smem, the wide kernel converting each stage in
 # shared memory (MMA_DECODE_FP8_SMEM), kept for the A/B. "varlen-tall" runs a varlen case with
 # KVKERNELS_CUDA_ATTN_PATH=mma-prefill-tall: the prefill kernel with 2 row tiles per warp (MMA_PREFILL_TALL) over
-# 16-bit caches at head dims up to 128, the wide one elsewhere.
+# 16-bit caches at head dims up to 128, the wide one elsewhere. "decode-occ3" / "decode-fused" run a decode case
+# of a 16-bit-query config on MMA_DECODE_OCC3 / MMA_DECODE_FUSED (KVKERNELS_CUDA_ATTN_PATH=mma-decode-occ3 /
+# mma-decode-fused); "decode-fused-rev" runs the fused one with the emulator's CTAs in reverse order
+# (KVKERNELS_EMU_CTA_ORDER=reverse), so that another split of each work item arrives last and merges.
 VARIANT_ENV = {"decode": None, "decode-deep": "mma-decode-deep", "decode-fp8-smem": "mma-decode-fp8-smem",
+               "decode-occ3": "mma-decode-occ3", "decode-fused": "mma-decode-fused",
+               "decode-fused-rev": "mma-decode-fused",
                "varlen": None, "varlen-deep": "mma-prefill-deep", "varlen-tall": "mma-prefill-tall"}
+DECODE_MODES = ("decode", "decode-deep", "decode-fp8-smem", "decode-occ3", "decode-fused", "decode-fused-rev")
 
 
 def use_mode(mode: str, monkeypatch) -> str:
     """Sets KVKERNELS_CUDA_ATTN_PATH for a test mode (a key of VARIANT_ENV);
     returns the mode make_case takes ("decode" / "varlen")."""
     monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
+    monkeypatch.delenv("KVKERNELS_EMU_CTA_ORDER", raising=False)
     if VARIANT_ENV.get(mode):
         monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", VARIANT_ENV[mode])
+    if mode.endswith("-rev"):
+        monkeypatch.setenv("KVKERNELS_EMU_CTA_ORDER", "reverse")
     return "varlen" if mode.startswith("varlen") else "decode"
 
 
@@ -260,6 +273,10 @@ def expected_path(path, env: str | None, dpad: int = 64, fp8: bool = False):
         return MMA_DECODE_DEEP
     if path == MMA_DECODE and "mma-decode-fp8-smem" in deep:  # the modes use it with fp8 caches only
         return MMA_DECODE_FP8_SMEM
+    if path == MMA_DECODE and "mma-decode-occ3" in deep:
+        return MMA_DECODE_OCC3
+    if path == MMA_DECODE and "mma-decode-fused" in deep:
+        return MMA_DECODE_FUSED
     if path == MMA_PREFILL and "mma-prefill-deep" in deep:
         return MMA_PREFILL_DEEP
     if path == MMA_PREFILL and "mma-prefill-tall" in deep and dpad <= 128 and not fp8:
@@ -272,14 +289,15 @@ def expected_path(path, env: str | None, dpad: int = 64, fp8: bool = False):
 def modes_for(configs: dict, dtype_of=lambda config: config[0], fp8_of=lambda config: config[1]) -> list:
     """(config, mode) parameters: every config in decode and varlen, the 16-bit ones (the tensor-core
     kernels) in decode-deep and varlen-deep as well (float32 queries run the SIMT kernel in every mode), and
-    the 16-bit ones over fp8 caches in decode-fp8-smem, and the 16-bit ones in varlen-tall."""
+    the 16-bit ones over fp8 caches in decode-fp8-smem, and the 16-bit ones in varlen-tall, decode-occ3,
+    decode-fused and decode-fused-rev."""
     def runs(config, mode):
         tensor_core = dtype_of(config) != f32
         if mode == "decode-fp8-smem":
             return tensor_core and fp8_of(config) is not None
         return mode in ("decode", "varlen") or tensor_core
     return [pytest.param(config, mode, id=f"{name}-{mode}") for name, config in configs.items()
-            for mode in ("decode", "decode-deep", "decode-fp8-smem", "varlen", "varlen-deep", "varlen-tall")
+            for mode in DECODE_MODES + ("varlen", "varlen-deep", "varlen-tall")
             if runs(config, mode)]
 
 
@@ -466,6 +484,15 @@ H200_DECODE_SPLITS = {
     "attn-deep-b64-4k-e4m3": ("attn", 64, 4096, 32, "float8_e4m3fn", "mma-decode-deep", 1),
     # 66 splits would fill 528 slots; 64 already give 16 tiles per CTA, the least time, and win the tie.
     "attn-deep-b1-32k-e4m3": ("attn", 1, 32768, 32, "float8_e4m3fn", "mma-decode-deep", 64),
+    # The occ3 decode (mma-decode-occ3): 3 CTAs per SM at every head dim and cache format, 396 slots. 8 work items
+    # over 512 tiles: 47 splits, one wave of 376 CTAs of 11 tiles (up to 49 splits give 11 tiles too: the
+    # smallest count wins the tie); 512 items over 64 tiles: 3 splits (4 waves of 1536 CTAs: 4 x (22 + 2) + 1 =
+    # 97 tile times against 2 x (64 + 2) = 132 for 1 split in 2 waves).
+    "attn-occ3-b1-32k-bf16": ("attn", 1, 32768, 32, "bfloat16", "mma-decode-occ3", 47),
+    "attn-occ3-b1-32k-e4m3": ("attn", 1, 32768, 32, "float8_e4m3fn", "mma-decode-occ3", 47),
+    "attn-occ3-b64-4k-e4m3": ("attn", 64, 4096, 32, "float8_e4m3fn", "mma-decode-occ3", 3),
+    # The fused decode counts the wide one's 2 CTAs per SM.
+    "attn-fused-b1-32k-bf16": ("attn", 1, 32768, 32, "bfloat16", "mma-decode-fused", 32),
     # mla_paged_attention, 16 heads: the 16-row kernel, 2 CTAs per SM (264 slots): 4 splits make 256 CTAs,
     # one wave (the first planner: 5, 320 CTAs in two waves).
     "mla-b64-4k-h16": ("mla", 64, 4096, 16, "bfloat16", None, 4),
@@ -530,7 +557,9 @@ def test_decode_variant_override(emu, d, monkeypatch):
     for value, path, key_tile in ((None, MMA_DECODE, {64: 64, 128: 64, 256: 32}[d]),
                                   ("auto", MMA_DECODE, {64: 64, 128: 64, 256: 32}[d]),
                                   ("mma-decode-wide", MMA_DECODE, {64: 64, 128: 64, 256: 32}[d]),
-                                  ("mma-decode-deep", MMA_DECODE_DEEP, {64: 64, 128: 32, 256: 16}[d])):
+                                  ("mma-decode-deep", MMA_DECODE_DEEP, {64: 64, 128: 32, 256: 16}[d]),
+                                  ("mma-decode-occ3", MMA_DECODE_OCC3, {64: 64, 128: 64, 256: 32}[d]),
+                                  ("mma-decode-fused", MMA_DECODE_FUSED, {64: 64, 128: 64, 256: 32}[d])):
         monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
         if value:
             monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", value)
@@ -562,14 +591,15 @@ def test_fp8_decode_bf16_query_range(emu, d, fp8, monkeypatch):
     """bf16 queries over an fp8 cache: the decode kernels run the mma in fp16 with each query row scaled by a
     power of two into fp16's range (attention_mma.cuh, Q_RESCALE). Rows far outside it (values up to ~1e6, past
     fp16's 65504; ~1e-7, fp16 subnormals; one row mixing 4e4 with normal values, one NaN row element) still
-    match the float64 reference, in both decode configurations."""
+    match the float64 reference, in every decode configuration that converts fragments in registers (occ3
+    reloads the scaled query fragments from shared memory at every k-step)."""
     kv, query, _ = make_case("decode", [300, 7, 64], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=d,
                              block_size=16, fp8=fp8, per_head=True, seed=46)
     query[:, 0] *= 3e5
     query[:, 1] *= 1e-7
     query[:, 2, :5] = 4e4
     query[1, 3, 7] = float("nan")
-    for value in (None, "mma-decode-deep"):
+    for value in (None, "mma-decode-deep", "mma-decode-occ3", "mma-decode-fused"):
         monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
         if value:
             monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", value)
@@ -629,9 +659,15 @@ def test_prefill_variant_override(emu, d, monkeypatch):
 
 
 @pytest.mark.parametrize("splits", [3, 128])
-@pytest.mark.parametrize("dtype", [f32, bf16])
-def test_forced_splits(emu, dtype, splits, monkeypatch):
-    """KVKERNELS_CUDA_ATTN_SPLITS: more splits than some sequences have key tiles (empty splits)."""
+@pytest.mark.parametrize("dtype,variant", [(f32, None), (bf16, None), (bf16, "decode-occ3"), (bf16, "decode-fused"),
+                                           (bf16, "decode-fused-rev")],
+                         ids=["f32", "bf16", "bf16-occ3", "bf16-fused", "bf16-fused-rev"])
+def test_forced_splits(emu, dtype, variant, splits, monkeypatch):
+    """KVKERNELS_CUDA_ATTN_SPLITS: more splits than some sequences have key tiles (empty splits); with bf16
+    queries also on the opt-in decode variants (the fused one merges in its last CTA per work item, which is
+    the last split in the emulator's order and the first one in reverse order)."""
+    if variant:
+        use_mode(variant, monkeypatch)
     monkeypatch.setenv("KVKERNELS_CUDA_ATTN_SPLITS", str(splits))
     for mode in ("decode", "varlen"):
         kv, query, qsl = make_case(mode, [300, 0, 1, 77, 16], dtype=dtype, num_heads=4, num_kv_heads=2,

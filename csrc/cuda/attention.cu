@@ -14,7 +14,10 @@
 // tensor-core decode in its default wide configuration, 64 keys per stage and 2 stages at head
 // dim 128 / 256, or in the deep one, 16 KiB stages and 4 of them) / `mma-decode-fp8-smem` (the wide
 // one, over fp8 caches with the stage dequantized in shared memory instead of in registers: the
-// A/B of that change; over 16-bit caches the wide kernel), `mma-prefill-wide` /
+// A/B of that change; over 16-bit caches the wide kernel), `mma-decode-occ3` (the wide one held to
+// the registers of 3 CTAs per SM, its split count counting them) / `mma-decode-fused` (the wide one
+// issuing its first tiles before the query load and merging splits in the kernel, no merge launch:
+// both opt-in, for the A/B of csrc/cuda/README.md "Decode at the bandwidth limit"), `mma-prefill-wide` /
 // `mma-prefill-deep` (the same choice for the tensor-core prefill) / `mma-prefill-tall` (2 row
 // tiles of 16 per warp, 128 rows per CTA, where has_tall_prefill(); elsewhere the wide one) /
 // `wgmma-prefill` (the sm_90a kernel of attention_sm90.cuh where wgmma_prefill_unsupported() finds no
@@ -103,8 +106,8 @@ bool kv_rows_aligned(const AttentionParams& p) {
 
 // KVKERNELS_CUDA_ATTN_PATH, parsed (see the top of this file).
 struct PathChoice {
-  bool simt = false, decode_deep = false, decode_fp8_smem = false, prefill_deep = false, prefill_tall = false,
-       prefill_wgmma = false;
+  bool simt = false, decode_deep = false, decode_fp8_smem = false, decode_occ3 = false, decode_fused = false,
+       prefill_deep = false, prefill_tall = false, prefill_wgmma = false;
 };
 
 PathChoice path_choice() {
@@ -122,6 +125,8 @@ PathChoice path_choice() {
     else if (item == "mma-decode-wide") ++decode;
     else if (item == "mma-decode-deep") c.decode_deep = true, ++decode;
     else if (item == "mma-decode-fp8-smem") c.decode_fp8_smem = true, ++decode;
+    else if (item == "mma-decode-occ3") c.decode_occ3 = true, ++decode;
+    else if (item == "mma-decode-fused") c.decode_fused = true, ++decode;
     else if (item == "mma-prefill-wide") ++prefill;
     else if (item == "mma-prefill-deep") c.prefill_deep = true, ++prefill;
     else if (item == "mma-prefill-tall") c.prefill_tall = true, ++prefill;
@@ -135,7 +140,8 @@ PathChoice path_choice() {
   if (!ok)
     throw std::runtime_error("kvkernels.paged_attention (CUDA): KVKERNELS_CUDA_ATTN_PATH=" + value +
                              " is not one of simt, auto, or a comma-separated list of at most one of "
-                             "mma-decode-wide / mma-decode-deep / mma-decode-fp8-smem and one of "
+                             "mma-decode-wide / mma-decode-deep / mma-decode-fp8-smem / mma-decode-occ3 / "
+                             "mma-decode-fused and one of "
                              "mma-prefill-wide / mma-prefill-tall / "
                              "mma-prefill-deep / wgmma-prefill");
   return c;
@@ -143,29 +149,41 @@ PathChoice path_choice() {
 
 int64_t floats_aligned8(int64_t n) { return (n + 7) / 8 * 8; }
 
-// Resident CTAs per SM of a kernel, for the split heuristic. The deep decode kernel's
-// __launch_bounds__ reserve registers for as many CTAs as sm_90's shared memory holds
-// (MmaCfg::MIN_BLOCKS), so its residency is what this device's shared memory per SM holds (1 KiB
-// reserved per CTA), up to that guarantee: 3 at head dim 64 / 128 / 256 with 16-bit caches on an
-// H100 / H200, 4 with fp8 at head dim 64 / 128. The other kernels: kCtasPerSm.
-template <CacheFormat CF, int D>
-int deep_decode_ctas(int smem_per_sm) {
-  using C = MmaCfg<__nv_bfloat16, CF, D, Path::kMmaDecodeDeep>;  // the query type changes no size
+// Resident CTAs per SM of a kernel, for the split heuristic. The deep and occ3 decode kernels'
+// __launch_bounds__ reserve registers for as many CTAs as sm_90's shared memory holds, up to 4 / 3
+// (MmaCfg::MIN_BLOCKS), so their residency is what this device's shared memory per SM holds (1 KiB
+// reserved per CTA), up to that guarantee: deep 3 at head dim 64 / 128 / 256 with 16-bit caches on an
+// H100 / H200, 4 with fp8 at head dim 64 / 128; occ3 3 everywhere there. The other kernels: kCtasPerSm.
+template <Path P, CacheFormat CF, int D>
+int decode_ctas(int smem_per_sm) {
+  using C = MmaCfg<__nv_bfloat16, CF, D, P>;  // the query type changes no size
   const int fit = smem_per_sm / (C::SMEM + 1024);
   return std::max(1, std::min(fit, C::MIN_BLOCKS));
 }
 
-int resident_ctas(Path path, int dpad, CacheFormat format, int smem_per_sm) {
-  if (path != Path::kMmaDecodeDeep) return kCtasPerSm;
-  const bool fp8 = is_fp8(format);
+template <Path P>
+int decode_ctas(int dpad, bool fp8, int smem_per_sm) {
   switch (dpad) {
-    case 64: return fp8 ? deep_decode_ctas<CacheFormat::kFp8E4M3, 64>(smem_per_sm)
-                        : deep_decode_ctas<CacheFormat::kBFloat16, 64>(smem_per_sm);
-    case 128: return fp8 ? deep_decode_ctas<CacheFormat::kFp8E4M3, 128>(smem_per_sm)
-                         : deep_decode_ctas<CacheFormat::kBFloat16, 128>(smem_per_sm);
-    default: return fp8 ? deep_decode_ctas<CacheFormat::kFp8E4M3, 256>(smem_per_sm)
-                        : deep_decode_ctas<CacheFormat::kBFloat16, 256>(smem_per_sm);
+    case 64: return fp8 ? decode_ctas<P, CacheFormat::kFp8E4M3, 64>(smem_per_sm)
+                        : decode_ctas<P, CacheFormat::kBFloat16, 64>(smem_per_sm);
+    case 128: return fp8 ? decode_ctas<P, CacheFormat::kFp8E4M3, 128>(smem_per_sm)
+                         : decode_ctas<P, CacheFormat::kBFloat16, 128>(smem_per_sm);
+    default: return fp8 ? decode_ctas<P, CacheFormat::kFp8E4M3, 256>(smem_per_sm)
+                        : decode_ctas<P, CacheFormat::kBFloat16, 256>(smem_per_sm);
   }
+}
+
+int resident_ctas(Path path, int dpad, CacheFormat format, int smem_per_sm) {
+  if (path == Path::kMmaDecodeDeep) return decode_ctas<Path::kMmaDecodeDeep>(dpad, is_fp8(format), smem_per_sm);
+  if (path == Path::kMmaDecodeOcc3) return decode_ctas<Path::kMmaDecodeOcc3>(dpad, is_fp8(format), smem_per_sm);
+  return kCtasPerSm;
+}
+
+// Floats of the fused decode's arrival counters (one unsigned per work item) after the partials.
+int64_t arrival_floats(const LaunchPlan& plan) {
+  return plan.path == static_cast<int>(Path::kMmaDecodeFused) && plan.num_splits > 1
+             ? floats_aligned8(plan.grid_x * plan.grid_y)
+             : 0;
 }
 
 }  // namespace
@@ -216,6 +234,8 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
   else if (decode && plan.group <= rows_of(Path::kMmaDecode))
     // (mma-decode-fp8-smem differs from the wide kernel only over fp8 caches)
     path = choice.decode_deep                                   ? Path::kMmaDecodeDeep
+           : choice.decode_occ3                                 ? Path::kMmaDecodeOcc3
+           : choice.decode_fused                                ? Path::kMmaDecodeFused
            : choice.decode_fp8_smem && is_fp8(p.kv.format) ? Path::kMmaDecodeFp8Smem
                                                                 : Path::kMmaDecode;
   else {
@@ -271,7 +291,7 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
   plan.grid_z = plan.num_splits;
   if (plan.num_splits > 1) {
     const int64_t rows_total = int64_t(plan.num_splits) * p.num_tokens * p.num_heads;
-    plan.workspace_floats = floats_aligned8(rows_total * dv) + floats_aligned8(rows_total);
+    plan.workspace_floats = floats_aligned8(rows_total * dv) + floats_aligned8(rows_total) + arrival_floats(plan);
   }
   return plan;
 }
@@ -298,6 +318,13 @@ void launch_paged_attention(const AttentionParams& p, const LaunchPlan& plan, fl
     const int64_t rows_total = int64_t(plan.num_splits) * p.num_tokens * p.num_heads;
     a.part_o = workspace;
     a.part_lse = workspace + floats_aligned8(rows_total * p.kv.head_dim_v);
+    if (arrival_floats(plan) > 0) {
+      // The fused decode's arrival counters, zeroed on the stream before the kernel (a memset node in a
+      // CUDA graph: every replay starts from zero; the workspace itself comes uninitialized).
+      a.arrivals = reinterpret_cast<unsigned*>(a.part_lse + floats_aligned8(rows_total));
+      check(cudaMemsetAsync(a.arrivals, 0, size_t(plan.grid_x) * plan.grid_y * sizeof(unsigned), stream),
+            "arrival counters");
+    }
   }
 
   const dim3 grid(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(plan.grid_y),
@@ -313,7 +340,7 @@ void launch_paged_attention(const AttentionParams& p, const LaunchPlan& plan, fl
     default: err = launch_attention_f32(a, path, plan.dpad, grid, stream); break;
   }
   check(err, "attention kernel launch");
-  if (plan.num_splits > 1) {
+  if (plan.num_splits > 1 && a.arrivals == nullptr) {  // (the fused decode merged in the kernel)
     switch (p.q_format) {
       case FloatFormat::kFloat16: err = launch_merge_f16(a, stream); break;
       case FloatFormat::kBFloat16: err = launch_merge_bf16(a, stream); break;

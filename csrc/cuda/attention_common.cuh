@@ -66,6 +66,15 @@ enum class Path : int {
                       // CTA), 128-key tiles; 16-bit caches, head dims <= 128, varlen. Opt-in
                       // (KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill), not yet run on a GPU; elsewhere the
                       // planner runs the wide prefill (wgmma_prefill_unsupported, attention.cu)
+  kMmaDecodeOcc3 = 8,   // the wide decode kernel held to the registers of 3 CTAs per SM (__launch_bounds__
+                        // (NT, 3): the query fragments are read from shared memory at every k-step instead
+                        // of held in registers), the planner's splits counting 3 resident CTAs where shared
+                        // memory holds them: more warps and tiles in flight per SM. Opt-in
+                        // (KVKERNELS_CUDA_ATTN_PATH=mma-decode-occ3), not yet run on a GPU
+  kMmaDecodeFused = 9,  // the wide decode kernel that issues its first tiles before it loads the queries and,
+                        // with splits, merges a work item's partials in the last of its CTAs to finish (an
+                        // arrival counter per item in the workspace, zeroed before the launch) instead of a
+                        // merge kernel. Opt-in (KVKERNELS_CUDA_ATTN_PATH=mma-decode-fused), not yet run on a GPU
 };
 
 // Everything a kernel needs: the validated params and the host-side plan.
@@ -81,6 +90,8 @@ struct AttnArgs {
   int q_aligned = 0;      // query rows 16-byte aligned: 16-byte loads
   float* part_o = nullptr;    // [num_splits, num_tokens, num_heads, head_dim_v] (num_splits > 1)
   float* part_lse = nullptr;  // [num_splits, num_tokens, num_heads], log2 units
+  unsigned* arrivals = nullptr;  // Path::kMmaDecodeFused with splits: one counter per work item (blockIdx.y *
+                                 // gridDim.x + blockIdx.x), zero at the launch
 };
 
 // Decode KV splits (the paged-attention and MLA planners): CTAs of equal work run in waves of `slots`
@@ -135,7 +146,8 @@ __host__ __device__ constexpr int cache_esize(CacheFormat f) {
 }
 
 __host__ __device__ constexpr bool is_mma_decode(Path path) {
-  return path == Path::kMmaDecode || path == Path::kMmaDecodeDeep || path == Path::kMmaDecodeFp8Smem;
+  return path == Path::kMmaDecode || path == Path::kMmaDecodeDeep || path == Path::kMmaDecodeFp8Smem ||
+         path == Path::kMmaDecodeOcc3 || path == Path::kMmaDecodeFused;
 }
 
 __host__ __device__ constexpr bool is_mma_prefill(Path path) {

@@ -30,7 +30,9 @@ constexpr unsigned kFullWarp = 0xffffffffu;
 // loads (8 columns per lane would leave half the warp idle at 128), else 8 (up to 256). A batch is
 // 32 / COLS splits, 32 floats in flight per lane (8 rows of 512 bytes or 4 of 1 KiB: 4 KiB per warp
 // either way) without spilling. The caller's whole warp comes here: the shuffles need all 32 lanes.
-template <typename OT, int COLS>
+// L2_ONLY: the partials are read past L1 (ld.global.cg), for the fused decode (merge_if_last), whose
+// partials other CTAs wrote during the same kernel (L1 is not coherent between SMs).
+template <typename OT, int COLS, bool L2_ONLY = false>
 __device__ __forceinline__ void merge_row(const AttnArgs& a, int64_t row, int64_t rows, int lane) {
   constexpr int kBatch = 32 / COLS;
   const AttentionParams& p = a.p;
@@ -46,7 +48,8 @@ __device__ __forceinline__ void merge_row(const AttnArgs& a, int64_t row, int64_
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int s = s0 + 32 * k + lane;
-      v[k] = s < S ? a.part_lse[int64_t(s) * rows + row] : -INFINITY;
+      const float* at = a.part_lse + int64_t(s) * rows + row;
+      v[k] = s >= S ? -INFINITY : L2_ONLY ? __ldcg(at) : *at;
     }
   };
 
@@ -92,7 +95,7 @@ __device__ __forceinline__ void merge_row(const AttnArgs& a, int64_t row, int64_
             reinterpret_cast<const float4*>(row_o + int64_t(s0 + j0 + u) * split_stride);
 #pragma unroll
         for (int q = 0; q < COLS / 4; ++q)
-          x[u][q] = live && c < d ? src[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          x[u][q] = !(live && c < d) ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : L2_ONLY ? __ldcg(src + q) : src[q];
       }
       // The sums in a branch of their own: without one, ptxas (CUDA 13) moves each split's FMAs
       // up between the loads, and the warp waits for every load before it issues the next (the
@@ -123,6 +126,38 @@ __device__ __forceinline__ void merge_row(const AttnArgs& a, int64_t row, int64_
     store_n<OT, COLS>(static_cast<OT*>(p.out) + row * d + c, x);
   }
   if (lane == 0) p.lse[row] = lse_out * kLn2;
+}
+
+// The split merge inside the fused decode kernel (Path::kMmaDecodeFused): each CTA of a work item, once
+// its partials are written (finalize_rows), counts itself in the item's arrival counter, and the one that
+// arrives last (S - 1 others before it) merges the item's rows, a warp per row as the merge kernel does,
+// so no merge launch follows the attention kernel. The fences order each CTA's partial stores before its
+// arrival, and the last CTA's reads after it (the pattern of a last-block reduction); the counters are
+// zeroed by the launch (cudaMemsetAsync on the stream before the kernel: a memset node in a CUDA graph,
+// so every replay starts from zero). Called by every thread of the CTA.
+template <typename OT, int NT>
+__device__ __forceinline__ void merge_if_last(const AttnArgs& a, const Work& w) {
+  __threadfence();
+  __syncthreads();  // every thread's partials stored and fenced before the CTA arrives
+  int last = 0;
+  if (threadIdx.x == 0) {
+    const unsigned item = blockIdx.y * gridDim.x + blockIdx.x;
+    last = atomicAdd(a.arrivals + item, 1u) == unsigned(a.num_splits - 1);
+  }
+  if (!__syncthreads_or(last)) return;
+  __threadfence();
+  const int64_t rows = a.p.num_tokens * a.p.num_heads;
+  const int lane = threadIdx.x & 31;
+  // The decode rows of the item: its query heads (one token); rows past the group or the tokens skipped.
+  for (int r = threadIdx.x >> 5; r < a.heads_per_cta; r += NT / 32) {
+    const RowId id = row_id(a, w, r);
+    if (!id.valid) continue;  // the same for the whole warp (r is per warp)
+    const int64_t row = id.token * a.p.num_heads + id.head;
+    if (a.p.kv.head_dim_v <= 128)
+      merge_row<OT, 4, true>(a, row, rows, lane);
+    else
+      merge_row<OT, 8, true>(a, row, rows, lane);
+  }
 }
 
 template <typename OT>

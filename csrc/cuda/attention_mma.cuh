@@ -29,6 +29,14 @@
 //                      16 per warp (MT = 2, 128 rows per CTA), 32 keys per stage; each K / V fragment
 //                      feeds two mma. Selectable (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-tall), not run
 //                      on a GPU yet.
+//   Path::kMmaDecodeOcc3  the wide decode kernel with the query fragments read from shared memory at
+//                      every k-step (not held in registers) and __launch_bounds__(NT, 3): 3 CTAs per SM
+//                      on sm_90 (shared memory holds 3 x ~71 KiB), 12 warps instead of 8. Selectable
+//                      (KVKERNELS_CUDA_ATTN_PATH=mma-decode-occ3), not run on a GPU yet.
+//   Path::kMmaDecodeFused  the wide decode kernel that issues its first tiles before loading the
+//                      queries and, with splits, merges its work item's partials in the last CTA of the
+//                      item to finish (merge_if_last, attention_merge.cuh) instead of a merge kernel.
+//                      Selectable (KVKERNELS_CUDA_ATTN_PATH=mma-decode-fused), not run on a GPU yet.
 //
 // Per tile and warp: S = Q K^T with mma.sync.m16n8k16 (A = Q from registers or ldmatrix, B = K
 // via ldmatrix from a swizzled [key][dim] tile), logits scaled / capped / biased / masked in fp32,
@@ -40,6 +48,7 @@
 #pragma once
 
 #include "attention_common.cuh"
+#include "attention_merge.cuh"  // merge_if_last (Path::kMmaDecodeFused)
 
 namespace kvkernels::attn_cuda {
 
@@ -66,7 +75,7 @@ struct MmaCfg {
   // stage once into a 16-bit tile in shared memory: at 256 the 128 output accumulators leave too few
   // registers (sm_80 ptxas spilled the register-level version at 255).
   static constexpr bool FP8_REGS =
-      FP8 && DPAD <= 128 && (PATH == Path::kMmaDecode || PATH == Path::kMmaDecodeDeep);
+      FP8 && DPAD <= 128 && is_mma_decode(PATH) && PATH != Path::kMmaDecodeFp8Smem;
   // The mma operand type. With fragments converted in registers, fp16 for bf16 queries too: an fp8
   // value is one cvt from fp16 (exact) but three more instructions from there to bf16, which made
   // the conversion 8 instructions per 4 values (4x the fp16 cost). The bf16 query rows are scaled by
@@ -91,8 +100,14 @@ struct MmaCfg {
   static constexpr int QX_OFF = MD_OFF + MD_BYTES;  // Q_RESCALE: each row's scale exponent
   static constexpr int SMEM = QX_OFF + (Q_RESCALE ? ROWS * 4 : 0);
   // The query fragments of every k-step in registers (one row tile at head dims 64 / 128; the tall
-  // prefill reloads them from shared memory: its accumulators take the registers).
-  static constexpr bool Q_IN_REGS = MT == 1 && DPAD <= 128;
+  // prefill reloads them from shared memory: its accumulators take the registers; so does the occ3
+  // decode, whose 32 registers of query fragments are what stands between ~200 registers and the 168
+  // of 3 CTAs per SM).
+  static constexpr bool Q_IN_REGS = MT == 1 && DPAD <= 128 && PATH != Path::kMmaDecodeOcc3;
+  // The fused decode: the first tiles' copies go out before the query load (the query's DRAM round
+  // trip overlaps theirs instead of preceding them), and the split merge runs in the kernel.
+  static constexpr bool EARLY_ISSUE = PATH == Path::kMmaDecodeFused;
+  static constexpr bool FUSED_MERGE = PATH == Path::kMmaDecodeFused;
   static_assert(MT == 1 || !FP8_REGS, "fragments converted in registers: one row tile per warp");
   static_assert(SMEM <= kMaxSmem, "shared memory of the tensor-core kernel");
   static_assert(PATH != Path::kMmaDecodeDeep || STAGES >= 4, "the deep decode pipeline keeps 4 stages");
@@ -104,9 +119,19 @@ struct MmaCfg {
   // prefill gets 3 CTAs per SM at head dim 64 and 2 at 128 / 256 without a cap; only with an fp8
   // cache at head dim 128 would shared memory allow 3, which a cap would buy by squeezing a
   // ~190-register kernel into 168.
+  // The occ3 decode asks for 3 where shared memory holds them (every head dim and cache format on sm_90:
+  // at most 72.3 KiB each): at 128 threads that caps registers at 168.
+  // Built for sm_80 / sm_86 / sm_89 (164 / 100 / 100 KiB of shared memory per SM: at most 2 of these
+  // CTAs) it asks for 2: a bound for 3 would only squeeze the registers there (the e4m3 bit conversion
+  // spilled at 168). The planner counts what the device's shared memory holds (attention.cu).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  static constexpr int OCC3_CTAS = 2;
+#else
+  static constexpr int OCC3_CTAS = 3;
+#endif
   static constexpr int SM90_CTAS = (228 * 1024) / (SMEM + 1024);
-  static constexpr int MIN_BLOCKS =
-      PATH != Path::kMmaDecodeDeep ? 1 : SM90_CTAS < 1 ? 1 : SM90_CTAS > 4 ? 4 : SM90_CTAS;
+  static constexpr int MAX_CTAS = PATH == Path::kMmaDecodeDeep ? 4 : PATH == Path::kMmaDecodeOcc3 ? OCC3_CTAS : 1;
+  static constexpr int MIN_BLOCKS = SM90_CTAS < 1 ? 1 : SM90_CTAS > MAX_CTAS ? MAX_CTAS : SM90_CTAS;
 };
 
 // Byte offset of 16-byte chunk c of row r in a [rows][DPAD] 16-bit tile: chunks are XOR-swizzled
@@ -166,6 +191,43 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
   float* em = reinterpret_cast<float*>(smem + C::MD_OFF);
   float* ed = em + C::WN * ROWS;
 
+  // The K / V pipeline: the first tile's block ids, then the first STAGES - 1 tiles' copies. Started
+  // after the query load (below), or before it in the fused decode (EARLY_ISSUE): a CTA then waits for
+  // the block table, issues its copies and loads the queries while they fly, one DRAM round trip
+  // fewer before its first tile than block ids after queries (the stages and the query tile are
+  // disjoint in shared memory).
+  TileLoader<KT, NT, C::CPR, C::ESZ> ld;
+  auto stage_k = [&](int s) { return smain + s * C::STAGE_BYTES; };
+  auto off = [](int r, int c) {
+    if constexpr (C::FP8_REGS) return swz8<C::CPR>(r, c);
+    else if constexpr (C::FP8) return (r * C::CPR + c) * 16;  // read row-wise by the conversion
+    else return swz<CPR16>(r, c);
+  };
+  const int ntiles = w.tile_end - w.tile_begin;
+  auto prime = [&](int s) {  // the first STAGES - 1 tiles, before the loop
+    if (s < ntiles) {
+      ld.issue(a, w.tile_begin + s, stage_k(s), stage_k(s) + C::RAW_TILE, off);
+      if (s + 1 < ntiles) ld.fetch(a, w, w.tile_begin + s + 1);
+    }
+    cp_async_commit();
+  };
+  auto start_pipeline = [&]() {
+    ld.init(p, w);
+    if (ntiles > 0) ld.fetch(a, w, w.tile_begin);
+    if constexpr (PATH == Path::kMmaDecodeDeep || PATH == Path::kMmaDecodeOcc3) {
+      // Not unrolled in the deep decode kernel: unrolled, its 3 issues kept their addresses live side
+      // by side and the head-dim-256 instance ran out of registers (ptxas: 255 and spills); nor in the
+      // occ3 one, held to 168 registers. The other configurations keep the unrolled loop (and their
+      // code, for the A/B).
+#pragma unroll 1
+      for (int s = 0; s < STAGES - 1; ++s) prime(s);
+    } else {
+#pragma unroll
+      for (int s = 0; s < STAGES - 1; ++s) prime(s);
+    }
+  };
+  if constexpr (C::EARLY_ISSUE) start_pipeline();
+
   // Queries of the CTA's rows -> shared memory (16-bit, swizzled); zero rows / columns as padding.
   int* qexp = reinterpret_cast<int*>(smem + C::QX_OFF);
   static_assert(!C::Q_RESCALE || (ROWS * CPR16) % NT == 0, "every thread in every pass (shuffles)");
@@ -213,40 +275,16 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
   }
   constexpr float unit = C::FP8 ? fp8_unit<CF>() : 1.0f;
   const float qk_mul = p.scale * p.kv.logit_k_scale_of(w.kv_head) * unit;
-  const float v_mul = p.kv.v_scale_of(w.kv_head) * unit;
+  // (read after the loop in the occ3 decode: one register fewer through it, in a kernel at 168)
+  constexpr bool kLateVMul = PATH == Path::kMmaDecodeOcc3;
+  const float v_mul = kLateVMul ? 0.0f : p.kv.v_scale_of(w.kv_head) * unit;
   const float plain_mul = qk_mul * kLog2e;
   const LogitOps ops = logit_ops(p, w);
   // Logit multipliers of this thread's rows (the query scale folded back in with Q_RESCALE; read
   // after the barrier below).
   float row_qk[MT][2], row_plain[MT][2];
 
-  TileLoader<KT, NT, C::CPR, C::ESZ> ld;
-  ld.init(p, w);
-  auto stage_k = [&](int s) { return smain + s * C::STAGE_BYTES; };
-  auto off = [](int r, int c) {
-    if constexpr (C::FP8_REGS) return swz8<C::CPR>(r, c);
-    else if constexpr (C::FP8) return (r * C::CPR + c) * 16;  // read row-wise by the conversion
-    else return swz<CPR16>(r, c);
-  };
-  const int ntiles = w.tile_end - w.tile_begin;
-  if (ntiles > 0) ld.fetch(a, w, w.tile_begin);
-  auto prime = [&](int s) {  // the first STAGES - 1 tiles, before the loop
-    if (s < ntiles) {
-      ld.issue(a, w.tile_begin + s, stage_k(s), stage_k(s) + C::RAW_TILE, off);
-      if (s + 1 < ntiles) ld.fetch(a, w, w.tile_begin + s + 1);
-    }
-    cp_async_commit();
-  };
-  if constexpr (PATH == Path::kMmaDecodeDeep) {
-    // Not unrolled in the deep decode kernel: unrolled, its 3 issues kept their addresses live side
-    // by side and the head-dim-256 instance ran out of registers (ptxas: 255 and spills). The other
-    // configurations keep the unrolled loop (and their code, for the A/B).
-#pragma unroll 1
-    for (int s = 0; s < STAGES - 1; ++s) prime(s);
-  } else {
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) prime(s);
-  }
+  if constexpr (!C::EARLY_ISSUE) start_pipeline();
 
   float o[MT][DPAD / 8][4];
   float m2[MT][2], dsum[MT][2];
@@ -617,7 +655,11 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
     }
   }
   __syncthreads();
-  finalize_rows<T, ROWS, DPAD, C::WN, NT>(a, w, eo, em, ed, v_mul);
+  finalize_rows<T, ROWS, DPAD, C::WN, NT>(a, w, eo, em, ed,
+                                         kLateVMul ? p.kv.v_scale_of(w.kv_head) * unit : v_mul);
+  if constexpr (C::FUSED_MERGE) {
+    if (a.num_splits > 1) merge_if_last<T, NT>(a, w);
+  }
 }
 
 }  // namespace kvkernels::attn_cuda

@@ -42,7 +42,12 @@ decode case times each named variant on the same data in one process, in alterna
 as rows ``kvkernels-<variant>`` instead of ``kvkernels``; ``targets`` and ``variant_lines`` report each
 against the targets and against each other. A name may force the KV split count: ``deep-s1`` is the deep
 configuration with KVKERNELS_CUDA_ATTN_SPLITS=1 (``deep`` alone: the planner's own count), so ``deep,deep-s1``
-times the planner's wave-filling splits against none.
+times the planner's wave-filling splits against none. ``occ3`` (mma-decode-occ3: the wide kernel held to the
+registers of 3 CTAs per SM, its splits counting them) and ``fused`` (mma-decode-fused: first tiles issued before
+the query load, splits merged in the kernel) are the opt-in variants of csrc/cuda/README.md "Decode at the
+bandwidth limit". ``--graph`` times each variant as a CUDA graph of one call per data copy, replayed: an eager
+call costs ~40 us of host time on the H200 machine (b1 x 1k took 0.040 ms), as much as the GPU time of b1 x 32k,
+so eager timing there measures the host.
 
 Prefill variants (``--prefill-variants wide,deep``): the same for the tensor-core prefill kernel's two
 configurations (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-wide / mma-prefill-deep: ``wide``, the default, has 64
@@ -102,7 +107,8 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 
 # --decode-variants / --prefill-variants names -> KVKERNELS_CUDA_ATTN_PATH values (csrc/cuda/attention.cu).
-DECODE_VARIANTS = {"deep": "mma-decode-deep", "wide": "mma-decode-wide", "fp8smem": "mma-decode-fp8-smem"}
+DECODE_VARIANTS = {"deep": "mma-decode-deep", "wide": "mma-decode-wide", "fp8smem": "mma-decode-fp8-smem",
+                   "occ3": "mma-decode-occ3", "fused": "mma-decode-fused"}
 PREFILL_VARIANTS = {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide", "tall": "mma-prefill-tall",
                     "wgmma": "wgmma-prefill"}
 PREFILL_DTYPES = ("bfloat16", "fp8_e4m3")
@@ -168,6 +174,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="time these configurations of the tensor-core decode kernel (wide: the default, "
                         "deep: 4-stage; -s<N> forces N KV splits, e.g. deep-s1) on the same data, alternating "
                         "batches: rows kvkernels-<variant>")
+    g.add_argument("--graph", action="store_true",
+                   help="with --decode-variants: time each variant as a replayed CUDA graph of one call per data "
+                        "copy (no host launch cost in the time)")
     g.add_argument("--prefill-variants", type=_variants_of(PREFILL_VARIANTS), default=[],
                    help="time these configurations of the tensor-core prefill kernel (wide: the default, "
                         "deep: 4-stage) on the same data, alternating batches: rows kvkernels-<variant>")
@@ -578,24 +587,47 @@ def variant_rows(name: str, kind: str, dtype_name: str, batch: int, context: int
     reference, then all timed together by ``time_paired`` (a variant that raises is recorded as skipped, the
     others still run)."""
     rows, calls = {}, {}
+    graph = getattr(args, "graph", False)
     for v in variants:
         row = _row(name, kind, dtype_name, batch, context, f"kvkernels-{v}", copies=copies,
                    note=f"{note}{variant_setting(v, env_values)}; timed in batches alternating with "
-                        f"{', '.join(x for x in variants if x != v) or 'nothing'}")
+                        f"{', '.join(x for x in variants if x != v) or 'nothing'}" +
+                        (f"; as a CUDA graph of {copies} calls (one per data copy), replayed" if graph else ""))
         rows[v] = row
         try:
             with variant_env(v, env_values):
                 out = kernel(0)
                 torch.cuda.synchronize()
+                calls[v] = graph_of(kernel, copies) if graph else kernel
             row["max_abs_diff"], row["tolerance"] = check(out)
             row["checked"] = row["max_abs_diff"] <= row["tolerance"]
-            calls[v] = kernel
         except Exception as error:  # noqa: BLE001 - one failing variant must not end the run
             row["skipped"] = skip_reason(error)
+            calls.pop(v, None)
             torch.cuda.synchronize()
     if calls:
         time_paired_into(rows, calls, args.attn_reps, args.attn_min_ms, lambda v: variant_env(v, env_values))
+        for v in calls:  # a replay is `copies` calls
+            if graph and rows[v]["ms"]:
+                rows[v]["ms"] /= copies
     return list(rows.values())
+
+
+def graph_of(kernel: Callable[[int], object], copies: int) -> Callable[[int], object]:
+    """``call(i)`` replaying a CUDA graph of ``kernel(j)`` for every data copy j, captured in the current
+    environment (the planner reads KVKERNELS_CUDA_ATTN_PATH / _SPLITS at capture, so the graph holds the
+    variant's kernels); warmed up on a side stream first, as torch's capture asks."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for j in range(copies):
+            kernel(j)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for j in range(copies):
+            kernel(j)
+    return lambda i: g.replay()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute profiles of the issue-24 target kernels (decode b64 x 4k bf16; e4m3 with fragments
-# converted in registers, the default, and in shared memory, fp8smem; b1 x 32k; prefill 4096 wide and tall;
+# converted in registers, the default, and in shared memory, fp8smem; b1 x 32k bf16 and e4m3, and e4m3 on the
+# opt-in occ3 decode (3 CTAs per SM); prefill 4096 wide and tall;
 # MLA decode b64 x 4k,
 # mla_decompress 2k): for each case, the 3rd launch of each kvkernels kernel (warm caches, warm clocks)
 # with the sections that say why a kernel is slow — speed of light (DRAM and SM throughput vs peak),
@@ -35,7 +36,7 @@ if [ -n "$NCU" ]; then  # ncu_report for ncu_hot.py: next to ncu, else a carried
       export PYTHONPATH="$PYTHONPATH:/tmp/ncu_site"
   done
 fi
-for c in decode-bf16-b64-4k decode-e4m3-b64-4k decode-bf16-b1-32k prefill-bf16-4k mla-decode-b64-4k mla-decompress-2k decode-e4m3-b64-4k-fp8smem prefill-bf16-4k-tall; do
+for c in decode-bf16-b64-4k decode-e4m3-b64-4k decode-bf16-b1-32k decode-e4m3-b1-32k prefill-bf16-4k mla-decode-b64-4k mla-decompress-2k decode-e4m3-b1-32k-occ3 decode-e4m3-b64-4k-fp8smem prefill-bf16-4k-tall; do
   [ "$(left)" -lt 25 ] && { echo "== deadline: $c and later cases skipped"; break; }
   echo "== $c"
   if [ -z "$NCU" ]; then python3 scripts/probe/profile_cases.py "$c"; continue; fi

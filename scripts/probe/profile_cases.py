@@ -19,7 +19,8 @@ def gen():
 
 def decode(batch, context, dtype, path=None):
     """``path``: KVKERNELS_CUDA_ATTN_PATH for the run (``mma-decode-deep``: the decode kernel's deep
-    configuration; ``mma-decode-fp8-smem``: the wide one converting fp8 stages in shared memory; None: the
+    configuration; ``mma-decode-fp8-smem``: the wide one converting fp8 stages in shared memory;
+    ``mma-decode-occ3``: the wide one held to 3 CTAs per SM; None: the
     default, wide)."""
     if path is not None:
         os.environ["KVKERNELS_CUDA_ATTN_PATH"] = path
@@ -59,6 +60,8 @@ CASES = {
     "decode-e4m3-b64-4k": lambda: decode(64, 4096, torch.float8_e4m3fn),
     "decode-e4m3-b64-4k-fp8smem": lambda: decode(64, 4096, torch.float8_e4m3fn, "mma-decode-fp8-smem"),
     "decode-bf16-b1-32k": lambda: decode(1, 32768, torch.bfloat16),
+    "decode-e4m3-b1-32k": lambda: decode(1, 32768, torch.float8_e4m3fn),
+    "decode-e4m3-b1-32k-occ3": lambda: decode(1, 32768, torch.float8_e4m3fn, "mma-decode-occ3"),
     "prefill-bf16-4k": lambda: prefill(4096),
     "prefill-bf16-4k-deep": lambda: prefill(4096, "mma-prefill-deep"),
     "prefill-bf16-4k-tall": lambda: prefill(4096, "mma-prefill-tall"),

@@ -10,8 +10,10 @@
 // (csrc/cuda/sm90_ptx.cuh; section "sm_90" below): wgmma with shared-memory descriptors (K- / MN-major,
 // swizzle none / 32B / 64B / 128B) or A from registers, its fence / commit / wait (results NaN until the
 // wait, operands that change in flight reported), setmaxnreg with a per-CTA register pool, named
-// barriers, blocking mbarrier waits with plain, expect_tx and cp.async arrivals. Not emulated:
-// clusters / multicast, atomics, warp-divergent collectives, other tensor-map modes (rank > 2,
+// barriers, blocking mbarrier waits with plain, expect_tx and cp.async arrivals; atomicAdd on unsigned
+// (a plain read-modify-write: fibers switch only at barriers, CTAs run one after another) and
+// __threadfence (a no-op: one memory). Not emulated: clusters / multicast, other atomics,
+// warp-divergent collectives, other tensor-map modes (rank > 2,
 // interleave, im2col, other swizzles), the async proxy (fence.proxy.async is a no-op), wgmma descriptor
 // base offsets, fp8 / tf32 / integer wgmma.
 //
@@ -23,7 +25,9 @@
 // is rethrown to the caller.
 // Warp collectives (__shfl_up_sync, __shfl_xor_sync, __any_sync, __syncwarp, ldmatrix, mma.sync) go through an
 // exchange array between two warp-level barriers (every live fiber of the warp; the kernels only
-// use them with full warps). CTAs run one after another, blockIdx.x fastest. Launch syntax is
+// use them with full warps). CTAs run one after another, blockIdx.x fastest (KVKERNELS_EMU_CTA_ORDER=reverse,
+// read per launch: the last CTA first, blockIdx.x slowest to change then too, so that a kernel whose CTAs
+// coordinate, such as the fused decode's last-arriving merge, is run in another order). Launch syntax is
 // rewritten by the test (kernel<<<g, b, s, st>>>(args) -> emu::launch(kernel, g, b, s, st, args)).
 //
 // Shared memory: static `__shared__` arrays become function-local statics (every fiber of a CTA
@@ -278,10 +282,12 @@ void launch(K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*stream*
   sched.blocked_on.assign(n, Blocker{});
   sched.error = nullptr;
   sched.exchange.assign(size_t(n) * kSlots, 0);
+  const char* order = std::getenv("KVKERNELS_EMU_CTA_ORDER");
+  const bool reverse = order != nullptr && std::strcmp(order, "reverse") == 0;
   for (unsigned bz = 0; bz < grid.z; ++bz) {
   for (unsigned by = 0; by < grid.y; ++by) {
     for (unsigned bx = 0; bx < grid.x; ++bx) {
-      blockIdx_ = make_uint3(bx, by, bz);
+      blockIdx_ = reverse ? make_uint3(grid.x - 1 - bx, grid.y - 1 - by, grid.z - 1 - bz) : make_uint3(bx, by, bz);
       begin_cta(n);
       for (int t = 0; t < n; ++t) {
         sched.state[t] = kReady;
@@ -335,11 +341,24 @@ void launch(K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*stream*
 
 inline void __syncthreads() { emu::wait_at(emu::kAtBlockBarrier); }
 
-// ld.global.nc (read-only data cache): a plain load here.
+// ld.global.nc (read-only data cache), ld.global.cg (L2 only): plain loads here.
 template <typename T>
 inline T __ldg(const T* p) {
   return *p;
 }
+template <typename T>
+inline T __ldcg(const T* p) {
+  return *p;
+}
+
+// Atomics and fences (see the top of this file): fibers switch only at barriers and CTAs run one after
+// another, so a read-modify-write is atomic, and there is one memory to order.
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  *p = old + v;
+  return old;
+}
+inline void __threadfence() {}
 
 namespace emu {
 
@@ -1172,6 +1191,10 @@ inline cudaError_t memcpy_2d_async(void* dst, size_t dpitch, const void* src, si
     std::memmove(static_cast<char*>(dst) + h * dpitch, static_cast<const char*>(src) + h * spitch, width);
   return cudaSuccess;
 }
+inline cudaError_t memset_async(void* dst, int value, size_t n, cudaStream_t) {
+  std::memset(dst, value, n);
+  return cudaSuccess;
+}
 inline cudaError_t get_device(int* d) {
   *d = 0;
   return cudaSuccess;
@@ -1237,6 +1260,7 @@ inline cudaError_t get_driver_entry_point_by_version(const char* name, void** pt
 
 #define cudaGetLastError ::emu::get_last_error
 #define cudaMemcpyAsync ::emu::memcpy_async
+#define cudaMemsetAsync ::emu::memset_async
 #define cudaMemcpy2DAsync ::emu::memcpy_2d_async
 #define cudaGetDevice ::emu::get_device
 #define cudaDeviceGetAttribute ::emu::device_get_attribute
