@@ -2050,6 +2050,27 @@ def test_wgmma_prefill_nonfinite(emu, d, hq, hkv, dtype, wgmma_variant, monkeypa
             assert out[:20].isfinite().all() and lse[:20].isfinite().all()
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_wgmma_prefill_nonfinite_tile_mid_loop(emu, d, wgmma_variant, monkeypatch):
+    """Tiles taking the non-finite fix-up first, in the middle and last in a CTA's loop (test_wgmma_prefill_nonfinite's
+    sequences fit in one key tile): a chunk of 300 queries at positions 100-399 of a 400-key sequence, MHA (128
+    queries per CTA: rows 100-227, 228-355, 356-399), inf values at keys 110 and 300 (kv head 0) and a NaN value
+    at key 240 (kv head 1). The first CTA fixes up its tile 0 (rows 100-109 do not see key 110) and its last
+    tile 1 (key 240 is past all its rows); the second its tile 1 (rows 228-239 do not see key 240), then tile
+    2 (key 300). In the overlapped loop a fix-up tile's zero P V runs with the next tile's S in flight. Rows
+    before key 110 stay finite; plain and with a 150-key window (window edges in tiles 0 / 1 / 2)."""
+    use_wgmma(wgmma_variant, monkeypatch)
+    kv = make_paged_kv(seq_lens=[400], num_kv_heads=2, head_dim=d, block_size=16, dtype=bf16, seed=81)
+    qsl = query_start_loc([300])
+    query = make_query(300, 2, d, bf16, generator(82))
+    _poke(kv.value_cache, kv.blocks[0], 400, 110, 0, 1, "+inf")
+    _poke(kv.value_cache, kv.blocks[0], 400, 300, 0, 6, "+inf")
+    _poke(kv.value_cache, kv.blocks[0], 400, 240, 1, 4, "nan")
+    for opts in ({}, dict(window_left=150)):
+        out, lse, _ = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL, **opts)
+        assert out[:10].isfinite().all() and not out[10:].isfinite().all() and lse.isfinite().all()
+
+
 def test_wgmma_prefill_out_of_range_block_ids_read_nothing(emu, wgmma_variant, monkeypatch):
     """test_paged_attention_out_of_range_block_ids_read_nothing on the wgmma producer: ids -1, N, INT32_MIN,
     INT32_MAX in visible blocks give zero rows, nothing read outside the caches (between NaN blocks)."""
