@@ -184,15 +184,19 @@ step_t_cascade_mla() { pytest_step tests.log tests/test_cascade.py tests/test_ml
 # NaN / inf in keys, values, queries, parameters, MLA rows, merge lse: the CPU cases, on the CUDA kernels.
 step_t_nonfinite() { pytest_par tests/test_nonfinite.py -k cuda; }
 step_t_bad() { pytest_par tests/test_cuda_ops.py tests/test_cuda_attention.py tests/test_cuda_mla.py -k "$BAD"; }
-# The sm_90a wgmma prefill (Path::kWgmmaPrefill; compiled and emulated before this run, never on a GPU): its
-# tests alone and serially under a short cap (an mbarrier / named-barrier protocol error hangs rather than
-# fails; faulthandler dumps the stacks of a test stuck for 30 s), with KVKERNELS_CUDA_WGMMA=require (a
-# fallback fails), then the non-finite cases of test_nonfinite.py with KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill
-# (its 16-bit varlen cases take the kernel, over 16-bit and fp8 caches; the rest fall back as planned).
+# The sm_90a wgmma prefill (Path::kWgmmaPrefill and its overlapped loop, kWgmmaPrefillOverlap; compiled and
+# emulated before this run, never on a GPU): its tests alone and serially under a short cap (an mbarrier /
+# named-barrier protocol error hangs rather than fails; faulthandler dumps the stacks of a test stuck for
+# 30 s), each for both loops (the tests' wgmma_variant) with KVKERNELS_CUDA_WGMMA=require (a fallback fails),
+# then the non-finite cases of test_nonfinite.py with KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill-overlap and
+# =wgmma-prefill (their 16-bit varlen cases take the kernel, over 16-bit and fp8 caches; the rest fall back as
+# planned; the overlapped loop first: its non-finite fix-up is the newer code).
 step_t_wgmma() {
   local rc=0 detail
   FAULT_S=30 pytest_step tests.log tests/test_cuda_attention.py -k wgmma || rc=$?
   detail=$STEP_DETAIL
+  KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill-overlap pytest_par tests/test_nonfinite.py -k "cuda and not cuda_emu and not mla and not merge" || rc=$?
+  detail="$detail; non-finite overlap: $STEP_DETAIL"
   KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill pytest_par tests/test_nonfinite.py -k "cuda and not cuda_emu and not mla and not merge" || rc=$?
   STEP_DETAIL="$detail; non-finite: $STEP_DETAIL"
   return $rc
