@@ -175,6 +175,9 @@ cuda-emu-test: build
 	# 16-bit or fp8 caches, varlen; the others would fall back to the kernels already run above)
 	KVKERNELS_CUDA_EMU=1 KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill $(PY) -m pytest -q tests/test_nonfinite.py \
 	  -k "cuda_emu and not mla and not merge and not decode and not f32"
+	# and its intra-warpgroup overlapped loop (head dims 64 / 128; the plain loop at 256)
+	KVKERNELS_CUDA_EMU=1 KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill-overlap $(PY) -m pytest -q tests/test_nonfinite.py \
+	  -k "cuda_emu and not mla and not merge and not decode and not f32"
 
 # Type-check every Metal kernel variant as C++ through metal/shim (g++; clang++ too when installed).
 # Needs no torch and no build.

@@ -194,15 +194,19 @@ step_t_cascade_mla() { pytest_step tests.log tests/test_cascade.py tests/test_ml
 # NaN / inf in keys, values, queries, parameters, MLA rows, merge lse: the CPU cases, on the CUDA kernels.
 step_t_nonfinite() { pytest_par tests/test_nonfinite.py -k cuda; }
 step_t_bad() { pytest_par tests/test_cuda_ops.py tests/test_cuda_attention.py tests/test_cuda_mla.py -k "$BAD"; }
-# The sm_90a wgmma prefill (Path::kWgmmaPrefill; compiled and emulated before this run, never on a GPU): its
-# tests alone and serially under a short cap (an mbarrier / named-barrier protocol error hangs rather than
-# fails; faulthandler dumps the stacks of a test stuck for 30 s), with KVKERNELS_CUDA_WGMMA=require (a
-# fallback fails), then the non-finite cases of test_nonfinite.py with KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill
-# (its 16-bit varlen cases take the kernel, over 16-bit and fp8 caches; the rest fall back as planned).
+# The sm_90a wgmma prefill (Path::kWgmmaPrefill and its overlapped loop, kWgmmaPrefillOverlap; compiled and
+# emulated before this run, never on a GPU): its tests alone and serially under a short cap (an mbarrier /
+# named-barrier protocol error hangs rather than fails; faulthandler dumps the stacks of a test stuck for
+# 30 s), each for both loops (the tests' wgmma_variant) with KVKERNELS_CUDA_WGMMA=require (a fallback fails),
+# then the non-finite cases of test_nonfinite.py with KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill-overlap and
+# =wgmma-prefill (their 16-bit varlen cases take the kernel, over 16-bit and fp8 caches; the rest fall back as
+# planned; the overlapped loop first: its non-finite fix-up is the newer code).
 step_t_wgmma() {
   local rc=0 detail
   FAULT_S=30 pytest_step tests.log tests/test_cuda_attention.py -k wgmma || rc=$?
   detail=$STEP_DETAIL
+  KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill-overlap pytest_par tests/test_nonfinite.py -k "cuda and not cuda_emu and not mla and not merge" || rc=$?
+  detail="$detail; non-finite overlap: $STEP_DETAIL"
   KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill pytest_par tests/test_nonfinite.py -k "cuda and not cuda_emu and not mla and not merge" || rc=$?
   STEP_DETAIL="$detail; non-finite: $STEP_DETAIL"
   return $rc
@@ -342,24 +346,34 @@ step_b_pvariants() {
     --json "$SCRATCH/results/bench/cuda-attention-pvariants-$STAMP.json"
 }
 
-# The A/B of the wgmma prefill: 4096 queries over 4096 keys, causal, 32 / 8 heads, d128, bf16 queries over a
-# bf16 and an e4m3 cache (per-tensor scale; the issue's shape), wgmma vs wide (today's default prefill) in
-# alternating batches on the same data, against SDPA flash and cuDNN SDPA (SDPBackend.CUDNN_ATTENTION) on the
-# same K/V made contiguous (fp8: dequantized outside the timing). "variant:" lines give each time, its ratio
-# to SDPA flash and cuDNN, wgmma's speed-up over wide, and each variant's e4m3-cache time against its
-# bf16-cache time (target: >= 1.0x); then the same bf16 case at head dim 256 (wgmma's 64-key tiles; target
-# >= 0.8x cuDNN). The predictions are in csrc/cuda/README.md ("Hopper prefill (wgmma)").
+# The A/B of the wgmma prefill: 4096 queries over 4096 keys, causal, 32 / 8 heads, bf16 queries, in order of
+# importance (each call runs under what is left of the step's cap): (1) d128 over a bf16 and an e4m3 cache
+# (per-tensor scale; the issue's shape): wgmma (the plain loop) vs wgmma-overlap (its intra-warpgroup
+# overlapped loop) vs wide (today's default prefill) in alternating batches on the same data, against SDPA
+# flash and cuDNN SDPA (SDPBackend.CUDNN_ATTENTION) on the same K/V made contiguous (fp8: dequantized outside
+# the timing); (2) the bf16 case at head dim 64 (target >= 0.8x cuDNN), the same three; (3) the bf16 case at
+# head dim 256 (64-key tiles, no overlapped loop there: wide vs wgmma; target >= 0.8x cuDNN). "variant:"
+# lines give each time, its ratio to SDPA flash and cuDNN and to the first variant named (the overlap's
+# speed-up over the plain loop; wide's "speed-up" is below 1), and each variant's e4m3-cache time
+# against its bf16-cache time (target: >= 1.0x). Predictions: csrc/cuda/README.md ("Hopper prefill (wgmma)",
+# "Intra-warpgroup overlap").
 step_b_wgmma() {
   local rc=0 detail
   bench -m kvkernels.bench.cuda_attention --no-flex --attn-dtypes '' --attn-prefill 4096,4096 \
-    --attn-prefill-dtypes bfloat16,fp8_e4m3 --prefill-variants wide,wgmma \
+    --attn-prefill-dtypes bfloat16,fp8_e4m3 --prefill-variants wgmma,wgmma-overlap,wide \
     --json "$SCRATCH/results/bench/cuda-attention-wgmma-$STAMP.json" || rc=$?
   detail=$STEP_DETAIL
   mv "$SCRATCH/targets-b_wgmma.txt" "$SCRATCH/targets-b_wgmma-d128.txt"  # (each bench call rewrites it)
+  bench -m kvkernels.bench.cuda_attention --no-flex --attn-dtypes '' --attn-prefill 4096,4096 --attn-head-dim 64 \
+    --attn-prefill-dtypes bfloat16 --prefill-variants wgmma,wgmma-overlap,wide \
+    --json "$SCRATCH/results/bench/cuda-attention-wgmma-d64-$STAMP.json" || rc=$?
+  detail="$detail; d64:$STEP_DETAIL"
+  mv "$SCRATCH/targets-b_wgmma.txt" "$SCRATCH/targets-b_wgmma-d64.txt"
   bench -m kvkernels.bench.cuda_attention --no-flex --attn-dtypes '' --attn-prefill 4096,4096 --attn-head-dim 256 \
     --attn-prefill-dtypes bfloat16 --prefill-variants wide,wgmma \
     --json "$SCRATCH/results/bench/cuda-attention-wgmma-d256-$STAMP.json" || rc=$?
-  cat "$SCRATCH/targets-b_wgmma-d128.txt" "$SCRATCH/targets-b_wgmma.txt" >"$SCRATCH/targets-b_wgmma.all" 2>/dev/null
+  cat "$SCRATCH/targets-b_wgmma-d128.txt" "$SCRATCH/targets-b_wgmma-d64.txt" "$SCRATCH/targets-b_wgmma.txt" \
+    >"$SCRATCH/targets-b_wgmma.all" 2>/dev/null
   mv "$SCRATCH/targets-b_wgmma.all" "$SCRATCH/targets-b_wgmma.txt"
   STEP_DETAIL="$detail; d256:$STEP_DETAIL"
   return $rc
@@ -417,7 +431,7 @@ step_b_mla_prefill() {
 PLAN="env 45
 build 300
 verify 30
-t_wgmma 90
+t_wgmma 150
 b_wgmma 120
 t_mla_wgmma 60
 b_mla_wgmma 60
@@ -471,7 +485,7 @@ done <<<"$PLAN"
   echo "---- peers on the same data: SDPA flash / cuDNN, FlashInfer, FlexAttention (bench.log)"
   cat "$SCRATCH"/targets-b_targets.txt "$SCRATCH"/targets-b_flex.txt "$SCRATCH"/targets-b_mla_prefill.txt \
     2>/dev/null | grep "^peer:"
-  echo "---- wgmma prefill A/B, wide vs wgmma vs SDPA flash / cuDNN (bench.log)"
+  echo "---- wgmma prefill A/B, wide vs wgmma vs wgmma-overlap vs SDPA flash / cuDNN, d128 / d64 / d256 (bench.log)"
   cat "$SCRATCH/targets-b_wgmma.txt" 2>/dev/null
   echo "---- MLA decode A/B, mma vs wgmma, b64 x 4k (bench.log)"
   cat "$SCRATCH/targets-b_mla_wgmma.txt" 2>/dev/null

@@ -347,11 +347,14 @@ def test_cuda_attention_prefill_variants_options_and_report(capsys):
             parser.parse_args([option, bad])
     capsys.readouterr()
     assert ca.PREFILL_VARIANTS == {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide", "tall": "mma-prefill-tall",
-                                   "wgmma": "wgmma-prefill"}
+                                   "wgmma": "wgmma-prefill", "wgmma-overlap": "wgmma-prefill-overlap"}
     assert parser.parse_args(["--prefill-variants", "wide,wgmma"]).prefill_variants == ["wide", "wgmma"]
     # the wgmma variant runs with KVKERNELS_CUDA_WGMMA=require (a fallback would time the wide kernel)
     with ca.variant_env("wgmma", ca.PREFILL_VARIANTS):
         assert os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "wgmma-prefill" and os.environ["KVKERNELS_CUDA_WGMMA"] == "require"
+    with ca.variant_env("wgmma-overlap", ca.PREFILL_VARIANTS):
+        assert os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "wgmma-prefill-overlap"
+        assert os.environ["KVKERNELS_CUDA_WGMMA"] == "require" and "KVKERNELS_CUDA_ATTN_SPLITS" not in os.environ
     with ca.variant_env("wide", ca.PREFILL_VARIANTS):
         assert "KVKERNELS_CUDA_WGMMA" not in os.environ
 

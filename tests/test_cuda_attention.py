@@ -341,16 +341,23 @@ def require_sm90a():
         pytest.skip(f"the wgmma prefill needs an sm_90 device, this is sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
 
 
-def use_wgmma(monkeypatch, splits=None):
-    """KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill with KVKERNELS_CUDA_WGMMA=require: a call the kernel does not take
-    fails, naming why (a build without 9.0a in TORCH_CUDA_ARCH_LIST, an unexpected fallback)."""
-    force_cuda_plan(monkeypatch, "ATTN", "wgmma-prefill", splits)
+# Each wgmma test runs the kernel's plain loop (wgmma-prefill) and its intra-warpgroup overlapped loop
+# (wgmma-prefill-overlap; the plain loop at padded head dim 256).
+@pytest.fixture(params=["wgmma-prefill", "wgmma-prefill-overlap"], ids=["plain", "overlap"])
+def wgmma_variant(request):
+    return request.param
+
+
+def use_wgmma(monkeypatch, variant, splits=None):
+    """KVKERNELS_CUDA_ATTN_PATH=variant with KVKERNELS_CUDA_WGMMA=require: a call the kernel does not take fails,
+    naming why (a build without 9.0a in TORCH_CUDA_ARCH_LIST, an unexpected fallback)."""
+    force_cuda_plan(monkeypatch, "ATTN", variant, splits)
     monkeypatch.setenv("KVKERNELS_CUDA_WGMMA", "require")
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [bf16, f16])
-def test_wgmma_prefill_matches_reference_and_wide(dtype, d, monkeypatch):
+def test_wgmma_prefill_matches_reference_and_wide(dtype, d, wgmma_variant, monkeypatch):
     """The Hopper wgmma prefill (csrc/cuda/attention_sm90.cuh) against the reference and the wide mma.sync
     prefill on the same inputs: full and chunked prefill of sequences of many 128-key tiles (the stage ring
     wraps: 2 stages at head dim 128, 4 at 64; causal diagonal tiles; a 1000-key sequence), GQA 4, plain /
@@ -365,7 +372,7 @@ def test_wgmma_prefill_matches_reference_and_wide(dtype, d, monkeypatch):
             force_cuda_plan(monkeypatch, "ATTN", None, splits)
             monkeypatch.delenv("KVKERNELS_CUDA_WGMMA", raising=False)
             wide = run_cuda(kv, query, qsl, **opts)
-            use_wgmma(monkeypatch, splits)
+            use_wgmma(monkeypatch, wgmma_variant, splits)
             wg = run_cuda(kv, query, qsl, **opts)
             assert_close(wg[0], wide[0].double(), dtype, rtol=2 * rtol, atol=2 * atol, msg=f"out {opts}")
             assert_close(wg[1], wide[1].double(), f32, rtol=1e-4, atol=1e-4, msg=f"lse {opts}")
@@ -373,7 +380,7 @@ def test_wgmma_prefill_matches_reference_and_wide(dtype, d, monkeypatch):
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("fp8,dtype", [("e4m3", bf16), ("e5m2", f16)], ids=["e4m3-bf16", "e5m2-f16"])
-def test_wgmma_prefill_fp8_caches(fp8, dtype, d, monkeypatch):
+def test_wgmma_prefill_fp8_caches(fp8, dtype, d, wgmma_variant, monkeypatch):
     """The wgmma prefill over fp8 caches (the producer dequantizes each raw tile into the 16-bit stages; k_scale on
     the logits, v_scale on the output), per-head scales: against the reference and the wide mma.sync prefill over
     the same cache, plain and with window + soft cap, planned and 3 forced splits."""
@@ -386,19 +393,19 @@ def test_wgmma_prefill_fp8_caches(fp8, dtype, d, monkeypatch):
             force_cuda_plan(monkeypatch, "ATTN", None, splits)
             monkeypatch.delenv("KVKERNELS_CUDA_WGMMA", raising=False)
             wide = run_cuda(kv, query, qsl, **opts)
-            use_wgmma(monkeypatch, splits)
+            use_wgmma(monkeypatch, wgmma_variant, splits)
             wg = run_cuda(kv, query, qsl, **opts)
             assert_close(wg[0], wide[0].double(), dtype, rtol=2 * rtol, atol=2 * atol, msg=f"out {opts}")
             assert_close(wg[1], wide[1].double(), f32, rtol=1e-4, atol=1e-4, msg=f"lse {opts}")
 
 
 @pytest.mark.parametrize("b", [1, 7, 16, 64])
-def test_wgmma_prefill_block_sizes_and_gqa(b, monkeypatch):
+def test_wgmma_prefill_block_sizes_and_gqa(b, wgmma_variant, monkeypatch):
     """Any block size (the producer gathers each row by cp.async through the block table; 64: a 128-key tile
     spans two blocks) and GQA groups 1, 8 and 32 (128 rows = 128 / group queries), a value head dim of its
     own (Dk 128, Dv 64)."""
     require_sm90a()
-    use_wgmma(monkeypatch)
+    use_wgmma(monkeypatch, wgmma_variant)
     for hq, hkv in ((4, 4), (16, 2), (32, 1)):
         kv, query, qsl = make_case("varlen", [b + 1, 3 * b + 5, 200, 9], dtype=bf16, num_heads=hq, num_kv_heads=hkv,
                                    head_dim=128, block_size=b, seed=45)

@@ -231,6 +231,7 @@ WGMMA_PREFILL = 7  # the sm_90a kernel (opt-in: KVKERNELS_CUDA_ATTN_PATH=wgmma-p
 # registers of 3 CTAs per SM (query fragments from shared memory), and the one that issues its first tiles before
 # the query load and merges splits in its last CTA per work item.
 MMA_DECODE_OCC3, MMA_DECODE_FUSED = 8, 9
+WGMMA_PREFILL_OVERLAP = 10  # its intra-warpgroup overlapped loop (wgmma-prefill-overlap; padded head dims 64 / 128)
 # The tensor-core kernels' two configurations each (csrc/cuda/attention_common.cuh, mma_wn / key_tile_of):
 # "wide", the default (decode: 64 keys per stage, 2 stages at head dim 128 / 256; prefill: 64 keys per stage,
 # 32 at head dim 256, 2 stages at head dim 128 / 256), and "deep" (16 KiB stages, 4 in flight), chosen by
@@ -281,6 +282,8 @@ def expected_path(path, env: str | None, dpad: int = 64, fp8: bool = False):
         return MMA_PREFILL_DEEP
     if path == MMA_PREFILL and "mma-prefill-tall" in deep and dpad <= 128 and not fp8:
         return MMA_PREFILL_TALL
+    if path == 7 and "wgmma-prefill-overlap" in deep:  # the overlapped loop where it exists, else the plain one
+        return WGMMA_PREFILL_OVERLAP if dpad <= 128 else WGMMA_PREFILL
     if path == 7 and "wgmma-prefill" not in deep:  # (WGMMA_PREFILL: asked for, not a default)
         return MMA_PREFILL
     return path
@@ -1517,15 +1520,18 @@ NONFINITE_ATTN = {
     "e4m3-bf16-wgmma-prefill-d128": (bf16, "e4m3", 4, 1, 128, "prefill", WGMMA_PREFILL, None),
     "bf16-wgmma-prefill-d256": (bf16, None, 4, 1, 256, "prefill", WGMMA_PREFILL, None),
     "e5m2-f16-wgmma-prefill-d64": (f16, "e5m2", 2, 2, 64, "prefill", WGMMA_PREFILL, None),
+    # and its overlapped loop (the fix-up of a diagonal tile while the next tile's S is in flight)
+    "e4m3-bf16-wgmma-overlap-d128": (bf16, "e4m3", 4, 1, 128, "prefill", WGMMA_PREFILL_OVERLAP, None),
+    "f16-wgmma-overlap-d64": (f16, None, 2, 2, 64, "prefill", WGMMA_PREFILL_OVERLAP, None),
 }
 
 
 @pytest.mark.parametrize("config", NONFINITE_ATTN.values(), ids=NONFINITE_ATTN.keys())
 def test_paged_attention_nonfinite(emu, config, monkeypatch):
     dtype, fp8, hq, hkv, d, mode, path, splits = config
-    force_cuda_plan(monkeypatch, "ATTN", {MMA_PREFILL_DEEP: "mma-prefill-deep", WGMMA_PREFILL: "wgmma-prefill"}.get(path),
-                    splits)
-    monkeypatch.setenv("KVKERNELS_CUDA_WGMMA", "require") if path == WGMMA_PREFILL else None
+    force_cuda_plan(monkeypatch, "ATTN", {MMA_PREFILL_DEEP: "mma-prefill-deep", WGMMA_PREFILL: "wgmma-prefill",
+                                          WGMMA_PREFILL_OVERLAP: "wgmma-prefill-overlap"}.get(path), splits)
+    monkeypatch.setenv("KVKERNELS_CUDA_WGMMA", "require") if path in (WGMMA_PREFILL, WGMMA_PREFILL_OVERLAP) else None
     seq_lens = [70, 5]
     kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=d, block_size=16, dtype=dtype, fp8=fp8,
                        seed=31)
@@ -1835,8 +1841,24 @@ def test_sm90_warp_specialized_pipeline(emu, stages):
 # part (4 SMs, 227 KiB of opt-in shared memory).
 # ---------------------------------------------------------------------------------------------------
 
-def use_wgmma(monkeypatch, splits=None, require=True):
-    force_cuda_plan(monkeypatch, "ATTN", "wgmma-prefill", splits)
+# Every test_wgmma_prefill* runs twice (the wgmma_variant fixture): on the kernel's plain loop (wgmma-prefill) and
+# on its intra-warpgroup overlapped loop (wgmma-prefill-overlap; at padded head dim 256 the planner runs the plain
+# loop for it, which run_emu_attention / wgmma_path expect).
+WGMMA_VARIANTS = {"plain": "wgmma-prefill", "overlap": "wgmma-prefill-overlap"}
+
+
+@pytest.fixture(params=list(WGMMA_VARIANTS.values()), ids=list(WGMMA_VARIANTS))
+def wgmma_variant(request):
+    return request.param
+
+
+def wgmma_path(variant: str, dpad: int) -> int:
+    """The path KVKERNELS_CUDA_ATTN_PATH=``variant`` runs at padded head dim ``dpad``."""
+    return expected_path(WGMMA_PREFILL, variant, dpad)
+
+
+def use_wgmma(variant, monkeypatch, splits=None, require=True):
+    force_cuda_plan(monkeypatch, "ATTN", variant, splits)
     monkeypatch.delenv("KVKERNELS_CUDA_WGMMA", raising=False)
     if require:
         monkeypatch.setenv("KVKERNELS_CUDA_WGMMA", "require")
@@ -1856,13 +1878,13 @@ WGMMA_CONFIGS = {
 
 
 @pytest.mark.parametrize("config", WGMMA_CONFIGS.values(), ids=WGMMA_CONFIGS.keys())
-def test_wgmma_prefill(emu, config, monkeypatch):
+def test_wgmma_prefill(emu, config, wgmma_variant, monkeypatch):
     """Varlen prefill on the wgmma kernel against the float64 reference: full prefill, chunked prefill,
     single queries and empty sequences (test_attention.varlen_q_lens), partial and exactly-full last blocks,
     shuffled block ids, junk past each sequence; a 261-key sequence (3 key tiles, its last 131 queries: two
     query tiles, the causal diagonal inside a tile) wraps the stage ring at head dim 128 (2 stages)."""
     dtype, layout, hq, hkv, d, b, strided = config
-    use_wgmma(monkeypatch)
+    use_wgmma(wgmma_variant, monkeypatch)
     seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b, 261]
     kv, query, qsl = make_case("varlen", seq_lens, dtype=dtype, num_heads=hq, num_kv_heads=hkv, head_dim=d,
                                block_size=b, layout=layout, strided=strided)
@@ -1884,33 +1906,33 @@ WGMMA_D256_CONFIGS = {
 
 
 @pytest.mark.parametrize("config", WGMMA_D256_CONFIGS.values(), ids=WGMMA_D256_CONFIGS.keys())
-def test_wgmma_prefill_head_dim_256(emu, config, monkeypatch):
+def test_wgmma_prefill_head_dim_256(emu, config, wgmma_variant, monkeypatch):
     """Padded head dim 256 on the wgmma kernel against the float64 reference: full / chunked prefill, empty and
     one-key sequences, a value head dim other than the key's (out Dv wide), KV splits of the 64-key tiles."""
     dtype, layout, hq, hkv, dk, dv, b = config
-    use_wgmma(monkeypatch)
+    use_wgmma(wgmma_variant, monkeypatch)
     seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b, 261]
     kv, query, qsl = dv_case("varlen", seq_lens, dtype, None, layout, hq, hkv, dk, dv, b, seed=71)
     out, _, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL)
     assert plan["dpad"] == 256 and out.shape[-1] == dv, plan
-    use_wgmma(monkeypatch, splits=3)
+    use_wgmma(wgmma_variant, monkeypatch, splits=3)
     _, _, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL, window_left=70, soft_cap=4.0)
     assert plan["splits"] == 3, plan
 
 
-def test_wgmma_prefill_head_dim_256_all_features(emu, monkeypatch):
+def test_wgmma_prefill_head_dim_256_all_features(emu, wgmma_variant, monkeypatch):
     """check_features' "all" case (window, soft cap, ALiBi, sinks and scale at once) at head dim 256 with a 300-key
     sequence (5 tiles of 64 keys); each option alone runs at 64 / 128 (test_wgmma_prefill_features), and
     window + soft cap with splits at 256 above: one case here keeps the emulated time small."""
-    use_wgmma(monkeypatch)
+    use_wgmma(wgmma_variant, monkeypatch)
     check_features(lambda kv, q, qsl, **kw: run_emu_attention(emu, kv, q, qsl, path=WGMMA_PREFILL, **kw)[:2],
                    (bf16, None, False, "NHD", 2, 256, 16), "all", "varlen", more_seq_lens=(300,))
 
 
-def test_wgmma_prefill_group_above_128(emu, monkeypatch):
+def test_wgmma_prefill_group_above_128(emu, wgmma_variant, monkeypatch):
     """A GQA group of 160 heads: 128 rows hold one query's first 128 heads, a second head chunk its last 32
     (warpgroup 1 of that chunk has no valid row: it still takes part in the pipeline and writes nothing)."""
-    use_wgmma(monkeypatch)
+    use_wgmma(wgmma_variant, monkeypatch)
     kv, query, qsl = make_case("varlen", [20, 2, 0], dtype=bf16, num_heads=160, num_kv_heads=1, head_dim=64,
                                block_size=16, seed=48)
     _, _, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL)
@@ -1931,12 +1953,12 @@ WGMMA_FP8_CONFIGS = {
 
 
 @pytest.mark.parametrize("config", WGMMA_FP8_CONFIGS.values(), ids=WGMMA_FP8_CONFIGS.keys())
-def test_wgmma_prefill_fp8(emu, config, monkeypatch):
+def test_wgmma_prefill_fp8(emu, config, wgmma_variant, monkeypatch):
     """Varlen prefill over an fp8 cache on the wgmma kernel against the float64 reference (the reference reads
     the fp8 values times the scales): test_wgmma_prefill's sequences, the 261-key one wrapping the stage ring at
     head dim 128."""
     dtype, fp8, per_head, layout, hq, hkv, d, b = config
-    use_wgmma(monkeypatch)
+    use_wgmma(wgmma_variant, monkeypatch)
     seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b, 261]
     kv, query, qsl = make_case("varlen", seq_lens, dtype=dtype, num_heads=hq, num_kv_heads=hkv, head_dim=d,
                                block_size=b, layout=layout, fp8=fp8, per_head=per_head, seed=61)
@@ -1945,11 +1967,11 @@ def test_wgmma_prefill_fp8(emu, config, monkeypatch):
 
 
 @pytest.mark.parametrize("fp8,dtype,d", [("e4m3", bf16, 128), ("e5m2", f16, 64)], ids=["e4m3-bf16-d128", "e5m2-f16-d64"])
-def test_wgmma_prefill_fp8_bitwise_as_16bit(emu, fp8, dtype, d, monkeypatch):
+def test_wgmma_prefill_fp8_bitwise_as_16bit(emu, fp8, dtype, d, wgmma_variant, monkeypatch):
     """With unit scales, an fp8 cache gives bit for bit the output of a 16-bit cache holding its values (the
     dequantization is exact, and the consumers' code is the same): a misplaced chunk, a wrong swizzle or a
     converted tile read before it lands changes bits even where it stays within the reference's tolerance."""
-    use_wgmma(monkeypatch)
+    use_wgmma(wgmma_variant, monkeypatch)
     seq_lens = [150, 7, 300]
     kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=2, head_dim=d, block_size=16, dtype=dtype, fp8=fp8, seed=63)
     kv.k_scale.fill_(1.0)
@@ -1957,7 +1979,7 @@ def test_wgmma_prefill_fp8_bitwise_as_16bit(emu, fp8, dtype, d, monkeypatch):
     q_lens = [150, 2, 130]
     qsl = query_start_loc(q_lens)
     query = make_query(sum(q_lens), 8, d, dtype, generator(64))
-    assert plan_of(emu, kv, query, qsl)["path"] == WGMMA_PREFILL
+    assert plan_of(emu, kv, query, qsl)["path"] == wgmma_path(wgmma_variant, d)
     out8, lse8 = emulated_paged_attention(emu, query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
                                           qsl, window_left=100, **kv.scales)
     k16, v16 = kv.key_cache.to(dtype), kv.value_cache.to(dtype)  # exact: every fp8 value is an f16 / bf16 value
@@ -1975,10 +1997,10 @@ WGMMA_FEATURE_CONFIGS = {
 
 @pytest.mark.parametrize("feature", FEATURE_NAMES)
 @pytest.mark.parametrize("config", WGMMA_FEATURE_CONFIGS.values(), ids=WGMMA_FEATURE_CONFIGS.keys())
-def test_wgmma_prefill_features(emu, config, feature, monkeypatch):
+def test_wgmma_prefill_features(emu, config, feature, wgmma_variant, monkeypatch):
     """Window edges, soft cap, ALiBi, sinks, scale and all of them at once on the wgmma prefill, plus a
     300-key sequence (3 key tiles)."""
-    use_wgmma(monkeypatch)
+    use_wgmma(wgmma_variant, monkeypatch)
     check_features(lambda kv, q, qsl, **kw: run_emu_attention(emu, kv, q, qsl, path=WGMMA_PREFILL, **kw)[:2],
                    config, feature, "varlen", more_seq_lens=(300,))
 
@@ -1988,11 +2010,11 @@ def test_wgmma_prefill_features(emu, config, feature, monkeypatch):
                          ids=["plain", "window9", "alibi-sinks"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 @pytest.mark.parametrize("splits", [None, 3], ids=["planned", "split3"])
-def test_wgmma_prefill_noncausal_and_more_queries_than_keys(emu, splits, causal, opts, monkeypatch):
+def test_wgmma_prefill_noncausal_and_more_queries_than_keys(emu, splits, causal, opts, wgmma_variant, monkeypatch):
     """causal=False and sequences with more queries than keys (causal: the leading rows see no key: out 0,
     lse -inf) on the wgmma prefill, with the planner's splits and 3 forced ones (capped at the 2 key tiles
     of the longest block table row; partials merged)."""
-    use_wgmma(monkeypatch, splits)
+    use_wgmma(wgmma_variant, monkeypatch, splits)
     seq_lens, q_lens = [17, 0, 170, 3, 40, 9], [17, 3, 33, 7, 1, 70]
     kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=2, head_dim=128, block_size=16, dtype=f16, seed=13)
     query = make_query(sum(q_lens), 8, 128, f16, generator(14))
@@ -2009,10 +2031,10 @@ def test_wgmma_prefill_noncausal_and_more_queries_than_keys(emu, splits, causal,
 
 
 @pytest.mark.parametrize("splits", [None, 5, 128], ids=["planned", "split5", "split128"])
-def test_wgmma_prefill_long_context_splits(emu, splits, monkeypatch):
+def test_wgmma_prefill_long_context_splits(emu, splits, wgmma_variant, monkeypatch):
     """Chunks at the end of long contexts: few work items, so the planner splits the keys (its own count, 5,
     or 128: capped at the 17 key tiles, some splits empty), float32 partials merged by the merge kernel."""
-    use_wgmma(monkeypatch, splits)
+    use_wgmma(wgmma_variant, monkeypatch, splits)
     seq_lens, q_lens = [2100, 1], [6, 1]
     kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=1, head_dim=64, block_size=16, dtype=bf16, seed=41)
     query = make_query(sum(q_lens), 8, 64, bf16, generator(42))
@@ -2029,23 +2051,23 @@ WGMMA_DV_CONFIGS = {  # id: dtype, fp8, layout, Hq, Hkv, Dk, Dv, B
 
 
 @pytest.mark.parametrize("config", WGMMA_DV_CONFIGS.values(), ids=WGMMA_DV_CONFIGS.keys())
-def test_wgmma_prefill_value_head_dim(emu, config, monkeypatch):
+def test_wgmma_prefill_value_head_dim(emu, config, wgmma_variant, monkeypatch):
     """A value head dim other than the key's: K zero-filled past Dk and V past Dv (the padded dim of the
     larger), out Dv wide."""
     dtype, fp8, layout, hq, hkv, dk, dv, b = config
-    use_wgmma(monkeypatch)
+    use_wgmma(wgmma_variant, monkeypatch)
     kv, query, qsl = dv_case("varlen", [b + 1, 0, max(3 * b - 1, 37), 1, b, 150], dtype, fp8, layout, hq, hkv,
                              dk, dv, b)
     run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL)
 
 
 @pytest.mark.parametrize("d,hq,hkv,dtype", [(64, 2, 2, f16), (128, 4, 1, bf16)], ids=["f16-d64", "bf16-d128"])
-def test_wgmma_prefill_nonfinite(emu, d, hq, hkv, dtype, monkeypatch):
+def test_wgmma_prefill_nonfinite(emu, d, hq, hkv, dtype, wgmma_variant, monkeypatch):
     """test_paged_attention_nonfinite's prefill case on the wgmma kernel: a NaN key and an inf value on the
     causal diagonal of a key tile (the scalar P V of a partly visible tile whose V holds inf / NaN: rows
     before them stay finite), NaN / inf at the last position; plain, with a NaN sink, with an inf ALiBi slope
     and a window."""
-    use_wgmma(monkeypatch)
+    use_wgmma(wgmma_variant, monkeypatch)
     seq_lens = [70, 5]
     kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=d, block_size=16, dtype=dtype, seed=31)
     qsl = query_start_loc(seq_lens)
@@ -2064,10 +2086,31 @@ def test_wgmma_prefill_nonfinite(emu, d, hq, hkv, dtype, monkeypatch):
             assert out[:20].isfinite().all() and lse[:20].isfinite().all()
 
 
-def test_wgmma_prefill_out_of_range_block_ids_read_nothing(emu, monkeypatch):
+@pytest.mark.parametrize("d", [64, 128])
+def test_wgmma_prefill_nonfinite_tile_mid_loop(emu, d, wgmma_variant, monkeypatch):
+    """Tiles taking the non-finite fix-up first, in the middle and last in a CTA's loop (test_wgmma_prefill_nonfinite's
+    sequences fit in one key tile): a chunk of 300 queries at positions 100-399 of a 400-key sequence, MHA (128
+    queries per CTA: rows 100-227, 228-355, 356-399), inf values at keys 110 and 300 (kv head 0) and a NaN value
+    at key 240 (kv head 1). The first CTA fixes up its tile 0 (rows 100-109 do not see key 110) and its last
+    tile 1 (key 240 is past all its rows); the second its tile 1 (rows 228-239 do not see key 240), then tile
+    2 (key 300). In the overlapped loop a fix-up tile's zero P V runs with the next tile's S in flight. Rows
+    before key 110 stay finite; plain and with a 150-key window (window edges in tiles 0 / 1 / 2)."""
+    use_wgmma(wgmma_variant, monkeypatch)
+    kv = make_paged_kv(seq_lens=[400], num_kv_heads=2, head_dim=d, block_size=16, dtype=bf16, seed=81)
+    qsl = query_start_loc([300])
+    query = make_query(300, 2, d, bf16, generator(82))
+    _poke(kv.value_cache, kv.blocks[0], 400, 110, 0, 1, "+inf")
+    _poke(kv.value_cache, kv.blocks[0], 400, 300, 0, 6, "+inf")
+    _poke(kv.value_cache, kv.blocks[0], 400, 240, 1, 4, "nan")
+    for opts in ({}, dict(window_left=150)):
+        out, lse, _ = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL, **opts)
+        assert out[:10].isfinite().all() and not out[10:].isfinite().all() and lse.isfinite().all()
+
+
+def test_wgmma_prefill_out_of_range_block_ids_read_nothing(emu, wgmma_variant, monkeypatch):
     """test_paged_attention_out_of_range_block_ids_read_nothing on the wgmma producer: ids -1, N, INT32_MIN,
     INT32_MAX in visible blocks give zero rows, nothing read outside the caches (between NaN blocks)."""
-    use_wgmma(monkeypatch)
+    use_wgmma(wgmma_variant, monkeypatch)
     b, seq_lens = 16, [3 * 16 + 5, 2 * 16, 16 + 1]
     kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=2, head_dim=128, block_size=b, dtype=bf16, seed=71)
     n = kv.key_cache.shape[0]
@@ -2076,7 +2119,7 @@ def test_wgmma_prefill_out_of_range_block_ids_read_nothing(emu, monkeypatch):
     q_lens = [20, 1, 17]
     qsl = query_start_loc(q_lens)
     query = make_query(sum(q_lens), 8, 128, bf16, generator(72))
-    assert plan_of(emu, kv, query, qsl)["path"] == WGMMA_PREFILL
+    assert plan_of(emu, kv, query, qsl)["path"] == wgmma_path(wgmma_variant, 128)
     out, lse = emulated_paged_attention(emu, query, k, v, table, kv.seq_lens, qsl)
     zero = torch.zeros(1, *k.shape[1:], dtype=k.dtype)
     ref_out, ref_lse = reference.paged_attention(upcast(query), upcast(torch.cat([k, zero])),
@@ -2086,23 +2129,26 @@ def test_wgmma_prefill_out_of_range_block_ids_read_nothing(emu, monkeypatch):
     assert_close(lse, ref_lse, f32, msg="lse")
 
 
-def test_wgmma_prefill_plan_and_fallbacks(emu, monkeypatch):
-    """KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill takes the wgmma kernel (128 rows: q_tile x the group's heads,
-    128-key tiles for the split cap) where it applies; elsewhere the planner runs the wide prefill / the decode
-    or SIMT kernels, and with KVKERNELS_CUDA_WGMMA=require says why (docs/ops.md). Not a default."""
+def test_wgmma_prefill_plan_and_fallbacks(emu, wgmma_variant, monkeypatch):
+    """KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill (-overlap) takes the wgmma kernel (128 rows: q_tile x the group's
+    heads, 128-key tiles for the split cap) where it applies; elsewhere the planner runs the wide prefill / the
+    decode or SIMT kernels, and with KVKERNELS_CUDA_WGMMA=require says why (docs/ops.md). Not a default. The
+    overlapped loop at padded head dims 64 / 128 (16-bit and fp8 caches), the plain one at 256."""
+    wgmma = wgmma_path(wgmma_variant, 128)
     kv, query, qsl = make_case("varlen", [300, 7], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=128,
                                block_size=16, seed=45)
-    use_wgmma(monkeypatch, splits=None, require=False)
+    use_wgmma(wgmma_variant, monkeypatch, splits=None, require=False)
     plan = plan_of(emu, kv, query, qsl)
-    assert plan["path"] == WGMMA_PREFILL and plan["q_tile"] == 32 and plan["heads_per_cta"] == 4, plan
+    assert plan["path"] == wgmma and plan["q_tile"] == 32 and plan["heads_per_cta"] == 4, plan
     monkeypatch.setenv("KVKERNELS_CUDA_ATTN_SPLITS", "128")
     assert plan_of(emu, kv, query, qsl)["splits"] == -(-kv.block_tables.shape[1] * 16 // 128)
     monkeypatch.delenv("KVKERNELS_CUDA_ATTN_SPLITS")
-    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", "mma-decode-deep,wgmma-prefill")
-    assert plan_of(emu, kv, query, qsl)["path"] == WGMMA_PREFILL
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", "mma-decode-deep," + wgmma_variant)
+    assert plan_of(emu, kv, query, qsl)["path"] == wgmma
     monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH")
     assert plan_of(emu, kv, query, qsl)["path"] == MMA_PREFILL  # not the default
-    for bad in ("wgmma-prefill,mma-prefill-deep", "wgmma-prefill,wgmma-prefill", "wgmma"):
+    for bad in (wgmma_variant + ",mma-prefill-deep", wgmma_variant + "," + wgmma_variant, "wgmma",
+                "wgmma-prefill,wgmma-prefill-overlap", "wgmma-overlap"):
         monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", bad)
         with pytest.raises(RuntimeError, match=f"KVKERNELS_CUDA_ATTN_PATH={bad} is not one of"):
             plan_of(emu, kv, query, qsl)
@@ -2124,21 +2170,21 @@ def test_wgmma_prefill_plan_and_fallbacks(emu, monkeypatch):
     cases = {  # (kv, query, qsl) -> the path without require, the reason with it
         "decode": ((kv, decode_query, None), MMA_DECODE, None),  # (the decode kernel: the wgmma choice unread)
         "decode-gqa32": ((kv_gqa32, q_gqa32, None), MMA_PREFILL, "decode"),
-        "fp8": ((kv_fp8, q_fp8, qsl_fp8), WGMMA_PREFILL, None),
-        "d256": ((kv256, q256, qsl256), WGMMA_PREFILL, None),
+        "fp8": ((kv_fp8, q_fp8, qsl_fp8), wgmma_path(wgmma_variant, 64), None),
+        "d256": ((kv256, q256, qsl256), WGMMA_PREFILL, None),  # (no overlapped loop at 256: the plain one)
         "fp8-d256": ((kv256_fp8, q256_fp8, qsl256_fp8), MMA_PREFILL, "fp8 caches at head dims above 128"),
         "f32": ((kv32, q32, qsl32), SIMT, None),
         "unaligned": ((kvu, qu, qslu), MMA_PREFILL, "not 16-byte aligned"),
     }
     for name, ((k, q, s), path, reason) in cases.items():
-        use_wgmma(monkeypatch, require=False)
+        use_wgmma(wgmma_variant, monkeypatch, require=False)
         assert plan_of(emu, k, q, s)["path"] == path, name
         if reason:
-            use_wgmma(monkeypatch)
+            use_wgmma(wgmma_variant, monkeypatch)
             with pytest.raises(RuntimeError, match=f"KVKERNELS_CUDA_WGMMA=require: .*{reason}"):
                 plan_of(emu, k, q, s)
     # a part with less opt-in shared memory than the kernel's ~193 KiB
-    use_wgmma(monkeypatch)
+    use_wgmma(wgmma_variant, monkeypatch)
     monkeypatch.setenv("KVKERNELS_EMU_SMEM_OPTIN", str(160 * 1024))
     with pytest.raises(RuntimeError, match="less opt-in shared memory"):
         plan_of(emu, kv, query, qsl)
@@ -2146,11 +2192,11 @@ def test_wgmma_prefill_plan_and_fallbacks(emu, monkeypatch):
     kv_fp8_128, q_fp8_128, qsl_fp8_128 = make_case("varlen", [30, 7], dtype=bf16, num_heads=8, num_kv_heads=2,
                                                    head_dim=128, block_size=16, fp8="e5m2")
     monkeypatch.setenv("KVKERNELS_EMU_SMEM_OPTIN", str(200 * 1024))
-    assert plan_of(emu, kv, query, qsl)["path"] == WGMMA_PREFILL
+    assert plan_of(emu, kv, query, qsl)["path"] == wgmma
     with pytest.raises(RuntimeError, match="less opt-in shared memory"):
         plan_of(emu, kv_fp8_128, q_fp8_128, qsl_fp8_128)
     monkeypatch.setenv("KVKERNELS_EMU_SMEM_OPTIN", str(227 * 1024))
-    assert plan_of(emu, kv_fp8_128, q_fp8_128, qsl_fp8_128)["path"] == WGMMA_PREFILL
+    assert plan_of(emu, kv_fp8_128, q_fp8_128, qsl_fp8_128)["path"] == wgmma
 
 
 # ---------------------------------------------------------------------------------------------------

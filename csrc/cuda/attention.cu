@@ -22,7 +22,8 @@
 // tiles of 16 per warp, 128 rows per CTA, where has_tall_prefill(); elsewhere the wide one) /
 // `wgmma-prefill` (the sm_90a kernel of attention_sm90.cuh where wgmma_prefill_unsupported() finds no
 // reason against it, else the wide one; KVKERNELS_CUDA_WGMMA=require makes such a fallback an error
-// naming the reason) and `auto`; empty or `auto`: every default. A value names each kernel at most once; anything else is
+// naming the reason) / `wgmma-prefill-overlap` (the same kernel with intra-warpgroup overlap where
+// has_wgmma_overlap(), its non-overlapped loop elsewhere; the same fallbacks) and `auto`; empty or `auto`: every default. A value names each kernel at most once; anything else is
 // an error, so a misspelt A/B cannot time the same kernel twice.
 //
 // Split count: a function of the number of work items (from shapes), the longest context a block
@@ -107,7 +108,7 @@ bool kv_rows_aligned(const AttentionParams& p) {
 // KVKERNELS_CUDA_ATTN_PATH, parsed (see the top of this file).
 struct PathChoice {
   bool simt = false, decode_deep = false, decode_fp8_smem = false, decode_occ3 = false, decode_fused = false,
-       prefill_deep = false, prefill_tall = false, prefill_wgmma = false;
+       prefill_deep = false, prefill_tall = false, prefill_wgmma = false, wgmma_overlap = false;
 };
 
 PathChoice path_choice() {
@@ -131,6 +132,7 @@ PathChoice path_choice() {
     else if (item == "mma-prefill-deep") c.prefill_deep = true, ++prefill;
     else if (item == "mma-prefill-tall") c.prefill_tall = true, ++prefill;
     else if (item == "wgmma-prefill") c.prefill_wgmma = true, ++prefill;
+    else if (item == "wgmma-prefill-overlap") c.prefill_wgmma = c.wgmma_overlap = true, ++prefill;
     else if (item != "auto") ok = false;
     if (comma == std::string::npos) break;
     at = comma + 1;
@@ -143,7 +145,7 @@ PathChoice path_choice() {
                              "mma-decode-wide / mma-decode-deep / mma-decode-fp8-smem / mma-decode-occ3 / "
                              "mma-decode-fused and one of "
                              "mma-prefill-wide / mma-prefill-tall / "
-                             "mma-prefill-deep / wgmma-prefill");
+                             "mma-prefill-deep / wgmma-prefill / wgmma-prefill-overlap");
   return c;
 }
 
@@ -245,7 +247,8 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
     if (choice.prefill_wgmma) {
       const char* why = wgmma_prefill_unsupported(p, device);
       const char* req = std::getenv("KVKERNELS_CUDA_WGMMA");
-      if (why == nullptr) path = Path::kWgmmaPrefill;
+      if (why == nullptr)
+        path = choice.wgmma_overlap && has_wgmma_overlap(plan.dpad) ? Path::kWgmmaPrefillOverlap : Path::kWgmmaPrefill;
       else if (req != nullptr && std::string(req) == "require")
         throw std::runtime_error(std::string("kvkernels.paged_attention (CUDA): KVKERNELS_CUDA_WGMMA=require: the "
                                              "wgmma prefill cannot run this call: ") + why);
@@ -283,7 +286,7 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
     splits = choose_splits(items, max_tiles, std::max<int64_t>(1, slots), most);
   } else if (items > 0) {
     // (the wgmma prefill holds one CTA per SM: ~190 KiB of shared memory)
-    const int64_t target = int64_t(dev.sm_count) * (path == Path::kWgmmaPrefill ? 1 : kCtasPerSm);
+    const int64_t target = int64_t(dev.sm_count) * (is_wgmma_prefill(path) ? 1 : kCtasPerSm);
     if (items < target) splits = std::min((target + items - 1) / items, most);
   }
   splits = std::max<int64_t>(1, std::min<int64_t>({splits, kMaxSplits, max_tiles}));
@@ -331,9 +334,10 @@ void launch_paged_attention(const AttentionParams& p, const LaunchPlan& plan, fl
                   static_cast<unsigned>(plan.grid_z));
   const Path path = static_cast<Path>(plan.path);
   cudaError_t err;
-  if (path == Path::kWgmmaPrefill) {
-    err = p.q_format == FloatFormat::kFloat16 ? launch_attention_sm90_f16(a, plan.dpad, grid, stream)
-                                              : launch_attention_sm90_bf16(a, plan.dpad, grid, stream);
+  if (is_wgmma_prefill(path)) {
+    const bool overlap = path == Path::kWgmmaPrefillOverlap;
+    err = p.q_format == FloatFormat::kFloat16 ? launch_attention_sm90_f16(a, plan.dpad, overlap, grid, stream)
+                                              : launch_attention_sm90_bf16(a, plan.dpad, overlap, grid, stream);
   } else switch (p.q_format) {
     case FloatFormat::kFloat16: err = launch_attention_f16(a, path, plan.dpad, grid, stream); break;
     case FloatFormat::kBFloat16: err = launch_attention_bf16(a, path, plan.dpad, grid, stream); break;

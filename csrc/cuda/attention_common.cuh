@@ -75,6 +75,10 @@ enum class Path : int {
                         // with splits, merges a work item's partials in the last of its CTAs to finish (an
                         // arrival counter per item in the workspace, zeroed before the launch) instead of a
                         // merge kernel. Opt-in (KVKERNELS_CUDA_ATTN_PATH=mma-decode-fused), not yet run on a GPU
+  kWgmmaPrefillOverlap = 10,  // the same kernel with intra-warpgroup overlap (S of tile j + 1 issued
+                             // before the softmax of tile j ends: two S accumulators; attention_sm90.cuh,
+                             // OVERLAP); opt-in (KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill-overlap) for the
+                             // A/B, where has_wgmma_overlap(); elsewhere kWgmmaPrefill. Not yet run on a GPU
 };
 
 // Everything a kernel needs: the validated params and the host-side plan.
@@ -154,9 +158,19 @@ __host__ __device__ constexpr bool is_mma_prefill(Path path) {
   return path == Path::kMmaPrefill || path == Path::kMmaPrefillDeep || path == Path::kMmaPrefillTall;
 }
 
+// The sm_90a wgmma prefill, with or without intra-warpgroup overlap (one kernel, attention_sm90.cuh).
+__host__ __device__ constexpr bool is_wgmma_prefill(Path path) {
+  return path == Path::kWgmmaPrefill || path == Path::kWgmmaPrefillOverlap;
+}
+
+// Does the wgmma prefill's overlapped loop exist at this padded head dim? 64 / 128 (every cache format).
+// At 256 the consumers would hold O (128 floats), S (32) and P in flight (16) at once; the planner runs
+// the non-overlapped loop there (csrc/cuda/README.md, "Intra-warpgroup overlap").
+__host__ __device__ constexpr bool has_wgmma_overlap(int dpad) { return dpad <= 128; }
+
 // Rows (query x head pairs) per CTA.
 __host__ __device__ constexpr int rows_of(Path path) {
-  return path == Path::kMmaPrefillTall || path == Path::kWgmmaPrefill ? 128 : is_mma_prefill(path) ? 64 : 16;
+  return path == Path::kMmaPrefillTall || is_wgmma_prefill(path) ? 128 : is_mma_prefill(path) ? 64 : 16;
 }
 
 // Does the tall prefill exist for this cache format and padded head dim? 16-bit caches at head dims
@@ -194,7 +208,7 @@ __host__ __device__ constexpr int mma_wn(Path path, int dpad) {
 __host__ __device__ constexpr int sm90_key_tile(int dpad) { return dpad == 256 ? 64 : 128; }
 
 __host__ __device__ constexpr int key_tile_of(Path path, int dpad) {
-  return path == Path::kWgmmaPrefill      ? sm90_key_tile(dpad)
+  return is_wgmma_prefill(path)           ? sm90_key_tile(dpad)
          : path == Path::kSimt            ? (dpad == 256 ? 16 : 32)
          : is_mma_decode(path)            ? 16 * mma_wn(path, dpad)
          : path == Path::kMmaPrefillDeep ? 64 * 64 / dpad  // 16 KiB of 16-bit K + V
@@ -203,7 +217,7 @@ __host__ __device__ constexpr int key_tile_of(Path path, int dpad) {
 }
 
 __host__ __device__ constexpr int threads_of(Path path, int dpad) {
-  return path == Path::kWgmmaPrefill ? 384 : path == Path::kSimt ? 128 : 32 * mma_wm(path) * mma_wn(path, dpad);
+  return is_wgmma_prefill(path) ? 384 : path == Path::kSimt ? 128 : 32 * mma_wm(path) * mma_wn(path, dpad);
 }
 
 // Pipeline depth: as many stages as fit in 64 KiB next to the conversion buffer, 2 to 4.
@@ -963,15 +977,16 @@ cudaError_t launch_attention_bf16(const AttnArgs& a, Path path, int dpad, dim3 g
 // The Hopper wgmma prefill (attention_sm90_{bf16,f16}.cu: 16-bit caches of the query dtype;
 // attention_sm90_{bf16,f16}_fp8.cu: e4m3 / e5m2 caches; padded head dims 64 / 128 / 256, fp8 at 64 /
 // 128 only): whether this build
-// has its sm_90a code for the cache format `cf`, and its launch (the format is a.p.kv.format).
+// has its sm_90a code for the cache format `cf`, and its launch (the format is a.p.kv.format; `overlap`:
+// the intra-warpgroup overlapped loop, Path::kWgmmaPrefillOverlap, where has_wgmma_overlap(dpad)).
 bool sm90_prefill_available_bf16(int dpad, CacheFormat cf);
 bool sm90_prefill_available_f16(int dpad, CacheFormat cf);
 bool sm90_prefill_available_bf16_fp8(int dpad, CacheFormat cf);
 bool sm90_prefill_available_f16_fp8(int dpad, CacheFormat cf);
-cudaError_t launch_attention_sm90_bf16(const AttnArgs& a, int dpad, dim3 grid, cudaStream_t stream);
-cudaError_t launch_attention_sm90_f16(const AttnArgs& a, int dpad, dim3 grid, cudaStream_t stream);
-cudaError_t launch_attention_sm90_bf16_fp8(const AttnArgs& a, int dpad, dim3 grid, cudaStream_t stream);
-cudaError_t launch_attention_sm90_f16_fp8(const AttnArgs& a, int dpad, dim3 grid, cudaStream_t stream);
+cudaError_t launch_attention_sm90_bf16(const AttnArgs& a, int dpad, bool overlap, dim3 grid, cudaStream_t stream);
+cudaError_t launch_attention_sm90_f16(const AttnArgs& a, int dpad, bool overlap, dim3 grid, cudaStream_t stream);
+cudaError_t launch_attention_sm90_bf16_fp8(const AttnArgs& a, int dpad, bool overlap, dim3 grid, cudaStream_t stream);
+cudaError_t launch_attention_sm90_f16_fp8(const AttnArgs& a, int dpad, bool overlap, dim3 grid, cudaStream_t stream);
 cudaError_t launch_merge_f32(const AttnArgs& a, cudaStream_t stream);
 cudaError_t launch_merge_f16(const AttnArgs& a, cudaStream_t stream);
 cudaError_t launch_merge_bf16(const AttnArgs& a, cudaStream_t stream);

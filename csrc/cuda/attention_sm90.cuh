@@ -17,7 +17,9 @@
 //     fragments, O += P V (KT / 16 wgmma m64nDPADk16 with A = P from registers and B = V from shared
 //     memory, N-major), fp32 accumulators. The two consumers issue their S products in turns (named
 //     barriers 1 and 2, "ping-pong"): one's softmax runs while the other's product occupies the
-//     tensor cores.
+//     tensor cores. OVERLAP = true (Path::kWgmmaPrefillOverlap, padded head dims 64 / 128): the same
+//     steps in FlashAttention-3's intra-warpgroup overlap, the turn of tile j issuing S_j and then
+//     P_{j-1} V_{j-1}, the softmax of tile j running while that P V is in flight (the loops below).
 // Shared memory tiles (Q, K, V) are [DPAD / 64 column blocks][rows][128 bytes], 16-byte chunk c of row
 // r at (c ^ (r % 8)) * 16 in its row: the 128B-swizzle canonical layout, 1024-byte aligned (the base
 // is aligned at run time: nothing guarantees where dynamic shared memory starts). K-major for Q and K
@@ -89,10 +91,12 @@ __device__ __forceinline__ uint32_t sw128_elem(int r, int col) {
   return sw128_off<ROWS_>(r, col >> 3) + uint32_t((col & 7) * 2);
 }
 
-template <typename T, CacheFormat CF, int DPAD>
+// OVERLAP: the consumers' loop with intra-warpgroup overlap (Path::kWgmmaPrefillOverlap; the loops below).
+template <typename T, CacheFormat CF, int DPAD, bool OVERLAP>
 __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_constant__ AttnArgs a) {
 #if KVK_SM90_PTX || defined(KVKERNELS_CUDA_EMU)
   using C = Sm90Cfg<T, CF, DPAD>;
+  static_assert(!OVERLAP || has_wgmma_overlap(DPAD), "the overlapped loop's head dims");
   namespace s9 = ::kvkernels::sm90;
   constexpr int KT = C::KT, STAGES = C::STAGES;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -266,13 +270,19 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
   s9::fence_proxy_async();  // the generic-proxy stores, before wgmma reads them
   s9::named_bar_sync(3 + wg, 128);
 
-  // This thread's rows: 16 wq + g + 8 h of the warpgroup's 64 (the accumulator layout).
-  RowId rid[2];
+  // This thread's rows: 16 wq + g + 8 h of the warpgroup's 64 (the accumulator layout). The loop keeps
+  // only their positions and validity (the epilogue recomputes the rest: fewer registers held across
+  // the loop, which the overlapped loop needs).
+  auto my_row = [&](int h) { return row_id(a, w, row_base + 16 * wq + g + 8 * h); };
+  int rpos[2];
+  bool rvalid[2];
   float slope[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    rid[h] = row_id(a, w, row_base + 16 * wq + g + 8 * h);
-    slope[h] = (p.alibi_slopes && rid[h].valid) ? p.alibi_slopes[rid[h].head] : 0.0f;
+    const RowId id = my_row(h);
+    rpos[h] = id.pos;
+    rvalid[h] = id.valid;
+    slope[h] = (p.alibi_slopes && id.valid) ? p.alibi_slopes[id.head] : 0.0f;
   }
   // k_scale on the logits, v_scale on the output (the mma.sync kernels' order); fp8_unit: what one unit
   // of a dequantized value is worth (1 on sm_90a, whose e4m3 conversion is the cvt instruction).
@@ -288,20 +298,17 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
   float m2[2] = {-INFINITY, -INFINITY}, dsum[2] = {0.0f, 0.0f};
   const uint64_t dq0 = s9::make_desc(sQ + uint32_t(row_base * 128), 16, 1024, s9::Swizzle::k128B);
   int nscan = 0;
-  // Ping-pong: consumer 0 issues its S product first (barrier 1 is its turn, 2 consumer 1's).
-  if (wg == 1 && ntiles > 0) s9::named_bar_arrive(1, 256);
 
-  for (int it = 0; it < ntiles; ++it) {
-    const int s = it % STAGES;
-    const uint32_t phase = uint32_t(it / STAGES) & 1u;
-    const int k0 = (w.tile_begin + it) * KT;
+  // ---- the steps of one key tile, shared by the two loops below -------------------------------
+  using SAcc = float[KT / 2];            // S of one tile (64 x KT per warpgroup)
+  using PFrag = uint32_t[KT / 16][4];    // P of one tile as the A fragments of P V's KT / 16 k-steps
+  auto phase_of = [&](int it) { return uint32_t(it / STAGES) & 1u; };
+  auto key0_of = [&](int it) { return (w.tile_begin + it) * KT; };
 
-    // S = Q K^T (64 x KT per warpgroup)
-    float sacc[KT / 2];
-    s9::mbar_wait(full_k(s), phase);
-    s9::fence_proxy_async();
-    s9::named_bar_sync(1 + wg, 256);
-    const uint64_t dk0 = s9::make_desc(sK(s), 16, 1024, s9::Swizzle::k128B);
+  // S = Q K^T of tile `it` into sacc: issued and committed, not waited for. The caller has waited for
+  // the stage's K (full_k) and holds the ping-pong turn.
+  auto issue_s = [&](int it, SAcc& sacc) {
+    const uint64_t dk0 = s9::make_desc(sK(it % STAGES), 16, 1024, s9::Swizzle::k128B);
     s9::fence_regs(sacc);
     s9::wgmma_fence();
 #pragma unroll
@@ -311,12 +318,18 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
                                 s9::desc_add(dk0, uint32_t((kk >> 2) * KT * 128 + (kk & 3) * 32)), kk > 0 ? 1 : 0);
     }
     s9::wgmma_commit();
-    if (!(wg == 1 && it == ntiles - 1)) s9::named_bar_arrive(2 - wg, 256);  // the other consumer's turn
-    s9::wgmma_wait<0>();
-    s9::fence_regs(sacc);
+  };
+  auto wait_k = [&](int it) {
+    s9::mbar_wait(full_k(it % STAGES), phase_of(it));
+    s9::fence_proxy_async();
+  };
 
-    // Logits (log2 units, masked) and the online softmax of both rows (as the mma.sync kernels: the
-    // accumulator of row h, column 8 i + 2 t4 + e is sacc[4 i + 2 h + e]).
+  // Logits of tile `it` (log2 units, masked) and the online softmax of both rows (as the mma.sync
+  // kernels: the accumulator of row h, column 8 i + 2 t4 + e is sacc[4 i + 2 h + e]): sacc becomes the
+  // unnormalized weights, m2 / dsum move on; alpha[h] is what O must be multiplied by before this
+  // tile's P V is added, and the result says whether any row of the warp needs it (alpha != 1).
+  auto softmax = [&](int it, SAcc& sacc, float (&alpha)[2]) -> bool {
+    const int k0 = key0_of(it);
     const bool need_mask = tile_needs_mask(w, k0, KT, ops);
     if (ops.plain && !need_mask) {
 #pragma unroll
@@ -327,7 +340,7 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = k0 + i * 8 + 2 * t4 + (e & 1);
-          const int pos = rid[e >> 1].pos;
+          const int pos = rpos[e >> 1];
           float x = sacc[4 * i + e];
           if (ops.plain) {
             x *= plain_mul;
@@ -339,7 +352,6 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
         }
       }
     }
-    float alpha[2];
     bool rescale = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -362,16 +374,18 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
       }
       dsum[h] = dsum[h] * alpha[h] + sum;  // per-thread partial; the quad sums at the end
     }
-    if (__any_sync(0xffffffffu, rescale)) {
+    return __any_sync(0xffffffffu, rescale) != 0;
+  };
+  auto rescale_o = [&](const float (&alpha)[2]) {
 #pragma unroll
-      for (int i = 0; i < DPAD / 8; ++i) {
-        o[4 * i] *= alpha[0], o[4 * i + 1] *= alpha[0];
-        o[4 * i + 2] *= alpha[1], o[4 * i + 3] *= alpha[1];
-      }
+    for (int i = 0; i < DPAD / 8; ++i) {
+      o[4 * i] *= alpha[0], o[4 * i + 1] *= alpha[0];
+      o[4 * i + 2] *= alpha[1], o[4 * i + 3] *= alpha[1];
     }
-    // P (rounded to T) as the A fragments of the KT / 16 k-steps of P V: the S accumulators of n8
-    // blocks 2 kk and 2 kk + 1 (the mma.sync A layout per warp, rows 16 wq ..).
-    uint32_t pa[KT / 16][4];
+  };
+  // P (rounded to T) as the A fragments of P V: the S accumulators of n8 blocks 2 kk and 2 kk + 1 (the
+  // mma.sync A layout per warp, rows 16 wq ..).
+  auto pack_p = [&](const SAcc& sacc, PFrag& pa) {
 #pragma unroll
     for (int kk = 0; kk < KT / 16; ++kk) {
       pa[kk][0] = pack2<T>(sacc[8 * kk + 0], sacc[8 * kk + 1]);
@@ -379,93 +393,214 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
       pa[kk][2] = pack2<T>(sacc[8 * kk + 4], sacc[8 * kk + 5]);
       pa[kk][3] = pack2<T>(sacc[8 * kk + 6], sacc[8 * kk + 7]);
     }
+  };
 
-    // O += P V
-    s9::mbar_wait(full_v(s), phase);
+  // Waits for the V of tile `it` and says whether its P V must take the scalar path. A tile whose keys
+  // some rows see and others do not (the causal diagonal, a window's edge) with an inf / NaN value:
+  // 0 * inf in the tensor product would reach rows that do not see the key, so such a tile (rare: V
+  // must hold a non-finite value) takes the scalar product instead. The decision is the warpgroup's
+  // (the wgmma is a warpgroup instruction): a scan of the V tile, the warps' results through shared
+  // memory (double-buffered by scan).
+  auto wait_v_needs_fixup = [&](int it) -> bool {
+    const int s = it % STAGES;
+    s9::mbar_wait(full_v(s), phase_of(it));
     s9::fence_proxy_async();
-    // A tile whose keys some rows see and others do not (the causal diagonal, a window's edge) with
-    // an inf / NaN value: 0 * inf in the tensor product would reach rows that do not see the key, so
-    // such a tile (rare: V must hold a non-finite value) takes the scalar product below instead. The
-    // decision is the warpgroup's (the wgmma is a warpgroup instruction): a scan of the V tile, the
-    // warps' results through shared memory (double-buffered by scan).
-    bool fix = false;
-    if (need_mask && w.nq > 1) {
-      const unsigned char* tv = smem + (sV(s) - base);
-      uint32_t any = 0u;
-      for (int i = wt; i < KT * C::CPR; i += 128) {
-        const uint4 u = reinterpret_cast<const uint4*>(tv)[i];
-        any |= nonfinite2<T>(u.x) | nonfinite2<T>(u.y) | nonfinite2<T>(u.z) | nonfinite2<T>(u.w);
-      }
-      const int warp_any = __any_sync(0xffffffffu, any != 0u);
-      if (lane == 0) nf_flags[wg][nscan & 1][wq] = warp_any;
-      s9::named_bar_sync(3 + wg, 128);
-      fix = (nf_flags[wg][nscan & 1][0] | nf_flags[wg][nscan & 1][1] | nf_flags[wg][nscan & 1][2] |
-             nf_flags[wg][nscan & 1][3]) != 0;
-      ++nscan;
+    if (!(tile_needs_mask(w, key0_of(it), KT, ops) && w.nq > 1)) return false;
+    const unsigned char* tv = smem + (sV(s) - base);
+    uint32_t any = 0u;
+    for (int i = wt; i < KT * C::CPR; i += 128) {
+      const uint4 u = reinterpret_cast<const uint4*>(tv)[i];
+      any |= nonfinite2<T>(u.x) | nonfinite2<T>(u.y) | nonfinite2<T>(u.z) | nonfinite2<T>(u.w);
     }
-    if (!fix) {
-      const uint64_t dv0 = s9::make_desc(sV(s), uint32_t(KT * 128), 1024, s9::Swizzle::k128B);
-      s9::fence_regs(o);
-      s9::wgmma_fence();
-      if constexpr (DPAD <= 128) {
+    const int warp_any = __any_sync(0xffffffffu, any != 0u);
+    if (lane == 0) nf_flags[wg][nscan & 1][wq] = warp_any;
+    s9::named_bar_sync(3 + wg, 128);
+    const bool fix = (nf_flags[wg][nscan & 1][0] | nf_flags[wg][nscan & 1][1] | nf_flags[wg][nscan & 1][2] |
+                      nf_flags[wg][nscan & 1][3]) != 0;
+    ++nscan;
+    return fix;
+  };
+
+  // O += P B by wgmma, B from the N-major descriptor dv0 (k16 step kk at kk x step, 64-value column
+  // blocks lbo apart): V of a stage (step 2048, lbo KT x 128), or the overlapped loop's zeros (step 0).
+  // Issued and committed, not waited for (wgmma_wait, then pv_done).
+  auto issue_pv_desc = [&](uint64_t dv0, uint32_t step, uint32_t lbo, PFrag& pa) {
+    s9::fence_regs(o);
+    s9::wgmma_fence();
+    if constexpr (DPAD <= 128) {
 #pragma unroll
-        for (int kk = 0; kk < KT / 16; ++kk) s9::wgmma_rs<DPAD, T, 1>(o, pa[kk], s9::desc_add(dv0, kk * 2048), 1);
-      } else {
-        // 256 output columns as two m64n128k16 products per k-step (the wrappers stop at n128): half h
-        // reads V's column blocks 2 h, 2 h + 1 (2 LBO = 2 KT x 128 bytes on) into o[64 h ..], which in
-        // the accumulator layout are exactly the n256 fragment's columns 128 h .. (o[4 i + ..] is column
-        // 8 i + ..), so the softmax rescale and the epilogue index o as at the other head dims.
-        float(&o_lo)[64] = *reinterpret_cast<float(*)[64]>(&o[0]);
-        float(&o_hi)[64] = *reinterpret_cast<float(*)[64]>(&o[64]);
-#pragma unroll
-        for (int kk = 0; kk < KT / 16; ++kk) {
-          s9::wgmma_rs<128, T, 1>(o_lo, pa[kk], s9::desc_add(dv0, kk * 2048), 1);
-          s9::wgmma_rs<128, T, 1>(o_hi, pa[kk], s9::desc_add(dv0, kk * 2048 + 2 * KT * 128), 1);
-        }
-      }
-      s9::wgmma_commit();
-      s9::wgmma_wait<0>();
-      s9::fence_regs(o);
-#pragma unroll
-      for (int kk = 0; kk < KT / 16; ++kk) s9::fence_regs(pa[kk]);
+      for (int kk = 0; kk < KT / 16; ++kk) s9::wgmma_rs<DPAD, T, 1>(o, pa[kk], s9::desc_add(dv0, kk * step), 1);
     } else {
-      // Scalar P V over the keys each row sees: P (already rounded) through shared memory, V read
-      // from the stage; every thread its own output elements.
-      unsigned char* sp = smem + C::P_OFF + wg * C::WG_ROWS * KT * 2;
+      // 256 output columns as two m64n128k16 products per k-step (the wrappers stop at n128): half h
+      // reads B's column blocks 2 h, 2 h + 1 (2 lbo on) into o[64 h ..], which in the accumulator
+      // layout are exactly the n256 fragment's columns 128 h .. (o[4 i + ..] is column 8 i + ..), so
+      // the softmax rescale and the epilogue index o as at the other head dims.
+      float(&o_lo)[64] = *reinterpret_cast<float(*)[64]>(&o[0]);
+      float(&o_hi)[64] = *reinterpret_cast<float(*)[64]>(&o[64]);
 #pragma unroll
       for (int kk = 0; kk < KT / 16; ++kk) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int r = 16 * wq + g + 8 * (j & 1), key = 16 * kk + 8 * (j >> 1) + 2 * t4;
-          *reinterpret_cast<uint32_t*>(sp + (r * KT + key) * 2) = pa[kk][j];
-        }
+        s9::wgmma_rs<128, T, 1>(o_lo, pa[kk], s9::desc_add(dv0, kk * step), 1);
+        s9::wgmma_rs<128, T, 1>(o_hi, pa[kk], s9::desc_add(dv0, kk * step + 2 * lbo), 1);
       }
-      s9::named_bar_sync(3 + wg, 128);
-      const unsigned char* tv = smem + (sV(s) - base);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (!rid[h].valid) continue;
-        const int r = 16 * wq + g + 8 * h;
-#pragma unroll
-        for (int i = 0; i < DPAD / 8; ++i) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int c = 8 * i + 2 * t4 + e;
-            if (c >= dv) continue;
-            float acc = 0.0f;
-            for (int kl = 0; kl < KT; ++kl) {
-              if (!key_visible(k0 + kl, rid[h].pos, ops)) continue;
-              const uint16_t pb = *reinterpret_cast<const uint16_t*>(sp + (r * KT + kl) * 2);
-              const uint16_t vb16 = *reinterpret_cast<const uint16_t*>(tv + sw128_elem<KT>(kl, c));
-              acc += bits16_to_float<T>(pb) * bits16_to_float<T>(vb16);
-            }
-            o[4 * i + 2 * h + e] += acc;
-          }
-        }
-      }
-      s9::named_bar_sync(3 + wg, 128);  // the P buffer is read before a later fix-up rewrites it
     }
-    s9::mbar_arrive(empty(s));  // this thread is done with the stage
+    s9::wgmma_commit();
+  };
+  constexpr uint32_t kVLbo = KT * 128;
+  auto v_desc = [&](int it) { return s9::make_desc(sV(it % STAGES), kVLbo, 1024, s9::Swizzle::k128B); };
+  auto issue_pv = [&](int it, PFrag& pa) { issue_pv_desc(v_desc(it), 2048u, kVLbo, pa); };
+  // After the wgmma_wait that completed a P V: its accumulators readable, its A registers reusable.
+  auto pv_done = [&](PFrag& pa) {
+    s9::fence_regs(o);
+#pragma unroll
+    for (int kk = 0; kk < KT / 16; ++kk) s9::fence_regs(pa[kk]);
+  };
+  // The non-finite fix-up's P V of tile `it` in scalar code over the keys each row sees: P (already
+  // rounded) through shared memory, V read from the stage; every thread its own output elements.
+  auto scalar_pv = [&](int it, const PFrag& pa) {
+    const int k0 = key0_of(it);
+    unsigned char* sp = smem + C::P_OFF + wg * C::WG_ROWS * KT * 2;
+#pragma unroll
+    for (int kk = 0; kk < KT / 16; ++kk) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int r = 16 * wq + g + 8 * (j & 1), key = 16 * kk + 8 * (j >> 1) + 2 * t4;
+        *reinterpret_cast<uint32_t*>(sp + (r * KT + key) * 2) = pa[kk][j];
+      }
+    }
+    s9::named_bar_sync(3 + wg, 128);
+    const unsigned char* tv = smem + (sV(it % STAGES) - base);
+    // Key by key, straight into O (few registers beyond O: the overlapped loop runs this with P of the
+    // tile live); a key a row does not see is skipped, not multiplied by 0. (Columns past Dv: zeros,
+    // never written out.)
+    const unsigned char* p0 = sp + (16 * wq + g) * KT * 2;
+    const unsigned char* p1 = p0 + 8 * KT * 2;
+#pragma unroll 1
+    for (int kl = 0; kl < KT; ++kl) {
+      const bool see0 = rvalid[0] && key_visible(k0 + kl, rpos[0], ops);
+      const bool see1 = rvalid[1] && key_visible(k0 + kl, rpos[1], ops);
+      if (!see0 && !see1) continue;
+      const float w0 = bits16_to_float<T>(*reinterpret_cast<const uint16_t*>(p0 + kl * 2));
+      const float w1 = bits16_to_float<T>(*reinterpret_cast<const uint16_t*>(p1 + kl * 2));
+#pragma unroll
+      for (int i = 0; i < DPAD / 8; ++i) {
+        const uint32_t vv = *reinterpret_cast<const uint32_t*>(tv + sw128_elem<KT>(kl, 8 * i + 2 * t4));
+        const float v0 = bits16_to_float<T>(uint16_t(vv & 0xffffu)), v1 = bits16_to_float<T>(uint16_t(vv >> 16));
+        if (see0) o[4 * i] += w0 * v0, o[4 * i + 1] += w0 * v1;
+        if (see1) o[4 * i + 2] += w1 * v0, o[4 * i + 3] += w1 * v1;
+      }
+    }
+    s9::named_bar_sync(3 + wg, 128);  // the P buffer is read before a later fix-up rewrites it
+  };
+
+  // Ping-pong: the consumers issue their tensor-core work in turns (barrier 1 is consumer 0's turn, 2
+  // consumer 1's); consumer 0 goes first. Each takes ntiles turns, and each turn but consumer 1's last
+  // hands the next one to the other consumer.
+  if (wg == 1 && ntiles > 0) s9::named_bar_arrive(1, 256);
+  auto turn_begin = [&]() { s9::named_bar_sync(1 + wg, 256); };
+  auto turn_end = [&](int it) {
+    if (!(wg == 1 && it == ntiles - 1)) s9::named_bar_arrive(2 - wg, 256);
+  };
+
+  if constexpr (!OVERLAP) {
+    // Per tile: S (in the turn), its softmax, then P V, each product waited for right after its issue.
+    for (int it = 0; it < ntiles; ++it) {
+      SAcc sacc;
+      wait_k(it);
+      turn_begin();
+      issue_s(it, sacc);
+      turn_end(it);
+      s9::wgmma_wait<0>();
+      s9::fence_regs(sacc);
+      float alpha[2];
+      if (softmax(it, sacc, alpha)) rescale_o(alpha);
+      PFrag pa;
+      pack_p(sacc, pa);
+      if (!wait_v_needs_fixup(it)) {
+        issue_pv(it, pa);
+        s9::wgmma_wait<0>();
+        pv_done(pa);
+      } else {
+        scalar_pv(it, pa);
+      }
+      s9::mbar_arrive(empty(it % STAGES));  // this thread is done with the stage
+    }
+  } else {
+    // Intra-warpgroup overlap (FlashAttention-3's): the turn of tile it issues S of tile it and then
+    // P V of tile it - 1 (two commit groups, in that order); the softmax of tile it runs once S has
+    // completed (wgmma_wait<1>: every group but the newest, the P V) while that P V still occupies the
+    // tensor cores. Two tiles are live: S of tile it in sacc, P of tile it - 1 in pa (read by the P V
+    // in flight). O is rescaled by tile it's alpha only after that P V completed (it adds tile it - 1's
+    // weights, in the previous maximum's units), and tile it - 1's stage is released then. Tile 0's S
+    // comes before the loop, the last tile's P V after it.
+    //
+    // Every path issues the same wgmma in the same order: ptxas serializes every wgmma of a kernel
+    // whose accumulators might be in flight on one side of a branch and not on the other (C7518). So
+    // a tile needing the non-finite fix-up adds its P V in scalar code as soon as its V is scanned
+    // (nothing in flight then) and its P V wgmma is still issued, with A = 0 and B a zeroed part of this
+    // consumer's fix-up buffer: it adds exactly +0.
+    unsigned char* const zero_b = smem + C::P_OFF + wg * C::WG_ROWS * KT * 2;  // 16 keys x DPAD, N-major
+    constexpr uint32_t kZeroBytes = DPAD / 64 * 2048;
+    static_assert(kZeroBytes <= C::WG_ROWS * KT * 2, "the zeros fit in the consumer's fix-up buffer");
+    const uint64_t zero_desc = s9::make_desc(base + uint32_t(zero_b - smem), 2048, 1024, s9::Swizzle::k128B);
+    auto zero_fill = [&]() {
+      for (uint32_t i = uint32_t(wt) * 16; i < kZeroBytes; i += 128 * 16)
+        *reinterpret_cast<uint4*>(zero_b + i) = make_uint4(0u, 0u, 0u, 0u);
+      s9::fence_proxy_async();  // generic-proxy stores, before a wgmma reads them
+      s9::named_bar_sync(3 + wg, 128);
+    };
+    zero_fill();
+    PFrag pa;  // P of the previous tile (all 0 when its P V was added by the fix-up)
+    bool prev_fix = false;
+    // After tile it's softmax (nothing in flight): P, its V waited for and scanned; the fix-up.
+    auto finish_tile = [&](int it, const SAcc& sacc) {
+      pack_p(sacc, pa);
+      prev_fix = wait_v_needs_fixup(it);
+      if (prev_fix) {
+        scalar_pv(it, pa);
+        zero_fill();  // (scalar_pv wrote P over the zeros)
+#pragma unroll
+        for (int kk = 0; kk < KT / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+      }
+    };
+    // P V of tile it by wgmma: V from its stage, or the zeros after a fix-up.
+    auto issue_pv_or_zero = [&](int it) {
+      issue_pv_desc(prev_fix ? zero_desc : v_desc(it), prev_fix ? 0u : 2048u, prev_fix ? 2048u : kVLbo, pa);
+    };
+    if (ntiles > 0) {
+      SAcc sacc;
+      wait_k(0);
+      turn_begin();
+      issue_s(0, sacc);
+      turn_end(0);
+      s9::wgmma_wait<0>();
+      s9::fence_regs(sacc);
+      float alpha[2];
+      softmax(0, sacc, alpha);  // (O is 0: nothing to rescale)
+      finish_tile(0, sacc);
+    }
+    for (int it = 1; it < ntiles; ++it) {
+      SAcc sacc;
+      wait_k(it);
+      turn_begin();
+      issue_s(it, sacc);
+      issue_pv_or_zero(it - 1);
+      turn_end(it);
+      s9::wgmma_wait<1>();  // S of tile it
+      s9::fence_regs(sacc);
+      float alpha[2];
+      const bool rescale = softmax(it, sacc, alpha);
+      s9::wgmma_wait<0>();  // P V of tile it - 1
+      pv_done(pa);
+      s9::mbar_arrive(empty((it - 1) % STAGES));  // done with tile it - 1's stage
+      if (rescale) rescale_o(alpha);
+      finish_tile(it, sacc);
+    }
+    if (ntiles > 0) {
+      issue_pv_or_zero(ntiles - 1);
+      s9::wgmma_wait<0>();
+      pv_done(pa);
+      s9::mbar_arrive(empty((ntiles - 1) % STAGES));
+    }
   }
 
   // ---- epilogue: rows to out / lse, or the split's normalized partial -------------------------
@@ -477,7 +612,7 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
   const float vm = checked_v_mul(v_mul);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const RowId id = rid[h];
+    const RowId id = my_row(h);
     if (!id.valid) continue;
     const int64_t row = id.token * p.num_heads + id.head;
     if (a.num_splits == 1) {
@@ -513,7 +648,8 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
 
 // Whether this build has the kernel's sm_90a code (its static shared memory: the stub compiled for
 // other architectures has none); the planner falls back to the mma.sync prefill otherwise. Asked only
-// on an sm_90 device (the planner checks that first), once per process.
+// on an sm_90 device (the planner checks that first), once per process. (The overlapped instance is
+// compiled with it, in the same unit for the same architectures.)
 template <typename T, CacheFormat CF, int DPAD>
 bool sm90_prefill_compiled() {
 #if defined(KVKERNELS_CUDA_EMU)
@@ -521,7 +657,7 @@ bool sm90_prefill_compiled() {
 #else
   static const bool compiled = [] {
     cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, sm90_prefill_kernel<T, CF, DPAD>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attr, sm90_prefill_kernel<T, CF, DPAD, false>) != cudaSuccess) {
       (void)cudaGetLastError();
       return false;
     }
@@ -531,8 +667,8 @@ bool sm90_prefill_compiled() {
 #endif
 }
 
-template <typename T, CacheFormat CF, int DPAD>
-cudaError_t launch_sm90_prefill(const AttnArgs& a, dim3 grid, cudaStream_t stream) {
+template <typename T, CacheFormat CF, int DPAD, bool OVERLAP>
+cudaError_t launch_sm90_kernel(const AttnArgs& a, dim3 grid, cudaStream_t stream) {
   using C = Sm90Cfg<T, CF, DPAD>;
   static std::atomic<uint64_t> configured{0};
   int dev = 0;
@@ -540,12 +676,22 @@ cudaError_t launch_sm90_prefill(const AttnArgs& a, dim3 grid, cudaStream_t strea
   if (err != cudaSuccess) return err;
   const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
   if (bit == 0 || !(configured.load(std::memory_order_acquire) & bit)) {
-    err = cudaFuncSetAttribute(sm90_prefill_kernel<T, CF, DPAD>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+    err = cudaFuncSetAttribute(sm90_prefill_kernel<T, CF, DPAD, OVERLAP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               C::SMEM);
     if (err != cudaSuccess) return err;
     configured.fetch_or(bit, std::memory_order_acq_rel);
   }
-  sm90_prefill_kernel<T, CF, DPAD><<<grid, C::NT, C::SMEM, stream>>>(a);
+  sm90_prefill_kernel<T, CF, DPAD, OVERLAP><<<grid, C::NT, C::SMEM, stream>>>(a);
   return cudaGetLastError();
+}
+
+// The kernel with the overlapped loop or without (the planner asks for overlap only where
+// has_wgmma_overlap(DPAD); anything else is a planner bug, not a silent fallback).
+template <typename T, CacheFormat CF, int DPAD>
+cudaError_t launch_sm90_prefill(const AttnArgs& a, bool overlap, dim3 grid, cudaStream_t stream) {
+  if (!overlap) return launch_sm90_kernel<T, CF, DPAD, false>(a, grid, stream);
+  if constexpr (has_wgmma_overlap(DPAD)) return launch_sm90_kernel<T, CF, DPAD, true>(a, grid, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace kvkernels::attn_cuda

@@ -1,4 +1,5 @@
 // The Hopper wgmma prefill (attention_sm90.cuh) for __nv_bfloat16 queries over bf16 caches, padded head dims 64 / 128 / 256
+// (the overlapped loop, Path::kWgmmaPrefillOverlap, at 64 / 128),
 // (fp8 caches: attention_sm90_bf16_fp8.cu).
 // Its kernel body exists in the sm_90a build only (the other architectures of a multi-arch build compile
 // an empty stub, which sm90_prefill_compiled() tells apart); scripts/check_cuda.sh compiles this unit for
@@ -16,12 +17,12 @@ bool sm90_prefill_available_bf16(int dpad, CacheFormat cf) {
                        : false;
 }
 
-cudaError_t launch_attention_sm90_bf16(const AttnArgs& a, int dpad, dim3 grid, cudaStream_t stream) {
-  if (a.p.kv.format != CacheFormat::kBFloat16) return launch_attention_sm90_bf16_fp8(a, dpad, grid, stream);
+cudaError_t launch_attention_sm90_bf16(const AttnArgs& a, int dpad, bool overlap, dim3 grid, cudaStream_t stream) {
+  if (a.p.kv.format != CacheFormat::kBFloat16) return launch_attention_sm90_bf16_fp8(a, dpad, overlap, grid, stream);
   constexpr CacheFormat CF = CacheFormat::kBFloat16;
-  if (dpad == 64) return launch_sm90_prefill<__nv_bfloat16, CF, 64>(a, grid, stream);
-  if (dpad == 128) return launch_sm90_prefill<__nv_bfloat16, CF, 128>(a, grid, stream);
-  if (dpad == 256) return launch_sm90_prefill<__nv_bfloat16, CF, 256>(a, grid, stream);
+  if (dpad == 64) return launch_sm90_prefill<__nv_bfloat16, CF, 64>(a, overlap, grid, stream);
+  if (dpad == 128) return launch_sm90_prefill<__nv_bfloat16, CF, 128>(a, overlap, grid, stream);
+  if (dpad == 256) return launch_sm90_prefill<__nv_bfloat16, CF, 256>(a, overlap, grid, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -1,8 +1,8 @@
 // The Hopper wgmma prefill (attention_sm90.cuh) for __nv_bfloat16 queries over fp8 caches (e4m3, e5m2), head
 // dims 64 / 128: the producer dequantizes each raw K / V tile into the bfloat16 stages the consumers read.
-// A unit of its own so that the sm_90a units stay short to compile (four kernels here, two in
-// attention_sm90_bf16.cu). Kernel bodies in the sm_90a build only (as there); scripts/check_cuda.sh
-// compiles this unit for sm_90a alone.
+// A unit of its own so that the sm_90a units stay short to compile (eight kernels here: e4m3 / e5m2 x
+// 64 / 128 x the plain and the overlapped loop; five in attention_sm90_bf16.cu). Kernel bodies in the sm_90a
+// build only (as there); scripts/check_cuda.sh compiles this unit for sm_90a alone.
 #include "attention_sm90.cuh"
 
 namespace kvkernels::attn_cuda {
@@ -13,9 +13,9 @@ static bool available(int dpad) {
 }
 
 template <CacheFormat CF>
-static cudaError_t launch(const AttnArgs& a, int dpad, dim3 grid, cudaStream_t stream) {
-  if (dpad == 64) return launch_sm90_prefill<__nv_bfloat16, CF, 64>(a, grid, stream);
-  if (dpad == 128) return launch_sm90_prefill<__nv_bfloat16, CF, 128>(a, grid, stream);
+static cudaError_t launch(const AttnArgs& a, int dpad, bool overlap, dim3 grid, cudaStream_t stream) {
+  if (dpad == 64) return launch_sm90_prefill<__nv_bfloat16, CF, 64>(a, overlap, grid, stream);
+  if (dpad == 128) return launch_sm90_prefill<__nv_bfloat16, CF, 128>(a, overlap, grid, stream);
   return cudaErrorInvalidValue;
 }
 
@@ -25,9 +25,9 @@ bool sm90_prefill_available_bf16_fp8(int dpad, CacheFormat cf) {
                                        : false;
 }
 
-cudaError_t launch_attention_sm90_bf16_fp8(const AttnArgs& a, int dpad, dim3 grid, cudaStream_t stream) {
-  if (a.p.kv.format == CacheFormat::kFp8E4M3) return launch<CacheFormat::kFp8E4M3>(a, dpad, grid, stream);
-  if (a.p.kv.format == CacheFormat::kFp8E5M2) return launch<CacheFormat::kFp8E5M2>(a, dpad, grid, stream);
+cudaError_t launch_attention_sm90_bf16_fp8(const AttnArgs& a, int dpad, bool overlap, dim3 grid, cudaStream_t stream) {
+  if (a.p.kv.format == CacheFormat::kFp8E4M3) return launch<CacheFormat::kFp8E4M3>(a, dpad, overlap, grid, stream);
+  if (a.p.kv.format == CacheFormat::kFp8E5M2) return launch<CacheFormat::kFp8E5M2>(a, dpad, overlap, grid, stream);
   return cudaErrorInvalidValue;
 }
 
