@@ -1778,6 +1778,27 @@ def test_sm90_misuse_is_reported(emu, kind):
         emu.sm90_misuse(torch.zeros(1), kind, threads)
 
 
+@pytest.mark.parametrize("schedule", ["low", "high", "pass"])
+def test_emulator_schedule_runs_the_reader_first(emu, schedule, monkeypatch):
+    """A wgmma of one warpgroup reading shared memory another warpgroup writes with no barrier between
+    (misuse 14: warpgroup 0 reads, 1 writes; 15: the reverse). The adverse orders run one end of the CTA
+    ahead (KVKERNELS_EMU_SCHEDULE=low: low threads first, high: high threads first; the default alternates
+    per CTA): when that puts the reader first, the write lands under the wgmma in flight and the launch fails;
+    when it puts the writer first the race is not shown. Round-robin passes ('pass', the emulator's only
+    schedule before) finish the writer's pass before the reader's warpgroup moves on and miss both: the hole
+    through which a missing named barrier of the MLA wgmma decode passed."""
+    monkeypatch.setenv("KVKERNELS_EMU_SCHEDULE", schedule)
+    for kind, reader_first in ((14, "low"), (15, "high")):
+        if schedule == reader_first:
+            with pytest.raises(RuntimeError, match="read by a wgmma in flight changed before its wgmma.wait_group"):
+                emu.sm90_misuse(torch.zeros(1), kind, 256)
+        else:
+            emu.sm90_misuse(torch.zeros(1), kind, 256)
+    monkeypatch.setenv("KVKERNELS_EMU_SCHEDULE", "random")
+    with pytest.raises(RuntimeError, match="KVKERNELS_EMU_SCHEDULE must be low, high, pass or alternate"):
+        emu.sm90_misuse(torch.zeros(1), 14, 256)
+
+
 @pytest.mark.parametrize("stages", [2, 3])
 def test_sm90_warp_specialized_pipeline(emu, stages):
     """A producer warpgroup (setmaxnreg.dec) fills a ring of stages with cp.async, each stage's full mbarrier
