@@ -263,7 +263,8 @@ inline void begin_cta(int n) {
 // shows only if the reader can run before the writer, so the default is adverse:
 //   kLowFirst:  the lowest-numbered ready fiber always runs next; a group released (a warp or warpgroup
 //               collective whose last thread arrived, a named barrier completed) runs again at once.
-//               Low warps and warpgroups run as far ahead of high ones as the barriers allow.
+//               Low warps and warpgroups run as far ahead of high ones as the barriers allow; threads
+//               waiting for their wgmma (kYielded) resume one warpgroup at a time, the lowest first.
 //   kHighFirst: the same from the highest-numbered fiber down: high warps run ahead.
 //   kPass:      round-robin passes over all fibers, a group released only after every ready fiber has
 //               run to its next blocking point (the emulator's schedule before the adverse ones; it
@@ -352,9 +353,19 @@ void launch(K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*stream*
         }
         if (release(n)) continue;
         if (!ran) {
+          // Threads that yielded at the wait of an asynchronous operation resume once nothing else can run:
+          // all of them in round-robin passes; in the adverse orders only the first warpgroup (in the order)
+          // that has any, so the others' operations complete later still (legal: nothing bounds when an
+          // in-flight wgmma completes) and the first may run on past a point the others have not passed.
+          int first = -1;
+          for (int i = 0; i < n && first < 0; ++i) {
+            const int t = order == Order::kHighFirst ? n - 1 - i : i;
+            if (sched.state[t] == kYielded) first = t;
+          }
           bool resumed = false;
           for (int t = 0; t < n; ++t)
-            if (sched.state[t] == kYielded) sched.state[t] = kReady, resumed = true;
+            if (sched.state[t] == kYielded && (order == Order::kPass || t / 128 == first / 128))
+              sched.state[t] = kReady, resumed = true;
           if (resumed) continue;
           for (int t = 0; t < n; ++t)
             if (sched.state[t] != kDone)
