@@ -27,6 +27,10 @@
 //     stay per consumer (each over its own keys, with the same maxima) and are added at the end.
 //     Splitting S by keys instead of computing all 64 keys in both consumers saves half of the Q K^T
 //     product (at R + P = 576 it is 53% of the MACs) for two named barriers per tile.
+//     SEESAW (KVKERNELS_CUDA_MLA_PATH=wgmma-seesaw, opt-in): the row maximum as a chain (consumer 0's keys,
+//     then consumer 1's) and the two barriers as one-way signals, so that one consumer's softmax runs
+//     while the other's (or its own) P V occupies the tensor cores; P V in two k32 halves (the consumer
+//     loop below; csrc/cuda/README.md, "MLA decode on wgmma", seesaw).
 // Tiles (Q, the latent stages) are [DP / 64 column blocks][rows][128 bytes], 16-byte chunk c of row r
 // at (c ^ (r % 8)) * 16: the 128B-swizzle canonical layout (as attention_sm90.cuh), base aligned to
 // 1024 bytes at run time. DP = R + P rounded up to 64, and at least R rounded up to 128 (the P V
