@@ -303,8 +303,6 @@ def check_plan(plan, path, splits) -> None:
     asserted so that a planner change cannot quietly move the case to another kernel."""
     if path is not None:
         assert plan["path"] == path, plan
-    if plan.get("path") == MLA_WGMMA:  # the wgmma decode's schedule is the one the test asked for
-        assert plan["seesaw"] == (os.environ.get("KVKERNELS_CUDA_MLA_PATH") == "wgmma-seesaw"), plan
     if splits is not None:
         assert splits(plan["splits"]), plan
 
@@ -893,6 +891,8 @@ def run_emu_mla_attention(emu, mla, q, qsl, scale, *, path=None, splits=None):
     case is meant to exercise, asserted so it cannot drift."""
     plan = mla_plan_of(emu, mla, q, qsl)
     check_plan(plan, path, splits)
+    if plan["path"] == MLA_WGMMA:  # the wgmma decode's schedule is the one the test asked for
+        assert plan["seesaw"] == (os.environ.get("KVKERNELS_CUDA_MLA_PATH") == "wgmma-seesaw"), plan
     t, h, _ = q.shape
     r = mla.kv_lora_rank
     out, lse = emu.mla_paged_attention(q, mla.kv_cache, mla.block_tables, mla.seq_lens, r, scale, qsl, mla.scale)
