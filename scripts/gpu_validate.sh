@@ -211,9 +211,9 @@ step_t_wgmma() {
   STEP_DETAIL="$detail; non-finite: $STEP_DETAIL"
   return $rc
 }
-# The sm_90a wgmma MLA decode (MlaPath::kWgmma, KVKERNELS_CUDA_MLA_PATH=wgmma; compiled and emulated before
-# this run, never on a GPU): its tests alone and serially under a short cap, with KVKERNELS_CUDA_WGMMA=require
-# set by the tests (a fallback fails); an mbarrier / named-barrier protocol error hangs rather than fails
+# The sm_90a wgmma MLA decode (MlaPath::kWgmma, KVKERNELS_CUDA_MLA_PATH=wgmma and =wgmma-seesaw, each test run
+# on both schedules; compiled and emulated before this run, never on a GPU): its tests alone and serially under
+# a short cap, with KVKERNELS_CUDA_WGMMA=require set by the tests (a fallback fails); an mbarrier / named-barrier protocol error hangs rather than fails
 # (faulthandler dumps the stacks of a test stuck for 30 s).
 step_t_mla_wgmma() { FAULT_S=30 pytest_step tests.log tests/test_cuda_mla.py -k wgmma; }
 step_t_compile() {
@@ -381,13 +381,14 @@ step_b_wgmma() {
 
 # The A/B of the MLA decode kernels at the issue's shapes (b64 x 4k, DeepSeek rows 512 + 64, block 64; 16 and
 # 128 heads; bf16 then e4m3 latents, bf16 q): mma (today's default: kMma16 at 16 heads, kMma64 at 128) vs
-# wgmma (the sm_90a kernel, with require: a fallback is a skipped row), alternating batches on the same data,
-# against the copy bandwidth measured in the same run. "variant:" lines: ms, TFLOP/s, GB/s, fraction of copy
-# and wgmma's speed-up over mma; the predictions are in csrc/cuda/README.md ("MLA decode on wgmma").
+# wgmma (the sm_90a kernel, with require: a fallback is a skipped row) vs wgmma-seesaw (the same kernel, its
+# consumers on the seesaw schedule), alternating batches on the same data, against the copy bandwidth
+# measured in the same run. "variant:" lines: ms, TFLOP/s, GB/s, fraction of copy and each one's speed-up
+# over mma; the predictions are in csrc/cuda/README.md ("MLA decode on wgmma", its seesaw part).
 step_b_mla_wgmma() {
   bench -m kvkernels.bench.cuda_mla --mla-batches 64 --mla-contexts 4096 --mla-heads 16,128 \
-    --mla-dtypes bfloat16,fp8_e4m3 --mla-decompress-tokens '' --mla-attn-variants mma,wgmma --mla-reps 5 \
-    --mla-min-ms 10 --json "$SCRATCH/results/bench/cuda-mla-wgmma-$STAMP.json"
+    --mla-dtypes bfloat16,fp8_e4m3 --mla-decompress-tokens '' --mla-attn-variants mma,wgmma,wgmma-seesaw \
+    --mla-reps 5 --mla-min-ms 10 --json "$SCRATCH/results/bench/cuda-mla-wgmma-$STAMP.json"
 }
 
 # The other targets at full size: copy_blocks (1024 pairs x 32 layers, >= 80% of copy bandwidth) with
@@ -433,8 +434,8 @@ build 300
 verify 30
 t_wgmma 150
 b_wgmma 120
-t_mla_wgmma 60
-b_mla_wgmma 60
+t_mla_wgmma 90
+b_mla_wgmma 90
 t_ops 60
 t_cache 60
 t_attn 180
@@ -487,7 +488,7 @@ done <<<"$PLAN"
     2>/dev/null | grep "^peer:"
   echo "---- wgmma prefill A/B, wide vs wgmma vs wgmma-overlap vs SDPA flash / cuDNN, d128 / d64 / d256 (bench.log)"
   cat "$SCRATCH/targets-b_wgmma.txt" 2>/dev/null
-  echo "---- MLA decode A/B, mma vs wgmma, b64 x 4k (bench.log)"
+  echo "---- MLA decode A/B, mma vs wgmma vs wgmma-seesaw, b64 x 4k (bench.log)"
   cat "$SCRATCH/targets-b_mla_wgmma.txt" 2>/dev/null
   echo "---- prefill kernel A/B, wide vs deep vs SDPA flash (bench.log)"
   cat "$SCRATCH/targets-b_pvariants.txt" 2>/dev/null

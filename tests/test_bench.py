@@ -449,6 +449,29 @@ def test_cuda_mla_decompress_variants_options_and_report(capsys, monkeypatch):
         assert "no CUDA device" in capsys.readouterr().out
 
 
+def test_cuda_mla_attn_variants_options(monkeypatch):
+    """kvkernels.bench.cuda_mla --mla-attn-variants (the GPU script's b_mla_wgmma step): the names are checked
+    when parsed; inside a variant's batches KVKERNELS_CUDA_MLA_PATH / _WGMMA name its kernel and schedule
+    (wgmma-seesaw: the seesaw, with require so that a fallback is a skipped row) and are restored after them."""
+    import argparse
+
+    from kvkernels.bench import cuda_mla as cm
+
+    parser = argparse.ArgumentParser()
+    cm.add_arguments(parser)
+    names = ["mma", "wgmma", "wgmma-seesaw"]
+    assert parser.parse_args(["--mla-attn-variants", ",".join(names)]).mla_attn_variants == names
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--mla-attn-variants", "mma,seesaw"])
+    monkeypatch.setenv("KVKERNELS_CUDA_MLA_PATH", "mma64")
+    monkeypatch.delenv("KVKERNELS_CUDA_WGMMA", raising=False)
+    with cm.attn_variant_env("wgmma-seesaw"):
+        assert (os.environ["KVKERNELS_CUDA_MLA_PATH"], os.environ["KVKERNELS_CUDA_WGMMA"]) == ("wgmma-seesaw", "require")
+    with cm.attn_variant_env("mma"):
+        assert "KVKERNELS_CUDA_MLA_PATH" not in os.environ and "KVKERNELS_CUDA_WGMMA" not in os.environ
+    assert os.environ["KVKERNELS_CUDA_MLA_PATH"] == "mma64" and "KVKERNELS_CUDA_WGMMA" not in os.environ
+
+
 def test_write_result_names_the_files_after_the_kind_cpu_and_time(tmp_path):
     """machine.write_result: the result files every benchmark script writes (<kind>-<cpu slug>-<time>.json /
     .txt), the record as JSON (non-JSON values as text) and the text as printed, ending in one newline."""

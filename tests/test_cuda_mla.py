@@ -116,12 +116,19 @@ def test_mla_paged_attention(case, mode, path):
         assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
 
 
-def use_mla_wgmma(monkeypatch, splits=None):
-    """The sm_90a wgmma decode (csrc/cuda/mla_attention_sm90.cuh) with KVKERNELS_CUDA_WGMMA=require: a planner
-    fallback fails the test instead of running the mma.sync kernels; skipped off sm_90 devices."""
+# Both consumer schedules of the wgmma decode: in step (wgmma) and the seesaw (wgmma-seesaw).
+@pytest.fixture(params=["wgmma", "wgmma-seesaw"])
+def wgmma_path(request):
+    return request.param
+
+
+def use_mla_wgmma(monkeypatch, path, splits=None):
+    """The sm_90a wgmma decode (csrc/cuda/mla_attention_sm90.cuh; `path`: KVKERNELS_CUDA_MLA_PATH, wgmma or
+    wgmma-seesaw) with KVKERNELS_CUDA_WGMMA=require: a planner fallback fails the test instead of running the
+    mma.sync kernels; skipped off sm_90 devices."""
     if torch.cuda.get_device_capability(0) != (9, 0):
         pytest.skip(f"the wgmma MLA decode is sm_90a only; this device is sm_{''.join(map(str, torch.cuda.get_device_capability(0)))}")
-    force_cuda_plan(monkeypatch, "MLA", "wgmma", splits)
+    force_cuda_plan(monkeypatch, "MLA", path, splits)
     monkeypatch.setenv("KVKERNELS_CUDA_WGMMA", "require")
 
 
@@ -130,10 +137,10 @@ WGMMA_CASES = {name: case for name, case in ATTN_CASES.items() if case[0] != f32
 
 @pytest.mark.parametrize("splits", [None, 3], ids=["planned", "split3"])
 @pytest.mark.parametrize("case", WGMMA_CASES.values(), ids=WGMMA_CASES.keys())
-def test_mla_wgmma_decode(case, splits, monkeypatch):
+def test_mla_wgmma_decode(case, splits, wgmma_path, monkeypatch):
     """The ATTN_CASES with 16-bit q, decode, on the wgmma kernel: every block size, fp8, head chunks, the
     stage ring wrapping many times (4097 keys), an empty sequence."""
-    use_mla_wgmma(monkeypatch, splits)
+    use_mla_wgmma(monkeypatch, wgmma_path, splits)
     dtype, fp8, r, p, h, b, strided = case
     seq_lens = [b + 1, 0, 2 * b + 5, 1, b, 300, 4097]
     mla, q, _ = make_mla_case("decode", seq_lens, dtype, fp8, r, p, h, b, strided)
@@ -143,15 +150,15 @@ def test_mla_wgmma_decode(case, splits, monkeypatch):
 
 @pytest.mark.parametrize("splits", [None, 128], ids=["planned", "128"])
 @pytest.mark.parametrize("fp8", [None, "e4m3"])
-def test_mla_wgmma_long_context(fp8, splits, monkeypatch):
-    use_mla_wgmma(monkeypatch, splits)
+def test_mla_wgmma_long_context(fp8, splits, wgmma_path, monkeypatch):
+    use_mla_wgmma(monkeypatch, wgmma_path, splits)
     mla = make_paged_mla([5000, 1, 2049], 512, 64, 64, dtype=bf16, fp8=fp8, seed=41)
     run_attention(mla, make_query(3, 128, 576, bf16, generator(42)), None, 192 ** -0.5)
 
 
-def test_mla_wgmma_nonfinite(monkeypatch):
+def test_mla_wgmma_nonfinite(wgmma_path, monkeypatch):
     """inf in a value column, NaN in a rope column (their rows NaN / inf as the reference), NaN in unused slots."""
-    use_mla_wgmma(monkeypatch)
+    use_mla_wgmma(monkeypatch, wgmma_path)
     seq_lens, b = [70, 5, 200], 16
     mla, q, _ = make_mla_case("decode", seq_lens, bf16, None, 512, 64, 16, b, seed=65)
     from helpers import token_slots

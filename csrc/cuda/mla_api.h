@@ -28,13 +28,14 @@ struct MlaPlan {
   int64_t grid_x = 0;
   int grid_y = 0;
   int64_t workspace_floats = 0;  // float32 scratch the launch needs on the device (0: none)
+  int seesaw = 0;         // path 3: the consumers' seesaw schedule (KVKERNELS_CUDA_MLA_PATH=wgmma-seesaw)
 };
 
 // Fills `plan` for validated params (prepare_mla_attention) on CUDA device `device`; a Status
 // with a message when the device or the shapes cannot run. Environment overrides (tests and
-// benchmarks): KVKERNELS_CUDA_MLA_PATH=simt|mma16|mma64|wgmma (simt for any dtype; mma16 / mma64 for
-// fp16 / bf16 q; wgmma: the sm_90a decode where it can run, else the default choice, or a failure with
-// the reason under KVKERNELS_CUDA_WGMMA=require) and KVKERNELS_CUDA_MLA_SPLITS=<n> (that many KV
+// benchmarks): KVKERNELS_CUDA_MLA_PATH=simt|mma16|mma64|wgmma|wgmma-seesaw (simt for any dtype; mma16 / mma64
+// for fp16 / bf16 q; wgmma: the sm_90a decode where it can run, else the default choice, or a failure with
+// the reason under KVKERNELS_CUDA_WGMMA=require; wgmma-seesaw: the same with its consumers' seesaw schedule) and KVKERNELS_CUDA_MLA_SPLITS=<n> (that many KV
 // splits, capped to 128).
 cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* plan);
 

@@ -12,7 +12,8 @@
 //   KVKERNELS_CUDA_MLA_PATH=wgmma (opt-in)       -> the sm_90a wgmma decode (mla_attention_sm90.cuh)
 //                                                   where mla_wgmma_unsupported finds no reason
 //                                                   against it, else the choice above;
-//                                                   KVKERNELS_CUDA_WGMMA=require fails instead
+//                                                   KVKERNELS_CUDA_WGMMA=require fails instead;
+//                                                   =wgmma-seesaw: the same, seesaw consumers
 // Pipeline depth: as many 32-key stages as fit so that two CTAs share an SM, else one CTA; 2 to 4.
 // Split count: from the number of work items (shapes), the longest context a block-table row can
 // describe (block_tables.shape[1] * block_size), the SM count and the CTAs per SM, never from
@@ -156,7 +157,8 @@ cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* o
   const int esz = esize(p.kv.format);
   const bool decode = p.query_start_loc == nullptr;
   const char* forced = env("KVKERNELS_CUDA_MLA_PATH");
-  const bool wgmma_asked = forced && std::strcmp(forced, "wgmma") == 0;
+  const bool seesaw_asked = forced && std::strcmp(forced, "wgmma-seesaw") == 0;
+  const bool wgmma_asked = forced && (std::strcmp(forced, "wgmma") == 0 || seesaw_asked);
   const char* wgmma_why = wgmma_asked ? mla_wgmma_unsupported(p, device, dev) : nullptr;
   MlaPath path;
   if (p.q_format == FloatFormat::kFloat32 || (forced && std::strcmp(forced, "simt") == 0)) {
@@ -190,6 +192,7 @@ cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* o
     plan.smem = smem_of(path, plan.dp, esz, plan.stages);
   }
   plan.path = static_cast<int>(path);
+  plan.seesaw = path == MlaPath::kWgmma && seesaw_asked ? 1 : 0;
 
   const int rows = mla_rows(path);
   plan.heads_per_cta = std::min(p.num_heads, rows);
@@ -257,6 +260,7 @@ cuda::Status launch_mla_attention(const AttentionParams& p, const MlaPlan& plan,
   }
   m.dp = plan.dp;
   m.stages = plan.stages;
+  m.seesaw = plan.seesaw;
 
   const dim3 grid(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(plan.grid_y),
                   static_cast<unsigned>(plan.num_splits));

@@ -27,6 +27,10 @@
 //     stay per consumer (each over its own keys, with the same maxima) and are added at the end.
 //     Splitting S by keys instead of computing all 64 keys in both consumers saves half of the Q K^T
 //     product (at R + P = 576 it is 53% of the MACs) for two named barriers per tile.
+//     SEESAW (KVKERNELS_CUDA_MLA_PATH=wgmma-seesaw, opt-in): the row maximum as a chain (consumer 0's keys,
+//     then consumer 1's) and the two barriers as one-way signals, so that one consumer's softmax runs
+//     while the other's (or its own) P V occupies the tensor cores; P V in two k32 halves (the consumer
+//     loop below; csrc/cuda/README.md, "MLA decode on wgmma", seesaw).
 // Tiles (Q, the latent stages) are [DP / 64 column blocks][rows][128 bytes], 16-byte chunk c of row r
 // at (c ^ (r % 8)) * 16: the 128B-swizzle canonical layout (as attention_sm90.cuh), base aligned to
 // 1024 bytes at run time. DP = R + P rounded up to 64, and at least R rounded up to 128 (the P V
@@ -58,7 +62,8 @@ __device__ __forceinline__ uint32_t sm90_off(int rows, int r, int c) {
 
 // `map`: with `tma`, the 2-D tensor map of the latent cache as [num_blocks x 64 rows, R + P columns] (block size
 // 64, pages contiguous), boxes of 64 x 64 with the 128B swizzle (mla_attention.cu, encode_latent_map).
-template <typename T, CacheFormat CF>
+// SEESAW: the consumers' schedule (KVKERNELS_CUDA_MLA_PATH=wgmma-seesaw; the consumer loop below).
+template <typename T, CacheFormat CF, bool SEESAW>
 __global__ void __launch_bounds__(kSm90Threads, 1)
     mla_sm90_kernel(const __grid_constant__ MlaArgs m, const __grid_constant__ CUtensorMap map, int tma) {
 #if KVK_SM90_PTX || defined(KVKERNELS_CUDA_EMU)
@@ -279,17 +284,16 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   const uint64_t dq0 = s9::make_desc(sQ, 16, 1024, s9::Swizzle::k128B);
   const uint64_t dp0 = s9::make_desc(sP, 16, 1024, s9::Swizzle::k128B);
 
-  for (int it = 0; it < ntiles; ++it) {
+  float sacc[16];  // S_c of the tile in hand: sacc[4 i + 2 h + e] is row 16 wq + g + 8 h, key 32 wg + 8 i + 2 t4 + e
+  // S_c = Q K_c^T of tile `it`: 64 rows x this consumer's 32 keys (rows 32 wg .. of the tile: 4 whole 8-row
+  // groups), issued and committed as one group, not waited for. (No register fence on sacc inside: the
+  // seesaw issues it behind a P V in flight, where a fence would make ptxas serialize the wgmma, C7515; the
+  // wgmma's own register operands order it after the softmax's last use of sacc.)
+  auto issue_s = [&](int it) {
     const int s = it % stages;
-    const uint32_t phase = uint32_t(it / stages) & 1u;
-    const int k0 = (w.tile_begin + it) * KT;
-
-    // S_c = Q K_c^T: 64 rows x this consumer's 32 keys (rows 32 wg .. of the tile: 4 whole 8-row groups).
-    float sacc[16];
-    s9::mbar_wait(full(s), phase);
+    s9::mbar_wait(full(s), uint32_t(it / stages) & 1u);
     s9::fence_proxy_async();
     const uint64_t dk0 = s9::make_desc(sK(s) + uint32_t(32 * wg * 128), 16, 1024, s9::Swizzle::k128B);
-    s9::fence_regs(sacc);
     s9::wgmma_fence();
     for (int kk = 0; kk < ksteps; ++kk) {
       // k16 step kk: column block kk / 4 (rows x 128 bytes further on), 32 bytes per step inside it
@@ -297,12 +301,11 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
                                 s9::desc_add(dk0, uint32_t((kk >> 2) * KT * 128 + (kk & 3) * 32)), kk > 0 ? 1 : 0);
     }
     s9::wgmma_commit();
-    s9::wgmma_wait<0>();
-    s9::fence_regs(sacc);
-
-    // Logits in log2 units, keys past the token's position masked; sacc[4 i + 2 h + e] is row
-    // 16 wq + g + 8 h, key 32 wg + 8 i + 2 t4 + e.
-    float mx[2] = {-INFINITY, -INFINITY};
+  };
+  // Logits in log2 units, keys past the token's position masked; mx: this thread's rows' maxima over the
+  // consumer's 32 keys (the quad's).
+  auto logits = [&](int k0, float (&mx)[2]) {
+    mx[0] = mx[1] = -INFINITY;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
 #pragma unroll
@@ -317,69 +320,187 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     for (int h = 0; h < 2; ++h) {
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-      if (t4 == 0) s_max[wg * ROWS + 16 * wq + g + 8 * h] = mx[h];
     }
-    // Both halves of the maxima (and, the previous tile's P V of both consumers having completed
-    // before either arrives here, the P tile free to overwrite).
-    s9::named_bar_sync(1, 256);
-    float alpha[2];
-    bool rescale = false;
+  };
+  // The weights of the tile in hand, pw = exp2(sacc - max) for row half h (0 when nothing is visible yet: max
+  // -inf); returns their sum. (Into registers of their own: the seesaw computes them in warpgroup-dependent
+  // code, where writing the wgmma accumulator sacc made ptxas serialize every wgmma, C7515.)
+  float pw[16];
+  auto exp_row = [&](int h, float m) {
+    const float base_m = m == -INFINITY ? 0.0f : m;
+    float sum = 0.0f;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = 16 * wq + g + 8 * h;
-      // The same expression in both consumers (same operands, same order): identical maxima.
-      const float m_new = fmaxf(m_run[h], fmaxf(s_max[r], s_max[ROWS + r]));
-      const float base_m = m_new == -INFINITY ? 0.0f : m_new;  // nothing visible yet: all weights 0
-      alpha[h] = exp2f(m_run[h] - base_m);                     // m_run = -inf gives 0
-      m_run[h] = m_new;
-      rescale = rescale || alpha[h] != 1.0f;
-      float sum = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        sacc[4 * i + 2 * h] = exp2f(sacc[4 * i + 2 * h] - base_m);
-        sacc[4 * i + 2 * h + 1] = exp2f(sacc[4 * i + 2 * h + 1] - base_m);
-        sum += sacc[4 * i + 2 * h] + sacc[4 * i + 2 * h + 1];
-      }
-      d_run[h] = d_run[h] * alpha[h] + sum;  // per-thread partial; quads and consumers summed at the end
+    for (int i = 0; i < 4; ++i) {
+      pw[4 * i + 2 * h] = exp2f(sacc[4 * i + 2 * h] - base_m);
+      pw[4 * i + 2 * h + 1] = exp2f(sacc[4 * i + 2 * h + 1] - base_m);
+      sum += pw[4 * i + 2 * h] + pw[4 * i + 2 * h + 1];
     }
-    // This consumer's half of P (rounded to T; the denominator uses the unrounded values, as the
-    // mma.sync kernels): row r, keys 32 wg + 8 i + 2 t4 .. -> chunk 4 wg + i of the swizzled P row.
+    return sum;
+  };
+  // The factor that takes values under max `from` to max `to` (to >= from; -inf `from`: 0).
+  auto rescale_factor = [](float from, float to) { return exp2f(from - (to == -INFINITY ? 0.0f : to)); };
+  // This consumer's half of P (rounded to T; the denominator uses the unrounded values, as the mma.sync
+  // kernels): row r, keys 32 wg + 8 i + 2 t4 .. -> chunk 4 wg + i of the swizzled P row; then the async-proxy
+  // fence for the wgmma that read it.
+  auto write_p = [&]() {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = 16 * wq + g + 8 * h;
         *reinterpret_cast<uint32_t*>(smem + L.p_off + r * 128 + (((4 * wg + i) ^ (r & 7)) << 4) + 4 * t4) =
-            ac::pack2<T>(sacc[4 * i + 2 * h], sacc[4 * i + 2 * h + 1]);
+            ac::pack2<T>(pw[4 * i + 2 * h], pw[4 * i + 2 * h + 1]);
       }
     }
     s9::fence_proxy_async();
-    if (__any_sync(0xffffffffu, rescale)) {
+  };
+  // O_c *= alpha (row halves 0 / 1), skipped when the warp's factors are all 1.
+  auto rescale_o = [&](const float (&alpha)[2]) {
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         o0[4 * i] *= alpha[0], o0[4 * i + 1] *= alpha[0], o0[4 * i + 2] *= alpha[1], o0[4 * i + 3] *= alpha[1];
         o1[4 * i] *= alpha[0], o1[4 * i + 1] *= alpha[0], o1[4 * i + 2] *= alpha[1], o1[4 * i + 3] *= alpha[1];
       }
     }
-    s9::named_bar_sync(2, 256);  // both halves of P written
-
-    // O_c += P V_c: V N-major from the tile (64-value column blocks LBO = KT x 128 bytes apart, 8-key
-    // groups SBO = 1024 apart, a k16 step 16 keys = 2048 bytes).
+  };
+  // O_c += P V_c over keys [16 kb, 16 ke) of stage s, committed as one group: V N-major from the tile (64-value
+  // column blocks LBO = KT x 128 bytes apart, 8-key groups SBO = 1024 apart, a k16 step 16 keys = 2048 bytes).
+  auto issue_pv = [&](int s, int kb, int ke) {
     const uint64_t dv0 = s9::make_desc(sK(s) + v_slice0, uint32_t(KT * 128), 1024, s9::Swizzle::k128B);
     const uint64_t dv1 = s9::make_desc(sK(s) + v_slice1, uint32_t(KT * 128), 1024, s9::Swizzle::k128B);
     s9::fence_regs(o0);
     s9::fence_regs(o1);
     s9::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < KT / 16; ++kk) {
+    for (int kk = kb; kk < ke; ++kk) {
       s9::wgmma_ss<128, T, 0, 1>(o0, s9::desc_add(dp0, kk * 32), s9::desc_add(dv0, kk * 2048), 1);
       s9::wgmma_ss<128, T, 0, 1>(o1, s9::desc_add(dp0, kk * 32), s9::desc_add(dv1, kk * 2048), 1);
     }
     s9::wgmma_commit();
-    s9::wgmma_wait<0>();
-    s9::fence_regs(o0);
-    s9::fence_regs(o1);
-    s9::mbar_arrive(empty(s));  // this thread is done with the stage
+  };
+
+  if constexpr (!SEESAW) {
+    // Both consumers in step: S, the maxima exchanged (barrier 1), P written (barrier 2), P V over all 64 keys.
+    for (int it = 0; it < ntiles; ++it) {
+      const int s = it % stages;
+      const int k0 = (w.tile_begin + it) * KT;
+      issue_s(it);
+      s9::wgmma_wait<0>();
+      s9::fence_regs(sacc);
+      float mx[2];
+      logits(k0, mx);
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (t4 == 0) s_max[wg * ROWS + 16 * wq + g + 8 * h] = mx[h];
+      // Both halves of the maxima (and, the previous tile's P V of both consumers having completed
+      // before either arrives here, the P tile free to overwrite).
+      s9::named_bar_sync(1, 256);
+      float alpha[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = 16 * wq + g + 8 * h;
+        // The same expression in both consumers (same operands, same order): identical maxima.
+        const float m_new = fmaxf(m_run[h], fmaxf(s_max[r], s_max[ROWS + r]));
+        alpha[h] = rescale_factor(m_run[h], m_new);
+        m_run[h] = m_new;
+        d_run[h] = d_run[h] * alpha[h] + exp_row(h, m_new);  // per-thread partial; quads, consumers summed at the end
+      }
+      write_p();
+      rescale_o(alpha);
+      s9::named_bar_sync(2, 256);  // both halves of P written
+      issue_pv(s, 0, KT / 16);
+      s9::wgmma_wait<0>();
+      s9::fence_regs(o0);
+      s9::fence_regs(o1);
+      s9::mbar_arrive(empty(s));  // this thread is done with the stage
+    }
+  } else {
+    // The seesaw (csrc/cuda/README.md, "MLA decode on wgmma", seesaw): the row maximum runs as a chain, consumer
+    // 0's keys first. Per tile, with m the running maximum both hold:
+    //   consumer 0: m0 = max(m, its keys); P0 under m0 -> shared, m0 -> s_max[0]; arrive on barrier 1; O_L
+    //               *= 2^(m - m0), O_L += P0 V_L (tensor cores busy while consumer 1 does its softmax)
+    //   consumer 1: sync on barrier 1; O_R *= 2^(m - m0), O_R += P0 V_R issued, then (overlapping it) m1 =
+    //               max(m0, its keys), P1 under m1 -> shared, m1 -> s_max[1]; after its P0 V: arrive on 2
+    //   both:       (consumer 0 syncs on 2) O *= 2^(m0 - m1), O += P1 V over the second 32 keys, m = m1;
+    //               then S of the next tile is issued before this P V is waited for.
+    // Barrier 1 also says P1 of the previous tile is free (consumer 0 waited for its P1 V first), barrier
+    // 2 that P0 is (consumer 1 waited for its P0 V). The wgmma sequence is the same in both consumers
+    // (only barriers and softmax differ by warpgroup: a wgmma under a warpgroup branch serializes, C7520).
+    const bool early_s = !(FP8 && stages == 2);
+    if (ntiles > 0) {
+      issue_s(0);
+      s9::wgmma_wait<0>();
+    }
+    for (int it = 0; it < ntiles; ++it) {
+      const int s = it % stages;
+      const int k0 = (w.tile_begin + it) * KT;
+      s9::fence_regs(sacc);  // S of this tile: waited for (above, or with the previous tile's P1 V)
+      float mx[2], m0[2], m1[2], alpha[2];
+      logits(k0, mx);
+      if (wg == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          m0[h] = fmaxf(m_run[h], mx[h]);
+          alpha[h] = rescale_factor(m_run[h], m0[h]);
+          d_run[h] = d_run[h] * alpha[h] + exp_row(h, m0[h]);
+          if (t4 == 0) s_max[16 * wq + g + 8 * h] = m0[h];
+        }
+        write_p();
+        s9::named_bar_arrive(1, 256);  // P0 and m0 written
+      } else {
+        s9::named_bar_sync(1, 256);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          m0[h] = s_max[16 * wq + g + 8 * h];
+          alpha[h] = rescale_factor(m_run[h], m0[h]);
+          d_run[h] *= alpha[h];
+        }
+      }
+      rescale_o(alpha);
+      issue_pv(s, 0, KT / 32);  // P0 V: the first 32 keys
+      if (wg == 1) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          m1[h] = fmaxf(m0[h], mx[h]);
+          alpha[h] = rescale_factor(m0[h], m1[h]);
+          d_run[h] = d_run[h] * alpha[h] + exp_row(h, m1[h]);
+          if (t4 == 0) s_max[ROWS + 16 * wq + g + 8 * h] = m1[h];
+        }
+        write_p();
+      }
+      s9::wgmma_wait<0>();  // P0 V
+      s9::fence_regs(o0);
+      s9::fence_regs(o1);
+      if (wg == 1) {
+        s9::named_bar_arrive(2, 256);  // P1 and m1 written, P0 read
+      } else {
+        s9::named_bar_sync(2, 256);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          m1[h] = s_max[ROWS + 16 * wq + g + 8 * h];
+          alpha[h] = rescale_factor(m0[h], m1[h]);
+          d_run[h] *= alpha[h];
+        }
+      }
+      m_run[0] = m1[0], m_run[1] = m1[1];
+      rescale_o(alpha);
+      issue_pv(s, KT / 32, KT / 16);  // P1 V: the second 32 keys
+      // S of the next tile queued behind P1 V (no tensor-core bubble between the two); one wait for both. (A
+      // wait<1> that left S in flight across the loop made ptxas serialize every wgmma, C7515: it gained
+      // nothing, the next thing this warpgroup does being the softmax that needs S.) Not with fp8 latents in
+      // 2 stages: the producer completes tile j + 1 (converted one tile behind) only after issuing the copies
+      // of tile j + 2, into this stage, so S of j + 1 must wait for this stage's release (else a deadlock).
+      if (early_s && it + 1 < ntiles) issue_s(it + 1);
+      s9::wgmma_wait<0>();
+      s9::fence_regs(o0);
+      s9::fence_regs(o1);
+      s9::mbar_arrive(empty(s));  // this thread is done with the stage
+      if (!early_s && it + 1 < ntiles) {
+        issue_s(it + 1);
+        s9::wgmma_wait<0>();
+      }
+    }
   }
 
   // ---- epilogue: quad sums, the two consumers' sums, then rows to out / lse or the split's partial --
@@ -434,14 +555,14 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
 
 // Whether this build has the kernel's sm_90a code (its static shared memory: the stub compiled for other
 // architectures has none). Asked only on an sm_90 device, once per process and instance.
-template <typename T, CacheFormat CF>
+template <typename T, CacheFormat CF, bool SEESAW>
 bool mla_sm90_compiled() {
 #if defined(KVKERNELS_CUDA_EMU)
   return true;
 #else
   static const bool compiled = [] {
     cudaFuncAttributes attr{};
-    if (cudaFuncGetAttributes(&attr, mla_sm90_kernel<T, CF>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attr, mla_sm90_kernel<T, CF, SEESAW>) != cudaSuccess) {
       (void)cudaGetLastError();
       return false;
     }
@@ -451,16 +572,24 @@ bool mla_sm90_compiled() {
 #endif
 }
 
-template <typename T, CacheFormat CF>
-cudaError_t launch_mla_sm90_instance(const MlaArgs& m, const CUtensorMap* map, dim3 grid, int smem,
+template <typename T, CacheFormat CF, bool SEESAW>
+cudaError_t launch_mla_sm90_schedule(const MlaArgs& m, const CUtensorMap* map, dim3 grid, int smem,
                                      cudaStream_t stream) {
   static std::atomic<int> configured[64] = {};
-  const cudaError_t err = raise_smem_limit(mla_sm90_kernel<T, CF>, configured, smem);
+  const cudaError_t err = raise_smem_limit(mla_sm90_kernel<T, CF, SEESAW>, configured, smem);
   if (err != cudaSuccess) return err;
   CUtensorMap none;
   if (map == nullptr) std::memset(&none, 0, sizeof(none));
-  mla_sm90_kernel<T, CF><<<grid, kSm90Threads, smem, stream>>>(m, map ? *map : none, map ? 1 : 0);
+  mla_sm90_kernel<T, CF, SEESAW><<<grid, kSm90Threads, smem, stream>>>(m, map ? *map : none, map ? 1 : 0);
   return cudaGetLastError();
+}
+
+// m.seesaw picks the consumers' schedule (both instances are compiled in the same unit).
+template <typename T, CacheFormat CF>
+cudaError_t launch_mla_sm90_instance(const MlaArgs& m, const CUtensorMap* map, dim3 grid, int smem,
+                                     cudaStream_t stream) {
+  return m.seesaw ? launch_mla_sm90_schedule<T, CF, true>(m, map, grid, smem, stream)
+                  : launch_mla_sm90_schedule<T, CF, false>(m, map, grid, smem, stream);
 }
 
 // The cache formats a 16-bit q reads: its own and both fp8 formats.
@@ -468,9 +597,9 @@ template <typename T, CacheFormat SELF>
 struct MlaSm90ForQ {
   static bool compiled(CacheFormat f) {
     switch (f) {
-      case SELF: return mla_sm90_compiled<T, SELF>();
-      case CacheFormat::kFp8E4M3: return mla_sm90_compiled<T, CacheFormat::kFp8E4M3>();
-      case CacheFormat::kFp8E5M2: return mla_sm90_compiled<T, CacheFormat::kFp8E5M2>();
+      case SELF: return mla_sm90_compiled<T, SELF, false>();
+      case CacheFormat::kFp8E4M3: return mla_sm90_compiled<T, CacheFormat::kFp8E4M3, false>();
+      case CacheFormat::kFp8E5M2: return mla_sm90_compiled<T, CacheFormat::kFp8E5M2, false>();
       default: return false;
     }
   }

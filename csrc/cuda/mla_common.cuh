@@ -28,6 +28,7 @@ struct MlaArgs {
   ac::AttnArgs a;
   int dp = 0;      // smem row width in elements: head_dim rounded up to a multiple of 64
   int stages = 2;  // cp.async pipeline depth (2..4)
+  int seesaw = 0;  // the wgmma decode's consumer schedule: 0 in step, 1 seesaw (mla_attention_sm90.cuh)
 };
 
 // ---- geometry (host and device) --------------------------------------------------------------

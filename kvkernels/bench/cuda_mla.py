@@ -31,10 +31,10 @@ as rows ``kvkernels-<variant>`` and ``torch-matmul``; the matmul's latent is the
 gathered, normalized and rounded to bfloat16 beforehand. "variant:" lines give each time and the speed-up of
 every variant over the first named.
 
-Decode kernel A/B (``--mla-attn-variants mma,wgmma``): ``mma`` is the planner's default (the mma.sync
-kernels: 64 rows per CTA above 16 heads, 16 rows at 16 heads), ``wgmma`` the opt-in sm_90a kernel
+Decode kernel A/B (``--mla-attn-variants mma,wgmma,wgmma-seesaw``): ``mma`` is the planner's default (the
+mma.sync kernels: 64 rows per CTA above 16 heads, 16 rows at 16 heads), ``wgmma`` the opt-in sm_90a kernel
 (KVKERNELS_CUDA_MLA_PATH=wgmma with KVKERNELS_CUDA_WGMMA=require, so a fallback shows as a skipped row, not as
-the other kernel timed twice). Each decode case checks every named variant, then times them in one process
+the other kernel timed twice), ``wgmma-seesaw`` the same kernel with its seesaw consumer schedule. Each decode case checks every named variant, then times them in one process
 on the same data in alternating batches, as rows ``kvkernels-<variant>`` with TFLOP/s (2 x heads x context x
 (R + P + R) per sequence) beside GB/s and the fraction of the copy bandwidth; "variant:" lines give each time
 and the speed-up over the first named.
@@ -72,7 +72,7 @@ DEVICE = "cuda"  # where the cases' data lives (the tests run the cases' arithme
 # --decompress-variants names = KVKERNELS_CUDA_DECOMPRESS values (csrc/cuda/mla_decompress.cu).
 DECOMPRESS_VARIANTS = ("persist", "persist64", "persist128", "tile64", "wgmma")
 # --mla-attn-variants names -> (KVKERNELS_CUDA_MLA_PATH, KVKERNELS_CUDA_WGMMA) (csrc/cuda/mla_attention.cu).
-ATTN_VARIANTS = {"mma": (None, None), "wgmma": ("wgmma", "require")}
+ATTN_VARIANTS = {"mma": (None, None), "wgmma": ("wgmma", "require"), "wgmma-seesaw": ("wgmma-seesaw", "require")}
 
 
 def _variants(text: str) -> list[str]:
@@ -122,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="A/B of the mla_decompress kernels, e.g. tile64,persist (KVKERNELS_CUDA_DECOMPRESS values): "
                         "each decompress case times them and the torch matmul in alternating batches")
     g.add_argument("--mla-attn-variants", type=_attn_variants, default=[],
-                   help="A/B of the decode kernels, e.g. mma,wgmma (alternating batches, same data)")
+                   help="A/B of the decode kernels, e.g. mma,wgmma,wgmma-seesaw (alternating batches, same data)")
     g.add_argument("--mla-prefill-tokens", type=_ints, default=[],
                    help="MLA prefill end to end (mla_decompress + paged_attention vs torch.matmul + SDPA), "
                         "causal, one sequence of each of these lengths, at each --mla-heads")

@@ -19,6 +19,9 @@
 //
 // Each CTA runs as blockDim.x cooperative fibers (ucontext) on the calling thread; __syncthreads()
 // switches to the next fiber, and a barrier completes when every live fiber of the CTA reached it.
+// Which ready fiber runs next is an adverse order by default (Order, below: low-numbered threads run
+// as far ahead as their barriers allow in even CTAs, high-numbered ones in odd CTAs), so that a read of
+// shared memory that no barrier orders after another thread's write sees the old bytes.
 // Threads blocked on an event (named barrier, mbarrier phase, setmaxnreg registers) resume when another
 // thread causes it; when none can progress the launch fails with what each thread waits for (a kernel
 // that would hang on a GPU). An exception a kernel thread throws (a detected misuse) ends the launch and
@@ -113,6 +116,7 @@ struct Scheduler {
   size_t smem_bytes = 0;
   std::vector<Blocker> blocked_on;          // per fiber, while kBlocked
   std::exception_ptr error;                 // an exception a fiber threw (rethrown by launch)
+  bool woke = false;  // the running fiber made others ready (completed a named barrier): see Order
 };
 constexpr int kSlots = 8;
 inline Scheduler sched;
@@ -157,6 +161,25 @@ inline void trampoline(int me) {
   sched.entry(me);  // returning ends the fiber (uc_link = main)
 }
 
+// Releases the fibers [w, w + width) of a warp (32, kAtWarpBarrier) or warpgroup (128, kAtWgBarrier)
+// if every live one of them waits at that barrier; true if so.
+inline bool release_group(int w, int width, State kind, int n) {
+  bool all = true, live = false;
+  for (int t = w; t < std::min(n, w + width); ++t) {
+    if (sched.state[t] == kDone) continue;
+    live = true;
+    all = all && sched.state[t] == kind;
+  }
+  if (!live || !all) return false;
+  if (kind == kAtWgBarrier)
+    for (int t = w; t < w + width; ++t)
+      if (t >= n || sched.state[t] == kDone)
+        throw std::logic_error("emu: a warpgroup instruction without all 128 threads of the warpgroup");
+  for (int t = w; t < std::min(n, w + width); ++t)
+    if (sched.state[t] != kDone) sched.state[t] = kReady;
+  return true;
+}
+
 // Releases every group whose live fibers all wait at the same kind of barrier; false if none.
 inline bool release(int n) {
   bool released = false;
@@ -172,25 +195,8 @@ inline bool release(int n) {
     return true;
   }
   // Warp (32) and warpgroup (128) collectives: every live fiber of the group at that barrier.
-  for (const auto& [width, kind] : {std::pair<int, State>{32, kAtWarpBarrier}, std::pair<int, State>{128, kAtWgBarrier}}) {
-    for (int w = 0; w < n; w += width) {
-      bool all = true, live = false;
-      for (int t = w; t < std::min(n, w + width); ++t) {
-        if (sched.state[t] == kDone) continue;
-        live = true;
-        all = all && sched.state[t] == kind;
-      }
-      if (live && all) {
-        if (kind == kAtWgBarrier)
-          for (int t = w; t < w + width; ++t)
-            if (t >= n || sched.state[t] == kDone)
-              throw std::logic_error("emu: a warpgroup instruction without all 128 threads of the warpgroup");
-        for (int t = w; t < std::min(n, w + width); ++t)
-          if (sched.state[t] != kDone) sched.state[t] = kReady;
-        released = true;
-      }
-    }
-  }
+  for (const auto& [width, kind] : {std::pair<int, State>{32, kAtWarpBarrier}, std::pair<int, State>{128, kAtWgBarrier}})
+    for (int w = 0; w < n; w += width) released = release_group(w, width, kind, n) || released;
   for (int t = 0; t < n; ++t) {
     if (sched.state[t] == kBlocked && can_wake(t)) {
       sched.state[t] = kReady;
@@ -256,6 +262,32 @@ inline void begin_cta(int n) {
   reset_sm90_state(n);
 }
 
+// The order in which ready fibers run (the schedule). The data a kernel computes must not depend on it;
+// a race between threads of a CTA (shared memory read without a barrier ordering it after the write)
+// shows only if the reader can run before the writer, so the default is adverse:
+//   kLowFirst:  the lowest-numbered ready fiber always runs next; a group released (a warp or warpgroup
+//               collective whose last thread arrived, a named barrier completed) runs again at once.
+//               Low warps and warpgroups run as far ahead of high ones as the barriers allow; threads
+//               waiting for their wgmma (kYielded) resume one warpgroup at a time, the lowest first.
+//   kHighFirst: the same from the highest-numbered fiber down: high warps run ahead.
+//   kPass:      round-robin passes over all fibers, a group released only after every ready fiber has
+//               run to its next blocking point (the emulator's schedule before the adverse ones; it
+//               lets every writer of a pass finish before any group it synchronizes with moves on,
+//               which hid a missing barrier between two consumer warpgroups).
+// KVKERNELS_EMU_SCHEDULE = low | high | pass | alternate (default: even CTAs (linear index) low-first,
+// odd ones high-first, so that a multi-CTA launch runs both; read at every launch).
+enum class Order { kLowFirst, kHighFirst, kPass };
+inline Order schedule_of_cta(uint64_t cta) {
+  const char* e = std::getenv("KVKERNELS_EMU_SCHEDULE");
+  const std::string v = e ? e : "";
+  if (v == "low") return Order::kLowFirst;
+  if (v == "high") return Order::kHighFirst;
+  if (v == "pass") return Order::kPass;
+  if (!v.empty() && v != "alternate")
+    throw std::logic_error("emu: KVKERNELS_EMU_SCHEDULE must be low, high, pass or alternate, not " + v);
+  return cta % 2 == 0 ? Order::kLowFirst : Order::kHighFirst;
+}
+
 template <typename K, typename... Args>
 void launch(K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*stream*/, Args... args) {
   if (block.y != 1 || block.z != 1) throw std::logic_error("emu: 1-D blocks only");
@@ -282,12 +314,13 @@ void launch(K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*stream*
   sched.blocked_on.assign(n, Blocker{});
   sched.error = nullptr;
   sched.exchange.assign(size_t(n) * kSlots, 0);
-  const char* order = std::getenv("KVKERNELS_EMU_CTA_ORDER");
-  const bool reverse = order != nullptr && std::strcmp(order, "reverse") == 0;
+  const char* cta_order = std::getenv("KVKERNELS_EMU_CTA_ORDER");
+  const bool reverse = cta_order != nullptr && std::strcmp(cta_order, "reverse") == 0;
   for (unsigned bz = 0; bz < grid.z; ++bz) {
   for (unsigned by = 0; by < grid.y; ++by) {
     for (unsigned bx = 0; bx < grid.x; ++bx) {
       blockIdx_ = reverse ? make_uint3(grid.x - 1 - bx, grid.y - 1 - by, grid.z - 1 - bz) : make_uint3(bx, by, bz);
+      const Order order = schedule_of_cta((uint64_t(blockIdx_.z) * grid.y + blockIdx_.y) * grid.x + blockIdx_.x);
       begin_cta(n);
       for (int t = 0; t < n; ++t) {
         sched.state[t] = kReady;
@@ -298,14 +331,16 @@ void launch(K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*stream*
         sched.fibers[t].uc_link = &sched.main;
         makecontext(&sched.fibers[t], reinterpret_cast<void (*)()>(&trampoline), 1, t);
       }
-      // Run every ready fiber up to its next barrier (or its end); then release the groups whose
-      // fibers all arrived; until every fiber has ended.
+      // Run ready fibers up to their next barrier (or their end) in the CTA's order; then release the
+      // groups whose fibers all arrived; until every fiber has ended.
       for (;;) {
         bool ran = false;
-        for (int t = 0; t < n; ++t) {
+        for (int i = 0; i < n; ++i) {
+          const int t = order == Order::kHighFirst ? n - 1 - i : i;
           if (sched.state[t] != kReady) continue;
           ran = true;
           sched.current = t;
+          sched.woke = false;
           threadIdx_ = make_uint3(static_cast<unsigned>(t), 0, 0);
           swapcontext(&sched.main, &sched.fibers[t]);
           if (sched.error) {  // abandon the CTA (the other fibers' stacks are simply dropped)
@@ -313,12 +348,30 @@ void launch(K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t /*stream*
             sched.error = nullptr;
             std::rethrow_exception(e);
           }
+          if (order == Order::kPass) continue;
+          // Adverse orders: a warp / warpgroup whose last thread just arrived is released now, and the
+          // scan restarts, so the first ready fiber in the order (the released ones, if first) runs next.
+          // (Every fiber before t in the order is blocked: the scan restarts whenever one is woken.)
+          bool again = sched.woke;
+          if (sched.state[t] == kAtWarpBarrier) again = release_group(t - t % 32, 32, kAtWarpBarrier, n) || again;
+          if (sched.state[t] == kAtWgBarrier) again = release_group(t - t % 128, 128, kAtWgBarrier, n) || again;
+          if (again) i = -1;
         }
         if (release(n)) continue;
         if (!ran) {
+          // Threads that yielded at the wait of an asynchronous operation resume once nothing else can run:
+          // all of them in round-robin passes; in the adverse orders only the first warpgroup (in the order)
+          // that has any, so the others' operations complete later still (legal: nothing bounds when an
+          // in-flight wgmma completes) and the first may run on past a point the others have not passed.
+          int first = -1;
+          for (int i = 0; i < n && first < 0; ++i) {
+            const int t = order == Order::kHighFirst ? n - 1 - i : i;
+            if (sched.state[t] == kYielded) first = t;
+          }
           bool resumed = false;
           for (int t = 0; t < n; ++t)
-            if (sched.state[t] == kYielded) sched.state[t] = kReady, resumed = true;
+            if (sched.state[t] == kYielded && (order == Order::kPass || t / 128 == first / 128))
+              sched.state[t] = kReady, resumed = true;
           if (resumed) continue;
           for (int t = 0; t < n; ++t)
             if (sched.state[t] != kDone)
@@ -818,6 +871,7 @@ inline NamedBarrier& named_arrive(uint32_t id, uint32_t count) {
 inline bool named_complete(NamedBarrier& b) {
   if (b.arrived < b.count) return false;
   for (int t : b.waiters) sched.state[t] = kReady;
+  sched.woke = sched.woke || !b.waiters.empty();
   b.waiters.clear();
   b.arrived = b.count = 0;
   return true;

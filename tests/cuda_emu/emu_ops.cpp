@@ -278,8 +278,9 @@ void mla_paged_attention_out(const Tensor& q, const Tensor& kv_cache, const Tens
                            {out, lse});
 }
 
-// The plan of the launch above: (path, dp, stages, smem, heads_per_cta, q_tile, num_splits, grid_x, grid_y).
-std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> mla_attention_plan(
+// The plan of the launch above: (path, dp, stages, smem, heads_per_cta, q_tile, num_splits, grid_x, grid_y,
+// seesaw).
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> mla_attention_plan(
     const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables, const Tensor& seq_lens, int64_t kv_lora_rank,
     std::optional<Tensor> query_start_loc, std::optional<Tensor> kv_scale) {
   const ArgCheck c("mla_paged_attention");
@@ -287,7 +288,7 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_
                                               query_start_loc, kv_scale);
   mla_cuda::MlaPlan p;
   check(c, mla_cuda::plan_mla_attention(r.params, 0, &p));
-  return {p.path, p.dp, p.stages, p.smem, p.heads_per_cta, p.q_tile, p.num_splits, p.grid_x, p.grid_y};
+  return {p.path, p.dp, p.stages, p.smem, p.heads_per_cta, p.q_tile, p.num_splits, p.grid_x, p.grid_y, p.seesaw};
 }
 
 // csrc/cuda/mla_binding.cpp's mla_decompress with host tensors: the output length from seq_lens on
@@ -344,7 +345,7 @@ STABLE_TORCH_LIBRARY(kvkernels_emu, m) {
         "int kv_lora_rank, float scale, Tensor? query_start_loc=None, Tensor? kv_scale=None, *, Tensor(a!) out, "
         "Tensor(b!)? lse=None) -> ()");
   m.def("mla_attention_plan(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int kv_lora_rank, "
-        "Tensor? query_start_loc=None, Tensor? kv_scale=None) -> (int, int, int, int, int, int, int, int, int)");
+        "Tensor? query_start_loc=None, Tensor? kv_scale=None) -> (int, int, int, int, int, int, int, int, int, int)");
   m.def("mla_decompress(Tensor kv_cache, Tensor block_tables, Tensor seq_lens, Tensor w_kv_b, int kv_lora_rank, "
         "int qk_nope_head_dim, int v_head_dim, Tensor? norm_weight=None, float norm_eps=1e-6, "
         "Tensor? scale=None, int? num_tokens=None) -> (Tensor key, Tensor value)");

@@ -259,6 +259,17 @@ __global__ void misuse_kernel(MisuseArgs m) {
     case 13:  // named barrier count not a multiple of 32
       s9::named_bar_sync(1, 100);
       break;
+    case 14:  // warpgroup 1 writes an operand of warpgroup 0's wgmma with no barrier between (a race)
+    case 15:  // the same, warpgroup 0 writing and warpgroup 1 reading
+      if (tid / 128 == (m.kind == 14 ? 1 : 0)) {
+        if (tid % 128 == 0) ::emu::shared_at(base, 2)[1] = 0x40;  // 1.0 -> 4.0 (bf16 0x4080)
+      } else {
+        s9::wgmma_fence();
+        s9::wgmma_ss<64, __nv_bfloat16, 0, 0>(acc, desc, desc, 0);
+        s9::wgmma_commit();
+        s9::wgmma_wait<0>();
+      }
+      break;
     case 20:  // setmaxnreg count not a multiple of 8 / outside 24..256 (the wrapper's static_assert
               // stops literal misuse; the model checks too)
       ::emu::setmaxnreg(false, 100);
