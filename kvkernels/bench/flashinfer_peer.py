@@ -57,8 +57,21 @@ class _PagedIndex:
         self.last_page_len = torch.full((batch,), context - (per_seq - 1) * block, dtype=torch.int32, device=dev)
 
 
-def _scale(data) -> Optional[float]:
-    return None if data.scale is None else float(data.scale.item())
+def _runner(wrapper, data) -> Callable[[int], torch.Tensor]:
+    """call(i): the planned wrapper's run over rotated cache copy i % copies of ``data``, with its per-tensor
+    fp8 scales (None for 16-bit caches)."""
+    scale = None if data.scale is None else float(data.scale.item())
+    copies = len(data.keys)
+
+    def call(i: int) -> torch.Tensor:
+        j = i % copies
+        return wrapper.run(data.query, (data.keys[j], data.values[j]), k_scale=scale, v_scale=scale)
+
+    return call
+
+
+def _workspace() -> torch.Tensor:
+    return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
 
 
 def decode_call(data, tensor_cores: bool, heads: int, kv_heads: int, head_dim: int,
@@ -68,18 +81,10 @@ def decode_call(data, tensor_cores: bool, heads: int, kv_heads: int, head_dim: i
     import flashinfer
 
     index = _PagedIndex(data.block_tables, data.context, block)
-    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(), "NHD", use_tensor_cores=tensor_cores)
     wrapper.plan(index.indptr, index.indices, index.last_page_len, heads, kv_heads, head_dim, block,
                  q_data_type=data.query.dtype, kv_data_type=data.dtype)
-    scale = _scale(data)
-    copies = len(data.keys)
-
-    def call(i: int) -> torch.Tensor:
-        j = i % copies
-        return wrapper.run(data.query, (data.keys[j], data.values[j]), k_scale=scale, v_scale=scale)
-
-    return call
+    return _runner(wrapper, data)
 
 
 def prefill_call(data, q_len: int, heads: int, kv_heads: int, head_dim: int,
@@ -89,16 +94,8 @@ def prefill_call(data, q_len: int, heads: int, kv_heads: int, head_dim: int,
     import flashinfer
 
     index = _PagedIndex(data.block_tables, data.context, block)
-    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
-    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa3")
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(_workspace(), "NHD", backend="fa3")
     qo_indptr = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
     wrapper.plan(qo_indptr, index.indptr, index.indices, index.last_page_len, heads, kv_heads, head_dim, block,
                  causal=True, q_data_type=data.query.dtype, kv_data_type=data.dtype)
-    scale = _scale(data)
-    copies = len(data.keys)
-
-    def call(i: int) -> torch.Tensor:
-        j = i % copies
-        return wrapper.run(data.query, (data.keys[j], data.values[j]), k_scale=scale, v_scale=scale)
-
-    return call
+    return _runner(wrapper, data)
