@@ -2234,7 +2234,7 @@ MLA_WGMMA = 3
 # Every wgmma MLA test runs both consumer schedules: in step (KVKERNELS_CUDA_MLA_PATH=wgmma) and the seesaw
 # (=wgmma-seesaw; run_emu_mla_attention / check_plan assert the plan's schedule).
 @pytest.fixture(params=["wgmma", "wgmma-seesaw"])
-def wgmma_path(request):
+def mla_wgmma_schedule(request):
     return request.param
 
 
@@ -2264,10 +2264,10 @@ MLA_WGMMA_CASES = {
 
 @pytest.mark.parametrize("splits", [None, 3], ids=["planned", "split3"])
 @pytest.mark.parametrize("case", MLA_WGMMA_CASES.values(), ids=MLA_WGMMA_CASES.keys())
-def test_mla_wgmma_decode(emu, wgmma_path, case, splits, monkeypatch):
+def test_mla_wgmma_decode(emu, mla_wgmma_schedule, case, splits, monkeypatch):
     """Decode over shuffled blocks: a sequence of 6 key tiles (the 2-stage ring wraps), an empty one (out 0,
     lse -inf), one key, a tile exactly full, one a key past it."""
-    use_mla_wgmma(monkeypatch, wgmma_path, splits)
+    use_mla_wgmma(monkeypatch, mla_wgmma_schedule, splits)
     dtype, fp8, r, p, h, b, strided = case
     mla, q, _ = make_mla_case("decode", [330, 0, 1, 64, 65], dtype, fp8, r, p, h, b, strided, seed=61)
     out, lse, plan = run_emu_mla_attention(emu, mla, q, None, (128 + p) ** -0.5, path=MLA_WGMMA)
@@ -2278,7 +2278,7 @@ def test_mla_wgmma_decode(emu, wgmma_path, case, splits, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["bf16-R512-P64-H16-b64", "f16-R64-P16-H8-b64", "bf16-R72-P8-H3-b64-strided"])
-def test_mla_wgmma_tma_and_cp_async(emu, wgmma_path, case, monkeypatch):
+def test_mla_wgmma_tma_and_cp_async(emu, mla_wgmma_schedule, case, monkeypatch):
     """Block size 64: whole-page tiles load by TMA (64 x 64 boxes, 128B swizzle; R + P = 80: a box partly past
     the row, zero-filled), partial / masked tiles by the gathers; KVKERNELS_CUDA_NO_TMA=1 gathers every tile.
     Both against the reference and bit-identical to each other. "strided": rows of a wider allocation (the
@@ -2286,7 +2286,7 @@ def test_mla_wgmma_tma_and_cp_async(emu, wgmma_path, case, monkeypatch):
     r, p, h = {"bf16-R512-P64-H16-b64": (512, 64, 16), "f16-R64-P16-H8-b64": (64, 16, 8),
                "bf16-R72-P8-H3-b64-strided": (72, 8, 3)}[case]
     dtype = f16 if case.startswith("f16") else bf16
-    use_mla_wgmma(monkeypatch, wgmma_path)
+    use_mla_wgmma(monkeypatch, mla_wgmma_schedule)
     mla, q, _ = make_mla_case("decode", [330, 0, 64, 65, 128], dtype, None, r, p, h, 64, seed=68)
     if case.endswith("strided"):
         wide = torch.full((*mla.kv_cache.shape[:2], r + p + 16), float("nan"), dtype=dtype)
@@ -2301,14 +2301,14 @@ def test_mla_wgmma_tma_and_cp_async(emu, wgmma_path, case, monkeypatch):
     assert_bytes_equal(results[0][1], results[1][1], "lse")
 
 
-def test_mla_wgmma_plan(emu, wgmma_path, monkeypatch):
+def test_mla_wgmma_plan(emu, mla_wgmma_schedule, monkeypatch):
     """DeepSeek widths: 576-wide tiles, 2 stages of 72 KiB beside the 72-KiB query tile (226 KiB of the
     227 KiB opt-in limit); narrower rows get up to 4 stages; heads above 64 take head chunks."""
-    use_mla_wgmma(monkeypatch, wgmma_path)
+    use_mla_wgmma(monkeypatch, mla_wgmma_schedule)
     mla, q, _ = make_mla_case("decode", [100, 3], bf16, None, 512, 64, 128, 64)
     plan = mla_plan_of(emu, mla, q, None)
     assert (plan["path"], plan["dp"], plan["stages"], plan["smem"]) == (MLA_WGMMA, 576, 2, 231456), plan
-    assert plan["seesaw"] == (wgmma_path == "wgmma-seesaw"), plan
+    assert plan["seesaw"] == (mla_wgmma_schedule == "wgmma-seesaw"), plan
     assert (plan["heads_per_cta"], plan["grid_y"], plan["q_tile"]) == (64, 2, 1), plan
     mla, q, _ = make_mla_case("decode", [100, 3], bf16, None, 64, 16, 8, 16)
     plan = mla_plan_of(emu, mla, q, None)
@@ -2317,34 +2317,34 @@ def test_mla_wgmma_plan(emu, wgmma_path, monkeypatch):
 
 @pytest.mark.parametrize("splits", [None, 128], ids=["planned", "128"])
 @pytest.mark.parametrize("fp8", [None, "e4m3"])
-def test_mla_wgmma_long_context(emu, wgmma_path, fp8, splits, monkeypatch):
+def test_mla_wgmma_long_context(emu, mla_wgmma_schedule, fp8, splits, monkeypatch):
     """Thousands of keys over few sequences: the planner splits them (4 emulated SMs); 128 forced splits
     leave the short sequences' splits empty (lse -inf partials the merge skips)."""
     from helpers import make_paged_mla
-    use_mla_wgmma(monkeypatch, wgmma_path, splits)
+    use_mla_wgmma(monkeypatch, mla_wgmma_schedule, splits)
     mla = make_paged_mla([2100, 1, 700], 128, 16, 16, dtype=bf16, fp8=fp8, seed=62)
     q = make_query(3, 16, 144, bf16, generator(63))
     _, _, plan = run_emu_mla_attention(emu, mla, q, None, 144 ** -0.5, path=MLA_WGMMA)
     assert plan["splits"] > 1, plan
 
 
-def test_mla_wgmma_agrees_with_mma64(emu, wgmma_path, monkeypatch):
+def test_mla_wgmma_agrees_with_mma64(emu, mla_wgmma_schedule, monkeypatch):
     """The wgmma and the mma.sync 64-row kernels on the same inputs agree to the q dtype's tolerance."""
     from helpers import TOLERANCES
     mla, q, _ = make_mla_case("decode", [150, 64, 1, 129], bf16, None, 512, 64, 32, 64, seed=64)
     args = (q, mla.kv_cache, mla.block_tables, mla.seq_lens, 512, 0.07, None, mla.scale)
     force_cuda_plan(monkeypatch, "MLA", "mma64", None)
     out_m, lse_m = emu.mla_paged_attention(*args)
-    use_mla_wgmma(monkeypatch, wgmma_path)
+    use_mla_wgmma(monkeypatch, mla_wgmma_schedule)
     out_w, lse_w = emu.mla_paged_attention(*args)
     rtol, atol = TOLERANCES[bf16]
     assert_close(out_w, out_m.double(), bf16, rtol=2 * rtol, atol=2 * atol, msg="out")
     assert_close(lse_w, lse_m.double(), f32, rtol=1e-4, atol=1e-4, msg="lse")
 
 
-def test_mla_wgmma_out_variants(emu, wgmma_path, monkeypatch):
+def test_mla_wgmma_out_variants(emu, mla_wgmma_schedule, monkeypatch):
     """out= + lse= and out= into a padded view: the bytes of the allocating call, nothing around the view."""
-    use_mla_wgmma(monkeypatch, wgmma_path)
+    use_mla_wgmma(monkeypatch, mla_wgmma_schedule)
     mla, q, _ = make_mla_case("decode", [37, 0, 70], bf16, None, 512, 64, 16, 64)
     args, kw = (q, mla.kv_cache, mla.block_tables, mla.seq_lens), dict(kv_lora_rank=512, scale=0.1)
     assert mla_plan_of(emu, mla, q, None)["path"] == MLA_WGMMA
@@ -2361,10 +2361,10 @@ def test_mla_wgmma_out_variants(emu, wgmma_path, monkeypatch):
 
 
 @pytest.mark.parametrize("splits", [None, 3], ids=["planned", "split3"])
-def test_mla_wgmma_nonfinite(emu, wgmma_path, splits, monkeypatch):
+def test_mla_wgmma_nonfinite(emu, mla_wgmma_schedule, splits, monkeypatch):
     """inf in a value column and NaN in a rope column of visible keys (their rows NaN, as the reference), NaN
     in cache slots past the sequences and in blocks no table names (never read), an inf kv_scale (fp8)."""
-    use_mla_wgmma(monkeypatch, wgmma_path, splits)
+    use_mla_wgmma(monkeypatch, mla_wgmma_schedule, splits)
     r, p, h, b = 64, 16, 16, 16
     seq_lens = [70, 5, 200]
     mla, q, _ = make_mla_case("decode", seq_lens, bf16, None, r, p, h, b, seed=65)
@@ -2381,9 +2381,9 @@ def test_mla_wgmma_nonfinite(emu, wgmma_path, splits, monkeypatch):
     assert out.isnan().all()
 
 
-def test_mla_wgmma_out_of_range_block_ids_read_nothing(emu, wgmma_path, monkeypatch):
+def test_mla_wgmma_out_of_range_block_ids_read_nothing(emu, mla_wgmma_schedule, monkeypatch):
     """Block ids past the cache or negative, between NaN blocks: zero rows, nothing read."""
-    use_mla_wgmma(monkeypatch, wgmma_path)
+    use_mla_wgmma(monkeypatch, mla_wgmma_schedule)
     b, seq_lens = 16, [3 * 16 + 5, 2 * 16, 16 + 1]
     mla, q, _ = make_mla_case("decode", seq_lens, bf16, None, 64, 16, 8, b)
     n = mla.kv_cache.shape[0]
@@ -2400,17 +2400,17 @@ def test_mla_wgmma_out_of_range_block_ids_read_nothing(emu, wgmma_path, monkeypa
 
 
 @pytest.mark.parametrize("dtype,fp8", [(bf16, None), (f16, "e4m3")], ids=["bf16", "e4m3"])
-def test_mla_wgmma_unaligned_cache_rows(emu, wgmma_path, dtype, fp8, monkeypatch):
+def test_mla_wgmma_unaligned_cache_rows(emu, mla_wgmma_schedule, dtype, fp8, monkeypatch):
     """Latent rows not 16-byte aligned (a [..., 2:2+W] slice of wider rows, NaN around it): the producer's
     register path with element loads instead of cp.async."""
-    use_mla_wgmma(monkeypatch, wgmma_path)
+    use_mla_wgmma(monkeypatch, mla_wgmma_schedule)
     mla, q, qsl = make_mla_case("decode", [140, 9, 0, 16], dtype, fp8, 64, 16, 8, 16, seed=29)
     mla.kv_cache = unaligned_copy(mla.kv_cache)
     run_emu_mla_attention(emu, mla, q, qsl, 0.1, path=MLA_WGMMA)
 
 
 @pytest.mark.parametrize("why", ["varlen", "float32", "smem"])
-def test_mla_wgmma_fallbacks(emu, wgmma_path, why, monkeypatch):
+def test_mla_wgmma_fallbacks(emu, mla_wgmma_schedule, why, monkeypatch):
     """Where the wgmma decode cannot run, the planner takes the mma.sync / SIMT kernels (results still
     right) and KVKERNELS_CUDA_WGMMA=require fails naming the reason."""
     dtype = f32 if why == "float32" else bf16
@@ -2420,9 +2420,9 @@ def test_mla_wgmma_fallbacks(emu, wgmma_path, why, monkeypatch):
         monkeypatch.setenv("KVKERNELS_EMU_SMEM_OPTIN", str(99 * 1024))
         mla, q, qsl = make_mla_case(mode, [40, 9], dtype, None, 512, 64, 8, 16, seed=67)
     reason = {"varlen": "varlen prefill", "float32": "float32 queries", "smem": "less opt-in shared memory"}[why]
-    use_mla_wgmma(monkeypatch, wgmma_path, require=True)
+    use_mla_wgmma(monkeypatch, mla_wgmma_schedule, require=True)
     with pytest.raises(RuntimeError, match=f"KVKERNELS_CUDA_WGMMA=require: the wgmma MLA decode cannot run this call: .*{reason}"):
         emu.mla_paged_attention(q, mla.kv_cache, mla.block_tables, mla.seq_lens, mla.kv_lora_rank, 0.1, qsl, None)
-    use_mla_wgmma(monkeypatch, wgmma_path, require=False)
+    use_mla_wgmma(monkeypatch, mla_wgmma_schedule, require=False)
     _, _, plan = run_emu_mla_attention(emu, mla, q, qsl, 0.1)
     assert plan["path"] != MLA_WGMMA, plan
