@@ -101,9 +101,25 @@ save_results() {
 # XML to results/junit-<step>.xml; the array PYTEST_PREFIX, if set, is a command that runs the
 # interpreter (compute-sanitizer and its options). SIGINT becomes KeyboardInterrupt even where the shell that started
 # this script ignores it (a background job), so pytest ends the run with its summary and the XML.
-PYTEST_MAIN='import signal, sys, pytest
+# HANG_EXIT_S=<s> (per step): a test whose call still runs after s seconds is taken for a hung kernel (a GPU
+# kernel waiting on an mbarrier phase or named barrier that never completes cannot be interrupted: SIGINT
+# would wait for it until the step's cap and SIGKILL): faulthandler dumps every thread's stack to the log and
+# ends the process at once, so the step fails then and leaves the rest of its cap to the next steps.
+PYTEST_MAIN='import faulthandler, os, signal, sys, pytest
 signal.signal(signal.SIGINT, signal.default_int_handler)
-sys.exit(pytest.main(sys.argv[1:]))'
+class HangExit:
+    def __init__(self, seconds):
+        self.seconds = seconds
+        self.log = os.fdopen(os.dup(2), "w")  # the real stderr: pytest captures fd 2 while a test runs
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item):
+        faulthandler.dump_traceback_later(self.seconds, exit=True, file=self.log)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+hang = float(os.environ.get("HANG_EXIT_S") or 0)
+sys.exit(pytest.main(sys.argv[1:], plugins=[HangExit(hang)] if hang > 0 else []))'
 
 pytest_step() {
   local log=$OUT/$1 rc offset section
@@ -121,6 +137,11 @@ pytest_step() {
   section=$(tail -c +$((offset + 1)) "$log")
   STEP_DETAIL=$(printf '%s\n' "$section" | grep -E '^=+ .*( in [0-9.]+s).* =+$' | tail -1 | sed -E 's/^=+ //; s/ =+$//')
   [ -z "$STEP_DETAIL" ] && STEP_DETAIL="no pytest summary line (killed?)"
+  if [ -n "${HANG_EXIT_S:-}" ] && printf '%s\n' "$section" | grep -q "Timeout ([0-9:]*)!"; then
+    # faulthandler's "Timeout (h:mm:ss)!" follows the -v line of the test it stopped
+    STEP_DETAIL="hang guard: a test ran past HANG_EXIT_S=${HANG_EXIT_S}s, run ended: $(printf '%s\n' "$section" |
+      grep -m1 "Timeout ([0-9:]*)!" | grep -oE '[^ /]+::[^ ]+' | head -1 | cut -c1-160); $STEP_DETAIL"
+  fi
   if [ "$DRY_RUN" != 1 ]; then  # on the GPU, no test may skip for want of a device or of a kernel
     local nodev
     nodev=$(printf '%s\n' "$section" |

@@ -188,7 +188,7 @@ step_t_attn() { pytest_par tests/test_cuda_attention.py -k "not ($BAD)"; }
 # error hangs rather than fails; faulthandler dumps the stacks of a test stuck for 20 s. Includes the
 # sm_90a wgmma kernel's tests (test_mla_decompress_wgmma*: KVKERNELS_CUDA_DECOMPRESS=wgmma, never run on a
 # GPU before; its mbarrier ring is the likeliest to hang).
-step_t_mla_tma() { FAULT_S=20 pytest_step tests.log tests/test_cuda_mla.py -k test_mla_decompress; }
+step_t_mla_tma() { FAULT_S=20 HANG_EXIT_S=45 pytest_step tests.log tests/test_cuda_mla.py -k test_mla_decompress; }
 step_t_mla_attn() { pytest_par tests/test_cuda_mla.py -k "not test_mla_decompress and not wgmma and not ($BAD)"; }
 step_t_cascade_mla() { pytest_step tests.log tests/test_cascade.py tests/test_mla.py -k cuda; }
 # NaN / inf in keys, values, queries, parameters, MLA rows, merge lse: the CPU cases, on the CUDA kernels.
@@ -203,7 +203,7 @@ step_t_bad() { pytest_par tests/test_cuda_ops.py tests/test_cuda_attention.py te
 # planned; the overlapped loop first: its non-finite fix-up is the newer code).
 step_t_wgmma() {
   local rc=0 detail
-  FAULT_S=30 pytest_step tests.log tests/test_cuda_attention.py -k wgmma || rc=$?
+  FAULT_S=30 HANG_EXIT_S=60 pytest_step tests.log tests/test_cuda_attention.py -k wgmma || rc=$?
   detail=$STEP_DETAIL
   KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill-overlap pytest_par tests/test_nonfinite.py -k "cuda and not cuda_emu and not mla and not merge" || rc=$?
   detail="$detail; non-finite overlap: $STEP_DETAIL"
@@ -215,7 +215,7 @@ step_t_wgmma() {
 # on both schedules; compiled and emulated before this run, never on a GPU): its tests alone and serially under
 # a short cap, with KVKERNELS_CUDA_WGMMA=require set by the tests (a fallback fails); an mbarrier / named-barrier protocol error hangs rather than fails
 # (faulthandler dumps the stacks of a test stuck for 30 s).
-step_t_mla_wgmma() { FAULT_S=30 pytest_step tests.log tests/test_cuda_mla.py -k wgmma; }
+step_t_mla_wgmma() { FAULT_S=30 HANG_EXIT_S=60 pytest_step tests.log tests/test_cuda_mla.py -k wgmma; }
 step_t_compile() {
   pytest_step tests.log tests/test_cuda_ops.py::test_compile_reduce_overhead tests/test_cuda_ops.py::test_compiled_decode_step \
     tests/test_compile_decode.py::test_reduce_overhead_captures_cuda_graph

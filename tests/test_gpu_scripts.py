@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 
@@ -104,6 +105,38 @@ echo "finish=$?"
         xml = tar.extractfile("results/junit-sleepy.xml").read().decode()
     assert 'name="test_quick"' in xml and 'tests="1"' in xml
     assert sorted(os.listdir(out)) == ["results.tar.gz", "summary.txt", "tests.log"]
+
+
+def test_hang_guard_ends_a_stuck_test_and_leaves_the_time_to_the_next_steps(tmp_path):
+    """HANG_EXIT_S: a test stuck where SIGINT cannot reach it (here SIGINT blocked, as a thread waiting on a
+    hung GPU kernel) is ended after that many seconds with every stack dumped to the log, the step fails
+    naming the hang guard and the test, and the next step runs at once instead of after the step's cap."""
+    tests = tmp_path / "selftest"
+    tests.mkdir()
+    (tests / "test_stuck.py").write_text(
+        "import signal\nimport time\n\n\ndef test_fine():\n    pass\n\n\ndef test_stuck():\n"
+        "    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n    time.sleep(60)\n")
+    out = tmp_path / "out"
+    driver = f"""
+set -u
+BUDGET=80 GRACE=4 MIN_STEP=3
+source {SCRIPTS}/gpu_common.sh
+gpu_init selftest
+step_stuck() {{ HANG_EXIT_S=3 pytest_step tests.log {tests}/test_stuck.py -p no:randomly; }}
+step_after() {{ STEP_DETAIL="ran"; }}
+run_step stuck 70 step_stuck
+run_step after 600 step_after
+gpu_finish
+"""
+    start = time.monotonic()
+    subprocess.run([BASH, "-c", driver], capture_output=True, text=True, timeout=120, env=_env(OUT=out))
+    assert time.monotonic() - start < 40  # not the step's 70 s cap
+    summary = (out / "summary.txt").read_text()
+    stuck = next(line for line in summary.splitlines() if "] stuck " in line)
+    assert re.search(r"stuck +FAIL .*hang guard: a test ran past HANG_EXIT_S=3s, run ended: test_stuck.py::test_stuck;", stuck), summary
+    assert re.search(r"\] after +ok .*ran", summary), summary
+    log = (out / "tests.log").read_text()
+    assert "test_stuck.py::test_stuck Timeout (0:00:03)!" in log and "line 11 in test_stuck" in log
 
 
 def _clocks_module():
