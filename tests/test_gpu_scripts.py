@@ -70,6 +70,20 @@ def test_unknown_step_is_refused(tmp_path):
     assert result.returncode == 2 and "unknown step 'no_such_step'" in result.stdout
 
 
+def _steps_driver(budget: int, steps: str) -> str:
+    """A bash driver of gpu_common.sh (BUDGET=budget, GRACE=4, MIN_STEP=3): gpu_init selftest, then `steps`
+    (step functions and run_step lines), gpu_finish, and "finish=<its status>" on stdout."""
+    return f"""
+set -u
+BUDGET={budget} GRACE=4 MIN_STEP=3
+source {SCRIPTS}/gpu_common.sh
+gpu_init selftest
+{steps}
+gpu_finish
+echo "finish=$?"
+"""
+
+
 def test_sigint_at_the_deadline_keeps_the_pytest_summary_and_junit(tmp_path):
     """A step whose cap exceeds the time left runs under (time left - GRACE); at that limit pytest gets
     SIGINT, ends with its summary and junit XML (the test that finished is in it), the step is reported
@@ -79,18 +93,11 @@ def test_sigint_at_the_deadline_keeps_the_pytest_summary_and_junit(tmp_path):
     (tests / "test_sleepy.py").write_text(
         "import time\n\n\ndef test_quick():\n    pass\n\n\ndef test_sleepy():\n    time.sleep(120)\n")
     out = tmp_path / "out"
-    driver = f"""
-set -u
-BUDGET=24 GRACE=4 MIN_STEP=3
-source {SCRIPTS}/gpu_common.sh
-gpu_init selftest
+    driver = _steps_driver(24, f"""
 step_sleepy() {{ pytest_step tests.log {tests}/test_sleepy.py -p no:randomly; }}
 step_after() {{ STEP_DETAIL="ran"; }}
 run_step sleepy 600 step_sleepy
-run_step after 600 step_after
-gpu_finish
-echo "finish=$?"
-"""
+run_step after 600 step_after""")
     result = subprocess.run([BASH, "-c", driver], capture_output=True, text=True, timeout=90,
                             env=_env(OUT=out))
     summary = (out / "summary.txt").read_text()
@@ -117,17 +124,11 @@ def test_hang_guard_ends_a_stuck_test_and_leaves_the_time_to_the_next_steps(tmp_
         "import signal\nimport time\n\n\ndef test_fine():\n    pass\n\n\ndef test_stuck():\n"
         "    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n    time.sleep(60)\n")
     out = tmp_path / "out"
-    driver = f"""
-set -u
-BUDGET=80 GRACE=4 MIN_STEP=3
-source {SCRIPTS}/gpu_common.sh
-gpu_init selftest
+    driver = _steps_driver(80, f"""
 step_stuck() {{ HANG_EXIT_S=3 pytest_step tests.log {tests}/test_stuck.py -p no:randomly; }}
 step_after() {{ STEP_DETAIL="ran"; }}
 run_step stuck 70 step_stuck
-run_step after 600 step_after
-gpu_finish
-"""
+run_step after 600 step_after""")
     start = time.monotonic()
     subprocess.run([BASH, "-c", driver], capture_output=True, text=True, timeout=120, env=_env(OUT=out))
     assert time.monotonic() - start < 40  # not the step's 70 s cap

@@ -75,24 +75,22 @@ DECOMPRESS_VARIANTS = ("persist", "persist64", "persist128", "tile64", "wgmma")
 ATTN_VARIANTS = {"mma": (None, None), "wgmma": ("wgmma", "require"), "wgmma-seesaw": ("wgmma-seesaw", "require")}
 
 
-def _variants(text: str) -> list[str]:
-    names = [x for x in text.split(",") if x]
-    bad = [x for x in names if x not in DECOMPRESS_VARIANTS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown decompress variant(s) {bad}: choose from {DECOMPRESS_VARIANTS}")
-    if len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"a decompress variant named twice: {names}")
-    return names
+def _names_of(known, what: str) -> Callable[[str], list[str]]:
+    """The parser of a comma-separated list of distinct names of ``known`` (``what`` names them in errors):
+    --decompress-variants (DECOMPRESS_VARIANTS), --mla-attn-variants (ATTN_VARIANTS)."""
+    def parse(text: str) -> list[str]:
+        names = [x for x in text.split(",") if x]
+        bad = [x for x in names if x not in known]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {what}(s) {bad}: choose from {tuple(known)}")
+        if len(set(names)) != len(names):
+            raise argparse.ArgumentTypeError(f"a {what} named twice: {names}")
+        return names
+    return parse
 
 
-def _attn_variants(text: str) -> list[str]:
-    names = [x for x in text.split(",") if x]
-    bad = [x for x in names if x not in ATTN_VARIANTS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown MLA decode variant(s) {bad}: choose from {tuple(ATTN_VARIANTS)}")
-    if len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"an MLA decode variant named twice: {names}")
-    return names
+_variants = _names_of(DECOMPRESS_VARIANTS, "decompress variant")
+_attn_variants = _names_of(ATTN_VARIANTS, "MLA decode variant")
 
 
 @contextlib.contextmanager
