@@ -105,14 +105,7 @@ __global__ void __launch_bounds__(mla_threads(PATH), 1)
     const int r = idx / cpr16, c = idx - r * cpr16;
     const ac::RowId id = ac::row_id(a, w, r);
     float x[8];
-    if (id.valid) {
-      const T* src = static_cast<const T*>(p.q) + id.token * p.q_stride_token +
-                     int64_t(id.head) * p.q_stride_head;
-      load_q8_tail(src, c * 8, D, a.q_aligned != 0, x);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) x[i] = 0.0f;
-    }
+    load_q_chunk<T>(a, id, c, D, x);
     *reinterpret_cast<uint4*>(sq + swz_rt(r, c, cpr16)) =
         make_uint4(ac::pack2<T>(x[0], x[1]), ac::pack2<T>(x[2], x[3]), ac::pack2<T>(x[4], x[5]),
                    ac::pack2<T>(x[6], x[7]));
@@ -316,15 +309,8 @@ __global__ void __launch_bounds__(mla_threads(PATH), 1)
       const int r = mi * 16 + g + 8 * h;
       const ac::RowId id = ac::row_id(a, w, r);
       if (!id.valid) continue;
-      const float M = sM[r], Dn = sD[r];
-      // One split: finish_row (NaN / +inf logits -> NaN, no key -> 0 / -inf); several: the
-      // normalized partial, lse -inf when this split saw no finite logit.
       float mul;
-      const bool has_keys = ac::pos_has_keys(p, id.pos, w.seq_len);
-      const float lse2 = a.num_splits == 1 ? finish_row<true>(M, Dn, has_keys, -INFINITY, &mul)
-                                           : (Dn == 0.0f ? -INFINITY : M + log2f(Dn));
-      if (a.num_splits != 1) mul = Dn == 0.0f ? 0.0f : 1.0f / Dn;
-      mul *= vm;
+      const float lse2 = finish_mla_row(a, w, id, sM[r], sD[r], vm, &mul);
       const int64_t row = id.token * p.num_heads + id.head;
 #pragma unroll
       for (int n = 0; n < NB; ++n) {

@@ -92,14 +92,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1)
     const int r = idx / cpr, c = idx - r * cpr;
     const ac::RowId id = ac::row_id(a, w, r);
     float x[8];
-    if (id.valid) {
-      const QT* src = static_cast<const QT*>(p.q) + id.token * p.q_stride_token +
-                      int64_t(id.head) * p.q_stride_head;
-      load_q8_tail(src, c * 8, D, a.q_aligned != 0, x);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) x[i] = 0.0f;
-    }
+    load_q_chunk<QT>(a, id, c, D, x);
     float* dst = sQ + r * qstride + c * 8;
     *reinterpret_cast<float4*>(dst) =
         make_float4(x[0] * qk_mul2, x[1] * qk_mul2, x[2] * qk_mul2, x[3] * qk_mul2);
@@ -211,15 +204,8 @@ __global__ void __launch_bounds__(kSimtThreads, 1)
   for (int r = 0; r < ROWS; ++r) {
     const ac::RowId id = ac::row_id(a, w, r);
     if (!id.valid) continue;
-    const float M = sM[r], Dn = sD[r];
-    // One split: kvkernels/softmax.h finish_row (NaN / +inf logits -> NaN, no key -> 0 / -inf).
-    // Several: the normalized partial, lse -inf when this split saw no finite logit.
     float mul;
-    const bool has_keys = ac::pos_has_keys(p, id.pos, w.seq_len);
-    const float lse2 = a.num_splits == 1 ? finish_row<true>(M, Dn, has_keys, -INFINITY, &mul)
-                                         : (Dn == 0.0f ? -INFINITY : M + log2f(Dn));
-    if (a.num_splits != 1) mul = Dn == 0.0f ? 0.0f : 1.0f / Dn;
-    mul *= vm;
+    const float lse2 = finish_mla_row(a, w, id, sM[r], sD[r], vm, &mul);
     const int64_t row = id.token * p.num_heads + id.head;
     const int64_t prow = int64_t(w.split) * rows_total + row;
     if (c4 < R) {

@@ -169,6 +169,37 @@ __device__ __forceinline__ void load_q8_tail(const QT* src, int c, int d, bool a
   for (int i = 0; i < 8; ++i) x[i] = c + i < d ? ac::to_float(src[c + i]) : 0.0f;
 }
 
+// Query row `id`'s 8 elements of chunk c (columns 8c .. 8c+7) as floats, zero past d; all zeros for a row
+// the CTA does not own (id.valid false). Every MLA kernel stages its query tile this way.
+template <typename QT>
+__device__ __forceinline__ void load_q_chunk(const ac::AttnArgs& a, const ac::RowId& id, int c, int d, float* x) {
+  if (id.valid) {
+    const QT* src = static_cast<const QT*>(a.p.q) + id.token * a.p.q_stride_token +
+                    int64_t(id.head) * a.p.q_stride_head;
+    load_q8_tail(src, c * 8, d, a.q_aligned != 0, x);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = 0.0f;
+  }
+}
+
+// The end of a query row of the MLA kernels, from its running max M and sum Dn (log2 units): returns the
+// row's lse (log2) and sets *mul, the factor of its output (times vm, the checked v scale). One split:
+// finish_row (kvkernels/softmax.h: NaN / +inf logits -> NaN, no key -> 0 / -inf). Several: the normalized
+// partial, lse -inf when this split saw no finite logit (the merge then skips it).
+__device__ __forceinline__ float finish_mla_row(const ac::AttnArgs& a, const ac::Work& w, const ac::RowId& id,
+                                                float M, float Dn, float vm, float* mul) {
+  float lse2;
+  if (a.num_splits == 1) {
+    lse2 = finish_row<true>(M, Dn, ac::pos_has_keys(a.p, id.pos, w.seq_len), -INFINITY, mul);
+  } else {
+    lse2 = Dn == 0.0f ? -INFINITY : M + log2f(Dn);
+    *mul = Dn == 0.0f ? 0.0f : 1.0f / Dn;
+  }
+  *mul *= vm;
+  return lse2;
+}
+
 // Loads the block ids of key tile `tile`'s rows that this warp copies: lane i (< rows per warp)
 // holds row warp + i * NW's id as it is in the table (-1: key outside [w.lo, w.hi]). The kernels
 // fetch a tile's ids one tile before they issue its copies, so the load flies while a tile is
