@@ -137,6 +137,18 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
     const int32_t* bt = kv.block_tables + int64_t(w.seq) * kv.max_blocks_per_seq;
     const uint32_t nblk = block_id_limit(kv);
     const int bs = kv.block_size, shift = a.bs_shift;
+    // The address of key `key`'s row in a cache (src_base: at this kv head and chunk column; blk / slt: block
+    // and slot strides in bytes) and, in `ok`, whether it may be read: keys outside [w.lo, w.hi] and block ids
+    // out of range give ok = false (the copy zero-fills). Both gathers below, 16-bit and fp8, take rows so.
+    auto row_src = [&](int key, const char* src_base, uint64_t blk, uint64_t slt, bool& ok) {
+      int id = -1, slot = 0;
+      if (key >= w.lo && key <= w.hi) {
+        id = __ldg(bt + (shift >= 0 ? key >> shift : key / bs));
+        slot = shift >= 0 ? key & ((1 << shift) - 1) : key % bs;
+      }
+      ok = block_id_ok(id, nblk);
+      return src_base + (ok ? uint64_t(uint32_t(id)) * blk + uint64_t(slot) * slt : 0);
+    };
     if constexpr (!C::FP8) {
       const int col = pt % C::CPR, row0 = pt / C::CPR;
       constexpr int RPP = 128 / C::CPR;  // rows per pass
@@ -150,14 +162,8 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
       auto rows = [&](int tile, uint32_t dst, const char* src_base, uint64_t blk, uint64_t slt, int bytes) {
 #pragma unroll 4
         for (int r = row0; r < KT; r += RPP) {
-          const int key = tile * KT + r;
-          int id = -1, slot = 0;
-          if (key >= w.lo && key <= w.hi) {
-            id = __ldg(bt + (shift >= 0 ? key >> shift : key / bs));
-            slot = shift >= 0 ? key & ((1 << shift) - 1) : key % bs;
-          }
-          const bool ok = block_id_ok(id, nblk);
-          const char* src = src_base + (ok ? uint64_t(uint32_t(id)) * blk + uint64_t(slot) * slt : 0);
+          bool ok;
+          const char* src = row_src(tile * KT + r, src_base, blk, slt, ok);
           cp_async16_at(dst + sw128_off<KT>(r, col), src, ok ? bytes : 0);
         }
       };
@@ -195,14 +201,8 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
         const uint32_t raw = v ? raw_v : raw_k;
 #pragma unroll 2
         for (int r = row0; r < KT; r += RPP) {
-          const int key = tile * KT + r;
-          int id = -1, slot = 0;
-          if (key >= w.lo && key <= w.hi) {
-            id = __ldg(bt + (shift >= 0 ? key >> shift : key / bs));
-            slot = shift >= 0 ? key & ((1 << shift) - 1) : key % bs;
-          }
-          const bool ok = block_id_ok(id, nblk);
-          const char* src = src_base + (ok ? uint64_t(uint32_t(id)) * blk + uint64_t(slot) * slt : 0);
+          bool ok;
+          const char* src = row_src(tile * KT + r, src_base, blk, slt, ok);
           cp_async16_at(raw + uint32_t((r * RCPR + col) * 16), src, ok ? bytes : 0);
         }
         cp_async_commit();
