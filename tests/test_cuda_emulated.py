@@ -1880,11 +1880,17 @@ def wgmma_path(variant: str, dpad: int) -> int:
     return expected_path(WGMMA_PREFILL, variant, dpad)
 
 
-def use_wgmma(variant, monkeypatch, splits=None, require=True):
-    force_cuda_plan(monkeypatch, "ATTN", variant, splits)
+def force_wgmma_plan(monkeypatch, op, path, splits=None, require=True):
+    """KVKERNELS_CUDA_<op>_PATH = path (force_cuda_plan), and KVKERNELS_CUDA_WGMMA=require unless not
+    ``require`` (a wgmma kernel that falls back then raises instead of quietly running the mma.sync one)."""
+    force_cuda_plan(monkeypatch, op, path, splits)
     monkeypatch.delenv("KVKERNELS_CUDA_WGMMA", raising=False)
     if require:
         monkeypatch.setenv("KVKERNELS_CUDA_WGMMA", "require")
+
+
+def use_wgmma(variant, monkeypatch, splits=None, require=True):
+    force_wgmma_plan(monkeypatch, "ATTN", variant, splits, require)
 
 
 # id: dtype, layout, Hq, Hkv, D, B, strided query. Block sizes 1 / 5 / 13 / 16 (none divides the 128-key
@@ -2239,10 +2245,7 @@ def mla_wgmma_schedule(request):
 
 
 def use_mla_wgmma(monkeypatch, path, splits=None, require=True):
-    force_cuda_plan(monkeypatch, "MLA", path, splits)
-    monkeypatch.delenv("KVKERNELS_CUDA_WGMMA", raising=False)
-    if require:
-        monkeypatch.setenv("KVKERNELS_CUDA_WGMMA", "require")
+    force_wgmma_plan(monkeypatch, "MLA", path, splits, require)
 
 
 # id: q dtype, cache fp8, R, P, heads, block size, strided q. DeepSeek widths (R 512 + 64: both consumers'
