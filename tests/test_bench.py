@@ -255,10 +255,14 @@ def test_cuda_attention_decode_variants_options_and_report(capsys, monkeypatch):
     rows = [row(b, "bfloat16", "kvkernels-wide", 0.6, 0.4), row(b, "bfloat16", "kvkernels-deep", 0.3, 0.8),
             row(f, "fp8_e4m3", "kvkernels-wide", 0.6, 0.2), row(f, "fp8_e4m3", "kvkernels-deep", 0.15, 0.8, False)]
     deep = ca.targets(rows, "kvkernels-deep")
-    assert deep[0] == f"{b}: 0.80 of copy bandwidth (target 0.8)"
-    assert deep[1] == "decode bfloat16 b1 ctx32768: missing of copy bandwidth (target 0.7)"
-    assert deep[2] == f"{f}: fp8 2.00x bfloat16 (target 1.6)"
-    assert ca.targets(rows, "kvkernels-wide")[2] == f"{f}: fp8 1.00x bfloat16 (target 1.6)"
+    assert deep[0] == f"{b}: 0.80 of copy bandwidth (target 0.9)"
+    assert deep[1] == "decode bfloat16 b1 ctx32768: missing of copy bandwidth (target 0.9)"
+    assert deep[2] == f"{f}: fp8 2.00x bfloat16 (target 1.8)"
+    assert ca.targets(rows, "kvkernels-wide")[2] == f"{f}: fp8 1.00x bfloat16 (target 1.8)"
+    # each decode target says how its row was timed (eager calls carry ~40 us of host time)
+    rows[1]["timing"], rows[3]["timing"] = "CUDA graph of 3 calls, replayed", "eager"
+    deep = ca.targets(rows, "kvkernels-deep")
+    assert deep[0].endswith("(target 0.9) [graph]") and deep[2].endswith("(target 1.8) [eager]")
     lines = ca.variant_lines(rows, ["wide", "deep"])
     assert lines == [f"{b}: wide 0.6000 ms (0.40 of copy), deep 0.3000 ms (0.80 of copy) = 2.00x wide",
                      f"{f}: wide 0.6000 ms (0.20 of copy), deep 0.1500 ms (0.80 of copy) = 4.00x wide MISMATCH"]
@@ -269,6 +273,47 @@ def test_cuda_attention_decode_variants_options_and_report(capsys, monkeypatch):
     if not torch.cuda.is_available():
         assert ca.main(["--decode-variants", "wide,deep", "--attn-shapes", "64x4096", "--no-baselines"]) == 0
         assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_cuda_attention_graph_timing_of_any_row(monkeypatch):
+    """--graph times every decode row (ours and the peers) as a replayed CUDA graph of its rotation of data
+    copies, per call; a row whose capture fails is timed eager and says why; an implementation that fails
+    its call is skipped (timing replaced by fakes: no GPU here)."""
+    from kvkernels.bench import cuda_attention as ca
+
+    monkeypatch.setattr(ca.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(ca.torch.cuda, "get_device_name", lambda: "fake GPU")
+    monkeypatch.setattr(ca, "time_cuda", lambda call, reps, min_ms: float(call(7)))
+    captured = []
+
+    def graph_of(call, copies):
+        captured.append(copies)
+        return lambda i: 12.0  # one replay = `copies` calls
+
+    monkeypatch.setattr(ca, "graph_of", graph_of)
+    check = lambda out: (0.0, 1.0)  # noqa: E731
+    row = ca._row("decode bfloat16 b1 ctx32768", "decode", "bfloat16", 1, 32768, "x")
+    ca.attempt(row, lambda i: 5.0, 3, 1.0, check, graph_copies=4)
+    assert captured == [4] and row["ms"] == 3.0 and row["timing"] == "CUDA graph of 4 calls, replayed"
+    assert ca.targets([dict(row, fraction_of_copy_bw=0.95)], "x")[1].endswith("(target 0.9) [graph]")
+
+    def no_capture(call, copies):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(ca, "graph_of", no_capture)
+    row = ca._row("decode bfloat16 b1 ctx32768", "decode", "bfloat16", 1, 32768, "x")
+    ca.attempt(row, lambda i: 5.0, 3, 1.0, check, graph_copies=4)
+    assert row["ms"] == 5.0 and row["timing"].startswith("eager: CUDA graph capture failed (RuntimeError: operation")
+    row = ca._row("decode bfloat16 b1 ctx32768", "decode", "bfloat16", 1, 32768, "x")
+    ca.attempt(row, lambda i: 5.0, 3, 1.0, check)
+    assert row["ms"] == 5.0 and row["timing"] == "eager"
+
+    def broken(i):
+        raise ValueError("bad call")
+
+    row = ca._row("decode bfloat16 b1 ctx32768", "decode", "bfloat16", 1, 32768, "x")
+    ca.attempt(row, broken, 3, 1.0, check, graph_copies=4)
+    assert row["skipped"].startswith("ValueError: bad call") and not row["ms"]
 
 
 def test_cuda_attention_peer_rows_and_lines(monkeypatch):
@@ -367,10 +412,19 @@ def test_cuda_attention_prefill_variants_options_and_report(capsys):
             row(b, "sdpa-flash-contiguous", 0.4),
             row(f, "kvkernels-wide", None, skipped="RuntimeError: boom"), row(f, "kvkernels-deep", 0.5, 0.8, False),
             row(f, "sdpa-flash-contiguous", None, skipped="no flash")]
-    assert ca.targets(rows, prefill_impl="kvkernels-deep")[2:] == [f"{b}: 0.40x SDPA flash (target 0.8)",
-                                                                   f"{f}: 0.80x SDPA flash (target 0.8)"]
-    assert ca.targets(rows, prefill_impl="kvkernels-wide")[2:] == [f"{b}: 0.20x SDPA flash (target 0.8)",
-                                                                   f"{f}: missingx SDPA flash (target 0.8)"]
+    # issue 37: 4096 x 4096 against cuDNN SDPA (1.0 at d128), the e4m3 cache against the bf16 one (1.0)
+    rows[1]["speedup_vs"]["sdpa-cudnn-contiguous"] = 0.25
+    assert ca.targets(rows, prefill_impl="kvkernels-deep")[2:] == [
+        f"{b}: 0.25x cuDNN SDPA (target 1.0)", f"{f}: missingx cuDNN SDPA (target 1.0)",
+        f"{f}: 2.00x its bfloat16 cache (target 1.0)"]
+    assert ca.targets(rows, prefill_impl="kvkernels-wide")[2:] == [
+        f"{b}: missingx cuDNN SDPA (target 1.0)", f"{f}: missingx cuDNN SDPA (target 1.0)",
+        f"{f}: missingx its bfloat16 cache (target 1.0)"]
+    small = [row("prefill bfloat16 q512 ctx1024", "kvkernels", 0.1, 1.4),
+             dict(row("prefill bfloat16 q4096 ctx4096 d64", "kvkernels", 0.1, 1.0), speedup_vs={"sdpa-cudnn-contiguous": 0.9})]
+    assert ca.targets(small)[2:] == ["prefill bfloat16 q512 ctx1024: 1.40x SDPA flash (target 1.3)",
+                                     "prefill bfloat16 q4096 ctx4096 d64: 0.90x cuDNN SDPA (target 0.8)"]
+    del rows[1]["speedup_vs"]["sdpa-cudnn-contiguous"]
     assert ca.prefill_variant_lines(rows, ["wide", "deep"]) == [
         f"{b}: wide 2.0000 ms (0.20x SDPA flash), deep 1.0000 ms (0.40x SDPA flash) = 2.00x wide, "
         "sdpa-flash 0.4000 ms",
