@@ -387,10 +387,11 @@ step_b_wgmma() {
 # consumers on the seesaw schedule), alternating batches on the same data, against the copy bandwidth
 # measured in the same run. "variant:" lines: ms, TFLOP/s, GB/s, fraction of copy and each one's speed-up
 # over mma; the predictions are in csrc/cuda/README.md ("MLA decode on wgmma", its seesaw part). Then b1 x 4k,
-# the single-sequence latency the issue asks to report (after b64 within each head count).
+# the single-sequence latency the issue asks to report (after b64 within each head count). Every row is timed as
+# a replayed CUDA graph (--mla-graph): eager, a call's ~40 us of host time would be all a b1 decode measures.
 step_b_mla_wgmma() {
   bench -m kvkernels.bench.cuda_mla --mla-batches 64,1 --mla-contexts 4096 --mla-heads 16,128 \
-    --mla-dtypes bfloat16,fp8_e4m3 --mla-decompress-tokens '' --mla-attn-variants mma,wgmma,wgmma-seesaw \
+    --mla-dtypes bfloat16,fp8_e4m3 --mla-decompress-tokens '' --mla-attn-variants mma,wgmma,wgmma-seesaw --mla-graph \
     --mla-reps 5 --mla-min-ms 10 --json "$SCRATCH/results/bench/cuda-mla-wgmma-$STAMP.json"
 }
 

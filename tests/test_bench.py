@@ -515,6 +515,7 @@ def test_cuda_mla_attn_variants_options(monkeypatch):
     cm.add_arguments(parser)
     names = ["mma", "wgmma", "wgmma-seesaw"]
     assert parser.parse_args(["--mla-attn-variants", ",".join(names)]).mla_attn_variants == names
+    assert parser.parse_args(["--mla-graph"]).mla_graph and not parser.parse_args([]).mla_graph
     with pytest.raises(SystemExit):
         parser.parse_args(["--mla-attn-variants", "mma,seesaw"])
     monkeypatch.setenv("KVKERNELS_CUDA_MLA_PATH", "mma64")

@@ -56,8 +56,8 @@ from typing import Callable, Optional
 import torch
 
 from kvkernels import ops
-from kvkernels.bench.cuda_attention import (_ints, _row, ab_lines, attempt, copy_bandwidth, env_var, peer_lines,
-                                            rotation_copies, row_text, skip_reason, time_paired_into)
+from kvkernels.bench.cuda_attention import (_ints, _row, ab_lines, attempt, copy_bandwidth, env_var, graph_of,
+                                            peer_lines, rotation_copies, row_text, skip_reason, time_paired_into)
 
 RANK, ROPE, BLOCK = 512, 64, 64
 NOPE, VDIM = 128, 128
@@ -124,6 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mla-prefill-tokens", type=_ints, default=[],
                    help="MLA prefill end to end (mla_decompress + paged_attention vs torch.matmul + SDPA), "
                         "causal, one sequence of each of these lengths, at each --mla-heads")
+    g.add_argument("--mla-graph", action="store_true",
+                   help="time every decode row (each variant, or kvkernels, and the dense torch reference) as a "
+                        "replayed CUDA graph of one call per data copy: an eager call carries ~40 us of host time "
+                        "on the H200 machine, more than a b1 decode's GPU time")
     g.add_argument("--no-mla-dense", action="store_true",
                    help="skip the decode cases' dense bfloat16 torch reference row (torch-dense-bf16)")
     g.add_argument("--mla-reps", type=int, default=10, help="timed batches per implementation")
@@ -179,6 +183,7 @@ def decode_case(dtype_name: str, heads: int, batch: int, context: int, copy_gbps
     layer_bytes = batch * math.ceil(context / BLOCK) * BLOCK * (RANK + ROPE) * esize
     case = f"mla decode {dtype_name} h{heads} b{batch} ctx{context}"
     variants = getattr(args, "mla_attn_variants", None) or []
+    graph = getattr(args, "mla_graph", False)
     rows = [_row(case, "decode", dtype_name, batch, context, f"kvkernels-{v}" if variants else "kvkernels",
                  heads=heads) for v in (variants or [None])]
     row = rows[0]
@@ -217,15 +222,20 @@ def decode_case(dtype_name: str, heads: int, batch: int, context: int, copy_gbps
                     torch.cuda.synchronize()
                 r["max_abs_diff"], r["tolerance"] = check(out)
                 r["checked"] = r["max_abs_diff"] <= r["tolerance"]
-                calls[r["impl"]] = call
+                with attn_variant_env(v):  # a graph holds the kernels the planner picked at capture
+                    calls[r["impl"]] = graph_of(call, copies) if graph else call
+                r["timing"] = f"CUDA graph of {copies} calls, replayed" if graph else "eager"
             except Exception as error:  # noqa: BLE001 - one failing variant must not end the run
                 r["skipped"] = skip_reason(error)
                 torch.cuda.synchronize()
         if calls:
             time_paired_into({r["impl"]: r for r in rows}, calls, args.mla_reps, args.mla_min_ms,
                              lambda impl: attn_variant_env(impl[len("kvkernels-"):]))
+            for r in rows:  # a replay is `copies` calls
+                if graph and r["impl"] in calls and r["ms"]:
+                    r["ms"] /= copies
     else:
-        attempt(row, call, args.mla_reps, args.mla_min_ms, check)
+        attempt(row, call, args.mla_reps, args.mla_min_ms, check, graph_copies=copies if graph else 0)
     if not getattr(args, "no_mla_dense", False):
         rows.append(dense_decode_row(case, dtype_name, heads, batch, context, data, q, check, args))
     for r in rows:
@@ -256,7 +266,7 @@ def dense_decode_row(case: str, dtype_name: str, heads: int, batch: int, context
         p = (torch.bmm(q, lat.transpose(1, 2)).float() * SCALE).softmax(-1).to(torch.bfloat16)
         return torch.bmm(p, lat[:, :, :RANK]), None
 
-    attempt(r, dense, args.mla_reps, args.mla_min_ms, check)
+    attempt(r, dense, args.mla_reps, args.mla_min_ms, check, graph_copies=1 if getattr(args, "mla_graph", False) else 0)
     del lat
     return r
 
