@@ -2069,11 +2069,13 @@ def test_wgmma_prefill_tma_and_gathers(emu, config, monkeypatch):
     """K / V tiles by TMA (whole pages, or a tile's part of one page, of keys the CTA may read) against the same
     kernel gathering every tile: bit-identical, both against the float64 reference. A full causal prefill of 261
     keys, a chunk of the last 150 of 300 (every CTA's first tiles whole), 5 queries over 5 keys (no whole tile:
-    gathered) and one query over 140; the last pages are partial with NaN in their unused slots (read by TMA
-    they would reach the output: 0 x NaN), shuffled block ids."""
+    gathered) and one query over 250 keys (its last tile ends 6 keys past the sequence, in the last page at every
+    block size here, whose ids are all valid); the last pages are partial with NaN in their unused slots, shuffled
+    block ids. (A tile read by TMA past the sequence's end shows in the one-query CTA: with several rows per CTA
+    the non-finite V scan would send the tile to the scalar P V, which skips the unseen keys.)"""
     dtype, layout, hq, hkv, dk, dv, b, loop = config
     use_wgmma(WGMMA_VARIANTS[loop], monkeypatch)
-    seq_lens, q_lens = [261, 300, 5, 140], [261, 150, 5, 1]
+    seq_lens, q_lens = [261, 300, 5, 250], [261, 150, 5, 1]
     kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=dk, head_dim_v=dv, block_size=b, dtype=dtype,
                        layout=layout, seed=91)
     query = make_query(sum(q_lens), hq, dk, dtype, generator(92))
