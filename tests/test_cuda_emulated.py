@@ -2047,6 +2047,7 @@ def run_tma_and_gathers(emu, kv, query, qsl, monkeypatch, table=None, **kwargs):
     results, boxes = {}, {}
     for tma in (True, False):
         monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "0" if tma else "1")
+        monkeypatch.setenv("KVKERNELS_CUDA_TMA", "require" if tma else "0")  # (a launch without maps: an error)
         emu.tma_boxes_taken(query)
         if table is None:
             out, lse, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL, **kwargs)
@@ -2105,6 +2106,27 @@ def test_wgmma_prefill_tma_out_of_range_block_ids(emu, b, monkeypatch):
     assert out.isfinite().all()
     assert_close(out, ref_out, bf16, msg="out")
     assert_close(lse, ref_lse, f32, msg="lse")
+
+
+def test_wgmma_prefill_tma_require_names_why(emu, monkeypatch):
+    """KVKERNELS_CUDA_TMA=require fails a wgmma prefill launch whose K / V tiles would all be gathered, naming the
+    reason: a block size that neither divides the key tile (at least 8) nor is a multiple of it (1, 5, 13, 4, 96),
+    an fp8 cache, KVKERNELS_CUDA_NO_TMA=1; a block size that fits runs."""
+    use_wgmma("wgmma-prefill", monkeypatch)
+    monkeypatch.setenv("KVKERNELS_CUDA_TMA", "require")
+    qsl = query_start_loc([3])
+    cases = [(b, None, "neither divides the key tile") for b in (1, 5, 13, 4, 96)] + [(16, "e4m3", "fp8 caches")]
+    for b, fp8, why in cases:
+        kv = make_paged_kv(seq_lens=[3], num_kv_heads=1, head_dim=64, block_size=b, dtype=bf16, fp8=fp8, seed=95)
+        query = make_query(3, 1, 64, bf16, generator(96))
+        with pytest.raises(RuntimeError, match="KVKERNELS_CUDA_TMA=require: .*" + why):
+            emulated_paged_attention(emu, query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl,
+                                     **kv.scales)
+    kv = make_paged_kv(seq_lens=[3], num_kv_heads=1, head_dim=64, block_size=32, dtype=bf16, seed=95)
+    emulated_paged_attention(emu, query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl)
+    monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "1")
+    with pytest.raises(RuntimeError, match="KVKERNELS_CUDA_TMA=require: .*KVKERNELS_CUDA_NO_TMA=1"):
+        emulated_paged_attention(emu, query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl)
 
 
 # id: dtype, layout, Hq, Hkv, Dk, Dv, B. Padded head dim 256: 64-key tiles, 2 stages, P V as two n128 halves.

@@ -114,18 +114,23 @@ bool kv_rows_aligned(const AttentionParams& p) {
 // (a tile is a contiguous part of one page), the block size where it divides the tile and is at least 8 (a
 // tile is whole pages; 8 rows of 128 B = one 1024-byte swizzle atom, so every box lands on an atom).
 // Needs 16-bit caches (fp8 tiles are gathered raw and converted), 16-byte aligned bases and strides below
-// 2^40 bytes, cuTensorMapEncodeTiled in the driver, and KVKERNELS_CUDA_NO_TMA not 1. Host work only (no
-// device call: capturable). Otherwise box_rows = 0: every tile is gathered, as before.
-Sm90KvTma encode_kv_tma(const AttentionParams& p, int dpad) {
+// 2^40 bytes, cuTensorMapEncodeTiled in the driver, and KVKERNELS_CUDA_NO_TMA not 1 (KVKERNELS_CUDA_TMA=require
+// turns a launch without TMA into an error naming the reason: tests). Host work only (no
+// device call: capturable). Otherwise box_rows = 0: every tile is gathered, as before, and `why` says why.
+Sm90KvTma encode_kv_tma(const AttentionParams& p, int dpad, const char** why) {
   Sm90KvTma t;
   t.box_rows = 0;
   const paged_kv_t& kv = p.kv;
   const int kt = sm90_key_tile(dpad), bs = kv.block_size;
   const int rows = bs % kt == 0 ? kt : (kt % bs == 0 && bs >= 8 ? bs : 0);
   const char* no_tma = std::getenv("KVKERNELS_CUDA_NO_TMA");
-  if ((no_tma != nullptr && std::strcmp(no_tma, "1") == 0) || rows == 0 || is_fp8(kv.format) ||
-      kv.format == CacheFormat::kFloat32 || mla_cuda::encode_tiled_fn() == nullptr)
-    return t;
+  *why = no_tma != nullptr && std::strcmp(no_tma, "1") == 0 ? "KVKERNELS_CUDA_NO_TMA=1"
+         : rows == 0 ? "the block size neither divides the key tile (at least 8 keys) nor is a multiple of it"
+         : kv.format != CacheFormat::kFloat16 && kv.format != CacheFormat::kBFloat16
+             ? "fp8 caches (their raw tiles are gathered and converted by the producer)"
+         : mla_cuda::encode_tiled_fn() == nullptr ? "the driver has no cuTensorMapEncodeTiled"
+                                                  : nullptr;
+  if (*why != nullptr) return t;
   const CUtensorMapDataType type =
       kv.format == CacheFormat::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   auto encode = [&](CUtensorMap* map, const void* base, int d, int64_t s_block, int64_t s_slot, int64_t s_head,
@@ -147,6 +152,8 @@ Sm90KvTma encode_kv_tma(const AttentionParams& p, int dpad) {
   if (encode(&t.k, kv.k, kv.head_dim, kv.k_stride_block, kv.k_stride_slot, kv.k_stride_head, &t.k_head_dim1) &&
       encode(&t.v, kv.v, kv.head_dim_v, kv.v_stride_block, kv.v_stride_slot, kv.v_stride_head, &t.v_head_dim1))
     t.box_rows = rows;
+  else
+    *why = "cuTensorMapEncodeTiled rejected the K / V map (strides not multiples of 16 bytes or from 2^40)";
   return t;
 }
 
@@ -381,7 +388,13 @@ void launch_paged_attention(const AttentionParams& p, const LaunchPlan& plan, fl
   cudaError_t err;
   if (is_wgmma_prefill(path)) {
     const bool overlap = path == Path::kWgmmaPrefillOverlap;
-    const Sm90KvTma tma = encode_kv_tma(p, plan.dpad);
+    const char* no_tma_why = nullptr;
+    const Sm90KvTma tma = encode_kv_tma(p, plan.dpad, &no_tma_why);
+    // KVKERNELS_CUDA_TMA=require (tests): a launch whose K / V tiles would all be gathered fails, naming why
+    const char* req = std::getenv("KVKERNELS_CUDA_TMA");
+    if (tma.box_rows == 0 && req != nullptr && std::strcmp(req, "require") == 0)
+      throw std::runtime_error(std::string("kvkernels.paged_attention (CUDA): KVKERNELS_CUDA_TMA=require: the wgmma "
+                                           "prefill gathers every K / V tile: ") + no_tma_why);
     err = p.q_format == FloatFormat::kFloat16 ? launch_attention_sm90_f16(a, tma, plan.dpad, overlap, grid, stream)
                                               : launch_attention_sm90_bf16(a, tma, plan.dpad, overlap, grid, stream);
   } else switch (p.q_format) {

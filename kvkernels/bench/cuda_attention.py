@@ -55,7 +55,9 @@ keys per stage, 2 stages at head dim 128; ``deep`` 16 KiB stages, 4 in flight; `
 tiles of 16 per warp and 32 keys per stage, so each K / V fragment feeds two mma; ``wgmma``, wgmma-prefill, the
 sm_90a kernel of csrc/cuda/attention_sm90.cuh, run with KVKERNELS_CUDA_WGMMA=require so that a call it cannot
 take is a skipped row naming the reason, never a timing of the fallback; ``wgmma-overlap``,
-wgmma-prefill-overlap, the same kernel with intra-warpgroup overlap, its plain loop at head dim 256): rows ``kvkernels-<variant>`` of each
+wgmma-prefill-overlap, the same kernel with intra-warpgroup overlap, its plain loop at head dim 256;
+``wgmma-gather`` / ``wgmma-overlap-gather``: the same two with KVKERNELS_CUDA_NO_TMA=1, every K / V tile gathered
+by cp.async, where the others load whole-page tiles by TMA): rows ``kvkernels-<variant>`` of each
 prefill case, timed in alternating batches on the same data, each against SDPA flash and, where this torch
 has it, cuDNN SDPA (``SDPBackend.CUDNN_ATTENTION``), both on the same K/V made contiguous
 (``prefill_variant_lines``).
@@ -111,7 +113,11 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 DECODE_VARIANTS = {"deep": "mma-decode-deep", "wide": "mma-decode-wide", "fp8smem": "mma-decode-fp8-smem",
                    "occ3": "mma-decode-occ3", "fused": "mma-decode-fused"}
 PREFILL_VARIANTS = {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide", "tall": "mma-prefill-tall",
-                    "wgmma": "wgmma-prefill", "wgmma-overlap": "wgmma-prefill-overlap"}
+                    "wgmma": "wgmma-prefill", "wgmma-overlap": "wgmma-prefill-overlap",
+                    "wgmma-gather": "wgmma-prefill", "wgmma-overlap-gather": "wgmma-prefill-overlap"}
+# The wgmma prefill with every K / V tile gathered by cp.async (KVKERNELS_CUDA_NO_TMA=1): the A/B of its TMA
+# loads (the other wgmma variants run with the switch unset: TMA where the block size allows).
+GATHER_VARIANTS = ("wgmma-gather", "wgmma-overlap-gather")
 PREFILL_DTYPES = ("bfloat16", "fp8_e4m3")
 
 
@@ -253,6 +259,8 @@ def variant_env(name: str, paths: dict) -> contextlib.ExitStack:
     stack.enter_context(env_var("KVKERNELS_CUDA_ATTN_SPLITS", splits))
     # the wgmma prefill falls back to the wide one where it cannot run: require it, so such a call fails
     stack.enter_context(env_var("KVKERNELS_CUDA_WGMMA", "require" if paths[config].startswith("wgmma-") else None))
+    if paths[config].startswith("wgmma-"):
+        stack.enter_context(env_var("KVKERNELS_CUDA_NO_TMA", "1" if config in GATHER_VARIANTS else None))
     return stack
 
 
@@ -260,7 +268,8 @@ def variant_setting(name: str, paths: dict) -> str:
     """What a variant's row notes: its environment (variant_env)."""
     config, splits = _variant_parts(name, paths)
     return (f"KVKERNELS_CUDA_ATTN_PATH={paths[config]}" + (f" KVKERNELS_CUDA_ATTN_SPLITS={splits}" if splits else "") +
-            (" KVKERNELS_CUDA_WGMMA=require" if paths[config].startswith("wgmma-") else ""))
+            (" KVKERNELS_CUDA_WGMMA=require" if paths[config].startswith("wgmma-") else "") +
+            (" KVKERNELS_CUDA_NO_TMA=1" if config in GATHER_VARIANTS else ""))
 
 
 def time_paired(calls: dict, reps: int, min_ms: float, setting: Callable[[str], object]) -> dict:
