@@ -12,8 +12,9 @@
 //     consumer thread arrives when its P V product of the stage has completed). 16-bit caches whose
 //     block size divides the tile (>= 8) or is a multiple of it: a tile of whole pages (or of a part of
 //     one) of keys all visible, with valid block ids, is loaded by TMA instead (boxes of 64 columns x
-//     box_rows keys of the rank-4 maps encoded on the host, attention.cu encode_kv_tma; lane 0 arrives
-//     with expect_tx, the others plainly: the same count of 128), every other tile gathered.
+//     box_rows keys of the rank-4 maps encoded on the host, attention.cu encode_kv_tma; each issuing lane
+//     arrives with expect_tx of its box, the others plainly: the same count of 128), every other tile
+//     gathered.
 //   warpgroups 0 and 1, the consumers (setmaxnreg.inc to 232): 64 rows each (one m64 wgmma row
 //     block), the query tile in shared memory. Per key tile: S = Q K^T (DPAD / 16 wgmma m64n128k16, A
 //     and B from shared memory, K-major, 128-byte swizzle), the logits scaled / capped / biased / masked
@@ -177,9 +178,10 @@ __global__ void __launch_bounds__(384, 1)
       // a tile whose keys are all in [w.lo, w.hi] and whose pages' ids are all valid is loaded as boxes of
       // 64 columns x box_rows keys (one page, or the tile's part of one page), box b of a K / V tile by lane
       // b of warp 0: column block b / per_col, keys (b % per_col) x box_rows on, at most 32 boxes (KT /
-      // 8 x DPAD / 64). Lane 0 arrives with expect_tx of the whole tile, the other 127 threads plainly
-      // (the count of 128 the gathers' cp.async arrivals also make, so both kinds of tile share the
-      // ring). Every box starts on a 1024-byte swizzle atom (box_rows x 128 bytes apart), so the engine's
+      // 8 x DPAD / 64). Each issuing lane arrives with expect_tx of its box's bytes before issuing it
+      // (the phase cannot complete before its arrival, nor before its bytes land after it), the other
+      // threads plainly: 128 arrivals, the count the gathers' cp.async arrivals also make, so both kinds
+      // of tile share the ring. Every box starts on a 1024-byte swizzle atom (box_rows x 128 bytes apart), so the engine's
       // 128B swizzle writes the layout the gathers write; columns past the head dim are outside the map
       // (zeros). A tile with keys outside the range (the sequence's end: the last page's unused slots may
       // hold anything; a window's or the causal diagonal's edge) or an out-of-range id is gathered: the
@@ -194,19 +196,18 @@ __global__ void __launch_bounds__(384, 1)
         if (__any_sync(0xffffffffu, !block_id_ok(id, nblk))) return false;
         const int slot = shift >= 0 ? key & ((1 << shift) - 1) : key % bs;
         const bool issue = pt < 32 && cb < DPAD / 64;
-        const uint32_t off = uint32_t(cb * KT * 128 + bi * br * 128);
-        if (pt == 0) s9::mbar_arrive_expect_tx(full_k(s), uint32_t(C::TILE_BYTES));
-        __syncwarp();
-        if (issue)
+        const uint32_t off = uint32_t(cb * KT * 128 + bi * br * 128), box_bytes = uint32_t(br * 128);
+        if (issue) {
+          s9::mbar_arrive_expect_tx(full_k(s), box_bytes);
           s9::tma_load_4d(sK(s) + off, &tma.k, 64 * cb, tma.k_head_dim1 ? w.kv_head : slot,
                           tma.k_head_dim1 ? slot : w.kv_head, id, full_k(s));
-        if (pt != 0) s9::mbar_arrive(full_k(s));
-        if (pt == 0) s9::mbar_arrive_expect_tx(full_v(s), uint32_t(C::TILE_BYTES));
-        __syncwarp();
-        if (issue)
+          s9::mbar_arrive_expect_tx(full_v(s), box_bytes);
           s9::tma_load_4d(sV(s) + off, &tma.v, 64 * cb, tma.v_head_dim1 ? w.kv_head : slot,
                           tma.v_head_dim1 ? slot : w.kv_head, id, full_v(s));
-        if (pt != 0) s9::mbar_arrive(full_v(s));
+        } else {
+          s9::mbar_arrive(full_k(s));
+          s9::mbar_arrive(full_v(s));
+        }
         return true;
       };
       if (pt == 0 && tma.box_rows > 0) {
