@@ -365,7 +365,9 @@ step_b_pvariants() {
 # against its bf16-cache time (target: >= 1.0x). The TMA A/B: the best loop (overlapped at d128 / d64, plain at
 # d256) also runs as <loop>-gather (KVKERNELS_CUDA_NO_TMA=1: every K / V tile by cp.async, as before the K / V
 # TMA loads) in the same alternating batches; the bench's cache has block size 16 (8 boxes of 16 keys per
-# 64-column block of a tile); over the e4m3 cache both gather (fp8 tiles have no TMA path: a control).
+# 64-column block of a tile); over the e4m3 cache both gather (fp8 tiles have no TMA path: a control); (4) the
+# d128 bf16 case at block size 64 (--attn-block-size 64: 2 boxes of 64 keys per column block), overlapped loop
+# with and without TMA.
 # Predictions: csrc/cuda/README.md ("Hopper prefill (wgmma)", "Intra-warpgroup overlap", "K / V by TMA").
 step_b_wgmma() {
   local rc=0 detail
@@ -382,10 +384,15 @@ step_b_wgmma() {
   bench -m kvkernels.bench.cuda_attention --no-flex --attn-dtypes '' --attn-prefill 4096,4096 --attn-head-dim 256 \
     --attn-prefill-dtypes bfloat16 --prefill-variants wide,wgmma,wgmma-gather \
     --json "$SCRATCH/results/bench/cuda-attention-wgmma-d256-$STAMP.json" || rc=$?
-  cat "$SCRATCH/targets-b_wgmma-d128.txt" "$SCRATCH/targets-b_wgmma-d64.txt" "$SCRATCH/targets-b_wgmma.txt" \
-    >"$SCRATCH/targets-b_wgmma.all" 2>/dev/null
+  detail="$detail; d256:$STEP_DETAIL"
+  mv "$SCRATCH/targets-b_wgmma.txt" "$SCRATCH/targets-b_wgmma-d256.txt"
+  bench -m kvkernels.bench.cuda_attention --no-flex --attn-dtypes '' --attn-prefill 4096,4096 --attn-block-size 64 \
+    --attn-prefill-dtypes bfloat16 --prefill-variants wgmma-overlap,wgmma-overlap-gather \
+    --json "$SCRATCH/results/bench/cuda-attention-wgmma-block64-$STAMP.json" || rc=$?
+  cat "$SCRATCH/targets-b_wgmma-d128.txt" "$SCRATCH/targets-b_wgmma-d64.txt" "$SCRATCH/targets-b_wgmma-d256.txt" \
+    "$SCRATCH/targets-b_wgmma.txt" >"$SCRATCH/targets-b_wgmma.all" 2>/dev/null
   mv "$SCRATCH/targets-b_wgmma.all" "$SCRATCH/targets-b_wgmma.txt"
-  STEP_DETAIL="$detail; d256:$STEP_DETAIL"
+  STEP_DETAIL="$detail; block64:$STEP_DETAIL"
   return $rc
 }
 
@@ -444,7 +451,7 @@ PLAN="env 45
 build 300
 verify 30
 t_wgmma 210
-b_wgmma 150
+b_wgmma 180
 t_mla_wgmma 90
 b_mla_wgmma 90
 t_ops 60
@@ -497,7 +504,7 @@ done <<<"$PLAN"
   echo "---- peers on the same data: SDPA flash / cuDNN, FlashInfer, FlexAttention (bench.log)"
   cat "$SCRATCH"/targets-b_targets.txt "$SCRATCH"/targets-b_flex.txt "$SCRATCH"/targets-b_mla_prefill.txt \
     2>/dev/null | grep "^peer:"
-  echo "---- wgmma prefill A/B, wide vs wgmma vs wgmma-overlap vs SDPA flash / cuDNN, d128 / d64 / d256 (bench.log)"
+  echo "---- wgmma prefill A/B, wide vs wgmma vs wgmma-overlap (TMA) vs -gather vs SDPA flash / cuDNN, d128 / d64 / d256 / block 64 (bench.log)"
   cat "$SCRATCH/targets-b_wgmma.txt" 2>/dev/null
   echo "---- MLA decode A/B, mma vs wgmma vs wgmma-seesaw, b64 x 4k (bench.log)"
   cat "$SCRATCH/targets-b_mla_wgmma.txt" 2>/dev/null

@@ -350,6 +350,12 @@ def test_cuda_attention_prefill_variants_options_and_report(capsys):
                                    "wgmma": "wgmma-prefill", "wgmma-overlap": "wgmma-prefill-overlap",
                                    "wgmma-gather": "wgmma-prefill", "wgmma-overlap-gather": "wgmma-prefill-overlap"}
     assert parser.parse_args(["--prefill-variants", "wide,wgmma"]).prefill_variants == ["wide", "wgmma"]
+    # --attn-block-size (b_wgmma's TMA A/B at block 64): the block sizes the wgmma prefill's TMA boxes take
+    assert parser.parse_args([]).attn_block_size == 16
+    assert parser.parse_args(["--attn-block-size", "64"]).attn_block_size == 64
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--attn-block-size", "5"])
+    capsys.readouterr()
     # the wgmma variant runs with KVKERNELS_CUDA_WGMMA=require (a fallback would time the wide kernel)
     with ca.variant_env("wgmma", ca.PREFILL_VARIANTS):
         assert os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "wgmma-prefill" and os.environ["KVKERNELS_CUDA_WGMMA"] == "require"

@@ -169,6 +169,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="prefill cache dtypes (bfloat16 queries): bfloat16, fp8_e4m3 (e4m3 cache, per-tensor scale)")
     g.add_argument("--attn-head-dim", type=int, choices=(64, 128, 256), default=HEAD_DIM,
                    help="head dim of every case (default 128; the case names say it when it is not 128)")
+    g.add_argument("--attn-block-size", type=int, choices=(8, 16, 32, 64, 128, 256), default=BLOCK,
+                   help="block size of the paged caches (default 16; the case names say it when it is not 16: "
+                        "the wgmma prefill's K / V TMA boxes are min(block size, key tile) keys)")
     g.add_argument("--attn-reps", type=int, default=10, help="timed batches per implementation")
     g.add_argument("--attn-min-ms", type=float, default=20.0, help="minimum milliseconds per timed batch")
     g.add_argument("--rotate-mib", type=int, default=200, help="bytes between reuses of one data copy")
@@ -483,7 +486,7 @@ def flex_paged_decode(data: Paged):
 def decode_case(dtype_name: str, batch: int, context: int, copy_gbps: float, args,
                 gen: torch.Generator) -> list[dict]:
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}[dtype_name]
-    name = f"decode {dtype_name} b{batch} ctx{context}"
+    name = f"decode {dtype_name} b{batch} ctx{context}" + (f" block{BLOCK}" if BLOCK != 16 else "")
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * dtype.itemsize
     layer_bytes = 2 * batch * math.ceil(context / BLOCK) * BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
     budget = int(_free_bytes() * args.memory_fraction)
@@ -646,7 +649,8 @@ def graph_of(kernel: Callable[[int], object], copies: int) -> Callable[[int], ob
 
 
 def prefill_case(q_len: int, context: int, args, gen: torch.Generator, dtype_name: str = "bfloat16") -> list[dict]:
-    name = f"prefill {dtype_name} q{q_len} ctx{context}" + (f" d{HEAD_DIM}" if HEAD_DIM != 128 else "")
+    name = (f"prefill {dtype_name} q{q_len} ctx{context}" + (f" d{HEAD_DIM}" if HEAD_DIM != 128 else "") +
+            (f" block{BLOCK}" if BLOCK != 16 else ""))
     dtype = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[dtype_name]
     layer_bytes = 2 * math.ceil(context / BLOCK) * BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
     copies = rotation_copies(layer_bytes, args.rotate_mib)
@@ -748,8 +752,9 @@ def run(args: Optional[argparse.Namespace] = None,
     emit = emit or (lambda new_rows: None)
     # --attn-head-dim: the module's HEAD_DIM, read by every case when it runs (kvkernels.bench.attention's
     # value by default)
-    global HEAD_DIM
+    global HEAD_DIM, BLOCK
     HEAD_DIM = getattr(args, "attn_head_dim", HEAD_DIM)
+    BLOCK = getattr(args, "attn_block_size", BLOCK)  # (--attn-block-size, the same way)
     if not torch.cuda.is_available():
         rows = [dict(case="cuda attention", kind="copy", impl="copy", skipped="no CUDA device")]
         emit(rows)
