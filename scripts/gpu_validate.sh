@@ -200,11 +200,18 @@ step_t_bad() { pytest_par tests/test_cuda_ops.py tests/test_cuda_attention.py te
 # 30 s), each for both loops (the tests' wgmma_variant) with KVKERNELS_CUDA_WGMMA=require (a fallback fails),
 # then the non-finite cases of test_nonfinite.py with KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill-overlap and
 # =wgmma-prefill (their 16-bit varlen cases take the kernel, over 16-bit and fp8 caches; the rest fall back as
-# planned; the overlapped loop first: its non-finite fix-up is the newer code).
+# planned; the overlapped loop first: its non-finite fix-up is the newer code). The wgmma tests run with the
+# K / V TMA loads on (the default: block sizes dividing the key tile or multiples of it, e.g. 16 / 64) and then
+# again with KVKERNELS_CUDA_NO_TMA=1 (every tile gathered by cp.async: the path every earlier emulated run
+# took); test_wgmma_prefill_tma_and_gathers compares the two bit for bit itself (it sets the switch, so the
+# second run skips it).
 step_t_wgmma() {
   local rc=0 detail
   FAULT_S=30 HANG_EXIT_S=60 pytest_step tests.log tests/test_cuda_attention.py -k wgmma || rc=$?
   detail=$STEP_DETAIL
+  KVKERNELS_CUDA_NO_TMA=1 FAULT_S=30 HANG_EXIT_S=60 pytest_step tests.log tests/test_cuda_attention.py \
+    -k "wgmma and not tma_and_gathers" || rc=$?
+  detail="$detail; no TMA: $STEP_DETAIL"
   KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill-overlap pytest_par tests/test_nonfinite.py -k "cuda and not cuda_emu and not mla and not merge" || rc=$?
   detail="$detail; non-finite overlap: $STEP_DETAIL"
   KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill pytest_par tests/test_nonfinite.py -k "cuda and not cuda_emu and not mla and not merge" || rc=$?
@@ -357,27 +364,37 @@ step_b_pvariants() {
 # head dim 256 (64-key tiles, no overlapped loop there: wide vs wgmma; target >= 0.8x cuDNN). "variant:"
 # lines give each time, its ratio to SDPA flash and cuDNN and to the first variant named (the overlap's
 # speed-up over the plain loop; wide's "speed-up" is below 1), and each variant's e4m3-cache time
-# against its bf16-cache time (target: >= 1.0x). Predictions: csrc/cuda/README.md ("Hopper prefill (wgmma)",
-# "Intra-warpgroup overlap").
+# against its bf16-cache time (target: >= 1.0x). The TMA A/B: the best loop (overlapped at d128 / d64, plain at
+# d256) also runs as <loop>-gather (KVKERNELS_CUDA_NO_TMA=1: every K / V tile by cp.async, as before the K / V
+# TMA loads) in the same alternating batches; the bench's cache has block size 16 (8 boxes of 16 keys per
+# 64-column block of a tile); over the e4m3 cache both gather (fp8 tiles have no TMA path: a control); (4) the
+# d128 bf16 case at block size 64 (--attn-block-size 64: 2 boxes of 64 keys per column block), overlapped loop
+# with and without TMA.
+# Predictions: csrc/cuda/README.md ("Hopper prefill (wgmma)", "Intra-warpgroup overlap", "K / V by TMA").
 step_b_wgmma() {
   local rc=0 detail
   bench -m kvkernels.bench.cuda_attention --no-flex --attn-dtypes '' --attn-prefill 4096,4096 \
-    --attn-prefill-dtypes bfloat16,fp8_e4m3 --prefill-variants wgmma,wgmma-overlap,wide \
+    --attn-prefill-dtypes bfloat16,fp8_e4m3 --prefill-variants wgmma,wgmma-overlap,wgmma-overlap-gather,wide \
     --json "$SCRATCH/results/bench/cuda-attention-wgmma-$STAMP.json" || rc=$?
   detail=$STEP_DETAIL
   mv "$SCRATCH/targets-b_wgmma.txt" "$SCRATCH/targets-b_wgmma-d128.txt"  # (each bench call rewrites it)
   bench -m kvkernels.bench.cuda_attention --no-flex --attn-dtypes '' --attn-prefill 4096,4096 --attn-head-dim 64 \
-    --attn-prefill-dtypes bfloat16 --prefill-variants wgmma,wgmma-overlap,wide \
+    --attn-prefill-dtypes bfloat16 --prefill-variants wgmma,wgmma-overlap,wgmma-overlap-gather,wide \
     --json "$SCRATCH/results/bench/cuda-attention-wgmma-d64-$STAMP.json" || rc=$?
   detail="$detail; d64:$STEP_DETAIL"
   mv "$SCRATCH/targets-b_wgmma.txt" "$SCRATCH/targets-b_wgmma-d64.txt"
   bench -m kvkernels.bench.cuda_attention --no-flex --attn-dtypes '' --attn-prefill 4096,4096 --attn-head-dim 256 \
-    --attn-prefill-dtypes bfloat16 --prefill-variants wide,wgmma \
+    --attn-prefill-dtypes bfloat16 --prefill-variants wide,wgmma,wgmma-gather \
     --json "$SCRATCH/results/bench/cuda-attention-wgmma-d256-$STAMP.json" || rc=$?
-  cat "$SCRATCH/targets-b_wgmma-d128.txt" "$SCRATCH/targets-b_wgmma-d64.txt" "$SCRATCH/targets-b_wgmma.txt" \
-    >"$SCRATCH/targets-b_wgmma.all" 2>/dev/null
+  detail="$detail; d256:$STEP_DETAIL"
+  mv "$SCRATCH/targets-b_wgmma.txt" "$SCRATCH/targets-b_wgmma-d256.txt"
+  bench -m kvkernels.bench.cuda_attention --no-flex --attn-dtypes '' --attn-prefill 4096,4096 --attn-block-size 64 \
+    --attn-prefill-dtypes bfloat16 --prefill-variants wgmma-overlap,wgmma-overlap-gather \
+    --json "$SCRATCH/results/bench/cuda-attention-wgmma-block64-$STAMP.json" || rc=$?
+  cat "$SCRATCH/targets-b_wgmma-d128.txt" "$SCRATCH/targets-b_wgmma-d64.txt" "$SCRATCH/targets-b_wgmma-d256.txt" \
+    "$SCRATCH/targets-b_wgmma.txt" >"$SCRATCH/targets-b_wgmma.all" 2>/dev/null
   mv "$SCRATCH/targets-b_wgmma.all" "$SCRATCH/targets-b_wgmma.txt"
-  STEP_DETAIL="$detail; d256:$STEP_DETAIL"
+  STEP_DETAIL="$detail; block64:$STEP_DETAIL"
   return $rc
 }
 
@@ -436,8 +453,8 @@ step_b_mla_prefill() {
 PLAN="env 45
 build 300
 verify 30
-t_wgmma 150
-b_wgmma 120
+t_wgmma 210
+b_wgmma 180
 t_mla_wgmma 90
 b_mla_wgmma 90
 t_ops 60
@@ -490,7 +507,7 @@ done <<<"$PLAN"
   echo "---- peers on the same data: SDPA flash / cuDNN, FlashInfer, FlexAttention (bench.log)"
   cat "$SCRATCH"/targets-b_targets.txt "$SCRATCH"/targets-b_flex.txt "$SCRATCH"/targets-b_mla_prefill.txt \
     2>/dev/null | grep "^peer:"
-  echo "---- wgmma prefill A/B, wide vs wgmma vs wgmma-overlap vs SDPA flash / cuDNN, d128 / d64 / d256 (bench.log)"
+  echo "---- wgmma prefill A/B, wide vs wgmma vs wgmma-overlap (TMA) vs -gather vs SDPA flash / cuDNN, d128 / d64 / d256 / block 64 (bench.log)"
   cat "$SCRATCH/targets-b_wgmma.txt" 2>/dev/null
   echo "---- MLA decode A/B, mma vs wgmma vs wgmma-seesaw, b64 x 4k (bench.log)"
   cat "$SCRATCH/targets-b_mla_wgmma.txt" 2>/dev/null

@@ -392,8 +392,15 @@ def test_cuda_attention_prefill_variants_options_and_report(capsys):
             parser.parse_args([option, bad])
     capsys.readouterr()
     assert ca.PREFILL_VARIANTS == {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide", "tall": "mma-prefill-tall",
-                                   "wgmma": "wgmma-prefill", "wgmma-overlap": "wgmma-prefill-overlap"}
+                                   "wgmma": "wgmma-prefill", "wgmma-overlap": "wgmma-prefill-overlap",
+                                   "wgmma-gather": "wgmma-prefill", "wgmma-overlap-gather": "wgmma-prefill-overlap"}
     assert parser.parse_args(["--prefill-variants", "wide,wgmma"]).prefill_variants == ["wide", "wgmma"]
+    # --attn-block-size (b_wgmma's TMA A/B at block 64): the block sizes the wgmma prefill's TMA boxes take
+    assert parser.parse_args([]).attn_block_size == 16
+    assert parser.parse_args(["--attn-block-size", "64"]).attn_block_size == 64
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--attn-block-size", "5"])
+    capsys.readouterr()
     # the wgmma variant runs with KVKERNELS_CUDA_WGMMA=require (a fallback would time the wide kernel)
     with ca.variant_env("wgmma", ca.PREFILL_VARIANTS):
         assert os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "wgmma-prefill" and os.environ["KVKERNELS_CUDA_WGMMA"] == "require"
@@ -402,6 +409,19 @@ def test_cuda_attention_prefill_variants_options_and_report(capsys):
         assert os.environ["KVKERNELS_CUDA_WGMMA"] == "require" and "KVKERNELS_CUDA_ATTN_SPLITS" not in os.environ
     with ca.variant_env("wide", ca.PREFILL_VARIANTS):
         assert "KVKERNELS_CUDA_WGMMA" not in os.environ
+    # the -gather variants: the same kernels with every K / V tile gathered (KVKERNELS_CUDA_NO_TMA=1), the others
+    # with the switch unset (TMA where the block size allows), whatever the caller's environment holds
+    os.environ["KVKERNELS_CUDA_NO_TMA"] = "1"
+    try:
+        with ca.variant_env("wgmma-overlap-gather", ca.PREFILL_VARIANTS):
+            assert os.environ["KVKERNELS_CUDA_ATTN_PATH"] == "wgmma-prefill-overlap"
+            assert os.environ["KVKERNELS_CUDA_NO_TMA"] == "1" and os.environ["KVKERNELS_CUDA_WGMMA"] == "require"
+        with ca.variant_env("wgmma", ca.PREFILL_VARIANTS):
+            assert "KVKERNELS_CUDA_NO_TMA" not in os.environ
+        assert ca.variant_setting("wgmma-gather", ca.PREFILL_VARIANTS) == (
+            "KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill KVKERNELS_CUDA_WGMMA=require KVKERNELS_CUDA_NO_TMA=1")
+    finally:
+        del os.environ["KVKERNELS_CUDA_NO_TMA"]
 
     def row(case, impl, ms, sdpa=None, checked=True, skipped=None):
         return dict(case=case, kind="prefill", dtype=case.split()[1], impl=impl, ms=ms, checked=checked,

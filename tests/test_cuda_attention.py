@@ -416,6 +416,29 @@ def test_wgmma_prefill_block_sizes_and_gqa(b, wgmma_variant, monkeypatch):
     run_cuda(kv, make_query(sum(q_lens), 8, 128, f16, generator(47)), query_start_loc(q_lens))
 
 
+@pytest.mark.parametrize("b,layout,d", [(8, "HND", 64), (16, "NHD", 128), (64, "stacked", 96), (128, "NHD", 128),
+                                         (256, "HND", 128), (16, "NHD", 256)])
+def test_wgmma_prefill_tma_and_gathers(b, layout, d, wgmma_variant, monkeypatch):
+    """K / V tiles by TMA (block sizes that divide the key tile or are multiples of it: whole pages, or a tile's
+    part of one page, of keys the CTA may read) against the same kernel with every tile gathered
+    (KVKERNELS_CUDA_NO_TMA=1): the same shared-memory tiles, so the same bits; both against the reference. Full
+    and chunked prefill, one query over 250 keys (its last tile runs past the sequence into NaN slots), GQA 4."""
+    require_sm90a()
+    use_wgmma(monkeypatch, wgmma_variant)
+    seq_lens, q_lens = [261, 300, 5, 250, 1000], [261, 150, 5, 1, 500]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=2, head_dim=d, block_size=b, dtype=bf16, layout=layout,
+                       seed=49)
+    query, qsl = make_query(sum(q_lens), 8, d, bf16, generator(50)), query_start_loc(q_lens)
+    monkeypatch.delenv("KVKERNELS_CUDA_NO_TMA", raising=False)
+    monkeypatch.setenv("KVKERNELS_CUDA_TMA", "require")  # (the driver rejecting the maps would fail, not gather)
+    tma = run_cuda(kv, query, qsl)
+    monkeypatch.delenv("KVKERNELS_CUDA_TMA")
+    monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "1")
+    gather = run_cuda(kv, query, qsl)
+    assert torch.equal(tma[0].view(torch.int16), gather[0].view(torch.int16)), "out"
+    assert torch.equal(tma[1].view(torch.int32), gather[1].view(torch.int32)), "lse"
+
+
 def test_unknown_attention_path_is_an_error(monkeypatch):
     """A misspelt KVKERNELS_CUDA_ATTN_PATH raises (naming the variable) instead of running the default."""
     kv, query, _ = make_case("decode", [40, 3], dtype=bf16, num_heads=8, num_kv_heads=2, head_dim=128,

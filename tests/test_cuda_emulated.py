@@ -1843,6 +1843,94 @@ def test_emulator_schedule_runs_the_reader_first(emu, schedule, monkeypatch):
         emu.sm90_misuse(torch.zeros(1), 14, 256)
 
 
+def tma_box_expected(src, dims, strides, box, coords, swizzle128):
+    """The bytes cp.async.bulk.tensor writes for one box, by a formula of the test's own: element (x0, x1, ..)
+    of the map at byte x0 * esz + sum(x_i * strides[i - 1]) of ``src``'s storage, zero outside ``dims`` on any
+    dimension; box rows (box[0] elements) in order, dimension 1 fastest; with the 128B swizzle (128-byte rows
+    here) chunk c of row r at (c ^ (r % 8)) * 16."""
+    flat = src.reshape(-1)
+    esz = flat.element_size()
+    rows = math.prod(box[1:])
+    out = torch.zeros(rows, box[0], dtype=flat.dtype)
+    for r in range(rows):
+        idx, rest = [], r
+        for i in range(1, len(dims)):
+            idx.append(coords[i] + rest % box[i])
+            rest //= box[i]
+        if not all(0 <= x < dims[i + 1] for i, x in enumerate(idx)):
+            continue
+        at = sum(x * st for x, st in zip(idx, strides)) // esz
+        for c in range(box[0]):
+            x0 = coords[0] + c
+            if 0 <= x0 < dims[0]:
+                out[r, c] = flat[at + x0]
+    raw = out.view(torch.uint8).reshape(rows, box[0] * esz)
+    if not swizzle128:
+        return raw.reshape(-1)
+    assert raw.shape[1] == 128
+    placed = torch.empty_like(raw)
+    for r in range(rows):
+        for c in range(8):
+            placed[r, (c ^ (r % 8)) * 16:(c ^ (r % 8)) * 16 + 16] = raw[r, c * 16:c * 16 + 16]
+    return placed.reshape(-1)
+
+
+# id: (dtype, storage elements, dims, byte strides, box, coords, 128B swizzle). Ranks 1 to 5; each case puts part
+# of its box outside the tensor on some dimension (and the 4-d ones on every dimension between them), with
+# negative coordinates; strides that are not the packed ones (an NHD / HND paged cache's slot / head orders).
+TMA_BOX_CASES = {
+    "rank1-f32-negative": (f32, 64, [40], [], [16], [-8], False),
+    "rank2-bf16-swizzle-rows-past-end": (bf16, 40 * 72, [72, 40], [144], [64, 16], [64, 30], True),
+    "rank3-bf16-swizzle-heads-rows": (bf16, 5 * 40 * 80, [72, 5, 40], [160, 800], [64, 1, 16], [0, 3, -4], True),
+    "rank4-nhd-cache-swizzle": (bf16, 6 * 16 * 3 * 64, [64, 3, 16, 6], [128, 384, 6144], [64, 1, 8, 1], [0, 2, 12, 5],
+                                True),
+    "rank4-hnd-cache-block-oob": (bf16, 6 * 3 * 16 * 64, [64, 16, 3, 6], [128, 2048, 6144], [64, 8, 1, 2],
+                                  [0, 8, 1, 5], True),
+    "rank4-head-negative": (bf16, 6 * 3 * 16 * 64, [64, 16, 3, 6], [128, 2048, 6144], [64, 8, 2, 1], [0, 4, -1, 2],
+                            True),
+    "rank5-u8-every-dim": (torch.uint8, 2 * 3 * 4 * 5 * 48, [48, 5, 4, 3, 2], [48, 240, 960, 2880], [32, 2, 3, 2, 2],
+                           [32, 4, -1, 2, 1], False),
+}
+
+
+@pytest.mark.parametrize("case", TMA_BOX_CASES.values(), ids=TMA_BOX_CASES.keys())
+def test_sm90_tma_box_matches_formula(emu, case):
+    """The emulator's tensor-map model (cuTensorMapEncodeTiled + cp.async.bulk.tensor.<rank>d, ranks 1-5; ranks
+    2 and 4 through the kernels' wrappers tma_load_2d / tma_load_4d): each box equals the test's formula (zero
+    fill outside the tensor on each dimension, negative coordinates, strides, the 128B swizzle)."""
+    dtype, n, dims, strides, box, coords, swz = case
+    src = torch.arange(1, n + 1, dtype=torch.float64).remainder(251).add(1).to(dtype)
+    got = emu.tma_box(src, dims, strides, box, coords, swz, len(dims))
+    want = tma_box_expected(src, dims, strides, box, coords, swz)
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert (want == 0).any() and (want != 0).any()  # some of the box inside the tensor and some outside
+
+
+# id: (dims, byte strides, box, coords, 128B swizzle, instruction rank, message)
+TMA_BOX_ERRORS = {
+    "stride-not-16": ([64, 8, 2], [128, 1000], [64, 8, 1], [0, 0, 0], True, 3, "rejected the map"),
+    "stride-2^40": ([64, 8], [1 << 40], [64, 8], [0, 0], True, 2, "rejected the map"),
+    "box-257": ([64, 300], [128], [64, 257], [0, 0], False, 2, "rejected the map"),
+    "swizzle-wider-than-128B": ([128, 8], [256], [128, 8], [0, 0], True, 2, "rejected the map"),
+    "row-stride-below-row": ([64, 8, 2], [64, 1024], [64, 8, 1], [0, 0, 0], True, 3, "rejected the map"),
+    "dim-zero": ([64, 0], [128], [64, 8], [0, 0], True, 2, "rejected the map"),
+    "instruction-rank": ([64, 8, 2], [128, 1024], [64, 8, 1], [0, 0, 0, 0], True, 4,
+                         "cp.async.bulk.tensor.4d with a map of rank 3"),
+    "chunk-straddles-edge": ([72, 8], [144], [64, 8], [-4, 0], True, 2, "straddles the tensor's edge"),
+}
+
+
+@pytest.mark.parametrize("case", TMA_BOX_ERRORS.values(), ids=TMA_BOX_ERRORS.keys())
+def test_sm90_tma_misuse_is_reported(emu, case):
+    """Maps the driver rejects (strides not multiples of 16 or from 2^40, a box extent above 256, a swizzled box
+    row wider than 128 bytes, a row stride below the row, an empty dimension) fail to encode; an instruction
+    of another rank than the map's and a 16-byte chunk partly outside the tensor (not emulated) are reported."""
+    dims, strides, box, coords, swz, rank, message = case
+    src = torch.ones(4096, dtype=bf16)
+    with pytest.raises(RuntimeError, match=message):
+        emu.tma_box(src, dims, strides, box, coords, swz, rank)
+
+
 @pytest.mark.parametrize("stages", [2, 3])
 def test_sm90_warp_specialized_pipeline(emu, stages):
     """A producer warpgroup (setmaxnreg.dec) fills a ring of stages with cp.async, each stage's full mbarrier
@@ -1891,6 +1979,14 @@ def force_wgmma_plan(monkeypatch, op, path, splits=None, require=True):
 
 def use_wgmma(variant, monkeypatch, splits=None, require=True):
     force_wgmma_plan(monkeypatch, "ATTN", variant, splits, require)
+    monkeypatch.delenv("KVKERNELS_CUDA_NO_TMA", raising=False)  # (TMA where the block size allows: the default)
+
+
+def tma_block_size(b: int, dpad: int) -> bool:
+    """Whether the wgmma prefill loads K / V tiles by TMA at block size ``b`` (attention.cu, encode_kv_tma): a
+    multiple of the key tile (128 keys, 64 at padded head dim 256), or a divisor of it of at least 8 rows."""
+    kt = 64 if dpad == 256 else 128
+    return b % kt == 0 or (kt % b == 0 and b >= 8)
 
 
 # id: dtype, layout, Hq, Hkv, D, B, strided query. Block sizes 1 / 5 / 13 / 16 (none divides the 128-key
@@ -1917,9 +2013,120 @@ def test_wgmma_prefill(emu, config, wgmma_variant, monkeypatch):
     seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b, 261]
     kv, query, qsl = make_case("varlen", seq_lens, dtype=dtype, num_heads=hq, num_kv_heads=hkv, head_dim=d,
                                block_size=b, layout=layout, strided=strided)
+    emu.tma_boxes_taken(query)
     _, _, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL)
     hpc = min(hq // hkv, 128)
     assert plan["heads_per_cta"] == hpc and plan["q_tile"] == 128 // hpc, plan
+    # block size 16: the fully visible tiles by TMA (the 261-key chunk's first tile at least); 1 / 5 / 13 gather
+    assert (emu.tma_boxes_taken(query) > 0) == tma_block_size(b, plan["dpad"])
+
+
+# id: dtype, layout, Hq, Hkv, Dk, Dv, B, loop. Block sizes whose tiles load by TMA: 8 (16 boxes of 8 keys per
+# 64-column block: one swizzle atom each), 16, 32 (with MQA: one kv head, whose stride is never stepped), 64,
+# 128 (one page per tile) and 256 (half a page: tile 1's box starts at slot 128); NHD (map dims (columns, head,
+# slot, block)), HND ((columns, slot, head, block)) and stacked K / V (one allocation); head dims 64, 96 (columns
+# 96-127 outside the map: zeros), 128, 256 (64-key tiles, 4 column blocks) and Dv 64 < Dk 128 (V's second
+# column block wholly outside the map); each config on one of the two loops (the producer is the same code).
+WGMMA_TMA_CONFIGS = {
+    "bf16-NHD-gqa4-d128-b16-plain": (bf16, "NHD", 8, 2, 128, 128, 16, "plain"),
+    "f16-HND-gqa2-d64-b8-overlap": (f16, "HND", 4, 2, 64, 64, 8, "overlap"),
+    "bf16-stacked-mha-d96-b64-overlap": (bf16, "stacked", 2, 2, 96, 96, 64, "overlap"),
+    "f16-NHD-mqa-d64-b32-plain": (f16, "NHD", 4, 1, 64, 64, 32, "plain"),
+    "f16-NHD-gqa8-d128-b128-overlap": (f16, "NHD", 8, 1, 128, 128, 128, "overlap"),
+    "bf16-HND-gqa4-d128-b256-plain": (bf16, "HND", 8, 2, 128, 128, 256, "plain"),
+    "bf16-NHD-gqa2-d256-b16-plain": (bf16, "NHD", 4, 2, 256, 256, 16, "plain"),
+    "f16-stacked-gqa4-k128-v64-b32-overlap": (f16, "stacked", 8, 2, 128, 64, 32, "overlap"),
+}
+
+
+def run_tma_and_gathers(emu, kv, query, qsl, monkeypatch, table=None, **kwargs):
+    """The emulated wgmma prefill with TMA (the default) and with KVKERNELS_CUDA_NO_TMA=1 (every tile gathered):
+    the boxes each run copied (some with TMA, none without; a whole number of tiles' worth, K and V) and the
+    two results, which must be equal byte for byte. With ``table`` (a block table with out-of-range ids) the
+    kernel reads it in place of kv.block_tables and the caller checks the result against a reference."""
+    results, boxes = {}, {}
+    for tma in (True, False):
+        monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "0" if tma else "1")
+        monkeypatch.setenv("KVKERNELS_CUDA_TMA", "require" if tma else "0")  # (a launch without maps: an error)
+        emu.tma_boxes_taken(query)
+        if table is None:
+            out, lse, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL, **kwargs)
+        else:
+            out, lse = emulated_paged_attention(emu, query, kv.key_cache, kv.value_cache, table, kv.seq_lens, qsl,
+                                                **kwargs)
+            plan = plan_of(emu, kv, query, qsl)
+        boxes[tma] = emu.tma_boxes_taken(query)
+        results[tma] = (out, lse)
+    kt = 64 if plan["dpad"] == 256 else 128
+    per_tile = kt // min(kv.key_cache.shape[1], kt) * plan["dpad"] // 64
+    assert boxes[True] > 0 and boxes[True] % (2 * per_tile) == 0 and boxes[False] == 0, boxes
+    assert_bytes_equal(results[True][0], results[False][0], "out")
+    assert_bytes_equal(results[True][1], results[False][1], "lse")
+    return results[True]
+
+
+@pytest.mark.parametrize("config", WGMMA_TMA_CONFIGS.values(), ids=WGMMA_TMA_CONFIGS.keys())
+def test_wgmma_prefill_tma_and_gathers(emu, config, monkeypatch):
+    """K / V tiles by TMA (whole pages, or a tile's part of one page, of keys the CTA may read) against the same
+    kernel gathering every tile: bit-identical, both against the float64 reference. A full causal prefill of 261
+    keys, a chunk of the last 150 of 300 (every CTA's first tiles whole), 5 queries over 5 keys (no whole tile:
+    gathered) and one query over 250 keys (its last tile ends 6 keys past the sequence, in the last page at every
+    block size here, whose ids are all valid); the last pages are partial with NaN in their unused slots, shuffled
+    block ids. (A tile read by TMA past the sequence's end shows in the one-query CTA: with several rows per CTA
+    the non-finite V scan would send the tile to the scalar P V, which skips the unseen keys.)"""
+    dtype, layout, hq, hkv, dk, dv, b, loop = config
+    use_wgmma(WGMMA_VARIANTS[loop], monkeypatch)
+    seq_lens, q_lens = [261, 300, 5, 250], [261, 150, 5, 1]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=dk, head_dim_v=dv, block_size=b, dtype=dtype,
+                       layout=layout, seed=91)
+    query = make_query(sum(q_lens), hq, dk, dtype, generator(92))
+    run_tma_and_gathers(emu, kv, query, query_start_loc(q_lens), monkeypatch)
+
+
+@pytest.mark.parametrize("b", [16, 128])
+def test_wgmma_prefill_tma_out_of_range_block_ids(emu, b, monkeypatch):
+    """Out-of-range block ids (-1, N, INT32_MIN, INT32_MAX) in tiles the producer would load by TMA: such a tile
+    is gathered (zero rows for those ids, as every kernel reads them), the other tiles still by TMA; the result
+    bit-identical to the all-gather run and equal to the reference over a zero block (nothing read outside the
+    cache: NaN blocks on both sides)."""
+    use_wgmma("wgmma-prefill", monkeypatch)
+    seq_lens, q_lens = [300, 400], [40, 100]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=2, head_dim=128, block_size=b, dtype=bf16, seed=93)
+    n = kv.key_cache.shape[0]
+    kv.key_cache, kv.value_cache = between_nan_blocks(kv.key_cache), between_nan_blocks(kv.value_cache)
+    # logical blocks in each sequence's first tile (keys < 128) and, at block size 16, in a later one
+    used = [(0, 2), (1, 0), (1, 9), (0, 0)] if b == 16 else [(0, 0), (1, 1), (1, 2), (0, 1)]
+    table, ref_table = out_of_range_ids(kv.block_tables, used, n)
+    qsl = query_start_loc(q_lens)
+    query = make_query(sum(q_lens), 8, 128, bf16, generator(94))
+    out, lse = run_tma_and_gathers(emu, kv, query, qsl, monkeypatch, table=table)
+    zero = torch.zeros(1, *kv.key_cache.shape[1:], dtype=bf16)
+    ref_out, ref_lse = reference.paged_attention(upcast(query), upcast(torch.cat([kv.key_cache, zero])),
+                                                 upcast(torch.cat([kv.value_cache, zero])), ref_table, kv.seq_lens, qsl)
+    assert out.isfinite().all()
+    assert_close(out, ref_out, bf16, msg="out")
+    assert_close(lse, ref_lse, f32, msg="lse")
+
+
+def test_wgmma_prefill_tma_require_names_why(emu, monkeypatch):
+    """KVKERNELS_CUDA_TMA=require fails a wgmma prefill launch whose K / V tiles would all be gathered, naming the
+    reason: a block size that neither divides the key tile (at least 8) nor is a multiple of it (1, 5, 13, 4, 96),
+    an fp8 cache, KVKERNELS_CUDA_NO_TMA=1; a block size that fits runs."""
+    use_wgmma("wgmma-prefill", monkeypatch)
+    monkeypatch.setenv("KVKERNELS_CUDA_TMA", "require")
+    qsl = query_start_loc([3])
+    cases = [(b, None, "neither divides the key tile") for b in (1, 5, 13, 4, 96)] + [(16, "e4m3", "fp8 caches")]
+    for b, fp8, why in cases:
+        kv = make_paged_kv(seq_lens=[3], num_kv_heads=1, head_dim=64, block_size=b, dtype=bf16, fp8=fp8, seed=95)
+        query = make_query(3, 1, 64, bf16, generator(96))
+        with pytest.raises(RuntimeError, match="KVKERNELS_CUDA_TMA=require: .*" + why):
+            emulated_paged_attention(emu, query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl,
+                                     **kv.scales)
+    kv = make_paged_kv(seq_lens=[3], num_kv_heads=1, head_dim=64, block_size=32, dtype=bf16, seed=95)
+    emulated_paged_attention(emu, query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl)
+    monkeypatch.setenv("KVKERNELS_CUDA_NO_TMA", "1")
+    with pytest.raises(RuntimeError, match="KVKERNELS_CUDA_TMA=require: .*KVKERNELS_CUDA_NO_TMA=1"):
+        emulated_paged_attention(emu, query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl)
 
 
 # id: dtype, layout, Hq, Hkv, Dk, Dv, B. Padded head dim 256: 64-key tiles, 2 stages, P V as two n128 halves.

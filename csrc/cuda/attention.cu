@@ -35,12 +35,14 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 
 #include "attention_api.cuh"
 #include "attention_common.cuh"
+#include "tma_encode.h"     // cuTensorMapEncodeTiled through the runtime (the wgmma prefill's K / V maps)
 #include "attention_mma.cuh"  // MmaCfg: the deep decode kernel's shared memory and CTA guarantee
 
 namespace kvkernels::attn_cuda {
@@ -103,6 +105,56 @@ bool kv_rows_aligned(const AttentionParams& p) {
          (p.kv.k_stride_slot * es) % 16 == 0 && (p.kv.k_stride_head * es) % 16 == 0 &&
          (p.kv.v_stride_block * es) % 16 == 0 && (p.kv.v_stride_slot * es) % 16 == 0 &&
          (p.kv.v_stride_head * es) % 16 == 0;
+}
+
+// TMA for the wgmma prefill's K / V tiles (attention_sm90.cuh, the producer): rank-4 maps over each cache,
+// (columns, slot, head, block) or, where the head stride is the smaller (NHD), (columns, head, slot, block),
+// so that the strides grow outward in the usual layouts, and boxes of 64 columns (128 bytes: the 128B
+// swizzle's width) x box_rows keys x 1 x 1. box_rows: the key tile where the block size is a multiple of it
+// (a tile is a contiguous part of one page), the block size where it divides the tile and is at least 8 (a
+// tile is whole pages; 8 rows of 128 B = one 1024-byte swizzle atom, so every box lands on an atom).
+// Needs 16-bit caches (fp8 tiles are gathered raw and converted), 16-byte aligned bases and strides below
+// 2^40 bytes, cuTensorMapEncodeTiled in the driver, and KVKERNELS_CUDA_NO_TMA not 1 (KVKERNELS_CUDA_TMA=require
+// turns a launch without TMA into an error naming the reason: tests). Host work only (no
+// device call: capturable). Otherwise box_rows = 0: every tile is gathered, as before, and `why` says why.
+Sm90KvTma encode_kv_tma(const AttentionParams& p, int dpad, const char** why) {
+  Sm90KvTma t;
+  t.box_rows = 0;
+  const paged_kv_t& kv = p.kv;
+  const int kt = sm90_key_tile(dpad), bs = kv.block_size;
+  const int rows = bs % kt == 0 ? kt : (kt % bs == 0 && bs >= 8 ? bs : 0);
+  const char* no_tma = std::getenv("KVKERNELS_CUDA_NO_TMA");
+  *why = no_tma != nullptr && std::strcmp(no_tma, "1") == 0 ? "KVKERNELS_CUDA_NO_TMA=1"
+         : rows == 0 ? "the block size neither divides the key tile (at least 8 keys) nor is a multiple of it"
+         : kv.format != CacheFormat::kFloat16 && kv.format != CacheFormat::kBFloat16
+             ? "fp8 caches (their raw tiles are gathered and converted by the producer)"
+         : mla_cuda::encode_tiled_fn() == nullptr ? "the driver has no cuTensorMapEncodeTiled"
+                                                  : nullptr;
+  if (*why != nullptr) return t;
+  const CUtensorMapDataType type =
+      kv.format == CacheFormat::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  auto encode = [&](CUtensorMap* map, const void* base, int d, int64_t s_block, int64_t s_slot, int64_t s_head,
+                    int* head_dim1) {
+    const uint64_t sb = uint64_t(s_block) * 2, ss = uint64_t(s_slot) * 2, sh = uint64_t(s_head) * 2;
+    // (a single kv head: its stride is never stepped, so the slots take dimension 1)
+    *head_dim1 = kv.num_kv_heads > 1 && sh < ss ? 1 : 0;
+    const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(*head_dim1 ? kv.num_kv_heads : bs),
+                                cuuint64_t(*head_dim1 ? bs : kv.num_kv_heads), cuuint64_t(kv.num_blocks)};
+    const cuuint64_t strides[3] = {*head_dim1 ? sh : ss, *head_dim1 ? ss : (kv.num_kv_heads > 1 ? sh : sb), sb};
+    const cuuint32_t box[4] = {64, cuuint32_t(*head_dim1 ? 1 : rows), cuuint32_t(*head_dim1 ? rows : 1), 1};
+    const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+    if (s_block <= 0 || s_slot <= 0 || (kv.num_kv_heads > 1 && s_head <= 0)) return false;
+    return mla_cuda::encode_tiled_fn()(map, type, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
+                                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                       CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
+           CUDA_SUCCESS;
+  };
+  if (encode(&t.k, kv.k, kv.head_dim, kv.k_stride_block, kv.k_stride_slot, kv.k_stride_head, &t.k_head_dim1) &&
+      encode(&t.v, kv.v, kv.head_dim_v, kv.v_stride_block, kv.v_stride_slot, kv.v_stride_head, &t.v_head_dim1))
+    t.box_rows = rows;
+  else
+    *why = "cuTensorMapEncodeTiled rejected the K / V map (strides not multiples of 16 bytes or from 2^40)";
+  return t;
 }
 
 // KVKERNELS_CUDA_ATTN_PATH, parsed (see the top of this file).
@@ -336,8 +388,15 @@ void launch_paged_attention(const AttentionParams& p, const LaunchPlan& plan, fl
   cudaError_t err;
   if (is_wgmma_prefill(path)) {
     const bool overlap = path == Path::kWgmmaPrefillOverlap;
-    err = p.q_format == FloatFormat::kFloat16 ? launch_attention_sm90_f16(a, plan.dpad, overlap, grid, stream)
-                                              : launch_attention_sm90_bf16(a, plan.dpad, overlap, grid, stream);
+    const char* no_tma_why = nullptr;
+    const Sm90KvTma tma = encode_kv_tma(p, plan.dpad, &no_tma_why);
+    // KVKERNELS_CUDA_TMA=require (tests): a launch whose K / V tiles would all be gathered fails, naming why
+    const char* req = std::getenv("KVKERNELS_CUDA_TMA");
+    if (tma.box_rows == 0 && req != nullptr && std::strcmp(req, "require") == 0)
+      throw std::runtime_error(std::string("kvkernels.paged_attention (CUDA): KVKERNELS_CUDA_TMA=require: the wgmma "
+                                           "prefill gathers every K / V tile: ") + no_tma_why);
+    err = p.q_format == FloatFormat::kFloat16 ? launch_attention_sm90_f16(a, tma, plan.dpad, overlap, grid, stream)
+                                              : launch_attention_sm90_bf16(a, tma, plan.dpad, overlap, grid, stream);
   } else switch (p.q_format) {
     case FloatFormat::kFloat16: err = launch_attention_f16(a, path, plan.dpad, grid, stream); break;
     case FloatFormat::kBFloat16: err = launch_attention_bf16(a, path, plan.dpad, grid, stream); break;

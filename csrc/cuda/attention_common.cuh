@@ -19,6 +19,7 @@
 // full softmax is known: in the finalization of an unsplit CTA or in the merge kernel.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (Sm90KvTma; nothing links libcuda)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -979,14 +980,27 @@ cudaError_t launch_attention_bf16(const AttnArgs& a, Path path, int dpad, dim3 g
 // 128 only): whether this build
 // has its sm_90a code for the cache format `cf`, and its launch (the format is a.p.kv.format; `overlap`:
 // the intra-warpgroup overlapped loop, Path::kWgmmaPrefillOverlap, where has_wgmma_overlap(dpad)).
+// TMA for the wgmma prefill's 16-bit K / V tiles (attention.cu, encode_kv_tma; the producer of
+// attention_sm90.cuh): rank-4 maps over the paged caches, dims (columns, slot or head, head or slot,
+// block), boxes of 64 columns x box_rows keys (128B swizzle). box_rows 0: every tile is gathered.
+struct Sm90KvTma {
+  CUtensorMap k, v;
+  int box_rows = 0;      // keys per box: the key tile, or the block size where it divides the tile (>= 8)
+  int k_head_dim1 = 0;   // 1: K's map is (columns, head, slot, block), 0: (columns, slot, head, block)
+  int v_head_dim1 = 0;   // the same for V
+};
 bool sm90_prefill_available_bf16(int dpad, CacheFormat cf);
 bool sm90_prefill_available_f16(int dpad, CacheFormat cf);
 bool sm90_prefill_available_bf16_fp8(int dpad, CacheFormat cf);
 bool sm90_prefill_available_f16_fp8(int dpad, CacheFormat cf);
-cudaError_t launch_attention_sm90_bf16(const AttnArgs& a, int dpad, bool overlap, dim3 grid, cudaStream_t stream);
-cudaError_t launch_attention_sm90_f16(const AttnArgs& a, int dpad, bool overlap, dim3 grid, cudaStream_t stream);
-cudaError_t launch_attention_sm90_bf16_fp8(const AttnArgs& a, int dpad, bool overlap, dim3 grid, cudaStream_t stream);
-cudaError_t launch_attention_sm90_f16_fp8(const AttnArgs& a, int dpad, bool overlap, dim3 grid, cudaStream_t stream);
+cudaError_t launch_attention_sm90_bf16(const AttnArgs& a, const Sm90KvTma& tma, int dpad, bool overlap, dim3 grid,
+                                       cudaStream_t stream);
+cudaError_t launch_attention_sm90_f16(const AttnArgs& a, const Sm90KvTma& tma, int dpad, bool overlap, dim3 grid,
+                                       cudaStream_t stream);
+cudaError_t launch_attention_sm90_bf16_fp8(const AttnArgs& a, const Sm90KvTma& tma, int dpad, bool overlap, dim3 grid,
+                                       cudaStream_t stream);
+cudaError_t launch_attention_sm90_f16_fp8(const AttnArgs& a, const Sm90KvTma& tma, int dpad, bool overlap, dim3 grid,
+                                       cudaStream_t stream);
 cudaError_t launch_merge_f32(const AttnArgs& a, cudaStream_t stream);
 cudaError_t launch_merge_f16(const AttnArgs& a, cudaStream_t stream);
 cudaError_t launch_merge_bf16(const AttnArgs& a, cudaStream_t stream);

@@ -9,7 +9,12 @@
 //     zero-filled) into a ring of STAGES stages; the K rows of a stage complete its full_k mbarrier
 //     and the V rows its full_v one through cp.async.mbarrier.arrive.noinc (count 128: every producer
 //     thread); before refilling a stage it waits for the stage's empty mbarrier (count 256: every
-//     consumer thread arrives when its P V product of the stage has completed).
+//     consumer thread arrives when its P V product of the stage has completed). 16-bit caches whose
+//     block size divides the tile (>= 8) or is a multiple of it: a tile of whole pages (or of a part of
+//     one) of keys all visible, with valid block ids, is loaded by TMA instead (boxes of 64 columns x
+//     box_rows keys of the rank-4 maps encoded on the host, attention.cu encode_kv_tma; each issuing lane
+//     arrives with expect_tx of its box, the others plainly: the same count of 128), every other tile
+//     gathered.
 //   warpgroups 0 and 1, the consumers (setmaxnreg.inc to 232): 64 rows each (one m64 wgmma row
 //     block), the query tile in shared memory. Per key tile: S = Q K^T (DPAD / 16 wgmma m64n128k16, A
 //     and B from shared memory, K-major, 128-byte swizzle), the logits scaled / capped / biased / masked
@@ -92,8 +97,10 @@ __device__ __forceinline__ uint32_t sw128_elem(int r, int col) {
 }
 
 // OVERLAP: the consumers' loop with intra-warpgroup overlap (Path::kWgmmaPrefillOverlap; the loops below).
+// tma: the K / V tensor maps (16-bit caches; box_rows 0 for fp8 caches and wherever the maps do not apply).
 template <typename T, CacheFormat CF, int DPAD, bool OVERLAP>
-__global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_constant__ AttnArgs a) {
+__global__ void __launch_bounds__(384, 1)
+    sm90_prefill_kernel(const __grid_constant__ AttnArgs a, const __grid_constant__ Sm90KvTma tma) {
 #if KVK_SM90_PTX || defined(KVKERNELS_CUDA_EMU)
   using C = Sm90Cfg<T, CF, DPAD>;
   static_assert(!OVERLAP || has_wgmma_overlap(DPAD), "the overlapped loop's head dims");
@@ -167,9 +174,50 @@ __global__ void __launch_bounds__(384, 1) sm90_prefill_kernel(const __grid_const
           cp_async16_at(dst + sw128_off<KT>(r, col), src, ok ? bytes : 0);
         }
       };
+      // TMA (tma.box_rows > 0: block sizes that divide the key tile, at least 8, or are multiples of it):
+      // a tile whose keys are all in [w.lo, w.hi] and whose pages' ids are all valid is loaded as boxes of
+      // 64 columns x box_rows keys (one page, or the tile's part of one page), box b of a K / V tile by lane
+      // b of warp 0: column block b / per_col, keys (b % per_col) x box_rows on, at most 32 boxes (KT /
+      // 8 x DPAD / 64). Each issuing lane arrives with expect_tx of its box's bytes before issuing it
+      // (the phase cannot complete before its arrival, nor before its bytes land after it), the other
+      // threads plainly: 128 arrivals, the count the gathers' cp.async arrivals also make, so both kinds
+      // of tile share the ring. Every box starts on a 1024-byte swizzle atom (box_rows x 128 bytes apart), so the engine's
+      // 128B swizzle writes the layout the gathers write; columns past the head dim are outside the map
+      // (zeros). A tile with keys outside the range (the sequence's end: the last page's unused slots may
+      // hold anything; a window's or the causal diagonal's edge) or an out-of-range id is gathered: the
+      // same bytes either way. All producer warps look up the same ids, so they decide alike.
+      auto tma_tile = [&](int tile, int s) -> bool {
+        const int k0 = tile * KT, br = tma.box_rows;
+        if (br == 0 || k0 < w.lo || k0 + KT - 1 > w.hi) return false;
+        const int lane = pt & 31, per_col = KT / br;
+        const int bi = lane % per_col, cb = lane / per_col;
+        const int key = k0 + bi * br;
+        const int id = __ldg(bt + (shift >= 0 ? key >> shift : key / bs));
+        if (__any_sync(0xffffffffu, !block_id_ok(id, nblk))) return false;
+        const int slot = shift >= 0 ? key & ((1 << shift) - 1) : key % bs;
+        const bool issue = pt < 32 && cb < DPAD / 64;
+        const uint32_t off = uint32_t(cb * KT * 128 + bi * br * 128), box_bytes = uint32_t(br * 128);
+        if (issue) {
+          s9::mbar_arrive_expect_tx(full_k(s), box_bytes);
+          s9::tma_load_4d(sK(s) + off, &tma.k, 64 * cb, tma.k_head_dim1 ? w.kv_head : slot,
+                          tma.k_head_dim1 ? slot : w.kv_head, id, full_k(s));
+          s9::mbar_arrive_expect_tx(full_v(s), box_bytes);
+          s9::tma_load_4d(sV(s) + off, &tma.v, 64 * cb, tma.v_head_dim1 ? w.kv_head : slot,
+                          tma.v_head_dim1 ? slot : w.kv_head, id, full_v(s));
+        } else {
+          s9::mbar_arrive(full_k(s));
+          s9::mbar_arrive(full_v(s));
+        }
+        return true;
+      };
+      if (pt == 0 && tma.box_rows > 0) {
+        s9::tma_prefetch_map(&tma.k);
+        s9::tma_prefetch_map(&tma.v);
+      }
       for (int it = 0; it < ntiles; ++it) {
         const int s = it % STAGES, use = it / STAGES;
         if (use > 0) s9::mbar_wait(empty(s), uint32_t(use - 1) & 1u);
+        if (tma_tile(w.tile_begin + it, s)) continue;
         rows(w.tile_begin + it, sK(s), k_base, k_block, k_slot, k_bytes);
         s9::cp_async_mbar_arrive(full_k(s));
         rows(w.tile_begin + it, sV(s), v_base, v_block, v_slot, v_bytes);
@@ -668,7 +716,7 @@ bool sm90_prefill_compiled() {
 }
 
 template <typename T, CacheFormat CF, int DPAD, bool OVERLAP>
-cudaError_t launch_sm90_kernel(const AttnArgs& a, dim3 grid, cudaStream_t stream) {
+cudaError_t launch_sm90_kernel(const AttnArgs& a, const Sm90KvTma& tma, dim3 grid, cudaStream_t stream) {
   using C = Sm90Cfg<T, CF, DPAD>;
   static std::atomic<uint64_t> configured{0};
   int dev = 0;
@@ -681,16 +729,17 @@ cudaError_t launch_sm90_kernel(const AttnArgs& a, dim3 grid, cudaStream_t stream
     if (err != cudaSuccess) return err;
     configured.fetch_or(bit, std::memory_order_acq_rel);
   }
-  sm90_prefill_kernel<T, CF, DPAD, OVERLAP><<<grid, C::NT, C::SMEM, stream>>>(a);
+  if (C::FP8 && tma.box_rows != 0) return cudaErrorInvalidValue;  // (the raw fp8 tiles are gathered)
+  sm90_prefill_kernel<T, CF, DPAD, OVERLAP><<<grid, C::NT, C::SMEM, stream>>>(a, tma);
   return cudaGetLastError();
 }
 
 // The kernel with the overlapped loop or without (the planner asks for overlap only where
 // has_wgmma_overlap(DPAD); anything else is a planner bug, not a silent fallback).
 template <typename T, CacheFormat CF, int DPAD>
-cudaError_t launch_sm90_prefill(const AttnArgs& a, bool overlap, dim3 grid, cudaStream_t stream) {
-  if (!overlap) return launch_sm90_kernel<T, CF, DPAD, false>(a, grid, stream);
-  if constexpr (has_wgmma_overlap(DPAD)) return launch_sm90_kernel<T, CF, DPAD, true>(a, grid, stream);
+cudaError_t launch_sm90_prefill(const AttnArgs& a, const Sm90KvTma& tma, bool overlap, dim3 grid, cudaStream_t stream) {
+  if (!overlap) return launch_sm90_kernel<T, CF, DPAD, false>(a, tma, grid, stream);
+  if constexpr (has_wgmma_overlap(DPAD)) return launch_sm90_kernel<T, CF, DPAD, true>(a, tma, grid, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -13,9 +13,10 @@ static bool available(int dpad) {
 }
 
 template <CacheFormat CF>
-static cudaError_t launch(const AttnArgs& a, int dpad, bool overlap, dim3 grid, cudaStream_t stream) {
-  if (dpad == 64) return launch_sm90_prefill<__nv_bfloat16, CF, 64>(a, overlap, grid, stream);
-  if (dpad == 128) return launch_sm90_prefill<__nv_bfloat16, CF, 128>(a, overlap, grid, stream);
+static cudaError_t launch(const AttnArgs& a, const Sm90KvTma& tma, int dpad, bool overlap, dim3 grid,
+                          cudaStream_t stream) {
+  if (dpad == 64) return launch_sm90_prefill<__nv_bfloat16, CF, 64>(a, tma, overlap, grid, stream);
+  if (dpad == 128) return launch_sm90_prefill<__nv_bfloat16, CF, 128>(a, tma, overlap, grid, stream);
   return cudaErrorInvalidValue;
 }
 
@@ -25,9 +26,10 @@ bool sm90_prefill_available_bf16_fp8(int dpad, CacheFormat cf) {
                                        : false;
 }
 
-cudaError_t launch_attention_sm90_bf16_fp8(const AttnArgs& a, int dpad, bool overlap, dim3 grid, cudaStream_t stream) {
-  if (a.p.kv.format == CacheFormat::kFp8E4M3) return launch<CacheFormat::kFp8E4M3>(a, dpad, overlap, grid, stream);
-  if (a.p.kv.format == CacheFormat::kFp8E5M2) return launch<CacheFormat::kFp8E5M2>(a, dpad, overlap, grid, stream);
+cudaError_t launch_attention_sm90_bf16_fp8(const AttnArgs& a, const Sm90KvTma& tma, int dpad, bool overlap, dim3 grid,
+                                           cudaStream_t stream) {
+  if (a.p.kv.format == CacheFormat::kFp8E4M3) return launch<CacheFormat::kFp8E4M3>(a, tma, dpad, overlap, grid, stream);
+  if (a.p.kv.format == CacheFormat::kFp8E5M2) return launch<CacheFormat::kFp8E5M2>(a, tma, dpad, overlap, grid, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -17,12 +17,13 @@ bool sm90_prefill_available_f16(int dpad, CacheFormat cf) {
                        : false;
 }
 
-cudaError_t launch_attention_sm90_f16(const AttnArgs& a, int dpad, bool overlap, dim3 grid, cudaStream_t stream) {
-  if (a.p.kv.format != CacheFormat::kFloat16) return launch_attention_sm90_f16_fp8(a, dpad, overlap, grid, stream);
+cudaError_t launch_attention_sm90_f16(const AttnArgs& a, const Sm90KvTma& tma, int dpad, bool overlap, dim3 grid,
+                                       cudaStream_t stream) {
+  if (a.p.kv.format != CacheFormat::kFloat16) return launch_attention_sm90_f16_fp8(a, tma, dpad, overlap, grid, stream);
   constexpr CacheFormat CF = CacheFormat::kFloat16;
-  if (dpad == 64) return launch_sm90_prefill<__half, CF, 64>(a, overlap, grid, stream);
-  if (dpad == 128) return launch_sm90_prefill<__half, CF, 128>(a, overlap, grid, stream);
-  if (dpad == 256) return launch_sm90_prefill<__half, CF, 256>(a, overlap, grid, stream);
+  if (dpad == 64) return launch_sm90_prefill<__half, CF, 64>(a, tma, overlap, grid, stream);
+  if (dpad == 128) return launch_sm90_prefill<__half, CF, 128>(a, tma, overlap, grid, stream);
+  if (dpad == 256) return launch_sm90_prefill<__half, CF, 256>(a, tma, overlap, grid, stream);
   return cudaErrorInvalidValue;
 }
 

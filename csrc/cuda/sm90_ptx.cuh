@@ -409,6 +409,24 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c
 #endif
 }
 
+// cp.async.bulk.tensor.4d (TMA): as tma_load_2d, the box at coordinates (c0 innermost, c1, c2, c3) of a
+// rank-4 map (the wgmma prefill's paged K / V: columns, two of slot / head, block).
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* map, int c0, int c1, int c2, int c3,
+                                            uint32_t bar) {
+#if KVK_SM90_ASYNC
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+#elif defined(KVKERNELS_CUDA_EMU)
+  const int c[4] = {c0, c1, c2, c3};
+  ::emu::bulk_tensor_load(dst, map, c, 4, bar);
+#else
+  (void)dst, (void)map, (void)c0, (void)c1, (void)c2, (void)c3, (void)bar;
+#endif
+}
+
 // prefetch.tensormap: brings the tensor map (a __grid_constant__ kernel parameter) into the cache
 // before its first TMA copy.
 __device__ __forceinline__ void tma_prefetch_map(const void* map) {

@@ -57,7 +57,9 @@ keys per stage, 2 stages at head dim 128; ``deep`` 16 KiB stages, 4 in flight; `
 tiles of 16 per warp and 32 keys per stage, so each K / V fragment feeds two mma; ``wgmma``, wgmma-prefill, the
 sm_90a kernel of csrc/cuda/attention_sm90.cuh, run with KVKERNELS_CUDA_WGMMA=require so that a call it cannot
 take is a skipped row naming the reason, never a timing of the fallback; ``wgmma-overlap``,
-wgmma-prefill-overlap, the same kernel with intra-warpgroup overlap, its plain loop at head dim 256): rows ``kvkernels-<variant>`` of each
+wgmma-prefill-overlap, the same kernel with intra-warpgroup overlap, its plain loop at head dim 256;
+``wgmma-gather`` / ``wgmma-overlap-gather``: the same two with KVKERNELS_CUDA_NO_TMA=1, every K / V tile gathered
+by cp.async, where the others load whole-page tiles by TMA): rows ``kvkernels-<variant>`` of each
 prefill case, timed in alternating batches on the same data, each against SDPA flash and, where this torch
 has it, cuDNN SDPA (``SDPBackend.CUDNN_ATTENTION``), both on the same K/V made contiguous
 (``prefill_variant_lines``).
@@ -114,7 +116,11 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 DECODE_VARIANTS = {"deep": "mma-decode-deep", "wide": "mma-decode-wide", "fp8smem": "mma-decode-fp8-smem",
                    "occ3": "mma-decode-occ3", "fused": "mma-decode-fused"}
 PREFILL_VARIANTS = {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide", "tall": "mma-prefill-tall",
-                    "wgmma": "wgmma-prefill", "wgmma-overlap": "wgmma-prefill-overlap"}
+                    "wgmma": "wgmma-prefill", "wgmma-overlap": "wgmma-prefill-overlap",
+                    "wgmma-gather": "wgmma-prefill", "wgmma-overlap-gather": "wgmma-prefill-overlap"}
+# The wgmma prefill with every K / V tile gathered by cp.async (KVKERNELS_CUDA_NO_TMA=1): the A/B of its TMA
+# loads (the other wgmma variants run with the switch unset: TMA where the block size allows).
+GATHER_VARIANTS = ("wgmma-gather", "wgmma-overlap-gather")
 PREFILL_DTYPES = ("bfloat16", "fp8_e4m3")
 
 
@@ -166,6 +172,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="prefill cache dtypes (bfloat16 queries): bfloat16, fp8_e4m3 (e4m3 cache, per-tensor scale)")
     g.add_argument("--attn-head-dim", type=int, choices=(64, 128, 256), default=HEAD_DIM,
                    help="head dim of every case (default 128; the case names say it when it is not 128)")
+    g.add_argument("--attn-block-size", type=int, choices=(8, 16, 32, 64, 128, 256), default=BLOCK,
+                   help="block size of the paged caches (default 16; the case names say it when it is not 16: "
+                        "the wgmma prefill's K / V TMA boxes are min(block size, key tile) keys)")
     g.add_argument("--attn-reps", type=int, default=10, help="timed batches per implementation")
     g.add_argument("--attn-min-ms", type=float, default=20.0, help="minimum milliseconds per timed batch")
     g.add_argument("--rotate-mib", type=int, default=200, help="bytes between reuses of one data copy")
@@ -257,6 +266,8 @@ def variant_env(name: str, paths: dict) -> contextlib.ExitStack:
     stack.enter_context(env_var("KVKERNELS_CUDA_ATTN_SPLITS", splits))
     # the wgmma prefill falls back to the wide one where it cannot run: require it, so such a call fails
     stack.enter_context(env_var("KVKERNELS_CUDA_WGMMA", "require" if paths[config].startswith("wgmma-") else None))
+    if paths[config].startswith("wgmma-"):
+        stack.enter_context(env_var("KVKERNELS_CUDA_NO_TMA", "1" if config in GATHER_VARIANTS else None))
     return stack
 
 
@@ -264,7 +275,8 @@ def variant_setting(name: str, paths: dict) -> str:
     """What a variant's row notes: its environment (variant_env)."""
     config, splits = _variant_parts(name, paths)
     return (f"KVKERNELS_CUDA_ATTN_PATH={paths[config]}" + (f" KVKERNELS_CUDA_ATTN_SPLITS={splits}" if splits else "") +
-            (" KVKERNELS_CUDA_WGMMA=require" if paths[config].startswith("wgmma-") else ""))
+            (" KVKERNELS_CUDA_WGMMA=require" if paths[config].startswith("wgmma-") else "") +
+            (" KVKERNELS_CUDA_NO_TMA=1" if config in GATHER_VARIANTS else ""))
 
 
 def time_paired(calls: dict, reps: int, min_ms: float, setting: Callable[[str], object]) -> dict:
@@ -490,7 +502,7 @@ def flex_paged_decode(data: Paged):
 def decode_case(dtype_name: str, batch: int, context: int, copy_gbps: float, args,
                 gen: torch.Generator) -> list[dict]:
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}[dtype_name]
-    name = f"decode {dtype_name} b{batch} ctx{context}"
+    name = f"decode {dtype_name} b{batch} ctx{context}" + (f" block{BLOCK}" if BLOCK != 16 else "")
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * dtype.itemsize
     layer_bytes = 2 * batch * math.ceil(context / BLOCK) * BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
     budget = int(_free_bytes() * args.memory_fraction)
@@ -657,7 +669,8 @@ def graph_of(kernel: Callable[[int], object], copies: int) -> Callable[[int], ob
 
 
 def prefill_case(q_len: int, context: int, args, gen: torch.Generator, dtype_name: str = "bfloat16") -> list[dict]:
-    name = f"prefill {dtype_name} q{q_len} ctx{context}" + (f" d{HEAD_DIM}" if HEAD_DIM != 128 else "")
+    name = (f"prefill {dtype_name} q{q_len} ctx{context}" + (f" d{HEAD_DIM}" if HEAD_DIM != 128 else "") +
+            (f" block{BLOCK}" if BLOCK != 16 else ""))
     dtype = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[dtype_name]
     layer_bytes = 2 * math.ceil(context / BLOCK) * BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
     copies = rotation_copies(layer_bytes, args.rotate_mib)
@@ -759,8 +772,9 @@ def run(args: Optional[argparse.Namespace] = None,
     emit = emit or (lambda new_rows: None)
     # --attn-head-dim: the module's HEAD_DIM, read by every case when it runs (kvkernels.bench.attention's
     # value by default)
-    global HEAD_DIM
+    global HEAD_DIM, BLOCK
     HEAD_DIM = getattr(args, "attn_head_dim", HEAD_DIM)
+    BLOCK = getattr(args, "attn_block_size", BLOCK)  # (--attn-block-size, the same way)
     if not torch.cuda.is_available():
         rows = [dict(case="cuda attention", kind="copy", impl="copy", skipped="no CUDA device")]
         emit(rows)

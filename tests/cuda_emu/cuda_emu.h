@@ -70,6 +70,7 @@
 #include <math.h>
 #include <cstdint>
 #include <cstdlib>
+#include <atomic>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -670,28 +671,36 @@ inline void mma_16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1, boo
 }
 
 
-// ---- TMA (sm_90): tensor maps, mbarriers, cp.async.bulk.tensor.2d ------------------------------
+// ---- TMA (sm_90): tensor maps, mbarriers, cp.async.bulk.tensor.{1..5}d ---------------------------
 // cuTensorMapEncodeTiled (handed out by cudaGetDriverEntryPointByVersion below) stores the
-// parameters of a 2-D tiled map in the opaque 128-byte CUtensorMap, with the driver's documented
-// checks for what the emulator supports (rank 2, no interleave, element strides 1, no OOB NaN
-// fill, swizzle none or 128B). cp.async.bulk.tensor.2d copies the box at (c0 columns, c1 rows):
-// box rows of box[0] elements stored densely from the destination, elements outside the tensor as
-// zeros; with SWIZZLE_128B each 16-byte chunk at shared address a goes to a ^ (((a >> 7) & 7) << 4)
-// (chunk bits [4:6] XOR 128-byte-row bits [7:9]; on a 1024-byte aligned box: chunk c of row r at
-// c ^ (r % 8)). Like cp.async the copy is deferred: its destination is poisoned when it is issued
-// (a read of the old contents after the issue sees NaN) and it lands, completing its bytes on the
-// mbarrier, when a thread waits on that barrier (a read before the wait sees poison).
-struct TensorMap2D {
+// parameters of a tiled map of rank 1 to 5 in the opaque 128-byte CUtensorMap, with the driver's
+// documented checks for what the emulator supports (no interleave, element strides 1, no OOB NaN
+// fill, swizzle none or 128B; strides multiples of 16 below 2^40, box extents 1..256, the box's inner
+// extent a multiple of 16 bytes and at most 128 with the 128B swizzle, dims 1..2^32; a row stride no
+// smaller than the row). cp.async.bulk.tensor.<rank>d copies the box at coordinates (c0 innermost ..):
+// box rows (box[0] elements) stored densely from the destination, dimension 1 fastest, then 2, ..;
+// elements outside the tensor on any dimension (negative coordinates included) as zeros; with
+// SWIZZLE_128B each 16-byte chunk at shared address a goes to a ^ (((a >> 7) & 7) << 4) (chunk bits
+// [4:6] XOR 128-byte-row bits [7:9]; on a 1024-byte aligned box: chunk c of row r at c ^ (r % 8)).
+// An instruction of another dimensionality than the map's rank is an error. Like cp.async the copy is
+// deferred: its destination is poisoned when it is issued (a read of the old contents after the issue
+// sees NaN) and it lands, completing its bytes on the mbarrier, when a thread waits on that barrier (a
+// read before the wait sees poison).
+constexpr int kTensorMapMaxRank = 5;
+struct TensorMap {
   uint64_t magic;
   const unsigned char* base;
-  uint64_t dims[2];   // elements: columns (innermost), rows
-  uint64_t stride1;   // bytes between rows
-  uint32_t box[2];    // elements
-  uint32_t esz;       // bytes per element
-  uint32_t swizzle128;
+  uint64_t dims[kTensorMapMaxRank];         // elements, innermost first
+  uint64_t strides[kTensorMapMaxRank - 1];  // bytes between consecutive indices of dims 1..rank-1
+  uint32_t box[kTensorMapMaxRank];          // elements
+  uint32_t rank, esz, swizzle128;           // esz: bytes per element
 };
 constexpr uint64_t kTensorMapMagic = 0x70614d726f736e54ull;
-static_assert(sizeof(TensorMap2D) <= sizeof(CUtensorMap), "emu: the map fits the opaque CUtensorMap");
+// Boxes copied by cp.async.bulk.tensor since the last tma_boxes_taken() (the tests' proof that a kernel
+// took its TMA path rather than quietly gathering).
+inline std::atomic<uint64_t> tma_boxes{0};
+inline uint64_t tma_boxes_taken() { return tma_boxes.exchange(0); }
+static_assert(sizeof(TensorMap) <= sizeof(CUtensorMap), "emu: the map fits the opaque CUtensorMap");
 
 inline CUresult tensor_map_encode_tiled(CUtensorMap* map, CUtensorMapDataType type, cuuint32_t rank, void* addr,
                                         const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
@@ -706,19 +715,31 @@ inline CUresult tensor_map_encode_tiled(CUtensorMap* map, CUtensorMapDataType ty
     case CU_TENSOR_MAP_DATA_TYPE_FLOAT32: esz = 4; break;
     default: return CUDA_ERROR_INVALID_VALUE;
   }
-  if (map == nullptr || rank != 2 || interleave != CU_TENSOR_MAP_INTERLEAVE_NONE ||
+  if (map == nullptr || rank < 1 || rank > uint32_t(kTensorMapMaxRank) || interleave != CU_TENSOR_MAP_INTERLEAVE_NONE ||
       oob != CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE ||
       (swizzle != CU_TENSOR_MAP_SWIZZLE_NONE && swizzle != CU_TENSOR_MAP_SWIZZLE_128B))
     return CUDA_ERROR_INVALID_VALUE;
-  if (reinterpret_cast<uintptr_t>(addr) % 16 != 0 || strides[0] % 16 != 0 || dims[0] == 0 || dims[1] == 0 ||
-      strides[0] < dims[0] * esz)
-    return CUDA_ERROR_INVALID_VALUE;
-  if (box[0] == 0 || box[1] == 0 || box[0] > 256 || box[1] > 256 || (box[0] * esz) % 16 != 0 ||
-      elem_strides[0] != 1 || elem_strides[1] != 1)
-    return CUDA_ERROR_INVALID_VALUE;
+  if (reinterpret_cast<uintptr_t>(addr) % 16 != 0) return CUDA_ERROR_INVALID_VALUE;
+  for (uint32_t i = 0; i < rank; ++i) {
+    if (dims[i] == 0 || dims[i] > (uint64_t(1) << 32) || box[i] == 0 || box[i] > 256 || elem_strides[i] != 1)
+      return CUDA_ERROR_INVALID_VALUE;
+    if (i > 0 && (strides[i - 1] % 16 != 0 || strides[i - 1] >= (uint64_t(1) << 40)))
+      return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (rank > 1 && strides[0] < dims[0] * esz) return CUDA_ERROR_INVALID_VALUE;
+  if ((box[0] * esz) % 16 != 0) return CUDA_ERROR_INVALID_VALUE;
   if (swizzle == CU_TENSOR_MAP_SWIZZLE_128B && box[0] * esz > 128) return CUDA_ERROR_INVALID_VALUE;
-  TensorMap2D m{kTensorMapMagic, static_cast<const unsigned char*>(addr), {dims[0], dims[1]}, strides[0],
-                {box[0], box[1]}, esz, swizzle == CU_TENSOR_MAP_SWIZZLE_128B ? 1u : 0u};
+  TensorMap m{};
+  m.magic = kTensorMapMagic;
+  m.base = static_cast<const unsigned char*>(addr);
+  for (uint32_t i = 0; i < rank; ++i) {
+    m.dims[i] = dims[i];
+    m.box[i] = box[i];
+    if (i > 0) m.strides[i - 1] = strides[i - 1];
+  }
+  m.rank = rank;
+  m.esz = esz;
+  m.swizzle128 = swizzle == CU_TENSOR_MAP_SWIZZLE_128B ? 1u : 0u;
   std::memset(map, 0, sizeof(CUtensorMap));
   std::memcpy(map, &m, sizeof(m));
   return CUDA_SUCCESS;
@@ -753,31 +774,52 @@ inline void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   complete_phase_if_done(b);
 }
 
-// cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [map, {c0, c1}], [bar]
-inline void bulk_tensor_load_2d(uint32_t dst, const void* map_ptr, int c0, int c1, uint32_t bar) {
-  TensorMap2D m;
+// cp.async.bulk.tensor.<n>d.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [map, {c[0], ..}], [bar]
+inline void bulk_tensor_load(uint32_t dst, const void* map_ptr, const int* c, int n, uint32_t bar) {
+  TensorMap m;
   std::memcpy(&m, map_ptr, sizeof(m));
   if (m.magic != kTensorMapMagic) throw std::logic_error("emu: cp.async.bulk.tensor with a map that was not encoded");
+  if (uint32_t(n) != m.rank)
+    throw std::logic_error("emu: cp.async.bulk.tensor." + std::to_string(n) + "d with a map of rank " +
+                           std::to_string(m.rank));
   if (dst % 128 != 0) throw std::logic_error("emu: cp.async.bulk.tensor destination not 128-byte aligned");
   Barrier& b = barrier_at(bar);
-  const uint32_t row_bytes = m.box[0] * m.esz, bytes = row_bytes * m.box[1];
+  uint32_t rows = 1;  // box rows: the product of the outer box extents
+  for (uint32_t i = 1; i < m.rank; ++i) rows *= m.box[i];
+  const uint32_t row_bytes = m.box[0] * m.esz, bytes = row_bytes * rows;
   unsigned char* base = shared_at(dst, bytes);
   BulkCopy copy{base, {}, bytes};
-  for (uint32_t r = 0; r < m.box[1]; ++r) {
-    for (uint32_t c = 0; c < row_bytes; c += 16) {
-      uint32_t a = dst + r * row_bytes + c;
+  for (uint32_t r = 0; r < rows; ++r) {
+    // Row r's global coordinates on dims 1.. (dim 1 fastest) and whether they are inside the tensor.
+    bool in_rows = true;
+    uint64_t offset = 0;
+    for (uint32_t i = 1, rest = r; i < m.rank; rest /= m.box[i], ++i) {
+      const int64_t x = int64_t(c[i]) + rest % m.box[i];
+      if (x < 0 || uint64_t(x) >= m.dims[i]) in_rows = false;
+      else offset += uint64_t(x) * m.strides[i - 1];
+    }
+    for (uint32_t cb = 0; cb < row_bytes; cb += 16) {
+      uint32_t a = dst + r * row_bytes + cb;
       if (m.swizzle128) a ^= ((a >> 7) & 7u) << 4;
       // A 16-byte chunk holds 16 / esz consecutive elements: wholly in or out of the tensor
-      // (dims[0] * esz is a multiple of 16 as the row stride must be, columns c0 a chunk multiple).
-      const int64_t col = int64_t(c0) + c / m.esz, row = int64_t(c1) + r;
-      const bool in = col >= 0 && row >= 0 && uint64_t(col) < m.dims[0] && uint64_t(row) < m.dims[1];
+      // (columns c0 a chunk multiple; a chunk straddling the edge is not emulated).
+      const int64_t col = int64_t(c[0]) + cb / m.esz;
+      const bool in = in_rows && col >= 0 && uint64_t(col) < m.dims[0];
       if (in && (uint64_t(col) + 16 / m.esz > m.dims[0]))
         throw std::logic_error("emu: cp.async.bulk.tensor chunk straddles the tensor's edge (not emulated)");
-      copy.chunks.emplace_back(a, in ? m.base + uint64_t(row) * m.stride1 + uint64_t(col) * m.esz : nullptr);
+      if (!in && col < 0 && col + 16 / m.esz > 0)
+        throw std::logic_error("emu: cp.async.bulk.tensor chunk straddles the tensor's edge (not emulated)");
+      copy.chunks.emplace_back(a, in ? m.base + offset + uint64_t(col) * m.esz : nullptr);
     }
   }
   std::memset(base, 0xff, bytes);  // poisoned until the copy lands
   b.copies.push_back(std::move(copy));
+  tma_boxes.fetch_add(1);
+}
+
+inline void bulk_tensor_load_2d(uint32_t dst, const void* map_ptr, int c0, int c1, uint32_t bar) {
+  const int c[2] = {c0, c1};
+  bulk_tensor_load(dst, map_ptr, c, 2, bar);
 }
 
 // Lets the barrier's phase of parity `parity` complete from what is already in flight: bulk copies

@@ -390,16 +390,88 @@ std::tuple<Tensor, Tensor> sm90_pipeline(Tensor src, int64_t stages) {
   return {out, order};
 }
 
+// ---- TMA: one box of a tiled tensor map of rank 1..5 --------------------------------------------
+// The map is encoded with the emulator's cuTensorMapEncodeTiled over `src`'s storage (dims, byte strides
+// and box as given; element size from src's dtype: uint8 1, bf16 2, float32 4); one thread loads the box
+// at `coords` with cp.async.bulk.tensor.<instr_rank>d (rank 2 and 4 through the kernels' wrappers
+// tma_load_2d / tma_load_4d) into a 1024-byte aligned shared buffer, completing on an mbarrier with
+// arrive.expect_tx of the box's bytes, waits, and returns the buffer's bytes (the test places the elements
+// with its own formula: coordinates, zero fill outside the tensor, the 128B swizzle's chunk XOR).
+struct TmaArgs {
+  CUtensorMap map;
+  int coords[5];
+  int instr_rank;
+  uint32_t bytes;
+  unsigned char* out;
+};
+
+__global__ void tma_box_kernel(const __grid_constant__ TmaArgs t) {
+  unsigned char* smem = ::emu::dynamic_smem();
+  const uint32_t base = align1024(::emu::smem_u32(smem)), bar = base + ((t.bytes + 15u) & ~15u);
+  if (threadIdx.x != 0) return;
+  s9::mbar_init(bar, 1);
+  s9::mbar_init_fence();
+  s9::mbar_arrive_expect_tx(bar, t.bytes);
+  const int* c = t.coords;
+  if (t.instr_rank == 2) s9::tma_load_2d(base, &t.map, c[0], c[1], bar);
+  else if (t.instr_rank == 4) s9::tma_load_4d(base, &t.map, c[0], c[1], c[2], c[3], bar);
+  else ::emu::bulk_tensor_load(base, &t.map, c, t.instr_rank, bar);
+  s9::mbar_wait(bar, 0);
+  std::memcpy(t.out, ::emu::shared_at(base, t.bytes), t.bytes);
+}
+
+Tensor tma_box(Tensor src, std::vector<int64_t> dims, std::vector<int64_t> strides, std::vector<int64_t> box,
+               std::vector<int64_t> coords, bool swizzle128, int64_t instr_rank) {
+  using torch::headeronly::ScalarType;
+  const ScalarType st = src.scalar_type();
+  const CUtensorMapDataType type = st == ScalarType::Byte       ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                   : st == ScalarType::BFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                                : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  const int esz = st == ScalarType::Byte ? 1 : st == ScalarType::BFloat16 ? 2 : 4;
+  const int rank = int(dims.size());
+  STD_TORCH_CHECK(rank >= 1 && rank <= 5 && int(box.size()) == rank && int(strides.size()) == rank - 1 &&
+                      int(coords.size()) == int(instr_rank) && instr_rank <= 5,
+                  "tma_box: dims / box / coords of the rank, strides one fewer");
+  cuuint64_t d[5] = {}, sb[4] = {};
+  cuuint32_t bx[5] = {}, es[5] = {1, 1, 1, 1, 1};
+  int64_t bytes = esz;
+  for (int i = 0; i < rank; ++i) {
+    d[i] = cuuint64_t(dims[i]);
+    bx[i] = cuuint32_t(box[i]);
+    bytes *= box[i];
+    if (i > 0) sb[i - 1] = cuuint64_t(strides[i - 1]);
+  }
+  TmaArgs t{};
+  const CUresult r = ::emu::tensor_map_encode_tiled(
+      &t.map, type, cuuint32_t(rank), const_cast<void*>(src.const_data_ptr()), d, sb, bx, es,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+      CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  STD_TORCH_CHECK(r == CUDA_SUCCESS, "tma_box: cuTensorMapEncodeTiled rejected the map");
+  for (int i = 0; i < int(instr_rank); ++i) t.coords[i] = int(coords[i]);
+  t.instr_rank = int(instr_rank);
+  t.bytes = uint32_t(bytes);
+  Tensor out = torch::stable::new_empty(src, {bytes}, ScalarType::Byte);
+  t.out = static_cast<unsigned char*>(out.mutable_data_ptr());
+  ::emu::launch(tma_box_kernel, dim3(1), dim3(32), size_t(bytes) + 2048, nullptr, t);
+  return out;
+}
+
+int64_t tma_boxes_taken(Tensor) { return int64_t(::emu::tma_boxes_taken()); }
+
 }  // namespace sm90_selftest
 
 STABLE_TORCH_LIBRARY_FRAGMENT(kvkernels_emu, m) {
   m.def("wgmma_gemm(Tensor a, Tensor b, int swizzle, bool a_mn, bool b_mn, bool a_regs, int mode) -> Tensor");
   m.def("sm90_misuse(Tensor like, int kind, int threads) -> Tensor");
   m.def("sm90_pipeline(Tensor src, int stages) -> (Tensor, Tensor)");
+  m.def("tma_boxes_taken(Tensor like) -> int");
+  m.def("tma_box(Tensor src, int[] dims, int[] strides, int[] box, int[] coords, bool swizzle128, int instr_rank) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(kvkernels_emu, CPU, m) {
   m.impl("wgmma_gemm", TORCH_BOX(&sm90_selftest::wgmma_gemm));
   m.impl("sm90_misuse", TORCH_BOX(&sm90_selftest::sm90_misuse));
   m.impl("sm90_pipeline", TORCH_BOX(&sm90_selftest::sm90_pipeline));
+  m.impl("tma_box", TORCH_BOX(&sm90_selftest::tma_box));
+  m.impl("tma_boxes_taken", TORCH_BOX(&sm90_selftest::tma_boxes_taken));
 }
