@@ -15,7 +15,9 @@
 // __threadfence (a no-op: one memory). Not emulated: clusters / multicast, other atomics,
 // warp-divergent collectives, other tensor-map modes (rank > 2,
 // interleave, im2col, other swizzles), the async proxy (fence.proxy.async is a no-op), wgmma descriptor
-// base offsets, fp8 / tf32 / integer wgmma.
+// base offsets, fp8 / tf32 / integer wgmma. Programmatic dependent launch: cudaLaunchKernelEx accepts the
+// programmatic-stream-serialization attribute; grids still run one after another, and the rule a GPU run depends
+// on is checked instead (griddepcontrol.wait before a read of the predecessor's output; section PDL below).
 //
 // Each CTA runs as blockDim.x cooperative fibers (ucontext) on the calling thread; __syncthreads()
 // switches to the next fiber, and a barrier completes when every live fiber of the CTA reached it.
