@@ -160,10 +160,10 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     while (next_piece<KT>(m, walk, w)) {
       const int32_t* bt = kv.block_tables + int64_t(w.seq) * kv.max_blocks_per_seq;
       const int ntiles = w.tile_end - w.tile_begin;
-      for (int j = 0; j < ntiles; ++j) {
-        const int it = done + j;  // the tile's place in the ring's sequence
+      for (int ti = 0; ti < ntiles; ++ti) {
+        const int it = done + ti;  // the tile's place in the ring's sequence
         const int s = it % stages, use = it / stages;
-        const int k0 = (w.tile_begin + j) * KT;
+        const int k0 = (w.tile_begin + ti) * KT;
         // Lane i < 16 looks up the block of row warp + 4 i (a warp copies rows warp, warp + 4, ..).
         int my_id = -1;
         {
@@ -290,8 +290,9 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     const uint64_t dp0 = s9::make_desc(sP, 16, 1024, s9::Swizzle::k128B);
 
     float sacc[16];  // S_c of the tile in hand: sacc[4 i + 2 h + e] is row 16 wq + g + 8 h, key 32 wg + 8 i + 2 t4 + e
-    // S_c = Q K_c^T of tile `it` (its place in the ring's sequence, across pieces): 64 rows x this consumer's 32 keys (rows 32 wg .. of the tile: 4 whole 8-row
-    // groups), issued and committed as one group, not waited for. (No register fence on sacc inside: the
+    // S_c = Q K_c^T of tile `it` (its place in the ring's sequence, across pieces): 64 rows x this consumer's
+    // 32 keys (rows 32 wg .. of the tile: 4 whole 8-row groups), issued and committed as one group, not waited
+    // for. (No register fence on sacc inside: the
     // seesaw issues it behind a P V in flight, where a fence would make ptxas serialize the wgmma, C7515; the
     // wgmma's own register operands order it after the softmax's last use of sacc.)
     auto issue_s = [&](int it) {
