@@ -219,7 +219,8 @@ step_t_wgmma() {
   return $rc
 }
 # The sm_90a wgmma MLA decode (MlaPath::kWgmma, KVKERNELS_CUDA_MLA_PATH=wgmma and =wgmma-seesaw, each test run
-# on both schedules; compiled and emulated before this run, never on a GPU): its tests alone and serially under
+# on both schedules, each with the shape-only and the metadata split plan (KVKERNELS_CUDA_MLA_SCHED=metadata, PDL
+# launches), plus the metadata plan's mixed-length cases; compiled and emulated before this run, never on a GPU): its tests alone and serially under
 # a short cap, with KVKERNELS_CUDA_WGMMA=require set by the tests (a fallback fails); an mbarrier / named-barrier protocol error hangs rather than fails
 # (faulthandler dumps the stacks of a test stuck for 30 s).
 step_t_mla_wgmma() { FAULT_S=30 HANG_EXIT_S=60 pytest_step tests.log tests/test_cuda_mla.py -k wgmma; }
@@ -404,12 +405,27 @@ step_b_wgmma() {
 # consumers on the seesaw schedule), alternating batches on the same data, against the copy bandwidth
 # measured in the same run. "variant:" lines: ms, TFLOP/s, GB/s, fraction of copy and each one's speed-up
 # over mma; the predictions are in csrc/cuda/README.md ("MLA decode on wgmma", its seesaw part). Then b1 x 4k,
-# the single-sequence latency the issue asks to report (after b64 within each head count). Every row is timed as
-# a replayed CUDA graph (--mla-graph): eager, a call's ~40 us of host time would be all a b1 decode measures.
+# the single-sequence latency the issue asks to report (after b64 within each head count). wgmma-meta: the wgmma
+# kernel on the split plan of the metadata pass (KVKERNELS_CUDA_MLA_SCHED=metadata; section "MLA decode: split
+# plan from a metadata pass"), expected equal to wgmma on these uniform batches; then the A/B where it should win,
+# a mixed batch (one 32k and 63 1k sequences, bf16, 16 and 128 heads): wgmma vs wgmma-meta vs wgmma-seesaw-meta.
+# Every row is timed as a replayed CUDA graph (--mla-graph): eager, a call's ~40 us of host time would be all a
+# b1 decode measures.
 step_b_mla_wgmma() {
+  local rc=0 detail
   bench -m kvkernels.bench.cuda_mla --mla-batches 64,1 --mla-contexts 4096 --mla-heads 16,128 \
-    --mla-dtypes bfloat16,fp8_e4m3 --mla-decompress-tokens '' --mla-attn-variants mma,wgmma,wgmma-seesaw --mla-graph \
-    --mla-reps 5 --mla-min-ms 10 --json "$SCRATCH/results/bench/cuda-mla-wgmma-$STAMP.json"
+    --mla-dtypes bfloat16,fp8_e4m3 --mla-decompress-tokens '' --mla-attn-variants mma,wgmma,wgmma-seesaw,wgmma-meta --mla-graph \
+    --mla-reps 5 --mla-min-ms 10 --json "$SCRATCH/results/bench/cuda-mla-wgmma-$STAMP.json" || rc=$?
+  detail=$STEP_DETAIL
+  mv "$SCRATCH/targets-b_mla_wgmma.txt" "$SCRATCH/targets-b_mla_wgmma-uniform.txt" 2>/dev/null || true  # (each call rewrites it)
+  bench -m kvkernels.bench.cuda_mla --mla-batches '' --mla-mixed 32768x1+1024x63 --mla-heads 16,128 \
+    --mla-dtypes bfloat16 --mla-decompress-tokens '' --mla-attn-variants wgmma,wgmma-meta,wgmma-seesaw-meta --mla-graph \
+    --mla-reps 5 --mla-min-ms 10 --json "$SCRATCH/results/bench/cuda-mla-wgmma-mixed-$STAMP.json" || rc=$?
+  cat "$SCRATCH/targets-b_mla_wgmma-uniform.txt" "$SCRATCH/targets-b_mla_wgmma.txt" \
+    >"$SCRATCH/targets-b_mla_wgmma.all" 2>/dev/null
+  mv "$SCRATCH/targets-b_mla_wgmma.all" "$SCRATCH/targets-b_mla_wgmma.txt"
+  STEP_DETAIL="$detail; mixed:$STEP_DETAIL"
+  return $rc
 }
 
 # The other targets at full size: copy_blocks (1024 pairs x 32 layers, >= 80% of copy bandwidth) with
@@ -455,8 +471,8 @@ build 300
 verify 30
 t_wgmma 210
 b_wgmma 180
-t_mla_wgmma 90
-b_mla_wgmma 90
+t_mla_wgmma 120
+b_mla_wgmma 150
 t_ops 60
 t_cache 60
 t_attn 180
@@ -509,7 +525,7 @@ done <<<"$PLAN"
     2>/dev/null | grep "^peer:"
   echo "---- wgmma prefill A/B, wide vs wgmma vs wgmma-overlap (TMA) vs -gather vs SDPA flash / cuDNN, d128 / d64 / d256 / block 64 (bench.log)"
   cat "$SCRATCH/targets-b_wgmma.txt" 2>/dev/null
-  echo "---- MLA decode A/B, mma vs wgmma vs wgmma-seesaw, b64 x 4k (bench.log)"
+  echo "---- MLA decode A/B, mma vs wgmma vs wgmma-seesaw vs wgmma-meta, b64 / b1 x 4k; wgmma vs -meta, mixed 32k + 63 x 1k (bench.log)"
   cat "$SCRATCH/targets-b_mla_wgmma.txt" 2>/dev/null
   echo "---- prefill kernel A/B, wide vs deep vs SDPA flash (bench.log)"
   cat "$SCRATCH/targets-b_pvariants.txt" 2>/dev/null

@@ -525,15 +525,16 @@ def test_cuda_mla_decompress_variants_options_and_report(capsys, monkeypatch):
 
 def test_cuda_mla_attn_variants_options(monkeypatch):
     """kvkernels.bench.cuda_mla --mla-attn-variants (the GPU script's b_mla_wgmma step): the names are checked
-    when parsed; inside a variant's batches KVKERNELS_CUDA_MLA_PATH / _WGMMA name its kernel and schedule
-    (wgmma-seesaw: the seesaw, with require so that a fallback is a skipped row) and are restored after them."""
+    when parsed; inside a variant's batches KVKERNELS_CUDA_MLA_PATH / _WGMMA / _MLA_SCHED name its kernel, schedule
+    and split plan (wgmma-seesaw: the seesaw, with require so that a fallback is a skipped row; -meta: the metadata
+    pass's plan) and are restored after them. --mla-mixed: batches of LENxCOUNT terms."""
     import argparse
 
     from kvkernels.bench import cuda_mla as cm
 
     parser = argparse.ArgumentParser()
     cm.add_arguments(parser)
-    names = ["mma", "wgmma", "wgmma-seesaw"]
+    names = ["mma", "wgmma", "wgmma-seesaw", "wgmma-meta", "wgmma-seesaw-meta"]
     assert parser.parse_args(["--mla-attn-variants", ",".join(names)]).mla_attn_variants == names
     assert parser.parse_args(["--mla-graph"]).mla_graph and not parser.parse_args([]).mla_graph
     with pytest.raises(SystemExit):
@@ -544,7 +545,18 @@ def test_cuda_mla_attn_variants_options(monkeypatch):
         assert (os.environ["KVKERNELS_CUDA_MLA_PATH"], os.environ["KVKERNELS_CUDA_WGMMA"]) == ("wgmma-seesaw", "require")
     with cm.attn_variant_env("mma"):
         assert "KVKERNELS_CUDA_MLA_PATH" not in os.environ and "KVKERNELS_CUDA_WGMMA" not in os.environ
+    monkeypatch.setenv("KVKERNELS_CUDA_MLA_SCHED", "shape")
+    with cm.attn_variant_env("wgmma-seesaw-meta"):
+        assert (os.environ["KVKERNELS_CUDA_MLA_PATH"], os.environ["KVKERNELS_CUDA_MLA_SCHED"]) == ("wgmma-seesaw",
+                                                                                                  "metadata")
+    with cm.attn_variant_env("wgmma"):
+        assert "KVKERNELS_CUDA_MLA_SCHED" not in os.environ
     assert os.environ["KVKERNELS_CUDA_MLA_PATH"] == "mma64" and "KVKERNELS_CUDA_WGMMA" not in os.environ
+    assert os.environ["KVKERNELS_CUDA_MLA_SCHED"] == "shape"
+    assert parser.parse_args(["--mla-mixed", "3x1+2x2,5x1"]).mla_mixed == [[3, 2, 2], [5]]
+    for bad in ("32768", "1x1+", "-1x2"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--mla-mixed", bad])
 
 
 def test_write_result_names_the_files_after_the_kind_cpu_and_time(tmp_path):
@@ -591,6 +603,10 @@ def test_cuda_mla_prefill_end_to_end_and_dense_decode_on_the_cpu(monkeypatch):
         dec = {r["impl"]: r for r in m.decode_case(dtype_name, 4, 2, 100, 1.0, args, gen)}
         assert dec["kvkernels"]["checked"] is True and dec["torch-dense-bf16"]["checked"] is True, dec
         assert dec["kvkernels"]["speedup_vs"] == {"torch-dense-bf16": 1.0}
+        mixed = m.decode_case(dtype_name, 4, 3, 300, 1.0, args, gen, [300, 1, 0])  # --mla-mixed: no dense row
+        assert [r["impl"] for r in mixed] == ["kvkernels"] and mixed[0]["checked"] is True, mixed
+        assert mixed[0]["case"] == f"mla decode {dtype_name} h4 b3 mixed max300 keys301"
+        assert mixed[0]["gbps"] == pytest.approx(301 * 576 * (1 if dtype_name == "fp8_e4m3" else 2) / 1e-3 / 1e9)
     assert m.prefill_case("bfloat16", 100, 2, args, gen)[0]["skipped"] == "tokens not a multiple of 16"
     lines = ca.peer_lines(list(dec.values()))
     assert lines == ["mla decode fp8_e4m3 h4 b2 ctx100: kvkernels 1.0000 ms; torch-dense-bf16 1.0000 ms "

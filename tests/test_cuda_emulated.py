@@ -902,7 +902,8 @@ def mla_path(request, monkeypatch):
 
 
 def mla_plan_of(emu, mla, q, qsl):
-    names = ("path", "dp", "stages", "smem", "heads_per_cta", "q_tile", "splits", "grid_x", "grid_y", "seesaw")
+    names = ("path", "dp", "stages", "smem", "heads_per_cta", "q_tile", "splits", "grid_x", "grid_y", "seesaw", "parts",
+             "pdl")
     return dict(zip(names, emu.mla_attention_plan(q, mla.kv_cache, mla.block_tables, mla.seq_lens, mla.kv_lora_rank,
                                                   qsl, mla.scale)))
 
@@ -930,8 +931,9 @@ def run_emu_mla_attention(emu, mla, q, qsl, scale, *, path=None, splits=None):
     case is meant to exercise, asserted so it cannot drift."""
     plan = mla_plan_of(emu, mla, q, qsl)
     check_plan(plan, path, splits)
-    if plan["path"] == MLA_WGMMA:  # the wgmma decode's schedule is the one the test asked for
+    if plan["path"] == MLA_WGMMA:  # the wgmma decode's schedule and split plan are the ones the test asked for
         assert plan["seesaw"] == (os.environ.get("KVKERNELS_CUDA_MLA_PATH") == "wgmma-seesaw"), plan
+        assert (plan["parts"] > 0) == (os.environ.get("KVKERNELS_CUDA_MLA_SCHED") == "metadata"), plan
     t, h, _ = q.shape
     r = mla.kv_lora_rank
     out, lse = emu.mla_paged_attention(q, mla.kv_cache, mla.block_tables, mla.seq_lens, r, scale, qsl, mla.scale)
@@ -1789,6 +1791,14 @@ def test_sm90_wgmma_result_not_visible_before_the_wait(emu):
     assert emu.sm90_misuse(a, 100, 128).isnan().all()
 
 
+def test_pdl_wait_then_read_is_not_reported(emu):
+    """A grid launched with programmatic stream serialization that waits (griddepcontrol.wait) before reading its
+    predecessor's output runs without a report (misuses 40 / 41 below break the rule)."""
+    before = emu.pdl_counts(torch.zeros(1))
+    assert (emu.sm90_misuse(torch.zeros(1), 42, 64) == 1).all()
+    assert emu.pdl_counts(torch.zeros(1))[0] == before[0] + 1
+
+
 # kind -> (threads, message): one broken rule each (tests/cuda_emu/sm90_selftest.cpp, misuse_kernel)
 SM90_MISUSE = {
     0: (128, "descriptor start / LBO / SBO not 16-byte aligned"),
@@ -1810,6 +1820,8 @@ SM90_MISUSE = {
     23: (128, "setmaxnreg.dec above the current register count 40"),
     30: (128, "deadlock .*mbarrier"),
     31: (32, "more mbarrier arrivals than its count"),
+    40: (64, "read its predecessor's output before griddepcontrol.wait"),
+    41: (64, "never executed griddepcontrol.wait"),
 }
 
 
@@ -2444,15 +2456,28 @@ def test_wgmma_prefill_plan_and_fallbacks(emu, wgmma_variant, monkeypatch):
 MLA_WGMMA = 3
 
 
-# Every wgmma MLA test runs both consumer schedules: in step (KVKERNELS_CUDA_MLA_PATH=wgmma) and the seesaw
-# (=wgmma-seesaw; run_emu_mla_attention / check_plan assert the plan's schedule).
-@pytest.fixture(params=["wgmma", "wgmma-seesaw"])
+# Every wgmma MLA test runs both consumer schedules, in step (KVKERNELS_CUDA_MLA_PATH=wgmma) and the seesaw
+# (=wgmma-seesaw), each with the shape-only split plan and with the metadata pass's (+metadata:
+# KVKERNELS_CUDA_MLA_SCHED=metadata); run_emu_mla_attention asserts the plan's schedule and split plan.
+@pytest.fixture(params=["wgmma", "wgmma-seesaw", "wgmma+metadata", "wgmma-seesaw+metadata"])
 def mla_wgmma_schedule(request):
     return request.param
 
 
-def use_mla_wgmma(monkeypatch, path, splits=None, require=True):
+def use_mla_wgmma(monkeypatch, schedule, splits=None, require=True):
+    """``schedule``: path[+metadata]. ``splits``: KVKERNELS_CUDA_MLA_SPLITS (under the metadata plan the CTAs per
+    head chunk)."""
+    path, _, sched = schedule.partition("+")
     force_wgmma_plan(monkeypatch, "MLA", path, splits, require)
+    if sched:
+        monkeypatch.setenv("KVKERNELS_CUDA_MLA_SCHED", sched)
+    else:
+        monkeypatch.delenv("KVKERNELS_CUDA_MLA_SCHED", raising=False)
+
+
+def mla_wgmma_splits(plan):
+    """The split count a case asked for: KV splits of the shape-only plan, CTAs per head chunk of the metadata one."""
+    return plan["parts"] if plan["parts"] else plan["splits"]
 
 
 # id: q dtype, cache fp8, R, P, heads, block size, strided q. DeepSeek widths (R 512 + 64: both consumers'
@@ -2484,7 +2509,7 @@ def test_mla_wgmma_decode(emu, mla_wgmma_schedule, case, splits, monkeypatch):
     assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
     assert plan["heads_per_cta"] == min(h, 64) and plan["dp"] >= -(-r // 128) * 128, plan
     if splits:
-        assert plan["splits"] == 3, plan
+        assert mla_wgmma_splits(plan) == 3, plan
 
 
 @pytest.mark.parametrize("case", ["bf16-R512-P64-H16-b64", "f16-R64-P16-H8-b64", "bf16-R72-P8-H3-b64-strided"])
@@ -2518,7 +2543,8 @@ def test_mla_wgmma_plan(emu, mla_wgmma_schedule, monkeypatch):
     mla, q, _ = make_mla_case("decode", [100, 3], bf16, None, 512, 64, 128, 64)
     plan = mla_plan_of(emu, mla, q, None)
     assert (plan["path"], plan["dp"], plan["stages"], plan["smem"]) == (MLA_WGMMA, 576, 2, 231456), plan
-    assert plan["seesaw"] == (mla_wgmma_schedule == "wgmma-seesaw"), plan
+    assert plan["seesaw"] == mla_wgmma_schedule.startswith("wgmma-seesaw"), plan
+    assert (plan["parts"] > 0) == mla_wgmma_schedule.endswith("+metadata"), plan
     assert (plan["heads_per_cta"], plan["grid_y"], plan["q_tile"]) == (64, 2, 1), plan
     mla, q, _ = make_mla_case("decode", [100, 3], bf16, None, 64, 16, 8, 16)
     plan = mla_plan_of(emu, mla, q, None)
@@ -2535,7 +2561,7 @@ def test_mla_wgmma_long_context(emu, mla_wgmma_schedule, fp8, splits, monkeypatc
     mla = make_paged_mla([2100, 1, 700], 128, 16, 16, dtype=bf16, fp8=fp8, seed=62)
     q = make_query(3, 16, 144, bf16, generator(63))
     _, _, plan = run_emu_mla_attention(emu, mla, q, None, 144 ** -0.5, path=MLA_WGMMA)
-    assert plan["splits"] > 1, plan
+    assert mla_wgmma_splits(plan) > 1, plan
 
 
 def test_mla_wgmma_agrees_with_mma64(emu, mla_wgmma_schedule, monkeypatch):
@@ -2636,3 +2662,145 @@ def test_mla_wgmma_fallbacks(emu, mla_wgmma_schedule, why, monkeypatch):
     use_mla_wgmma(monkeypatch, mla_wgmma_schedule, require=False)
     _, _, plan = run_emu_mla_attention(emu, mla, q, qsl, 0.1)
     assert plan["path"] != MLA_WGMMA, plan
+
+
+# ---------------------------------------------------------------------------------------------------
+# The wgmma MLA decode's split plan from a metadata pass (csrc/cuda/mla_sched.cuh; KVKERNELS_CUDA_MLA_SCHED=metadata,
+# opt-in): a one-warp kernel divides the batch's key tiles among `parts` CTAs per head chunk, a CTA walks its range
+# across sequence boundaries, split sequences get one partial per piece and the merge combines only them. The
+# decode and the merge are launched with programmatic dependent launch (the emulated device is an sm_90).
+# Every test_mla_wgmma_* above also runs under it (mla_wgmma_schedule "+metadata").
+# ---------------------------------------------------------------------------------------------------
+
+SCHED_FIXED_COST = 2  # kSchedFixedCost: a CTA's fixed work, in 64-key tiles
+SCHED_CTA_INTS = 8    # kSchedCtaInts
+
+
+def sched_pieces(seq_lens, parts):
+    """The pass's division from its definition (mla_sched.cuh, top of file): item i of sequence s (its 64-key tiles, at
+    least one) at unit start(s) + 2 + i, owned by CTA unit // ceil(total / parts). Per CTA its pieces (seq, first
+    item, end item)."""
+    items = [max(-(-int(n) // 64), 1) for n in seq_lens]
+    starts, total = [], 0
+    for n in items:
+        starts.append(total)
+        total += SCHED_FIXED_COST + n
+    share = max(1, -(-total // parts))
+    ctas = [[] for _ in range(parts)]
+    for s, n in enumerate(items):
+        for i in range(n):
+            pieces = ctas[(starts[s] + SCHED_FIXED_COST + i) // share]
+            if pieces and pieces[-1][0] == s:
+                pieces[-1][2] = i + 1
+            else:
+                pieces.append([s, i, i + 1])
+    return [[tuple(p) for p in c] for c in ctas]
+
+
+def read_schedule(meta, num_seqs, parts):
+    """emu.mla_schedule's int32 output: per CTA its pieces (walked from its [begin, end) range as the decode walks it)
+    and its first piece's number; per sequence items, pieces, first partial."""
+    meta = meta.tolist()
+    items, _, pieces, part_off = (meta[parts * SCHED_CTA_INTS + k * num_seqs:][:num_seqs] for k in range(4))
+    ctas, first_piece = [], []
+    for c in range(parts):
+        bs, bi, es, ei, fp = meta[c * SCHED_CTA_INTS:][:5]
+        walked, s, i = [], bs, bi
+        while (s, i) < (es, ei):
+            walked.append((s, i, ei if s == es else items[s]))
+            s, i = s + 1, 0
+        ctas.append(walked)
+        first_piece.append(fp)
+    return ctas, first_piece, items, pieces, part_off
+
+
+MIXED_LENS = [4000, 1, 0, 1, 64, 0, 130, 1, 65, 0, 700]  # a 32k-ish sequence among short and empty ones, scaled down
+
+
+@pytest.mark.parametrize("seq_lens,parts", [
+    (MIXED_LENS, 4), (MIXED_LENS, 3), (MIXED_LENS, 9), ([1, 0, 64, 65], 16), ([0, 0, 0], 3), ([300], 1),
+    ([4096] * 64, 132)], ids=["mixed-4", "mixed-3", "mixed-9", "more-ctas-than-work", "all-empty", "one-cta",
+                              "b64x4k-132"])
+def test_mla_schedule_pass(emu, seq_lens, parts):
+    """The metadata pass alone: every CTA's range is the division of its definition (equal shares of the units,
+    walked across sequence boundaries), each sequence's piece count is the number of CTAs holding it, a CTA's first
+    piece is numbered by the CTAs before it, and the split sequences' partials are disjoint rows below 2 x parts."""
+    mla, q, _ = make_mla_case("decode", seq_lens, bf16, None, 64, 16, 16, 16, seed=70)
+    meta = emu.mla_schedule(q, mla.kv_cache, mla.block_tables, mla.seq_lens, 64, parts)
+    ctas, first_piece, items, pieces, part_off = read_schedule(meta, len(seq_lens), parts)
+    want = sched_pieces(seq_lens, parts)
+    assert ctas == want
+    assert items == [max(-(-n // 64), 1) for n in seq_lens]
+    holders = [[c for c in range(parts) if any(p[0] == s for p in ctas[c])] for s in range(len(seq_lens))]
+    assert pieces == [len(h) for h in holders]
+    for c in range(parts):
+        if ctas[c]:
+            assert first_piece[c] == holders[ctas[c][0][0]].index(c)
+    rows = [r for s in range(len(seq_lens)) if pieces[s] > 1 for r in range(part_off[s], part_off[s] + pieces[s])]
+    assert len(rows) == len(set(rows)) and all(0 <= r < 2 * parts for r in rows)
+    if seq_lens == MIXED_LENS and parts in (4, 9):  # what test_mla_wgmma_metadata_mixed_lengths relies on
+        assert max(pieces) >= 3 and any(sum(1 for p in c if pieces[p[0]] == 1) >= 2 for c in ctas)
+
+
+@pytest.fixture(params=["wgmma+metadata", "wgmma-seesaw+metadata"])
+def mla_metadata_schedule(request):
+    return request.param
+
+
+@pytest.mark.parametrize("parts", [None, 3, 9], ids=["planned", "parts3", "parts9"])
+@pytest.mark.parametrize("fp8", [None, "e4m3"])
+def test_mla_wgmma_metadata_mixed_lengths(emu, mla_metadata_schedule, fp8, parts, monkeypatch):
+    """A long sequence among one-key and empty ones (shuffled block ids): the long one split over 3+ CTAs (one
+    partial per piece, merged), short ones sharing a CTA (written straight to out), empty ones out 0 / lse -inf;
+    the planned count (4 emulated SMs, one head chunk: 4 CTAs), 3, and 9 (pieces of one or two tiles)."""
+    use_mla_wgmma(monkeypatch, mla_metadata_schedule, parts)
+    mla, q, _ = make_mla_case("decode", MIXED_LENS, bf16, fp8, 64, 16, 16, 16, seed=71)
+    out, lse, plan = run_emu_mla_attention(emu, mla, q, None, 0.1, path=MLA_WGMMA)
+    assert plan["parts"] == (parts or 4) and plan["grid_x"] == plan["parts"] and plan["splits"] == 1, plan
+    for s in (2, 5, 9):
+        assert torch.equal(out[s], torch.zeros_like(out[s])) and torch.isneginf(lse[s]).all()
+
+
+def test_mla_wgmma_metadata_head_chunks(emu, mla_metadata_schedule, monkeypatch):
+    """128 heads (two head chunks, a grid dimension): the 4 emulated SMs give 2 CTAs per chunk, both chunks walking the
+    same ranges; DeepSeek widths, fp8 latents."""
+    use_mla_wgmma(monkeypatch, mla_metadata_schedule)
+    mla, q, _ = make_mla_case("decode", [700, 0, 1, 65], bf16, "e4m3", 512, 64, 128, 64, seed=73)
+    _, _, plan = run_emu_mla_attention(emu, mla, q, None, 0.05, path=MLA_WGMMA)
+    assert (plan["parts"], plan["grid_x"], plan["grid_y"]) == (2, 2, 2), plan
+
+
+def test_mla_wgmma_metadata_plan_from_shapes(emu, monkeypatch):
+    """The metadata plan (grid, workspace) comes from shapes only, as the shape-only plan does (capturable: other
+    seq_lens of the same shapes give the same launch); KVKERNELS_CUDA_MLA_SCHED=shape is the default; other values
+    fail naming the variable."""
+    use_mla_wgmma(monkeypatch, "wgmma+metadata")
+    mla, q, _ = make_mla_case("decode", [300, 0, 64, 5], bf16, None, 64, 16, 8, 16, seed=72)
+    plan = mla_plan_of(emu, mla, q, None)
+    assert (plan["parts"], plan["grid_x"], plan["splits"], plan["pdl"]) == (4, 4, 1, 1), plan
+    other = dataclasses.replace(mla, seq_lens=torch.tensor([1, 2, 3, 4], dtype=torch.int32))
+    assert mla_plan_of(emu, other, q, None) == plan
+    monkeypatch.setenv("KVKERNELS_CUDA_MLA_SCHED", "shape")
+    assert mla_plan_of(emu, mla, q, None)["parts"] == 0
+    monkeypatch.setenv("KVKERNELS_CUDA_MLA_SCHED", "balanced")
+    with pytest.raises(RuntimeError, match="KVKERNELS_CUDA_MLA_SCHED must be shape or metadata"):
+        mla_plan_of(emu, mla, q, None)
+
+
+def test_mla_wgmma_metadata_pdl(emu, monkeypatch):
+    """On the (emulated) sm_90 device the decode and the merge are launched with programmatic dependent launch (the
+    emulator reports a read of the pass's / the decode's output before griddepcontrol.wait); KVKERNELS_CUDA_NO_PDL=1
+    launches them plainly, with the same bytes."""
+    use_mla_wgmma(monkeypatch, "wgmma+metadata", 3)
+    mla, q, _ = make_mla_case("decode", [300, 0, 64, 5], bf16, None, 64, 16, 8, 16, seed=72)
+    args = (q, mla.kv_cache, mla.block_tables, mla.seq_lens, 64, 0.1, None, None)
+    n0, t0 = emu.pdl_counts(q)
+    out, lse = emu.mla_paged_attention(*args)
+    n1, t1 = emu.pdl_counts(q)
+    assert n1 - n0 == 2 and t1 > t0  # decode + merge; the pass and the decode's producers trigger
+    monkeypatch.setenv("KVKERNELS_CUDA_NO_PDL", "1")
+    assert mla_plan_of(emu, mla, q, None)["pdl"] == 0
+    out2, lse2 = emu.mla_paged_attention(*args)
+    assert emu.pdl_counts(q)[0] == n1
+    assert_bytes_equal(out2, out, "out")
+    assert_bytes_equal(lse2, lse, "lse")

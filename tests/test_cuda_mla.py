@@ -116,20 +116,28 @@ def test_mla_paged_attention(case, mode, path):
         assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
 
 
-# Both consumer schedules of the wgmma decode: in step (wgmma) and the seesaw (wgmma-seesaw).
-@pytest.fixture(params=["wgmma", "wgmma-seesaw"])
+# Both consumer schedules of the wgmma decode, in step (wgmma) and the seesaw (wgmma-seesaw), each with the
+# shape-only split plan and with the metadata pass's (+metadata: KVKERNELS_CUDA_MLA_SCHED=metadata, the decode and
+# the merge by programmatic dependent launch).
+@pytest.fixture(params=["wgmma", "wgmma-seesaw", "wgmma+metadata", "wgmma-seesaw+metadata"])
 def wgmma_path(request):
     return request.param
 
 
 def use_mla_wgmma(monkeypatch, path, splits=None):
     """The sm_90a wgmma decode (csrc/cuda/mla_attention_sm90.cuh; `path`: KVKERNELS_CUDA_MLA_PATH, wgmma or
-    wgmma-seesaw) with KVKERNELS_CUDA_WGMMA=require: a planner fallback fails the test instead of running the
-    mma.sync kernels; skipped off sm_90 devices."""
+    wgmma-seesaw, +metadata for KVKERNELS_CUDA_MLA_SCHED=metadata, where `splits` is the CTAs per head chunk) with
+    KVKERNELS_CUDA_WGMMA=require: a planner fallback fails the test instead of running the mma.sync kernels;
+    skipped off sm_90 devices."""
     if torch.cuda.get_device_capability(0) != (9, 0):
         pytest.skip(f"the wgmma MLA decode is sm_90a only; this device is sm_{''.join(map(str, torch.cuda.get_device_capability(0)))}")
+    path, _, sched = path.partition("+")
     force_cuda_plan(monkeypatch, "MLA", path, splits)
     monkeypatch.setenv("KVKERNELS_CUDA_WGMMA", "require")
+    if sched:
+        monkeypatch.setenv("KVKERNELS_CUDA_MLA_SCHED", sched)
+    else:
+        monkeypatch.delenv("KVKERNELS_CUDA_MLA_SCHED", raising=False)
 
 
 WGMMA_CASES = {name: case for name, case in ATTN_CASES.items() if case[0] != f32}
@@ -167,6 +175,20 @@ def test_mla_wgmma_nonfinite(wgmma_path, monkeypatch):
     s = int(token_slots(mla.blocks[2], seq_lens[2], b)[150])
     mla.kv_cache[s // b, s % b, 512 + 3] = float("nan")
     run_attention(mla, q, None, 0.1)
+
+
+@pytest.mark.parametrize("parts", [None, 3, 200], ids=["planned", "3", "200"])
+@pytest.mark.parametrize("fp8", [None, "e4m3"])
+def test_mla_wgmma_metadata_mixed_lengths(fp8, parts, monkeypatch):
+    """The metadata plan on a batch mixing a 32k sequence with one-key, 1k and empty ones (shuffled blocks): the long
+    one split over many CTAs, short ones sharing a CTA, empty ones out 0 / lse -inf; the planned CTA count (SMs /
+    head chunks), 3, and 200 (more CTAs than work)."""
+    seq_lens = [32768, 1, 0, 1024, 1, 0, 1024, 65, 1024, 1]
+    use_mla_wgmma(monkeypatch, "wgmma+metadata", parts)
+    mla, q, _ = make_mla_case("decode", seq_lens, bf16, fp8, 512, 64, 16, 64, seed=74)
+    out, lse = run_attention(mla, q, None, 0.05)
+    for s in (2, 5):
+        assert torch.equal(out[s], torch.zeros_like(out[s])) and torch.isneginf(lse[s]).all()
 
 
 @pytest.mark.parametrize("splits", [None, 1, 16, 128], ids=["planned", "1", "16", "128"])

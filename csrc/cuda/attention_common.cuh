@@ -500,11 +500,11 @@ struct Work {
 // them; the grid has start(num_seqs) = (num_tokens + num_seqs * (q_tile - 1)) / q_tile tiles, so
 // the grid size depends on shapes only. Index tensors are read defensively (clamped), so bad input
 // gives wrong numbers at worst, never an out-of-bounds access.
+// make_work_at: the same for query tile `tile` (decode: sequence `tile`) instead of this CTA's (the MLA
+// decode's metadata plan walks several sequences in one CTA, mla_sched.cuh).
 template <int KT>
-__device__ __forceinline__ bool make_work(const AttnArgs& a, Work& w) {
+__device__ __forceinline__ bool make_work_at(const AttnArgs& a, Work& w, int tile) {
   const AttentionParams& p = a.p;
-  // Varlen: the last tiles of a sequence see the most keys (causal), so they are scheduled first.
-  const int tile = p.query_start_loc ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : blockIdx.x;
   const int64_t num_seqs = p.kv.num_seqs;
   if (p.query_start_loc == nullptr) {
     w.seq = tile;
@@ -555,6 +555,12 @@ __device__ __forceinline__ bool make_work(const AttnArgs& a, Work& w) {
     w.tile_end = static_cast<int>(first + n * (w.split + 1) / a.num_splits);
   }
   return true;
+}
+
+template <int KT>
+__device__ __forceinline__ bool make_work(const AttnArgs& a, Work& w) {
+  // Varlen: the last tiles of a sequence see the most keys (causal), so they are scheduled first.
+  return make_work_at<KT>(a, w, a.p.query_start_loc ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : blockIdx.x);
 }
 
 struct RowId {

@@ -29,6 +29,11 @@ struct MlaPlan {
   int grid_y = 0;
   int64_t workspace_floats = 0;  // float32 scratch the launch needs on the device (0: none)
   int seesaw = 0;         // path 3: the consumers' seesaw schedule (KVKERNELS_CUDA_MLA_PATH=wgmma-seesaw)
+  // path 3 with KVKERNELS_CUDA_MLA_SCHED=metadata: the split plan of a metadata pass over seq_lens on the device
+  // (mla_sched.cuh), grid_x = parts CTAs per head chunk sharing the batch's key tiles (num_splits 1); 0: the
+  // shape-only plan above. pdl: the decode and the merge launched with programmatic dependent launch (sm_90).
+  int parts = 0;
+  int pdl = 0;
 };
 
 // Fills `plan` for validated params (prepare_mla_attention) on CUDA device `device`; a Status
@@ -36,7 +41,10 @@ struct MlaPlan {
 // benchmarks): KVKERNELS_CUDA_MLA_PATH=simt|mma16|mma64|wgmma|wgmma-seesaw (simt for any dtype; mma16 / mma64
 // for fp16 / bf16 q; wgmma: the sm_90a decode where it can run, else the default choice, or a failure with
 // the reason under KVKERNELS_CUDA_WGMMA=require; wgmma-seesaw: the same with its consumers' seesaw schedule) and KVKERNELS_CUDA_MLA_SPLITS=<n> (that many KV
-// splits, capped to 128).
+// splits, capped to 128; under the metadata plan, that many CTAs per head chunk) and
+// KVKERNELS_CUDA_MLA_SCHED=shape|metadata (the wgmma decode's split plan: shape-only, the default, or from the
+// metadata pass; the other paths always plan from shapes). KVKERNELS_CUDA_NO_PDL=1: no programmatic dependent
+// launch.
 cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* plan);
 
 // Enqueues the attention kernel (and with splits the merge kernel) on `stream` of the current

@@ -20,6 +20,9 @@
 // seq_lens, so the launch is the same for every step of a decode loop. Decode takes the count with
 // the least wave-quantized time (attention_common.cuh choose_splits), prefill splits only when the
 // work items alone leave SMs idle.
+// KVKERNELS_CUDA_MLA_SCHED=metadata (opt-in, the wgmma decode only): the split plan comes from a metadata pass
+// over seq_lens on the device instead (mla_sched.cuh): as many CTAs per head chunk as make one per SM, each
+// given an equal share of the batch's key tiles; the grid and workspace still from shapes (capturable).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -32,6 +35,7 @@
 #include "mla_api.h"
 #include "tma_encode.h"
 #include "mla_common.cuh"
+#include "mla_sched.cuh"
 
 namespace kvkernels::mla_cuda {
 namespace {
@@ -226,7 +230,23 @@ cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* o
   }
   splits = std::max<int64_t>(1, std::min<int64_t>({splits, kMaxSplits, max_tiles}));
   plan.num_splits = static_cast<int>(splits);
-  if (plan.num_splits > 1) {
+  const char* sched = env("KVKERNELS_CUDA_MLA_SCHED");
+  if (sched && std::strcmp(sched, "metadata") != 0 && std::strcmp(sched, "shape") != 0)
+    return failed("KVKERNELS_CUDA_MLA_SCHED must be shape or metadata");
+  if (sched && std::strcmp(sched, "metadata") == 0 && path == MlaPath::kWgmma) {
+    // One CTA per SM over all head chunks (the wgmma kernel fills an SM), each chunk's CTAs dividing the batch;
+    // KVKERNELS_CUDA_MLA_SPLITS forces the count per chunk. The pass's units must fit an int.
+    const int64_t parts = forced_splits ? std::max<int64_t>(1, std::min<int64_t>(std::atoll(forced_splits), 4096))
+                                        : std::max<int64_t>(1, dev.sm_count / plan.head_chunks);
+    if (p.kv.num_seqs * (kSchedFixedCost + max_tiles) >= (int64_t(1) << 31))
+      return failed("KVKERNELS_CUDA_MLA_SCHED=metadata: more key tiles in the batch than the pass counts (2^31)");
+    plan.parts = static_cast<int>(parts);
+    plan.grid_x = parts;
+    plan.num_splits = 1;
+    plan.workspace_floats = mla_sched_layout(p.kv.num_seqs, plan.parts, p.num_heads, R).floats;
+    const char* no_pdl = env("KVKERNELS_CUDA_NO_PDL");
+    plan.pdl = dev.major >= 9 && !(no_pdl && std::strcmp(no_pdl, "1") == 0) ? 1 : 0;
+  } else if (plan.num_splits > 1) {
     const int64_t rows_total = int64_t(plan.num_splits) * p.num_tokens * p.num_heads;
     plan.workspace_floats = floats_aligned8(rows_total * R) + floats_aligned8(rows_total);
   }
@@ -252,7 +272,15 @@ cuda::Status launch_mla_attention(const AttentionParams& p, const MlaPlan& plan,
                  (p.kv.k_stride_slot * es) % 16 == 0;
   const int64_t qs = p.q_format == FloatFormat::kFloat32 ? 4 : 2;
   a.q_aligned = aligned16(p.q) && (p.q_stride_token * qs) % 16 == 0 && (p.q_stride_head * qs) % 16 == 0;
-  if (plan.num_splits > 1) {
+  if (plan.parts > 0) {
+    if (workspace == nullptr) return failed("metadata launch without workspace");
+    const MlaSchedLayout l = mla_sched_layout(p.kv.num_seqs, plan.parts, p.num_heads, p.kv.head_dim_v);
+    a.part_o = workspace;
+    a.part_lse = workspace + l.part_lse;
+    m.sched = reinterpret_cast<int*>(workspace + l.meta);
+    m.parts = plan.parts;
+    m.pdl = plan.pdl;
+  } else if (plan.num_splits > 1) {
     if (workspace == nullptr) return failed("split launch without workspace");
     const int64_t rows_total = int64_t(plan.num_splits) * p.num_tokens * p.num_heads;
     a.part_o = workspace;
@@ -266,6 +294,10 @@ cuda::Status launch_mla_attention(const AttentionParams& p, const MlaPlan& plan,
                   static_cast<unsigned>(plan.num_splits));
   const MlaPath path = static_cast<MlaPath>(plan.path);
   cudaError_t err;
+  if (plan.parts > 0) {  // the metadata pass first (the decode below waits for it before reading its output)
+    err = launch_mla_sched(m, stream);
+    if (err != cudaSuccess) return cuda::Status{err, nullptr};
+  }
   if (path == MlaPath::kSimt) {
     err = launch_mla_simt(m, grid, plan.smem, stream);
   } else if (path == MlaPath::kWgmma) {
@@ -281,7 +313,7 @@ cuda::Status launch_mla_attention(const AttentionParams& p, const MlaPlan& plan,
     return failed("the tensor-core MLA kernel needs float16 / bfloat16 q");
   }
   if (err != cudaSuccess) return cuda::Status{err, nullptr};
-  if (plan.num_splits > 1) {
+  if (plan.num_splits > 1 || plan.parts > 1) {  // (metadata: only the sequences it split are merged)
     err = launch_mla_merge(m, stream);
     if (err != cudaSuccess) return cuda::Status{err, nullptr};
   }

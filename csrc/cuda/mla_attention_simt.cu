@@ -1,5 +1,6 @@
 // CUDA-core MLA attention instances (mla_attention_simt.cuh) for every q dtype over its own cache
-// dtype and both fp8 formats, and the split merge (mla_merge.cuh) for every output dtype.
+// dtype and both fp8 formats, the split merge (mla_merge.cuh) for every output dtype, and the wgmma
+// decode's metadata pass (mla_sched.cuh: plain CUDA, built for every architecture of the build).
 #include "mla_attention_launch.cuh"
 
 namespace kvkernels::mla_cuda {
@@ -28,8 +29,8 @@ cudaError_t launch_merge_instance(const MlaArgs& m, cudaStream_t stream) {
   const int64_t blocks = (rows + kMlaMergeThreads / 32 - 1) / (kMlaMergeThreads / 32);
   if (blocks == 0) return cudaSuccess;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  mla_merge_kernel<OT><<<dim3(static_cast<unsigned>(blocks)), kMlaMergeThreads, 0, stream>>>(m);
-  return cudaGetLastError();
+  return launch_kernel_ex(mla_merge_kernel<OT>, dim3(static_cast<unsigned>(blocks)), kMlaMergeThreads, 0, stream,
+                          m.pdl != 0, m);
 }
 
 }  // namespace
@@ -41,6 +42,12 @@ cudaError_t launch_mla_simt(const MlaArgs& m, dim3 grid, int smem, cudaStream_t 
       return launch_simt_for_q<__nv_bfloat16, CacheFormat::kBFloat16>(m, grid, smem, stream);
     default: return launch_simt_for_q<float, CacheFormat::kFloat32>(m, grid, smem, stream);
   }
+}
+
+cudaError_t launch_mla_sched(const MlaArgs& m, cudaStream_t stream) {
+  // (a plain launch: the pass follows whatever came before it in the stream, as any kernel does)
+  mla_sched_kernel<kSm90KeyTile><<<1, 32, 0, stream>>>(m);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_mla_merge(const MlaArgs& m, cudaStream_t stream) {

@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(kSimtThreads, 1)
     const ac::RowId id = ac::row_id(a, w, r);
     if (!id.valid) continue;
     float mul;
-    const float lse2 = finish_mla_row(a, w, id, sM[r], sD[r], vm, &mul);
+    const float lse2 = finish_mla_row(w, id, a.num_splits == 1, a.p, sM[r], sD[r], vm, &mul);
     const int64_t row = id.token * p.num_heads + id.head;
     const int64_t prow = int64_t(w.split) * rows_total + row;
     if (c4 < R) {

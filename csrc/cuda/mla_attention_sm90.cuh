@@ -49,6 +49,7 @@
 #include <cstring>
 
 #include "mla_common.cuh"
+#include "mla_sched.cuh"
 #include "sm90_ptx.cuh"
 
 namespace kvkernels::mla_cuda {
@@ -75,8 +76,6 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   __shared__ int built_marker[4];
 
   const ac::AttnArgs& a = m.a;
-  ac::Work w;
-  if (!ac::make_work<KT>(a, w)) return;
   const AttentionParams& p = a.p;
   const int tid = threadIdx.x, wg = tid / 128;
   const int dp = m.dp, stages = m.stages, cpr = dp / 8;
@@ -90,7 +89,6 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   auto empty = [&](int s) { return base + uint32_t(L.bar_off + 8 * (stages + s)); };
   float* const s_max = reinterpret_cast<float*>(smem + L.max_off);  // [2][64]
   float* const s_sum = reinterpret_cast<float*>(smem + L.sum_off);  // [2][64]
-  const int ntiles = w.tile_end - w.tile_begin;
 
   if (tid == 0) {
     built_marker[0] = 1;
@@ -101,6 +99,15 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     s9::mbar_init_fence();
   }
   __syncthreads();
+  // Launched by programmatic dependent launch after the metadata pass (mla_sched.cuh), the CTA may have started
+  // before the pass finished: everything above overlapped it, its output is read only after this wait. (A no-op
+  // in a grid launched without the attribute.)
+  s9::griddep_wait();
+  // The CTA's pieces of work (one under the shape-only plan; a range of sequences under the metadata plan). The
+  // ring's stage and phase carry over from piece to piece: `done` counts the tiles of the earlier pieces.
+  MlaWalk walk;
+  ac::Work w;
+  int done = 0;
 
   if (wg == 2) {
     // ---- producer: latent rows of each key tile -> the stage ring ------------------------------
@@ -117,7 +124,6 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     const bool staged = FP8 && a.kv_aligned;
     const char* const cache = static_cast<const char*>(kv.k);
     const uint64_t sb = uint64_t(kv.k_stride_block) * ESZ, ss = uint64_t(kv.k_stride_slot) * ESZ;
-    const int32_t* bt = kv.block_tables + int64_t(w.seq) * kv.max_blocks_per_seq;
     const uint32_t nblk = ac::block_id_limit(kv);
     // The staged fp8 layout: raw block b (fp8 columns [128 b, 128 b + 128): 64 rows x 128 bytes, plain) at
     // raw_off + b * KT * 128 of the stage, the nb blocks ending where the stage ends. Block b converts into
@@ -151,391 +157,422 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
       s9::fence_proxy_async();  // the generic-proxy stores, before the consumers' wgmma reads
       s9::mbar_arrive(full(s));
     };
-    for (int it = 0; it < ntiles; ++it) {
-      const int s = it % stages, use = it / stages;
-      const int k0 = (w.tile_begin + it) * KT;
-      // Lane i < 16 looks up the block of row warp + 4 i (a warp copies rows warp, warp + 4, ..).
-      int my_id = -1;
-      {
-        const int key = k0 + warp + 4 * lane;
-        if (lane < KT / 4 && key >= w.lo && key <= w.hi)
-          my_id = __ldg(bt + (a.bs_shift >= 0 ? key >> a.bs_shift : key / kv.block_size));
-      }
-      if (use > 0) s9::mbar_wait(empty(s), uint32_t(use - 1) & 1u);
-      const uint32_t dst = sK(s);
-      // TMA: a tile that is one whole page (block size 64), every key visible, its block id valid: one
-      // thread loads its dp / 64 boxes (columns past R + P zero-filled by the engine), the others arrive.
-      // Partial or masked tiles take the gathers below (they zero-fill keys that must not be read).
-      if (!FP8 && tma && k0 >= w.lo && k0 + KT - 1 <= w.hi) {
-        const int id0 = __shfl_sync(0xffffffffu, my_id, 0);  // rows warp, warp + 4, ..: one page, one id
-        if (ac::block_id_ok(id0, nblk)) {
-          if (pt == 0) {
-            s9::mbar_arrive_expect_tx(full(s), uint32_t(L.tile_bytes));
-            for (int j = 0; j < dp / 64; ++j)
-              s9::tma_load_2d(dst + uint32_t(j * KT * 128), &map, 64 * j, id0 * KT, full(s));
-          } else {
-            s9::mbar_arrive(full(s));
-          }
-          continue;
+    while (next_piece<KT>(m, walk, w)) {
+      const int32_t* bt = kv.block_tables + int64_t(w.seq) * kv.max_blocks_per_seq;
+      const int ntiles = w.tile_end - w.tile_begin;
+      for (int ti = 0; ti < ntiles; ++ti) {
+        const int it = done + ti;  // the tile's place in the ring's sequence
+        const int s = it % stages, use = it / stages;
+        const int k0 = (w.tile_begin + ti) * KT;
+        // Lane i < 16 looks up the block of row warp + 4 i (a warp copies rows warp, warp + 4, ..).
+        int my_id = -1;
+        {
+          const int key = k0 + warp + 4 * lane;
+          if (lane < KT / 4 && key >= w.lo && key <= w.hi)
+            my_id = __ldg(bt + (a.bs_shift >= 0 ? key >> a.bs_shift : key / kv.block_size));
         }
-      }
+        if (use > 0) s9::mbar_wait(empty(s), uint32_t(use - 1) & 1u);
+        const uint32_t dst = sK(s);
+        // TMA: a tile that is one whole page (block size 64), every key visible, its block id valid: one
+        // thread loads its dp / 64 boxes (columns past R + P zero-filled by the engine), the others arrive.
+        // Partial or masked tiles take the gathers below (they zero-fill keys that must not be read).
+        if (!FP8 && tma && k0 >= w.lo && k0 + KT - 1 <= w.hi) {
+          const int id0 = __shfl_sync(0xffffffffu, my_id, 0);  // rows warp, warp + 4, ..: one page, one id
+          if (ac::block_id_ok(id0, nblk)) {
+            if (pt == 0) {
+              s9::mbar_arrive_expect_tx(full(s), uint32_t(L.tile_bytes));
+              for (int j = 0; j < dp / 64; ++j)
+                s9::tma_load_2d(dst + uint32_t(j * KT * 128), &map, 64 * j, id0 * KT, full(s));
+            } else {
+              s9::mbar_arrive(full(s));
+            }
+            continue;
+          }
+        }
 #pragma unroll 2
-      for (int i = 0; i < KT / 4; ++i) {
-        const int r = warp + 4 * i, key = k0 + r;
-        const int id = __shfl_sync(0xffffffffu, my_id, i);
-        const bool ok = ac::block_id_ok(id, nblk);
-        const int slot = !ok ? 0 : a.bs_shift >= 0 ? key & ((1 << a.bs_shift) - 1) : key % kv.block_size;
-        const char* row = cache + (ok ? uint64_t(uint32_t(id)) * sb + uint64_t(slot) * ss : 0);
-        for (int c = lane; c < chunks; c += 32) {
-          const int b = ok ? row_bytes - c * 16 : 0;
-          const int bytes = b < 0 ? 0 : (b > 16 ? 16 : b);
-          const char* src = bytes > 0 ? row + c * 16 : cache;
-          if (direct) {
-            ac::cp_async16_at(dst + sm90_off(KT, r, c), src, bytes);
-            continue;
-          }
-          if (staged) {  // raw chunk c of row r: block c / 8, chunk c % 8 of the row's 128 bytes there
-            ac::cp_async16_at(dst + raw_off + uint32_t((c >> 3) * KT * 128 + r * 128 + (c & 7) * 16), src, bytes);
-            continue;
-          }
-          // Through registers: element loads (rows not 16-byte aligned), fp8 converted.
-          using Loader = ac::TileLoader<1, 1, 1, ESZ>;
-          uint32_t wd[4];
+        for (int i = 0; i < KT / 4; ++i) {
+          const int r = warp + 4 * i, key = k0 + r;
+          const int id = __shfl_sync(0xffffffffu, my_id, i);
+          const bool ok = ac::block_id_ok(id, nblk);
+          const int slot = !ok ? 0 : a.bs_shift >= 0 ? key & ((1 << a.bs_shift) - 1) : key % kv.block_size;
+          const char* row = cache + (ok ? uint64_t(uint32_t(id)) * sb + uint64_t(slot) * ss : 0);
+          for (int c = lane; c < chunks; c += 32) {
+            const int b = ok ? row_bytes - c * 16 : 0;
+            const int bytes = b < 0 ? 0 : (b > 16 ? 16 : b);
+            const char* src = bytes > 0 ? row + c * 16 : cache;
+            if (direct) {
+              ac::cp_async16_at(dst + sm90_off(KT, r, c), src, bytes);
+              continue;
+            }
+            if (staged) {  // raw chunk c of row r: block c / 8, chunk c % 8 of the row's 128 bytes there
+              ac::cp_async16_at(dst + raw_off + uint32_t((c >> 3) * KT * 128 + r * 128 + (c & 7) * 16), src, bytes);
+              continue;
+            }
+            // Through registers: element loads (rows not 16-byte aligned), fp8 converted.
+            using Loader = ac::TileLoader<1, 1, 1, ESZ>;
+            uint32_t wd[4];
 #pragma unroll
-          for (int j = 0; j < 4; ++j) wd[j] = Loader::word_at(src, 4 * j, bytes);
-          unsigned char* d = smem + (dst - base);
-          if constexpr (FP8) {
-            uint32_t h[8];
+            for (int j = 0; j < 4; ++j) wd[j] = Loader::word_at(src, 4 * j, bytes);
+            unsigned char* d = smem + (dst - base);
+            if constexpr (FP8) {
+              uint32_t h[8];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) ac::fp8x4_to_pairs<T, CF>(wd[j], &h[2 * j], &h[2 * j + 1]);
-            *reinterpret_cast<uint4*>(d + sm90_off(KT, r, 2 * c)) = make_uint4(h[0], h[1], h[2], h[3]);
-            *reinterpret_cast<uint4*>(d + sm90_off(KT, r, 2 * c + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
-          } else {
-            *reinterpret_cast<uint4*>(d + sm90_off(KT, r, c)) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+              for (int j = 0; j < 4; ++j) ac::fp8x4_to_pairs<T, CF>(wd[j], &h[2 * j], &h[2 * j + 1]);
+              *reinterpret_cast<uint4*>(d + sm90_off(KT, r, 2 * c)) = make_uint4(h[0], h[1], h[2], h[3]);
+              *reinterpret_cast<uint4*>(d + sm90_off(KT, r, 2 * c + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+            } else {
+              *reinterpret_cast<uint4*>(d + sm90_off(KT, r, c)) = make_uint4(wd[0], wd[1], wd[2], wd[3]);
+            }
           }
         }
-      }
-      if (direct) {
-        s9::cp_async_mbar_arrive(full(s));
-      } else if (staged) {
-        // The copies of this tile fly while the previous tile is converted (its group: all but the newest).
-        ac::cp_async_commit();
-        if (it > 0) {
-          ac::cp_async_wait<1>();
-          convert(it - 1);
+        if (direct) {
+          s9::cp_async_mbar_arrive(full(s));
+        } else if (staged) {
+          // The copies of this tile fly while the previous tile is converted (its group: all but the newest).
+          ac::cp_async_commit();
+          if (it > 0) {
+            ac::cp_async_wait<1>();
+            convert(it - 1);
+          }
+        } else {
+          s9::fence_proxy_async();  // the generic-proxy stores, before the consumers' wgmma reads
+          s9::mbar_arrive(full(s));
         }
-      } else {
-        s9::fence_proxy_async();  // the generic-proxy stores, before the consumers' wgmma reads
-        s9::mbar_arrive(full(s));
       }
+      done += ntiles;
     }
-    if (staged && ntiles > 0) {
+    if (staged && done > 0) {
       ac::cp_async_wait<0>();
-      convert(ntiles - 1);
+      convert(done - 1);
     }
     ac::cp_async_commit();  // every copy complete (and so every arrival made) before the thread exits
     ac::cp_async_wait<0>();
+    // Every load issued: the merge after this grid (programmatic dependent launch) may be scheduled; it waits
+    // for this grid's completion before reading the partials.
+    s9::griddep_launch_dependents();
     return;
   }
 
   // ---- consumers --------------------------------------------------------------------------------
   s9::setmaxnreg_inc<kSm90ConsumerRegs>();
-  const int wt = tid % 128, lane = tid & 31, wq = wt >> 5, g = lane >> 2, t4 = lane & 3;
-  const int D = p.kv.head_dim, R = p.kv.head_dim_v;
+  while (next_piece<KT>(m, walk, w)) {
+    // Everything the piece needs is derived afresh in each piece from `z`, a zero the compiler cannot see
+    // through: values kept from one piece to the next would stay live through the epilogue beside the 128
+    // accumulators, and ptxas spilled them (the metadata plan runs several pieces per CTA).
+    const int z = opaque_zero();
+    const int tid = int(threadIdx.x) + z, wg = tid / 128;
+    const int dp = m.dp + z, stages = m.stages + z, cpr = dp / 8;
+    const Sm90Smem L = mla_sm90_smem(dp, stages);
+    const uint32_t base = ((raw + 1023u) & ~1023u) + uint32_t(z);
+    unsigned char* const smem = smem_raw + (base - raw);
+    const uint32_t sQ = base + uint32_t(L.q_off), sP = base + uint32_t(L.p_off);
+    auto sK = [&](int s) { return base + uint32_t(L.stage_off + s * L.tile_bytes); };
+    auto full = [&](int s) { return base + uint32_t(L.bar_off + 8 * s); };
+    auto empty = [&](int s) { return base + uint32_t(L.bar_off + 8 * (stages + s)); };
+    float* const s_max = reinterpret_cast<float*>(smem + L.max_off);  // [2][64]
+    float* const s_sum = reinterpret_cast<float*>(smem + L.sum_off);  // [2][64]
+    const int wt = tid % 128, lane = tid & 31, wq = wt >> 5, g = lane >> 2, t4 = lane & 3;
+    const int D = p.kv.head_dim, R = p.kv.head_dim_v;
 
-  // Queries of the CTA's 64 rows -> the swizzled 16-bit Q tile (both consumers, 256 threads); zeros as
-  // padding (rows of absent heads, columns past R + P).
-  for (int idx = tid; idx < ROWS * cpr; idx += 256) {
-    const int r = idx / cpr, c = idx - r * cpr;
-    const ac::RowId id = ac::row_id(a, w, r);
-    float x[8];
-    load_q_chunk<T>(a, id, c, D, x);
-    *reinterpret_cast<uint4*>(smem + L.q_off + sm90_off(ROWS, r, c)) =
-        make_uint4(ac::pack2<T>(x[0], x[1]), ac::pack2<T>(x[2], x[3]), ac::pack2<T>(x[4], x[5]),
-                   ac::pack2<T>(x[6], x[7]));
-  }
-  s9::fence_proxy_async();  // the generic-proxy stores, before wgmma reads them
-  s9::named_bar_sync(3, 256);
+    constexpr float unit = FP8 ? ac::fp8_unit<CF>() : 1.0f;
+    const float qk_mul2 = p.scale * p.kv.k_scale_of(0) * unit * ac::kLog2e;  // logits in log2 units
+    const float v_mul = p.kv.k_scale_of(0) * unit;  // V is the same bytes as K: the same scale
+    int pos[2];  // this thread's rows' positions (the accumulator layout: rows 16 wq + g + 8 h of the 64)
+    float o0[64], o1[64];  // columns 256 wg + [0, 128) and + [128, 256)
+    // The 128-column slices of V this consumer multiplies: column blocks 4 wg and 4 wg + 2 of the tile.
+    // A slice past R (R < 512) is never stored; its wgmma still runs, on column block 0, because a
+    // wgmma under a warpgroup-dependent branch makes ptxas serialize every wgmma of the kernel (C7520).
+    const uint32_t v_slice0 = 256 * wg < R ? uint32_t(4 * wg * KT * 128) : 0u;
+    const uint32_t v_slice1 = 256 * wg + 128 < R ? uint32_t((4 * wg + 2) * KT * 128) : 0u;
+    float m_run[2], d_run[2];
+    const int ksteps = (D + 15) / 16;
+    const uint64_t dq0 = s9::make_desc(sQ, 16, 1024, s9::Swizzle::k128B);
+    const uint64_t dp0 = s9::make_desc(sP, 16, 1024, s9::Swizzle::k128B);
 
-  constexpr float unit = FP8 ? ac::fp8_unit<CF>() : 1.0f;
-  const float qk_mul2 = p.scale * p.kv.k_scale_of(0) * unit * ac::kLog2e;  // logits in log2 units
-  const float v_mul = p.kv.k_scale_of(0) * unit;  // V is the same bytes as K: the same scale
-  // This thread's rows (the accumulator layout): 16 wq + g + 8 h of the 64.
-  int pos[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) pos[h] = ac::row_id(a, w, 16 * wq + g + 8 * h).pos;
-
-  float o0[64], o1[64];  // columns 256 wg + [0, 128) and + [128, 256)
-#pragma unroll
-  for (int i = 0; i < 64; ++i) o0[i] = o1[i] = 0.0f;
-  // The 128-column slices of V this consumer multiplies: column blocks 4 wg and 4 wg + 2 of the tile.
-  // A slice past R (R < 512) is never stored; its wgmma still runs, on column block 0, because a
-  // wgmma under a warpgroup-dependent branch makes ptxas serialize every wgmma of the kernel (C7520).
-  const uint32_t v_slice0 = 256 * wg < R ? uint32_t(4 * wg * KT * 128) : 0u;
-  const uint32_t v_slice1 = 256 * wg + 128 < R ? uint32_t((4 * wg + 2) * KT * 128) : 0u;
-  float m_run[2] = {-INFINITY, -INFINITY}, d_run[2] = {0.0f, 0.0f};
-  const int ksteps = (D + 15) / 16;
-  const uint64_t dq0 = s9::make_desc(sQ, 16, 1024, s9::Swizzle::k128B);
-  const uint64_t dp0 = s9::make_desc(sP, 16, 1024, s9::Swizzle::k128B);
-
-  float sacc[16];  // S_c of the tile in hand: sacc[4 i + 2 h + e] is row 16 wq + g + 8 h, key 32 wg + 8 i + 2 t4 + e
-  // S_c = Q K_c^T of tile `it`: 64 rows x this consumer's 32 keys (rows 32 wg .. of the tile: 4 whole 8-row
-  // groups), issued and committed as one group, not waited for. (No register fence on sacc inside: the
-  // seesaw issues it behind a P V in flight, where a fence would make ptxas serialize the wgmma, C7515; the
-  // wgmma's own register operands order it after the softmax's last use of sacc.)
-  auto issue_s = [&](int it) {
-    const int s = it % stages;
-    s9::mbar_wait(full(s), uint32_t(it / stages) & 1u);
-    s9::fence_proxy_async();
-    const uint64_t dk0 = s9::make_desc(sK(s) + uint32_t(32 * wg * 128), 16, 1024, s9::Swizzle::k128B);
-    s9::wgmma_fence();
-    for (int kk = 0; kk < ksteps; ++kk) {
-      // k16 step kk: column block kk / 4 (rows x 128 bytes further on), 32 bytes per step inside it
-      s9::wgmma_ss_n32<T, 0, 0>(sacc, s9::desc_add(dq0, uint32_t((kk >> 2) * ROWS * 128 + (kk & 3) * 32)),
-                                s9::desc_add(dk0, uint32_t((kk >> 2) * KT * 128 + (kk & 3) * 32)), kk > 0 ? 1 : 0);
-    }
-    s9::wgmma_commit();
-  };
-  // Logits in log2 units, keys past the token's position masked; mx: this thread's rows' maxima over the
-  // consumer's 32 keys (the quad's).
-  auto logits = [&](int k0, float (&mx)[2]) {
-    mx[0] = mx[1] = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = k0 + 32 * wg + 8 * i + 2 * t4 + (e & 1);
-        const float x = key <= pos[e >> 1] ? sacc[4 * i + e] * qk_mul2 : -INFINITY;
-        sacc[4 * i + e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+    float sacc[16];  // S_c of the tile in hand: sacc[4 i + 2 h + e] is row 16 wq + g + 8 h, key 32 wg + 8 i + 2 t4 + e
+    // S_c = Q K_c^T of tile `it` (its place in the ring's sequence, across pieces): 64 rows x this consumer's
+    // 32 keys (rows 32 wg .. of the tile: 4 whole 8-row groups), issued and committed as one group, not waited
+    // for. (No register fence on sacc inside: the
+    // seesaw issues it behind a P V in flight, where a fence would make ptxas serialize the wgmma, C7515; the
+    // wgmma's own register operands order it after the softmax's last use of sacc.)
+    auto issue_s = [&](int it) {
+      const int s = it % stages;
+      s9::mbar_wait(full(s), uint32_t(it / stages) & 1u);
+      s9::fence_proxy_async();
+      const uint64_t dk0 = s9::make_desc(sK(s) + uint32_t(32 * wg * 128), 16, 1024, s9::Swizzle::k128B);
+      s9::wgmma_fence();
+      for (int kk = 0; kk < ksteps; ++kk) {
+        // k16 step kk: column block kk / 4 (rows x 128 bytes further on), 32 bytes per step inside it
+        s9::wgmma_ss_n32<T, 0, 0>(sacc, s9::desc_add(dq0, uint32_t((kk >> 2) * ROWS * 128 + (kk & 3) * 32)),
+                                  s9::desc_add(dk0, uint32_t((kk >> 2) * KT * 128 + (kk & 3) * 32)), kk > 0 ? 1 : 0);
       }
-    }
+      s9::wgmma_commit();
+    };
+    // Logits in log2 units, keys past the token's position masked; mx: this thread's rows' maxima over the
+    // consumer's 32 keys (the quad's).
+    auto logits = [&](int k0, float (&mx)[2]) {
+      mx[0] = mx[1] = -INFINITY;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-    }
-  };
-  // The weights of the tile in hand, pw = exp2(sacc - max) for row half h (0 when nothing is visible yet: max
-  // -inf); returns their sum. (Into registers of their own: the seesaw computes them in warpgroup-dependent
-  // code, where writing the wgmma accumulator sacc made ptxas serialize every wgmma, C7515.)
-  float pw[16];
-  auto exp_row = [&](int h, float m) {
-    const float base_m = m == -INFINITY ? 0.0f : m;
-    float sum = 0.0f;
+      for (int i = 0; i < 4; ++i) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      pw[4 * i + 2 * h] = exp2f(sacc[4 * i + 2 * h] - base_m);
-      pw[4 * i + 2 * h + 1] = exp2f(sacc[4 * i + 2 * h + 1] - base_m);
-      sum += pw[4 * i + 2 * h] + pw[4 * i + 2 * h + 1];
-    }
-    return sum;
-  };
-  // The factor that takes values under max `from` to max `to` (to >= from; -inf `from`: 0).
-  auto rescale_factor = [](float from, float to) { return exp2f(from - (to == -INFINITY ? 0.0f : to)); };
-  // This consumer's half of P (rounded to T; the denominator uses the unrounded values, as the mma.sync
-  // kernels): row r, keys 32 wg + 8 i + 2 t4 .. -> chunk 4 wg + i of the swizzled P row; then the async-proxy
-  // fence for the wgmma that read it.
-  auto write_p = [&]() {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
+        for (int e = 0; e < 4; ++e) {
+          const int key = k0 + 32 * wg + 8 * i + 2 * t4 + (e & 1);
+          const float x = key <= pos[e >> 1] ? sacc[4 * i + e] * qk_mul2 : -INFINITY;
+          sacc[4 * i + e] = x;
+          mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = 16 * wq + g + 8 * h;
-        *reinterpret_cast<uint32_t*>(smem + L.p_off + r * 128 + (((4 * wg + i) ^ (r & 7)) << 4) + 4 * t4) =
-            ac::pack2<T>(pw[4 * i + 2 * h], pw[4 * i + 2 * h + 1]);
-      }
-    }
-    s9::fence_proxy_async();
-  };
-  // O_c *= alpha (row halves 0 / 1), skipped when the warp's factors are all 1.
-  auto rescale_o = [&](const float (&alpha)[2]) {
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        o0[4 * i] *= alpha[0], o0[4 * i + 1] *= alpha[0], o0[4 * i + 2] *= alpha[1], o0[4 * i + 3] *= alpha[1];
-        o1[4 * i] *= alpha[0], o1[4 * i + 1] *= alpha[0], o1[4 * i + 2] *= alpha[1], o1[4 * i + 3] *= alpha[1];
-      }
-    }
-  };
-  // O_c += P V_c over keys [16 kb, 16 ke) of stage s, committed as one group: V N-major from the tile (64-value
-  // column blocks LBO = KT x 128 bytes apart, 8-key groups SBO = 1024 apart, a k16 step 16 keys = 2048 bytes).
-  auto issue_pv = [&](int s, int kb, int ke) {
-    const uint64_t dv0 = s9::make_desc(sK(s) + v_slice0, uint32_t(KT * 128), 1024, s9::Swizzle::k128B);
-    const uint64_t dv1 = s9::make_desc(sK(s) + v_slice1, uint32_t(KT * 128), 1024, s9::Swizzle::k128B);
-    s9::fence_regs(o0);
-    s9::fence_regs(o1);
-    s9::wgmma_fence();
-#pragma unroll
-    for (int kk = kb; kk < ke; ++kk) {
-      s9::wgmma_ss<128, T, 0, 1>(o0, s9::desc_add(dp0, kk * 32), s9::desc_add(dv0, kk * 2048), 1);
-      s9::wgmma_ss<128, T, 0, 1>(o1, s9::desc_add(dp0, kk * 32), s9::desc_add(dv1, kk * 2048), 1);
-    }
-    s9::wgmma_commit();
-  };
-
-  if constexpr (!SEESAW) {
-    // Both consumers in step: S, the maxima exchanged (barrier 1), P written (barrier 2), P V over all 64 keys.
-    for (int it = 0; it < ntiles; ++it) {
-      const int s = it % stages;
-      const int k0 = (w.tile_begin + it) * KT;
-      issue_s(it);
-      s9::wgmma_wait<0>();
-      s9::fence_regs(sacc);
-      float mx[2];
-      logits(k0, mx);
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        if (t4 == 0) s_max[wg * ROWS + 16 * wq + g + 8 * h] = mx[h];
-      // Both halves of the maxima (and, the previous tile's P V of both consumers having completed
-      // before either arrives here, the P tile free to overwrite).
-      s9::named_bar_sync(1, 256);
-      float alpha[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = 16 * wq + g + 8 * h;
-        // The same expression in both consumers (same operands, same order): identical maxima.
-        const float m_new = fmaxf(m_run[h], fmaxf(s_max[r], s_max[ROWS + r]));
-        alpha[h] = rescale_factor(m_run[h], m_new);
-        m_run[h] = m_new;
-        d_run[h] = d_run[h] * alpha[h] + exp_row(h, m_new);  // per-thread partial; quads, consumers summed at the end
-      }
-      write_p();
-      rescale_o(alpha);
-      s9::named_bar_sync(2, 256);  // both halves of P written
-      issue_pv(s, 0, KT / 16);
-      s9::wgmma_wait<0>();
-      s9::fence_regs(o0);
-      s9::fence_regs(o1);
-      s9::mbar_arrive(empty(s));  // this thread is done with the stage
-    }
-  } else {
-    // The seesaw (csrc/cuda/README.md, "MLA decode on wgmma", seesaw): the row maximum runs as a chain, consumer
-    // 0's keys first. Per tile, with m the running maximum both hold:
-    //   consumer 0: m0 = max(m, its keys); P0 under m0 -> shared, m0 -> s_max[0]; arrive on barrier 1; O_L
-    //               *= 2^(m - m0), O_L += P0 V_L (tensor cores busy while consumer 1 does its softmax)
-    //   consumer 1: sync on barrier 1; O_R *= 2^(m - m0), O_R += P0 V_R issued, then (overlapping it) m1 =
-    //               max(m0, its keys), P1 under m1 -> shared, m1 -> s_max[1]; after its P0 V: arrive on 2
-    //   both:       (consumer 0 syncs on 2) O *= 2^(m0 - m1), O += P1 V over the second 32 keys, m = m1;
-    //               then S of the next tile is issued before this P V is waited for.
-    // Barrier 1 also says P1 of the previous tile is free (consumer 0 waited for its P1 V first), barrier
-    // 2 that P0 is (consumer 1 waited for its P0 V). The wgmma sequence is the same in both consumers
-    // (only barriers and softmax differ by warpgroup: a wgmma under a warpgroup branch serializes, C7520).
-    const bool early_s = !(FP8 && stages == 2);
-    if (ntiles > 0) {
-      issue_s(0);
-      s9::wgmma_wait<0>();
-    }
-    for (int it = 0; it < ntiles; ++it) {
-      const int s = it % stages;
-      const int k0 = (w.tile_begin + it) * KT;
-      s9::fence_regs(sacc);  // S of this tile: waited for (above, or with the previous tile's P1 V)
-      float mx[2], m0[2], m1[2], alpha[2];
-      logits(k0, mx);
-      if (wg == 0) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          m0[h] = fmaxf(m_run[h], mx[h]);
-          alpha[h] = rescale_factor(m_run[h], m0[h]);
-          d_run[h] = d_run[h] * alpha[h] + exp_row(h, m0[h]);
-          if (t4 == 0) s_max[16 * wq + g + 8 * h] = m0[h];
-        }
-        write_p();
-        s9::named_bar_arrive(1, 256);  // P0 and m0 written
-      } else {
-        s9::named_bar_sync(1, 256);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          m0[h] = s_max[16 * wq + g + 8 * h];
-          alpha[h] = rescale_factor(m_run[h], m0[h]);
-          d_run[h] *= alpha[h];
-        }
-      }
-      rescale_o(alpha);
-      issue_pv(s, 0, KT / 32);  // P0 V: the first 32 keys
-      if (wg == 1) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          m1[h] = fmaxf(m0[h], mx[h]);
-          alpha[h] = rescale_factor(m0[h], m1[h]);
-          d_run[h] = d_run[h] * alpha[h] + exp_row(h, m1[h]);
-          if (t4 == 0) s_max[ROWS + 16 * wq + g + 8 * h] = m1[h];
-        }
-        write_p();
-      }
-      s9::wgmma_wait<0>();  // P0 V
-      s9::fence_regs(o0);
-      s9::fence_regs(o1);
-      if (wg == 1) {
-        s9::named_bar_arrive(2, 256);  // P1 and m1 written, P0 read
-      } else {
-        s9::named_bar_sync(2, 256);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          m1[h] = s_max[ROWS + 16 * wq + g + 8 * h];
-          alpha[h] = rescale_factor(m0[h], m1[h]);
-          d_run[h] *= alpha[h];
-        }
-      }
-      m_run[0] = m1[0], m_run[1] = m1[1];
-      rescale_o(alpha);
-      issue_pv(s, KT / 32, KT / 16);  // P1 V: the second 32 keys
-      // S of the next tile queued behind P1 V (no tensor-core bubble between the two); one wait for both. (A
-      // wait<1> that left S in flight across the loop made ptxas serialize every wgmma, C7515: it gained
-      // nothing, the next thing this warpgroup does being the softmax that needs S.) Not with fp8 latents in
-      // 2 stages: the producer completes tile j + 1 (converted one tile behind) only after issuing the copies
-      // of tile j + 2, into this stage, so S of j + 1 must wait for this stage's release (else a deadlock).
-      if (early_s && it + 1 < ntiles) issue_s(it + 1);
-      s9::wgmma_wait<0>();
-      s9::fence_regs(o0);
-      s9::fence_regs(o1);
-      s9::mbar_arrive(empty(s));  // this thread is done with the stage
-      if (!early_s && it + 1 < ntiles) {
-        issue_s(it + 1);
-        s9::wgmma_wait<0>();
-      }
-    }
-  }
-
-  // ---- epilogue: quad sums, the two consumers' sums, then rows to out / lse or the split's partial --
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    d_run[h] += __shfl_xor_sync(0xffffffffu, d_run[h], 1);
-    d_run[h] += __shfl_xor_sync(0xffffffffu, d_run[h], 2);
-    if (t4 == 0) s_sum[wg * ROWS + 16 * wq + g + 8 * h] = d_run[h];
-  }
-  s9::named_bar_sync(3, 256);
-  const int64_t rows_total = p.num_tokens * p.num_heads;
-  const float vm = ac::checked_v_mul(v_mul);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = 16 * wq + g + 8 * h;
-    const ac::RowId id = ac::row_id(a, w, r);
-    if (!id.valid) continue;
-    float mul;
-    const float lse2 = finish_mla_row(a, w, id, m_run[h], s_sum[r] + s_sum[ROWS + r], vm, &mul);
-    const int64_t row = id.token * p.num_heads + id.head;
-    const int64_t prow = int64_t(w.split) * rows_total + row;
-    // (a lambda per accumulator array rather than a pointer that selects one: registers cannot be
-    // addressed, and a pointer could put the arrays in local memory)
-    auto store = [&](const float (&o)[64], int c0) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int col = c0 + 8 * i + 2 * t4;
-        if (col >= R) continue;  // R is a multiple of 8: col + 1 < R too
-        const float x0 = o[4 * i + 2 * h] * mul, x1 = o[4 * i + 2 * h + 1] * mul;
-        if (a.num_splits == 1)
-          *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * R + col) = ac::pack2<T>(x0, x1);
-        else
-          *reinterpret_cast<float2*>(a.part_o + prow * R + col) = make_float2(x0, x1);
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
       }
     };
-    store(o0, 256 * wg);
-    store(o1, 256 * wg + 128);
-    if (wg == 0 && t4 == 0) {
-      if (a.num_splits == 1) p.lse[row] = lse2 * ac::kLn2;
-      else a.part_lse[prow] = lse2;
+    // The weights of the tile in hand, pw = exp2(sacc - max) for row half h (0 when nothing is visible yet: max
+    // -inf); returns their sum. (Into registers of their own: the seesaw computes them in warpgroup-dependent
+    // code, where writing the wgmma accumulator sacc made ptxas serialize every wgmma, C7515.)
+    float pw[16];
+    auto exp_row = [&](int h, float m) {
+      const float base_m = m == -INFINITY ? 0.0f : m;
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        pw[4 * i + 2 * h] = exp2f(sacc[4 * i + 2 * h] - base_m);
+        pw[4 * i + 2 * h + 1] = exp2f(sacc[4 * i + 2 * h + 1] - base_m);
+        sum += pw[4 * i + 2 * h] + pw[4 * i + 2 * h + 1];
+      }
+      return sum;
+    };
+    // The factor that takes values under max `from` to max `to` (to >= from; -inf `from`: 0).
+    auto rescale_factor = [](float from, float to) { return exp2f(from - (to == -INFINITY ? 0.0f : to)); };
+    // This consumer's half of P (rounded to T; the denominator uses the unrounded values, as the mma.sync
+    // kernels): row r, keys 32 wg + 8 i + 2 t4 .. -> chunk 4 wg + i of the swizzled P row; then the async-proxy
+    // fence for the wgmma that read it.
+    auto write_p = [&]() {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = 16 * wq + g + 8 * h;
+          *reinterpret_cast<uint32_t*>(smem + L.p_off + r * 128 + (((4 * wg + i) ^ (r & 7)) << 4) + 4 * t4) =
+              ac::pack2<T>(pw[4 * i + 2 * h], pw[4 * i + 2 * h + 1]);
+        }
+      }
+      s9::fence_proxy_async();
+    };
+    // O_c *= alpha (row halves 0 / 1), skipped when the warp's factors are all 1.
+    auto rescale_o = [&](const float (&alpha)[2]) {
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          o0[4 * i] *= alpha[0], o0[4 * i + 1] *= alpha[0], o0[4 * i + 2] *= alpha[1], o0[4 * i + 3] *= alpha[1];
+          o1[4 * i] *= alpha[0], o1[4 * i + 1] *= alpha[0], o1[4 * i + 2] *= alpha[1], o1[4 * i + 3] *= alpha[1];
+        }
+      }
+    };
+    // O_c += P V_c over keys [16 kb, 16 ke) of stage s, committed as one group: V N-major from the tile (64-value
+    // column blocks LBO = KT x 128 bytes apart, 8-key groups SBO = 1024 apart, a k16 step 16 keys = 2048 bytes).
+    auto issue_pv = [&](int s, int kb, int ke) {
+      const uint64_t dv0 = s9::make_desc(sK(s) + v_slice0, uint32_t(KT * 128), 1024, s9::Swizzle::k128B);
+      const uint64_t dv1 = s9::make_desc(sK(s) + v_slice1, uint32_t(KT * 128), 1024, s9::Swizzle::k128B);
+      s9::fence_regs(o0);
+      s9::fence_regs(o1);
+      s9::wgmma_fence();
+#pragma unroll
+      for (int kk = kb; kk < ke; ++kk) {
+        s9::wgmma_ss<128, T, 0, 1>(o0, s9::desc_add(dp0, kk * 32), s9::desc_add(dv0, kk * 2048), 1);
+        s9::wgmma_ss<128, T, 0, 1>(o1, s9::desc_add(dp0, kk * 32), s9::desc_add(dv1, kk * 2048), 1);
+      }
+      s9::wgmma_commit();
+    };
+
+    const int ntiles = w.tile_end - w.tile_begin;
+    // Queries of the CTA's 64 rows -> the swizzled 16-bit Q tile (both consumers, 256 threads); zeros as
+    // padding (rows of absent heads, columns past R + P).
+    for (int idx = tid; idx < ROWS * cpr; idx += 256) {
+      const int r = idx / cpr, c = idx - r * cpr;
+      const ac::RowId id = ac::row_id(a, w, r);
+      float x[8];
+      load_q_chunk<T>(a, id, c, D, x);
+      *reinterpret_cast<uint4*>(smem + L.q_off + sm90_off(ROWS, r, c)) =
+          make_uint4(ac::pack2<T>(x[0], x[1]), ac::pack2<T>(x[2], x[3]), ac::pack2<T>(x[4], x[5]),
+                     ac::pack2<T>(x[6], x[7]));
     }
+    s9::fence_proxy_async();  // the generic-proxy stores, before wgmma reads them
+    // (Q is free: both consumers' last wgmma of the previous piece completed before its epilogue's barrier 3.)
+    s9::named_bar_sync(3, 256);
+
+#pragma unroll
+    for (int h = 0; h < 2; ++h) pos[h] = ac::row_id(a, w, 16 * wq + g + 8 * h).pos;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o0[i] = o1[i] = 0.0f;
+    m_run[0] = m_run[1] = -INFINITY, d_run[0] = d_run[1] = 0.0f;
+
+    if constexpr (!SEESAW) {
+      // Both consumers in step: S, the maxima exchanged (barrier 1), P written (barrier 2), P V over all 64 keys.
+      for (int it = 0; it < ntiles; ++it) {
+        const int s = (done + it) % stages;
+        const int k0 = (w.tile_begin + it) * KT;
+        issue_s(done + it);
+        s9::wgmma_wait<0>();
+        s9::fence_regs(sacc);
+        float mx[2];
+        logits(k0, mx);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          if (t4 == 0) s_max[wg * ROWS + 16 * wq + g + 8 * h] = mx[h];
+        // Both halves of the maxima (and, the previous tile's P V of both consumers having completed
+        // before either arrives here, the P tile free to overwrite).
+        s9::named_bar_sync(1, 256);
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = 16 * wq + g + 8 * h;
+          // The same expression in both consumers (same operands, same order): identical maxima.
+          const float m_new = fmaxf(m_run[h], fmaxf(s_max[r], s_max[ROWS + r]));
+          alpha[h] = rescale_factor(m_run[h], m_new);
+          m_run[h] = m_new;
+          d_run[h] = d_run[h] * alpha[h] + exp_row(h, m_new);  // per-thread partial; quads, consumers summed at the end
+        }
+        write_p();
+        rescale_o(alpha);
+        s9::named_bar_sync(2, 256);  // both halves of P written
+        issue_pv(s, 0, KT / 16);
+        s9::wgmma_wait<0>();
+        s9::fence_regs(o0);
+        s9::fence_regs(o1);
+        s9::mbar_arrive(empty(s));  // this thread is done with the stage
+      }
+    } else {
+      // The seesaw (csrc/cuda/README.md, "MLA decode on wgmma", seesaw): the row maximum runs as a chain, consumer
+      // 0's keys first. Per tile, with m the running maximum both hold:
+      //   consumer 0: m0 = max(m, its keys); P0 under m0 -> shared, m0 -> s_max[0]; arrive on barrier 1; O_L
+      //               *= 2^(m - m0), O_L += P0 V_L (tensor cores busy while consumer 1 does its softmax)
+      //   consumer 1: sync on barrier 1; O_R *= 2^(m - m0), O_R += P0 V_R issued, then (overlapping it) m1 =
+      //               max(m0, its keys), P1 under m1 -> shared, m1 -> s_max[1]; after its P0 V: arrive on 2
+      //   both:       (consumer 0 syncs on 2) O *= 2^(m0 - m1), O += P1 V over the second 32 keys, m = m1;
+      //               then S of the next tile is issued before this P V is waited for.
+      // Barrier 1 also says P1 of the previous tile is free (consumer 0 waited for its P1 V first), barrier
+      // 2 that P0 is (consumer 1 waited for its P0 V). The wgmma sequence is the same in both consumers
+      // (only barriers and softmax differ by warpgroup: a wgmma under a warpgroup branch serializes, C7520).
+      const bool early_s = !(FP8 && stages == 2);
+      if (ntiles > 0) {
+        issue_s(done);
+        s9::wgmma_wait<0>();
+      }
+      for (int it = 0; it < ntiles; ++it) {
+        const int s = (done + it) % stages;
+        const int k0 = (w.tile_begin + it) * KT;
+        s9::fence_regs(sacc);  // S of this tile: waited for (above, or with the previous tile's P1 V)
+        float mx[2], m0[2], m1[2], alpha[2];
+        logits(k0, mx);
+        if (wg == 0) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            m0[h] = fmaxf(m_run[h], mx[h]);
+            alpha[h] = rescale_factor(m_run[h], m0[h]);
+            d_run[h] = d_run[h] * alpha[h] + exp_row(h, m0[h]);
+            if (t4 == 0) s_max[16 * wq + g + 8 * h] = m0[h];
+          }
+          write_p();
+          s9::named_bar_arrive(1, 256);  // P0 and m0 written
+        } else {
+          s9::named_bar_sync(1, 256);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            m0[h] = s_max[16 * wq + g + 8 * h];
+            alpha[h] = rescale_factor(m_run[h], m0[h]);
+            d_run[h] *= alpha[h];
+          }
+        }
+        rescale_o(alpha);
+        issue_pv(s, 0, KT / 32);  // P0 V: the first 32 keys
+        if (wg == 1) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            m1[h] = fmaxf(m0[h], mx[h]);
+            alpha[h] = rescale_factor(m0[h], m1[h]);
+            d_run[h] = d_run[h] * alpha[h] + exp_row(h, m1[h]);
+            if (t4 == 0) s_max[ROWS + 16 * wq + g + 8 * h] = m1[h];
+          }
+          write_p();
+        }
+        s9::wgmma_wait<0>();  // P0 V
+        s9::fence_regs(o0);
+        s9::fence_regs(o1);
+        if (wg == 1) {
+          s9::named_bar_arrive(2, 256);  // P1 and m1 written, P0 read
+        } else {
+          s9::named_bar_sync(2, 256);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            m1[h] = s_max[ROWS + 16 * wq + g + 8 * h];
+            alpha[h] = rescale_factor(m0[h], m1[h]);
+            d_run[h] *= alpha[h];
+          }
+        }
+        m_run[0] = m1[0], m_run[1] = m1[1];
+        rescale_o(alpha);
+        issue_pv(s, KT / 32, KT / 16);  // P1 V: the second 32 keys
+        // S of the next tile queued behind P1 V (no tensor-core bubble between the two); one wait for both. (A
+        // wait<1> that left S in flight across the loop made ptxas serialize every wgmma, C7515: it gained
+        // nothing, the next thing this warpgroup does being the softmax that needs S.) Not with fp8 latents in
+        // 2 stages: the producer completes tile j + 1 (converted one tile behind) only after issuing the copies
+        // of tile j + 2, into this stage, so S of j + 1 must wait for this stage's release (else a deadlock).
+        if (early_s && it + 1 < ntiles) issue_s(done + it + 1);
+        s9::wgmma_wait<0>();
+        s9::fence_regs(o0);
+        s9::fence_regs(o1);
+        s9::mbar_arrive(empty(s));  // this thread is done with the stage
+        if (!early_s && it + 1 < ntiles) {
+          issue_s(done + it + 1);
+          s9::wgmma_wait<0>();
+        }
+      }
+    }
+
+    // ---- epilogue: quad sums, the two consumers' sums, then rows to out / lse or the piece's partial --
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      d_run[h] += __shfl_xor_sync(0xffffffffu, d_run[h], 1);
+      d_run[h] += __shfl_xor_sync(0xffffffffu, d_run[h], 2);
+      if (t4 == 0) s_sum[wg * ROWS + 16 * wq + g + 8 * h] = d_run[h];
+    }
+    s9::named_bar_sync(3, 256);
+    int64_t part_row0;
+    const bool whole = !piece_partials(m, w, &part_row0);  // the sequence's only piece: rows to out / lse
+    const float vm = ac::checked_v_mul(v_mul);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * wq + g + 8 * h;
+      const ac::RowId id = ac::row_id(a, w, r);
+      if (!id.valid) continue;
+      float mul;
+      const float lse2 = finish_mla_row(w, id, whole, p, m_run[h], s_sum[r] + s_sum[ROWS + r], vm, &mul);
+      const int64_t row = id.token * p.num_heads + id.head;
+      const int64_t prow = part_row0 + row;
+      // (a lambda per accumulator array rather than a pointer that selects one: registers cannot be
+      // addressed, and a pointer could put the arrays in local memory)
+      auto store = [&](const float (&o)[64], int c0) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const int col = c0 + 8 * i + 2 * t4;
+          if (col >= R) continue;  // R is a multiple of 8: col + 1 < R too
+          const float x0 = o[4 * i + 2 * h] * mul, x1 = o[4 * i + 2 * h + 1] * mul;
+          if (whole)
+            *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * R + col) = ac::pack2<T>(x0, x1);
+          else
+            *reinterpret_cast<float2*>(a.part_o + prow * R + col) = make_float2(x0, x1);
+        }
+      };
+      store(o0, 256 * wg);
+      store(o1, 256 * wg + 128);
+      if (wg == 0 && t4 == 0) {
+        if (whole) p.lse[row] = lse2 * ac::kLn2;
+        else a.part_lse[prow] = lse2;
+      }
+    }
+    done += ntiles;
   }
 #else
   (void)m;
@@ -569,8 +606,8 @@ cudaError_t launch_mla_sm90_schedule(const MlaArgs& m, const CUtensorMap* map, d
   if (err != cudaSuccess) return err;
   CUtensorMap none;
   if (map == nullptr) std::memset(&none, 0, sizeof(none));
-  mla_sm90_kernel<T, CF, SEESAW><<<grid, kSm90Threads, smem, stream>>>(m, map ? *map : none, map ? 1 : 0);
-  return cudaGetLastError();
+  return launch_kernel_ex(mla_sm90_kernel<T, CF, SEESAW>, grid, kSm90Threads, smem, stream, m.pdl != 0, m,
+                          map ? *map : none, map ? 1 : 0);
 }
 
 // m.seesaw picks the consumers' schedule (both instances are compiled in the same unit).

@@ -29,6 +29,12 @@ struct MlaArgs {
   int dp = 0;      // smem row width in elements: head_dim rounded up to a multiple of 64
   int stages = 2;  // cp.async pipeline depth (2..4)
   int seesaw = 0;  // the wgmma decode's consumer schedule: 0 in step, 1 seesaw (mla_attention_sm90.cuh)
+  // The wgmma decode's split plan from the metadata pass (KVKERNELS_CUDA_MLA_SCHED=metadata; mla_sched.cuh):
+  // the pass's output (int32 workspace) and the CTAs per head chunk it divides the batch's key tiles
+  // among. nullptr / 0: the shape-only plan (blockIdx.x a sequence, blockIdx.z its split).
+  int* sched = nullptr;
+  int parts = 0;
+  int pdl = 0;  // (host side) launch the decode and the merge with programmatic dependent launch (sm_90)
 };
 
 // ---- geometry (host and device) --------------------------------------------------------------
@@ -132,6 +138,14 @@ __host__ __device__ inline SimtSmem simt_smem(int dp, int esz, int stages) {
 
 // ---- device helpers --------------------------------------------------------------------------
 
+// 0, which the compiler cannot see through (an empty asm that may change it): values derived from it inside a
+// loop are computed in every iteration, neither hoisted out nor kept live across the loop's back edge.
+__device__ __forceinline__ int opaque_zero() {
+  int z = 0;
+  asm volatile("" : "+r"(z));
+  return z;
+}
+
 // Byte offset of 16-byte chunk c of row r in a 16-bit tile with `cpr` chunks per row (a multiple
 // of 8): the low 3 bits of the chunk index are XORed with the row, so the 8 row addresses of one
 // ldmatrix phase fall into 8 different bank groups.
@@ -184,14 +198,15 @@ __device__ __forceinline__ void load_q_chunk(const ac::AttnArgs& a, const ac::Ro
 }
 
 // The end of a query row of the MLA kernels, from its running max M and sum Dn (log2 units): returns the
-// row's lse (log2) and sets *mul, the factor of its output (times vm, the checked v scale). One split:
-// finish_row (kvkernels/softmax.h: NaN / +inf logits -> NaN, no key -> 0 / -inf). Several: the normalized
-// partial, lse -inf when this split saw no finite logit (the merge then skips it).
-__device__ __forceinline__ float finish_mla_row(const ac::AttnArgs& a, const ac::Work& w, const ac::RowId& id,
-                                                float M, float Dn, float vm, float* mul) {
+// row's lse (log2) and sets *mul, the factor of its output (times vm, the checked v scale). `whole`: the
+// row saw all its keys (one split; a sequence the metadata plan left in one piece): finish_row
+// (kvkernels/softmax.h: NaN / +inf logits -> NaN, no key -> 0 / -inf). Else the normalized partial, lse
+// -inf when this piece saw no finite logit (the merge then skips it).
+__device__ __forceinline__ float finish_mla_row(const ac::Work& w, const ac::RowId& id, bool whole,
+                                                const AttentionParams& p, float M, float Dn, float vm, float* mul) {
   float lse2;
-  if (a.num_splits == 1) {
-    lse2 = finish_row<true>(M, Dn, ac::pos_has_keys(a.p, id.pos, w.seq_len), -INFINITY, mul);
+  if (whole) {
+    lse2 = finish_row<true>(M, Dn, ac::pos_has_keys(p, id.pos, w.seq_len), -INFINITY, mul);
   } else {
     lse2 = Dn == 0.0f ? -INFINITY : M + log2f(Dn);
     *mul = Dn == 0.0f ? 0.0f : 1.0f / Dn;
@@ -275,6 +290,24 @@ bool mla_sm90_available_bf16(CacheFormat format);
 cudaError_t launch_mla_sm90_f16(const MlaArgs& m, const CUtensorMap* map, dim3 grid, int smem, cudaStream_t stream);
 cudaError_t launch_mla_sm90_bf16(const MlaArgs& m, const CUtensorMap* map, dim3 grid, int smem, cudaStream_t stream);
 cudaError_t launch_mla_merge(const MlaArgs& m, cudaStream_t stream);
+// The wgmma decode's metadata pass (mla_sched.cuh; m.sched, m.parts set), one warp, on `stream`.
+cudaError_t launch_mla_sched(const MlaArgs& m, cudaStream_t stream);
+
+// Launches `kernel` (grid, threads, smem bytes, stream) on `args` through cudaLaunchKernelEx, with programmatic stream
+// serialization when `pdl` (the kernel may start before the one ahead of it in the stream has finished; it
+// must griddepcontrol.wait before reading that one's output: sm90_ptx.cuh).
+template <typename... KArgs, typename... Args>
+cudaError_t launch_kernel_ex(void (*kernel)(KArgs...), dim3 grid, int threads, int smem, cudaStream_t stream,
+                             bool pdl, const Args&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  // (gridDim, blockDim, dynamicSmemBytes, stream, attrs, numAttrs; by position: the emulator defines gridDim)
+  cudaLaunchConfig_t cfg = {grid, dim3(static_cast<unsigned>(threads)), static_cast<size_t>(smem), stream, attr,
+                            pdl ? 1u : 0u};
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
 
 // Raises `kernel`'s opt-in limit of dynamic shared memory to `smem` bytes unless this process already
 // set at least that much on the current device (a function attribute, not a stream operation, so

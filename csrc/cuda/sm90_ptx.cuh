@@ -438,3 +438,45 @@ __device__ __forceinline__ void tma_prefetch_map(const void* map) {
 }
 
 }  // namespace kvkernels::sm90
+
+// =====================================================================================================
+// Programmatic dependent launch (PTX ISA 9.7.13.x griddepcontrol; first used by the MLA decode's metadata
+// pass and split merge, mla_sched.cuh). A grid launched with cudaLaunchAttributeProgrammaticStreamSerialization
+// may start before the grid ahead of it in the stream has finished (once every CTA of that one executed
+// griddepcontrol.launch_dependents or exited); griddepcontrol.wait then blocks until that grid has completed
+// and its memory is visible. Both are no-ops in a grid launched without the attribute. On every sm_90 target.
+// The emulator runs grids one after another, so it models the rule, not the overlap: in a grid launched with
+// the attribute, a read of the predecessor's output through griddep_read before the thread's
+// griddepcontrol.wait, or a CTA none of whose threads waited, is reported (tests/cuda_emu/cuda_emu.h, PDL).
+// =====================================================================================================
+namespace kvkernels::sm90 {
+
+// griddepcontrol.wait: the grid this one depends on has completed, its writes visible.
+__device__ __forceinline__ void griddep_wait() {
+#if KVK_SM90_ASYNC
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::griddep_wait();
+#endif
+}
+
+// griddepcontrol.launch_dependents: this CTA lets the dependent grid be scheduled (a hint: the dependent
+// still waits for this grid's completion at its griddepcontrol.wait).
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if KVK_SM90_ASYNC
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#elif defined(KVKERNELS_CUDA_EMU)
+  ::emu::griddep_launch_dependents();
+#endif
+}
+
+// A plain load of data the predecessor grid wrote (legal only after griddep_wait; the emulator checks).
+template <typename T>
+__device__ __forceinline__ T griddep_read(const T* p) {
+#if defined(KVKERNELS_CUDA_EMU) && !defined(__CUDA_ARCH__)
+  ::emu::griddep_check_read();
+#endif
+  return *p;
+}
+
+}  // namespace kvkernels::sm90

@@ -429,19 +429,28 @@ def attempt(row: dict, call: Callable[[int], object], reps: int, min_ms: float,
             torch.cuda.synchronize()
             row["max_abs_diff"], row["tolerance"] = check(out)
             row["checked"] = row["max_abs_diff"] <= row["tolerance"]
-        timed, per = call, 1
-        row["timing"] = "eager"
-        if graph_copies > 0:
-            try:
-                timed, per = graph_of(call, graph_copies), graph_copies
-                row["timing"] = f"CUDA graph of {graph_copies} calls, replayed"
-            except Exception as error:  # noqa: BLE001 - capture is the peer's limit, not a failure
-                torch.cuda.synchronize()
-                row["timing"] = f"eager: CUDA graph capture failed ({skip_reason(error)})"
+        timed, per = graphed(row, call, graph_copies)
         row["ms"] = time_cuda(timed, reps, min_ms) / per
     except Exception as error:  # noqa: BLE001 - one failing implementation must not end the run
         row["skipped"] = skip_reason(error)
         torch.cuda.synchronize()
+
+
+def graphed(row: dict, call: Callable[[int], object], copies: int) -> tuple[Callable[[int], object], int]:
+    """(timed call, calls per timed call): a replayed CUDA graph of ``call(0 .. copies - 1)`` when ``copies`` > 0,
+    else ``call`` itself; ``row["timing"]`` says which. A capture that fails (an implementation that syncs
+    with the host, say) leaves the call eager and the row says why: a timing, not a skipped row."""
+    row["timing"] = "eager"
+    if copies <= 0:
+        return call, 1
+    try:
+        timed = graph_of(call, copies)
+    except Exception as error:  # noqa: BLE001 - capture is the implementation's limit, not a failure
+        torch.cuda.synchronize()
+        row["timing"] = f"eager: CUDA graph capture failed ({skip_reason(error)})"
+        return call, 1
+    row["timing"] = f"CUDA graph of {copies} calls, replayed"
+    return timed, copies
 
 
 def _free_bytes() -> int:
@@ -618,20 +627,18 @@ def variant_rows(name: str, kind: str, dtype_name: str, batch: int, context: int
     KVKERNELS_CUDA_ATTN_PATH; a -s<N> suffix forces N KV splits, variant_env): each checked against the
     reference, then all timed together by ``time_paired`` (a variant that raises is recorded as skipped, the
     others still run)."""
-    rows, calls = {}, {}
+    rows, calls, per = {}, {}, {}
     graph = getattr(args, "graph", False)
     for v in variants:
         row = _row(name, kind, dtype_name, batch, context, f"kvkernels-{v}", copies=copies,
                    note=f"{note}{variant_setting(v, env_values)}; timed in batches alternating with "
-                        f"{', '.join(x for x in variants if x != v) or 'nothing'}" +
-                        (f"; as a CUDA graph of {copies} calls (one per data copy), replayed" if graph else ""))
-        row["timing"] = f"CUDA graph of {copies} calls, replayed" if graph else "eager"
+                        f"{', '.join(x for x in variants if x != v) or 'nothing'}")
         rows[v] = row
         try:
             with variant_env(v, env_values):
                 out = kernel(0)
                 torch.cuda.synchronize()
-                calls[v] = graph_of(kernel, copies) if graph else kernel
+                calls[v], per[v] = graphed(row, kernel, copies if graph else 0)
             row["max_abs_diff"], row["tolerance"] = check(out)
             row["checked"] = row["max_abs_diff"] <= row["tolerance"]
         except Exception as error:  # noqa: BLE001 - one failing variant must not end the run
@@ -641,8 +648,8 @@ def variant_rows(name: str, kind: str, dtype_name: str, batch: int, context: int
     if calls:
         time_paired_into(rows, calls, args.attn_reps, args.attn_min_ms, lambda v: variant_env(v, env_values))
         for v in calls:  # a replay is `copies` calls
-            if graph and rows[v]["ms"]:
-                rows[v]["ms"] /= copies
+            if rows[v]["ms"]:
+                rows[v]["ms"] /= per[v]
     return list(rows.values())
 
 

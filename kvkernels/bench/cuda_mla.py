@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import sys
@@ -56,7 +57,7 @@ from typing import Callable, Optional
 import torch
 
 from kvkernels import ops
-from kvkernels.bench.cuda_attention import (_ints, _row, ab_lines, attempt, copy_bandwidth, env_var, graph_of,
+from kvkernels.bench.cuda_attention import (_ints, _row, ab_lines, attempt, copy_bandwidth, env_var, graphed,
                                             peer_lines, rotation_copies, row_text, skip_reason, time_paired_into)
 
 RANK, ROPE, BLOCK = 512, 64, 64
@@ -71,8 +72,11 @@ DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 DEVICE = "cuda"  # where the cases' data lives (the tests run the cases' arithmetic on "cpu")
 # --decompress-variants names = KVKERNELS_CUDA_DECOMPRESS values (csrc/cuda/mla_decompress.cu).
 DECOMPRESS_VARIANTS = ("persist", "persist64", "persist128", "tile64", "wgmma")
-# --mla-attn-variants names -> (KVKERNELS_CUDA_MLA_PATH, KVKERNELS_CUDA_WGMMA) (csrc/cuda/mla_attention.cu).
-ATTN_VARIANTS = {"mma": (None, None), "wgmma": ("wgmma", "require"), "wgmma-seesaw": ("wgmma-seesaw", "require")}
+# --mla-attn-variants names -> (KVKERNELS_CUDA_MLA_PATH, KVKERNELS_CUDA_WGMMA, KVKERNELS_CUDA_MLA_SCHED)
+# (csrc/cuda/mla_attention.cu); -meta: the split plan of the metadata pass (mla_sched.cuh).
+ATTN_VARIANTS = {"mma": (None, None, None), "wgmma": ("wgmma", "require", None),
+                 "wgmma-seesaw": ("wgmma-seesaw", "require", None), "wgmma-meta": ("wgmma", "require", "metadata"),
+                 "wgmma-seesaw-meta": ("wgmma-seesaw", "require", "metadata")}
 
 
 def _names_of(known, what: str) -> Callable[[str], list[str]]:
@@ -89,6 +93,20 @@ def _names_of(known, what: str) -> Callable[[str], list[str]]:
     return parse
 
 
+def _mixed_batches(text: str) -> list[list[int]]:
+    """--mla-mixed: comma-separated batches, each LENxCOUNT terms joined by + (32768x1+1024x63)."""
+    batches = []
+    for spec in (x for x in text.split(",") if x):
+        try:
+            lens = [int(n) for term in spec.split("+") for n, k in [term.split("x")] for _ in range(int(k))]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a mixed batch is LENxCOUNT[+LENxCOUNT...], not {spec!r}") from None
+        if not lens or min(lens) < 0:
+            raise argparse.ArgumentTypeError(f"a mixed batch needs sequences of lengths >= 0: {spec!r}")
+        batches.append(lens)
+    return batches
+
+
 _variants = _names_of(DECOMPRESS_VARIANTS, "decompress variant")
 _attn_variants = _names_of(ATTN_VARIANTS, "MLA decode variant")
 
@@ -99,8 +117,9 @@ def attn_variant_env(name: Optional[str]):
     if name is None:
         yield
         return
-    path, wgmma = ATTN_VARIANTS[name]
-    with env_var("KVKERNELS_CUDA_MLA_PATH", path), env_var("KVKERNELS_CUDA_WGMMA", wgmma):
+    path, wgmma, sched = ATTN_VARIANTS[name]
+    with env_var("KVKERNELS_CUDA_MLA_PATH", path), env_var("KVKERNELS_CUDA_WGMMA", wgmma), \
+            env_var("KVKERNELS_CUDA_MLA_SCHED", sched):
         yield
 
 
@@ -120,7 +139,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="A/B of the mla_decompress kernels, e.g. tile64,persist (KVKERNELS_CUDA_DECOMPRESS values): "
                         "each decompress case times them and the torch matmul in alternating batches")
     g.add_argument("--mla-attn-variants", type=_attn_variants, default=[],
-                   help="A/B of the decode kernels, e.g. mma,wgmma,wgmma-seesaw (alternating batches, same data)")
+                   help="A/B of the decode kernels, e.g. mma,wgmma,wgmma-seesaw,wgmma-meta (alternating batches, "
+                        "same data)")
+    g.add_argument("--mla-mixed", type=_mixed_batches, default=[],
+                   help="decode batches of mixed lengths after the uniform ones, e.g. 32768x1+1024x63 (one 32k and 63 "
+                        "1k sequences); several separated by commas")
     g.add_argument("--mla-prefill-tokens", type=_ints, default=[],
                    help="MLA prefill end to end (mla_decompress + paged_attention vs torch.matmul + SDPA), "
                         "causal, one sequence of each of these lengths, at each --mla-heads")
@@ -149,15 +172,22 @@ def _fits(nbytes: int, args) -> bool:
 
 
 class LatentCache:
-    """``copies`` rotated copies of one latent layer [blocks, 64, 576], one shuffled block table."""
+    """``copies`` rotated copies of one latent layer [blocks, 64, 576], one shuffled block table; ``lens``: the
+    sequences' lengths (default: all ``context``), each with its own blocks (table columns past them: block 0)."""
 
-    def __init__(self, batch: int, context: int, dtype: torch.dtype, copies: int, gen: torch.Generator):
+    def __init__(self, batch: int, context: int, dtype: torch.dtype, copies: int, gen: torch.Generator,
+                 lens: Optional[list[int]] = None):
+        self.lens = lens or [context] * batch
         per_seq = math.ceil(context / BLOCK)
-        num_blocks = batch * per_seq
-        self.block_ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).view(
-            batch, per_seq).to(DEVICE)
+        need = [math.ceil(n / BLOCK) for n in self.lens]
+        num_blocks = sum(need)
+        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))
+        ids = torch.zeros(batch, per_seq, dtype=torch.int64)
+        for i, start in enumerate(itertools.accumulate([0] + need[:-1])):
+            ids[i, :need[i]] = perm[start:start + need[i]]
+        self.block_ids = ids.to(DEVICE)
         self.block_tables = self.block_ids.to(torch.int32)
-        self.seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+        self.seq_lens = torch.tensor(self.lens, dtype=torch.int32, device=DEVICE)
         fp8 = dtype == torch.float8_e4m3fn
         self.scale = torch.tensor([FP8_SCALE], device=DEVICE) if fp8 else None
         x = torch.randn(num_blocks, BLOCK, RANK + ROPE, generator=gen, device=DEVICE)
@@ -166,8 +196,8 @@ class LatentCache:
         self.batch, self.context = batch, context
 
     def rows(self, seq: int) -> torch.Tensor:
-        """float32 latent rows [context, 576] of one sequence (dequantized)."""
-        x = self.caches[0][self.block_ids[seq]].reshape(-1, RANK + ROPE)[:self.context].float()
+        """float32 latent rows [its length, 576] of one sequence (dequantized)."""
+        x = self.caches[0][self.block_ids[seq]].reshape(-1, RANK + ROPE)[:self.lens[seq]].float()
         return x * self.scale if self.scale is not None else x
 
 
@@ -177,11 +207,15 @@ class LatentCache:
 
 
 def decode_case(dtype_name: str, heads: int, batch: int, context: int, copy_gbps: float, args,
-                gen: torch.Generator) -> list[dict]:
+                gen: torch.Generator, lens: Optional[list[int]] = None) -> list[dict]:
+    """One decode case: ``batch`` sequences of ``context`` keys, or of the lengths ``lens`` (--mla-mixed; context is
+    then the longest, GB/s and TFLOP/s count the keys of all)."""
     dtype = DTYPES[dtype_name]
     esize = torch.empty(0, dtype=dtype).element_size()
-    layer_bytes = batch * math.ceil(context / BLOCK) * BLOCK * (RANK + ROPE) * esize
-    case = f"mla decode {dtype_name} h{heads} b{batch} ctx{context}"
+    keys = sum(lens) if lens else batch * context
+    layer_bytes = sum(math.ceil(n / BLOCK) for n in (lens or [context] * batch)) * BLOCK * (RANK + ROPE) * esize
+    case = (f"mla decode {dtype_name} h{heads} b{batch} ctx{context}" if lens is None else
+            f"mla decode {dtype_name} h{heads} b{batch} mixed max{context} keys{keys}")
     variants = getattr(args, "mla_attn_variants", None) or []
     graph = getattr(args, "mla_graph", False)
     rows = [_row(case, "decode", dtype_name, batch, context, f"kvkernels-{v}" if variants else "kvkernels",
@@ -194,7 +228,7 @@ def decode_case(dtype_name: str, heads: int, batch: int, context: int, copy_gbps
             for r in rows:
                 r["skipped"] = "does not fit in GPU memory"
             return rows
-    data = LatentCache(batch, context, dtype, copies, gen)
+    data = LatentCache(batch, context, dtype, copies, gen, lens)
     q = torch.randn(batch, heads, RANK + ROPE, generator=gen, device=DEVICE).to(torch.bfloat16)
 
     def call(i):
@@ -211,10 +245,10 @@ def decode_case(dtype_name: str, heads: int, batch: int, context: int, copy_gbps
         return diff, 2e-2
 
     if variants:
-        calls = {}
+        calls, per = {}, {}
         for v, r in zip(variants, rows):
             others = [x for x in variants if x != v]
-            r["note"] = (f"KVKERNELS_CUDA_MLA_PATH / _WGMMA = {ATTN_VARIANTS[v]}"
+            r["note"] = (f"KVKERNELS_CUDA_MLA_PATH / _WGMMA / _MLA_SCHED = {ATTN_VARIANTS[v]}"
                          + (f"; timed in batches alternating with {', '.join(others)}" if others else ""))
             try:
                 with attn_variant_env(v):
@@ -223,8 +257,7 @@ def decode_case(dtype_name: str, heads: int, batch: int, context: int, copy_gbps
                 r["max_abs_diff"], r["tolerance"] = check(out)
                 r["checked"] = r["max_abs_diff"] <= r["tolerance"]
                 with attn_variant_env(v):  # a graph holds the kernels the planner picked at capture
-                    calls[r["impl"]] = graph_of(call, copies) if graph else call
-                r["timing"] = f"CUDA graph of {copies} calls, replayed" if graph else "eager"
+                    calls[r["impl"]], per[r["impl"]] = graphed(r, call, copies if graph else 0)
             except Exception as error:  # noqa: BLE001 - one failing variant must not end the run
                 r["skipped"] = skip_reason(error)
                 torch.cuda.synchronize()
@@ -232,19 +265,19 @@ def decode_case(dtype_name: str, heads: int, batch: int, context: int, copy_gbps
             time_paired_into({r["impl"]: r for r in rows}, calls, args.mla_reps, args.mla_min_ms,
                              lambda impl: attn_variant_env(impl[len("kvkernels-"):]))
             for r in rows:  # a replay is `copies` calls
-                if graph and r["impl"] in calls and r["ms"]:
-                    r["ms"] /= copies
+                if r["impl"] in calls and r["ms"]:
+                    r["ms"] /= per[r["impl"]]
     else:
         attempt(row, call, args.mla_reps, args.mla_min_ms, check, graph_copies=copies if graph else 0)
-    if not getattr(args, "no_mla_dense", False):
+    if not getattr(args, "no_mla_dense", False) and lens is None:  # (the dense reference needs equal lengths)
         rows.append(dense_decode_row(case, dtype_name, heads, batch, context, data, q, check, args))
     for r in rows:
         if r["impl"].startswith("kvkernels") and r.get("ms"):
             r["speedup_vs"] = {x["impl"]: x["ms"] / r["ms"] for x in rows if x is not r and x.get("ms")}
         if r.get("ms"):
-            r["gbps"] = batch * context * (RANK + ROPE) * esize / (r["ms"] * 1e-3) / 1e9
+            r["gbps"] = keys * (RANK + ROPE) * esize / (r["ms"] * 1e-3) / 1e9
             r["fraction_of_copy_bw"] = r["gbps"] / copy_gbps
-            r["tflops"] = 2.0 * batch * heads * context * (2 * RANK + ROPE) / (r["ms"] * 1e-3) / 1e12
+            r["tflops"] = 2.0 * heads * keys * (2 * RANK + ROPE) / (r["ms"] * 1e-3) / 1e12
     del data
     return rows
 
@@ -496,6 +529,10 @@ def run(args: Optional[argparse.Namespace] = None,
                     new_rows = decode_case(dtype_name, heads, batch, context, copy_gbps, args, gen)
                     rows += new_rows
                     emit(new_rows)
+            for lens in getattr(args, "mla_mixed", None) or []:
+                new_rows = decode_case(dtype_name, heads, len(lens), max(lens), copy_gbps, args, gen, lens)
+                rows += new_rows
+                emit(new_rows)
     for dtype_name in dtypes:
         for tokens in getattr(args, "mla_prefill_tokens", None) or []:
             for heads in args.mla_heads:

@@ -26,7 +26,7 @@ MLA_UNITS = ("mla_attention.cu", "mla_attention_f16.cu", "mla_attention_bf16.cu"
              "mla_attention_sm90_f16.cu", "mla_attention_sm90_bf16.cu",
              "mla_decompress.cu", "mla_decompress_sm90_f16.cu", "mla_decompress_sm90_bf16.cu")
 MLA_HEADERS = ("mla_api.h", "mla_common.cuh", "mla_attention_launch.cuh", "mla_attention_mma.cuh",
-               "mla_attention_simt.cuh", "mla_merge.cuh", "mla_decompress.cuh",
+               "mla_attention_simt.cuh", "mla_merge.cuh", "mla_sched.cuh", "mla_decompress.cuh",
                "mla_decompress_persist.cuh", "mla_decompress_sm90.cuh", "mla_attention_sm90.cuh", "tma_encode.h")
 LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^;<>]*>)?)\s*<<<(.*?)>>>\((.*?)\);", re.S)
 

@@ -15,7 +15,9 @@
 // __threadfence (a no-op: one memory). Not emulated: clusters / multicast, other atomics,
 // warp-divergent collectives, other tensor-map modes (rank > 2,
 // interleave, im2col, other swizzles), the async proxy (fence.proxy.async is a no-op), wgmma descriptor
-// base offsets, fp8 / tf32 / integer wgmma.
+// base offsets, fp8 / tf32 / integer wgmma. Programmatic dependent launch: cudaLaunchKernelEx accepts the
+// programmatic-stream-serialization attribute; grids still run one after another, and the rule a GPU run depends
+// on is checked instead (griddepcontrol.wait before a read of the predecessor's output; section PDL below).
 //
 // Each CTA runs as blockDim.x cooperative fibers (ucontext) on the calling thread; __syncthreads()
 // switches to the next fiber, and a barrier completes when every live fiber of the CTA reached it.
@@ -1205,7 +1207,29 @@ inline void wgmma_wait(int n) {
   st.fenced = false;
 }
 
+// ---- programmatic dependent launch (PDL: griddepcontrol; csrc/cuda/sm90_ptx.cuh) -----------------------
+// Grids run one after another here, so a dependent grid never overlaps its predecessor; what the model checks
+// is the rule a GPU run depends on: in a grid launched with cudaLaunchAttributeProgrammaticStreamSerialization
+// (launch_ex), every read of the predecessor's output (griddep_read) comes after the reading thread's
+// griddepcontrol.wait, and every CTA executes griddepcontrol.wait in some thread (a CTA that never waits may
+// run wholly before its predecessor's writes land). launch_dependents is counted, nothing else: it only lets
+// the dependent start earlier, never makes the predecessor's writes visible.
+struct PdlState {
+  bool launched = false;        // the running grid was launched with programmatic stream serialization
+  std::vector<char> waited;     // per thread of the current CTA: griddepcontrol.wait executed
+  uint64_t pdl_launches = 0, triggers = 0;  // totals since the process started (emu_ops reports them)
+};
+inline PdlState pdl;
+inline void griddep_wait() { pdl.waited[sched.current] = 1; }
+inline void griddep_launch_dependents() { ++pdl.triggers; }
+inline void griddep_check_read() {
+  if (pdl.launched && !pdl.waited[sched.current])
+    throw std::logic_error("emu: a grid launched with programmatic stream serialization read its predecessor's "
+                           "output before griddepcontrol.wait (thread " + std::to_string(sched.current) + ")");
+}
+
 inline void reset_sm90_state(int n) {
+  pdl.waited.assign(n, 0);
   for (NamedBarrier& b : named_barriers) b = NamedBarrier{};
   wgmma_state.assign(n, WgmmaThread{});
   const int warps = (n + 31) / 32;
@@ -1258,6 +1282,9 @@ inline std::string waiting_report(int n) {
 
 // A CTA must not end with wgmma in flight or a named barrier phase half arrived.
 inline void end_cta_checks(int n) {
+  if (pdl.launched && std::none_of(pdl.waited.begin(), pdl.waited.end(), [](char c) { return c != 0; }))
+    throw std::logic_error("emu: a CTA of a grid launched with programmatic stream serialization never executed "
+                           "griddepcontrol.wait");
   for (int t = 0; t < n; ++t)
     if (!wgmma_state[t].open.empty() || !wgmma_state[t].groups.empty())
       throw std::logic_error("emu: a thread ended with wgmma.mma_async in flight (no wgmma.wait_group)");
@@ -1344,6 +1371,27 @@ cudaError_t func_get_attributes(cudaFuncAttributes* attr, K) {
   attr->ptxVersion = attr->binaryVersion = e && *e ? std::atoi(e) : 90;
   return cudaSuccess;
 }
+// cudaLaunchKernelEx: the launch configuration of `cfg` with its attributes; only programmatic stream
+// serialization (PDL, above) is modelled, any other attribute fails the launch.
+template <typename K, typename... Args>
+cudaError_t launch_ex(const cudaLaunchConfig_t* cfg, K kernel, Args&&... args) {
+  // (by position: gridDim / blockDim are macros here)
+  const auto& [grid, block, smem, stream, attrs, num_attrs] = *cfg;
+  bool serialization = false;
+  for (unsigned i = 0; i < num_attrs; ++i) {
+    const cudaLaunchAttribute& at = attrs[i];
+    if (at.id != cudaLaunchAttributeProgrammaticStreamSerialization)
+      throw std::logic_error("emu: cudaLaunchKernelEx with an attribute the emulator does not model");
+    serialization = at.val.programmaticStreamSerializationAllowed != 0;
+  }
+  struct Reset {
+    ~Reset() { pdl.launched = false; }
+  } reset;
+  pdl.launched = serialization;
+  pdl.pdl_launches += serialization ? 1 : 0;
+  launch(kernel, grid, block, smem, stream, std::forward<Args>(args)...);
+  return cudaSuccess;
+}
 // Driver entry points: cuTensorMapEncodeTiled only (the emulator's, above).
 inline cudaError_t get_driver_entry_point_by_version(const char* name, void** ptr, unsigned, unsigned long long,
                                                      cudaDriverEntryPointQueryResult* status) {
@@ -1364,5 +1412,6 @@ inline cudaError_t get_driver_entry_point_by_version(const char* name, void** pt
 #define cudaGetErrorString ::emu::get_error_string
 #define cudaPeekAtLastError ::emu::peek_at_last_error
 #define cudaFuncGetAttributes ::emu::func_get_attributes
+#define cudaLaunchKernelEx ::emu::launch_ex
 #undef cudaGetDriverEntryPointByVersion
 #define cudaGetDriverEntryPointByVersion ::emu::get_driver_entry_point_by_version

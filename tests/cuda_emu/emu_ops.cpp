@@ -14,6 +14,7 @@
 #include "attention_common.cuh"  // AttnArgs and launch_merge_* (merge_splits below)
 #include "index_checks.h"
 #include "mla_api.h"  // csrc/cuda/mla_attention*.cu and mla_decompress.cu, built for the emulator
+#include "mla_sched.cuh"  // MlaArgs and launch_mla_sched (mla_schedule below)
 #include "prepare.h"
 
 namespace emu_ops {
@@ -279,8 +280,9 @@ void mla_paged_attention_out(const Tensor& q, const Tensor& kv_cache, const Tens
 }
 
 // The plan of the launch above: (path, dp, stages, smem, heads_per_cta, q_tile, num_splits, grid_x, grid_y,
-// seesaw).
-std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> mla_attention_plan(
+// seesaw, parts, pdl).
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>
+mla_attention_plan(
     const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables, const Tensor& seq_lens, int64_t kv_lora_rank,
     std::optional<Tensor> query_start_loc, std::optional<Tensor> kv_scale) {
   const ArgCheck c("mla_paged_attention");
@@ -288,7 +290,38 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_
                                               query_start_loc, kv_scale);
   mla_cuda::MlaPlan p;
   check(c, mla_cuda::plan_mla_attention(r.params, 0, &p));
-  return {p.path, p.dp, p.stages, p.smem, p.heads_per_cta, p.q_tile, p.num_splits, p.grid_x, p.grid_y, p.seesaw};
+  return {p.path, p.dp, p.stages, p.smem, p.heads_per_cta, p.q_tile, p.num_splits, p.grid_x, p.grid_y, p.seesaw,
+          p.parts, p.pdl};
+}
+
+// The wgmma MLA decode's metadata pass (csrc/cuda/mla_sched.cuh) alone, for `parts` CTAs per head chunk: its
+// int32 output, poisoned (-1) before the launch: per CTA kSchedCtaInts (begin seq, begin item, end seq, end item,
+// first piece, unused), then per sequence items, first unit, pieces, first partial.
+Tensor mla_schedule(const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables, const Tensor& seq_lens,
+                    int64_t kv_lora_rank, int64_t parts) {
+  const ArgCheck c("mla_paged_attention");
+  PreparedAttention r = prepare_mla_attention(c, q, kv_cache, block_tables, seq_lens, kv_lora_rank, 1.0,
+                                              std::nullopt, std::nullopt);
+  mla_cuda::MlaArgs m;
+  attn_cuda::AttnArgs& a = m.a;
+  a.p = r.params;
+  a.group = int(r.params.num_heads);
+  a.heads_per_cta = std::min(a.group, mla_cuda::kSm90Rows);
+  a.head_chunks = (a.group + a.heads_per_cta - 1) / a.heads_per_cta;
+  a.bs_shift = attn_cuda::block_shift(r.params.kv.block_size);
+  const int64_t n = parts * mla_cuda::kSchedCtaInts + 4 * r.params.kv.num_seqs;
+  Tensor meta = torch::stable::new_empty(seq_lens, {n}, ScalarType::Int);
+  std::memset(meta.mutable_data_ptr(), 0xff, size_t(n) * sizeof(int));
+  m.sched = static_cast<int*>(meta.mutable_data_ptr());
+  m.parts = int(parts);
+  check(c, cuda::Status{mla_cuda::launch_mla_sched(m, nullptr), nullptr});
+  return meta;
+}
+
+// The emulator's programmatic-dependent-launch counters (cuda_emu.h, PDL): grids launched with programmatic
+// stream serialization and griddepcontrol.launch_dependents executed, since the process started.
+std::tuple<int64_t, int64_t> pdl_counts(const Tensor& /*any: the op needs a tensor to dispatch on*/) {
+  return {int64_t(::emu::pdl.pdl_launches), int64_t(::emu::pdl.triggers)};
 }
 
 // csrc/cuda/mla_binding.cpp's mla_decompress with host tensors: the output length from seq_lens on
@@ -345,7 +378,11 @@ STABLE_TORCH_LIBRARY(kvkernels_emu, m) {
         "int kv_lora_rank, float scale, Tensor? query_start_loc=None, Tensor? kv_scale=None, *, Tensor(a!) out, "
         "Tensor(b!)? lse=None) -> ()");
   m.def("mla_attention_plan(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int kv_lora_rank, "
-        "Tensor? query_start_loc=None, Tensor? kv_scale=None) -> (int, int, int, int, int, int, int, int, int, int)");
+        "Tensor? query_start_loc=None, Tensor? kv_scale=None) -> (int, int, int, int, int, int, int, int, int, int, int, "
+        "int)");
+  m.def("pdl_counts(Tensor any) -> (int, int)");
+  m.def("mla_schedule(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, int kv_lora_rank, "
+        "int parts) -> Tensor");
   m.def("mla_decompress(Tensor kv_cache, Tensor block_tables, Tensor seq_lens, Tensor w_kv_b, int kv_lora_rank, "
         "int qk_nope_head_dim, int v_head_dim, Tensor? norm_weight=None, float norm_eps=1e-6, "
         "Tensor? scale=None, int? num_tokens=None) -> (Tensor key, Tensor value)");
@@ -368,6 +405,8 @@ STABLE_TORCH_LIBRARY_IMPL(kvkernels_emu, CPU, m) {
   m.impl("merge_attention_states_out", TORCH_BOX(&emu_ops::merge_attention_states_out));
   m.impl("mla_paged_attention_out", TORCH_BOX(&emu_ops::mla_paged_attention_out));
   m.impl("mla_attention_plan", TORCH_BOX(&emu_ops::mla_attention_plan));
+  m.impl("pdl_counts", TORCH_BOX(&emu_ops::pdl_counts));
+  m.impl("mla_schedule", TORCH_BOX(&emu_ops::mla_schedule));
   m.impl("mla_decompress", TORCH_BOX(&emu_ops::mla_decompress));
   m.impl("attention_plan", TORCH_BOX(&emu_ops::attention_plan));
   m.impl("merge_splits", TORCH_BOX(&emu_ops::merge_splits));

@@ -299,6 +299,20 @@ __global__ void misuse_kernel(MisuseArgs m) {
         s9::mbar_arrive(base + 8192);
       }
       break;
+    // Programmatic dependent launch (kinds 40-42 are launched with programmatic stream serialization): m.out
+    // stands for the predecessor grid's output.
+    case 40:  // a read of the predecessor's output before griddepcontrol.wait
+      m.out[tid] = s9::griddep_read(m.out + tid) + 1.0f;
+      s9::griddep_wait();
+      break;
+    case 41:  // a CTA that never waits (reads nothing through griddep_read, writes its own output)
+      s9::griddep_launch_dependents();
+      m.out[tid] = 1.0f;
+      break;
+    case 42:  // the rule kept: wait, then read (no report; out = 1)
+      s9::griddep_wait();
+      m.out[tid] = s9::griddep_read(m.out + tid) + 1.0f;
+      break;
     case 100:  // reading the accumulators before the wait: NaN (the kernel writes them out)
       if (tid < 128) {
         s9::wgmma_fence();
@@ -314,8 +328,16 @@ __global__ void misuse_kernel(MisuseArgs m) {
 Tensor sm90_misuse(Tensor like, int64_t kind, int64_t threads) {
   Tensor out = torch::stable::new_empty(like, {int64_t(threads)}, torch::headeronly::ScalarType::Float);
   std::memset(out.mutable_data_ptr(), 0, size_t(threads) * 4);
-  ::emu::launch(misuse_kernel, dim3(1), dim3(unsigned(threads)), 16384, nullptr,
-                MisuseArgs{int(kind), static_cast<float*>(out.mutable_data_ptr())});
+  const MisuseArgs args{int(kind), static_cast<float*>(out.mutable_data_ptr())};
+  if (kind >= 40 && kind < 50) {  // through cudaLaunchKernelEx with programmatic stream serialization
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    const cudaLaunchConfig_t cfg = {dim3(1), dim3(unsigned(threads)), 16384, nullptr, attr, 1};
+    cudaLaunchKernelEx(&cfg, misuse_kernel, args);
+  } else {
+    ::emu::launch(misuse_kernel, dim3(1), dim3(unsigned(threads)), 16384, nullptr, args);
+  }
   return out;
 }
 
