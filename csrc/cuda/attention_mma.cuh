@@ -240,10 +240,12 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
     else if constexpr (C::FP8) return (r * C::CPR + c) * 16;  // read row-wise by the conversion
     else return swz<CPR16>(r, c);
   };
+  // The tiles of the CTA's work item (the persistent decode: of its current run, set again per run).
+  int ntiles = w.tile_end - w.tile_begin;
   auto prime = [&](int s) {  // the first STAGES - 1 tiles, before the loop
-    if (s < w.tile_end - w.tile_begin) {
+    if (s < ntiles) {
       ld.issue(a, w.tile_begin + s, stage_k(s), stage_k(s) + C::RAW_TILE, off);
-      if (s + 1 < w.tile_end - w.tile_begin) ld.fetch(a, w, w.tile_begin + s + 1);
+      if (s + 1 < ntiles) ld.fetch(a, w, w.tile_begin + s + 1);
     }
     cp_async_commit();
   };
@@ -283,7 +285,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
       return;
     }
     ld.init(p, w);
-    if (w.tile_end > w.tile_begin) ld.fetch(a, w, w.tile_begin);
+    if (ntiles > 0) ld.fetch(a, w, w.tile_begin);
     if constexpr (PATH == Path::kMmaDecodeDeep || PATH == Path::kMmaDecodeOcc3) {
       // Not unrolled in the deep decode kernel: unrolled, its 3 issues kept their addresses live side
       // by side and the head-dim-256 instance ran out of registers (ptxas: 255 and spills); nor in the
@@ -302,7 +304,7 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
   // tiles of the runs before it, so the stages go round across runs as the loader fills them.
   int g0 = 0;
   for (;;) {
-  const int ntiles = w.tile_end - w.tile_begin;
+  if constexpr (C::PERSIST) ntiles = w.tile_end - w.tile_begin;
   // Queries of the CTA's rows -> shared memory (16-bit, swizzled); zero rows / columns as padding.
   int* qexp = reinterpret_cast<int*>(smem + C::QX_OFF);
   static_assert(!C::Q_RESCALE || (ROWS * CPR16) % NT == 0, "every thread in every pass (shuffles)");
@@ -708,11 +710,6 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
       dsum[mt][h] += __shfl_xor_sync(0xffffffffu, dsum[mt][h], 1);
       dsum[mt][h] += __shfl_xor_sync(0xffffffffu, dsum[mt][h], 2);
     }
-    const int r0 = wn * ROWS + (wm * MT + mt) * 16 + g;
-    if (t4 == 0) {
-      em[r0] = m2[mt][0], ed[r0] = dsum[mt][0];
-      em[r0 + 8] = m2[mt][1], ed[r0 + 8] = dsum[mt][1];
-    }
   }
 #pragma unroll
   for (int c0 = 0; c0 < DPAD; c0 += CW) {
@@ -742,6 +739,10 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
           *reinterpret_cast<float2*>(at) = make_float2(o[mt][i][0], o[mt][i][1]);
           *reinterpret_cast<float2*>(at + 8 * STRIDE) = make_float2(o[mt][i][2], o[mt][i][3]);
         }
+      }
+      if (c0 == 0 && t4 == 0) {
+        em[r0] = m2[mt][0], ed[r0] = dsum[mt][0];
+        em[r0 + 8] = m2[mt][1], ed[r0 + 8] = dsum[mt][1];
       }
     }
     __syncthreads();
