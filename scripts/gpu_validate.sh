@@ -337,12 +337,14 @@ step_b_flex() {
 # conversion; over bf16 the same kernel as wide), wide with 16 and 64 splits against the planner's
 # counts (1 at b64 x 4k, 32 at b1 x 32k on 132 SMs), and the opt-in variants of csrc/cuda/README.md "Decode at
 # the bandwidth limit": occ3 (3 CTAs per SM, its own split count: 3 at b64 x 4k, 47 at b1 x 32k; occ3-s1 the
-# same kernel unsplit at b64 x 4k), fused (first tiles before the query load, split merge in the kernel).
+# same kernel unsplit at b64 x 4k), fused (first tiles before the query load, split merge in the kernel),
+# persistent (the fused kernel as a grid of the 264 resident slots walking (item, split) units, the next item's
+# block ids and first tiles issued before this item's epilogue).
 # Timed as replayed CUDA graphs (--graph): eager, an H200 call costs ~40 us of host time, the GPU time of
 # b1 x 32k (b_targets times its rows the same way). "variant:" lines give each time and its speed-up over wide.
 step_b_variants() {
   bench -m kvkernels.bench.cuda_attention --no-flex --no-baselines --attn-prefill '' --graph \
-    --attn-shapes 64x4096,1x32768 --decode-variants wide,deep,fp8smem,occ3,occ3-s1,fused,wide-s16,wide-s64 \
+    --attn-shapes 64x4096,1x32768 --decode-variants wide,deep,fp8smem,occ3,occ3-s1,fused,persistent,wide-s16,wide-s64 \
     --json "$SCRATCH/results/bench/cuda-attention-variants-$STAMP.json"
 }
 # The A/B of the tensor-core prefill kernel's configurations: the full-size prefill (4096 queries over 4096
@@ -518,7 +520,7 @@ done <<<"$PLAN"
   grep -hE "^(FAILED|ERROR) " "$OUT/tests.log" 2>/dev/null | cut -c1-200 | head -40
   echo "---- targets of the full-size run (bench.log)"
   cat "$SCRATCH/targets-b_targets.txt" 2>/dev/null
-  echo "---- decode kernel A/B, wide vs deep / occ3 / fused, CUDA graphs (bench.log)"
+  echo "---- decode kernel A/B, wide vs deep / occ3 / fused / persistent, CUDA graphs (bench.log)"
   cat "$SCRATCH/targets-b_variants.txt" 2>/dev/null
   echo "---- peers on the same data: SDPA flash / cuDNN, FlashInfer, FlexAttention (bench.log)"
   cat "$SCRATCH"/targets-b_targets.txt "$SCRATCH"/targets-b_flex.txt "$SCRATCH"/targets-b_mla_prefill.txt \

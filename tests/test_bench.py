@@ -205,8 +205,9 @@ def test_cuda_attention_decode_variants_options_and_report(capsys, monkeypatch):
     assert parser.parse_args(["--decode-variants", "deep,deep-s1,wide-s33"]).decode_variants == [
         "deep", "deep-s1", "wide-s33"]
     assert parser.parse_args(["--decode-variants", "wide,fp8smem"]).decode_variants == ["wide", "fp8smem"]
-    graphed = parser.parse_args(["--decode-variants", "wide,occ3,occ3-s1,fused", "--graph"])
-    assert graphed.decode_variants == ["wide", "occ3", "occ3-s1", "fused"] and graphed.graph
+    graphed = parser.parse_args(["--decode-variants", "wide,occ3,occ3-s1,fused,persistent", "--graph"])
+    assert graphed.decode_variants == ["wide", "occ3", "occ3-s1", "fused", "persistent"] and graphed.graph
+    assert ca.DECODE_VARIANTS["persistent"] == "mma-decode-persistent"
     assert not parser.parse_args([]).graph
     assert parser.parse_args(["--prefill-variants", "wide,deep,tall"]).prefill_variants == ["wide", "deep", "tall"]
     assert parser.parse_args([]).decode_variants == []

@@ -280,8 +280,9 @@ def test_decode_variants_agree(dtype, fp8, d, monkeypatch):
     and with 7 forced splits: each matches the reference, and they agree to the query dtype's tolerance
     (their key slices differ, so their float32 sums round differently). Over fp8 caches also the wide kernel
     with its stages dequantized in shared memory (mma-decode-fp8-smem) against the default, which converts
-    fragments in registers at head dims 64 / 128: the same products in another order. And the opt-in occ3 and
-    fused decode variants against the wide one."""
+    fragments in registers at head dims 64 / 128: the same products in another order. And the opt-in occ3,
+    fused and persistent decode variants against the wide one (the persistent one at head dims 64 / 128; the
+    wide one at 256)."""
     kv, query, _ = make_case("decode", [1500, 64, 1, 333, 0], dtype=dtype, num_heads=16, num_kv_heads=4,
                              head_dim=d, block_size=16, fp8=fp8, per_head=True, seed=38)
     rtol, atol = TOLERANCES[dtype]
@@ -293,8 +294,14 @@ def test_decode_variants_agree(dtype, fp8, d, monkeypatch):
         assert_close(deep[0], wide[0].double(), dtype, rtol=2 * rtol, atol=2 * atol, msg="out")
         assert_close(deep[1], wide[1].double(), f32, rtol=1e-4, atol=1e-4, msg="lse")
         # The opt-in variants of csrc/cuda/README.md "Decode at the bandwidth limit": occ3 (3 CTAs per SM, its
-        # own split count) and fused (split merge in the last CTA of each work item, arrival counters).
-        for variant in ("mma-decode-occ3", "mma-decode-fused"):
+        # own split count), fused (split merge in the last CTA of each work item, arrival counters) and persistent
+        # (a grid of the resident slots walking (item, split) units, the fused merge), also with 5 CTAs (each
+        # walks several items; with 7 splits, ranges that start and end inside items).
+        for variant in ("mma-decode-occ3", "mma-decode-fused", "mma-decode-persistent", "persistent-5"):
+            monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PERSISTENT_CTAS", raising=False)
+            if variant == "persistent-5":
+                variant = "mma-decode-persistent"
+                monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PERSISTENT_CTAS", "5")
             force_cuda_plan(monkeypatch, "ATTN", variant, splits)
             other = run_cuda(kv, query, soft_cap=5.0)
             assert_close(other[0], wide[0].double(), dtype, rtol=2 * rtol, atol=2 * atol, msg=f"out ({variant})")
@@ -604,11 +611,16 @@ def test_debug_index_checks(bad, monkeypatch):
 # ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype,fp8", [(bf16, None), (f32, None), (bf16, "e4m3")], ids=["bf16", "f32", "e4m3"])
-def test_cuda_graph_decode_step(dtype, fp8):
+@pytest.mark.parametrize("dtype,fp8,path", [(bf16, None, None), (f32, None, None), (bf16, "e4m3", None),
+                                            (bf16, None, "mma-decode-fused"), (bf16, None, "mma-decode-persistent"),
+                                            (bf16, "e4m3", "mma-decode-persistent")],
+                         ids=["bf16", "f32", "e4m3", "bf16-fused", "bf16-persistent", "e4m3-persistent"])
+def test_cuda_graph_decode_step(dtype, fp8, path, monkeypatch):
     """Capture one decode step (long enough contexts that the plan splits: workspace allocated inside the
     capture), then change seq_lens and the block tables' contents in place and replay: the replays match
-    the reference for the new contents. Nothing in the launch depends on device data."""
+    the reference for the new contents. Nothing in the launch depends on device data. Also on the fused and
+    persistent decodes, whose arrival counters must start from zero at every replay (a memset node)."""
+    force_cuda_plan(monkeypatch, "ATTN", path, None)
     b, hq, hkv, d = 16, 8, 2, 128
     lens_a = [1500, 33, 900]
     lens_b = [1700, 1, 2047]  # different lengths, same table width (2048 / 16 = 128 columns + junk)

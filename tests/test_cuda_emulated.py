@@ -232,6 +232,8 @@ WGMMA_PREFILL = 7  # the sm_90a kernel (opt-in: KVKERNELS_CUDA_ATTN_PATH=wgmma-p
 # the query load and merges splits in its last CTA per work item.
 MMA_DECODE_OCC3, MMA_DECODE_FUSED = 8, 9
 WGMMA_PREFILL_OVERLAP = 10  # its intra-warpgroup overlapped loop (wgmma-prefill-overlap; padded head dims 64 / 128)
+# The fused decode as a persistent grid (mma-decode-persistent; padded head dims 64 / 128, the wide one at 256).
+MMA_DECODE_PERSISTENT = 11
 # The tensor-core kernels' two configurations each (csrc/cuda/attention_common.cuh, mma_wn / key_tile_of):
 # "wide", the default (decode: 64 keys per stage, 2 stages at head dim 128 / 256; prefill: 64 keys per stage,
 # 32 at head dim 256, 2 stages at head dim 128 / 256), and "deep" (16 KiB stages, 4 in flight), chosen by
@@ -246,11 +248,18 @@ WGMMA_PREFILL_OVERLAP = 10  # its intra-warpgroup overlapped loop (wgmma-prefill
 # of a 16-bit-query config on MMA_DECODE_OCC3 / MMA_DECODE_FUSED (KVKERNELS_CUDA_ATTN_PATH=mma-decode-occ3 /
 # mma-decode-fused); "decode-fused-rev" runs the fused one with the emulator's CTAs in reverse order
 # (KVKERNELS_EMU_CTA_ORDER=reverse), so that another split of each work item arrives last and merges.
+# "decode-persist" / "decode-persist-rev" run it on MMA_DECODE_PERSISTENT (mma-decode-persistent: the planner's
+# grid of 2 CTAs per emulated SM, 8, each walking a range of (work item, split) units), in either CTA order;
+# "decode-persist-5x3" forces 3 splits and 5 CTAs (PERSIST_FORCED), so that the CTAs' unit ranges start and end
+# inside work items, cross sequences and kv heads, and hold empty splits and empty sequences.
 VARIANT_ENV = {"decode": None, "decode-deep": "mma-decode-deep", "decode-fp8-smem": "mma-decode-fp8-smem",
                "decode-occ3": "mma-decode-occ3", "decode-fused": "mma-decode-fused",
-               "decode-fused-rev": "mma-decode-fused",
+               "decode-fused-rev": "mma-decode-fused", "decode-persist": "mma-decode-persistent",
+               "decode-persist-rev": "mma-decode-persistent", "decode-persist-5x3": "mma-decode-persistent",
                "varlen": None, "varlen-deep": "mma-prefill-deep", "varlen-tall": "mma-prefill-tall"}
-DECODE_MODES = ("decode", "decode-deep", "decode-fp8-smem", "decode-occ3", "decode-fused", "decode-fused-rev")
+PERSIST_FORCED = {"decode-persist-5x3": {"KVKERNELS_CUDA_ATTN_PERSISTENT_CTAS": "5", "KVKERNELS_CUDA_ATTN_SPLITS": "3"}}
+DECODE_MODES = ("decode", "decode-deep", "decode-fp8-smem", "decode-occ3", "decode-fused", "decode-fused-rev",
+                "decode-persist", "decode-persist-rev", "decode-persist-5x3")
 
 
 def use_mode(mode: str, monkeypatch) -> str:
@@ -258,6 +267,9 @@ def use_mode(mode: str, monkeypatch) -> str:
     returns the mode make_case takes ("decode" / "varlen")."""
     monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
     monkeypatch.delenv("KVKERNELS_EMU_CTA_ORDER", raising=False)
+    monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PERSISTENT_CTAS", raising=False)
+    for name, value in PERSIST_FORCED.get(mode, {}).items():
+        monkeypatch.setenv(name, value)
     if VARIANT_ENV.get(mode):
         monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", VARIANT_ENV[mode])
     if mode.endswith("-rev"):
@@ -278,6 +290,8 @@ def expected_path(path, env: str | None, dpad: int = 64, fp8: bool = False):
         return MMA_DECODE_OCC3
     if path == MMA_DECODE and "mma-decode-fused" in deep:
         return MMA_DECODE_FUSED
+    if path == MMA_DECODE and "mma-decode-persistent" in deep:  # the wide one at a padded head dim of 256
+        return MMA_DECODE_PERSISTENT if dpad <= 128 else MMA_DECODE
     if path == MMA_PREFILL and "mma-prefill-deep" in deep:
         return MMA_PREFILL_DEEP
     if path == MMA_PREFILL and "mma-prefill-tall" in deep and dpad <= 128 and not fp8:
@@ -293,7 +307,7 @@ def modes_for(configs: dict, dtype_of=lambda config: config[0], fp8_of=lambda co
     """(config, mode) parameters: every config in decode and varlen, the 16-bit ones (the tensor-core
     kernels) in decode-deep and varlen-deep as well (float32 queries run the SIMT kernel in every mode), and
     the 16-bit ones over fp8 caches in decode-fp8-smem, and the 16-bit ones in varlen-tall, decode-occ3,
-    decode-fused and decode-fused-rev."""
+    decode-fused, decode-fused-rev and the decode-persist modes."""
     def runs(config, mode):
         tensor_core = dtype_of(config) != f32
         if mode == "decode-fp8-smem":
@@ -305,10 +319,11 @@ def modes_for(configs: dict, dtype_of=lambda config: config[0], fp8_of=lambda co
 
 
 def plan_of(emu, kv, query, qsl):
-    path, dpad, splits, hpc, q_tile, gx, gy = emu.attention_plan(query, kv.key_cache, kv.value_cache,
+    path, dpad, splits, hpc, q_tile, gx, gy, pc = emu.attention_plan(query, kv.key_cache, kv.value_cache,
                                                                   kv.block_tables, kv.seq_lens, qsl,
                                                                   kv.scales.get("k_scale"), kv.scales.get("v_scale"))
-    return dict(path=path, dpad=dpad, splits=splits, heads_per_cta=hpc, q_tile=q_tile, grid=(gx, gy))
+    return dict(path=path, dpad=dpad, splits=splits, heads_per_cta=hpc, q_tile=q_tile, grid=(gx, gy),
+                persistent_ctas=pc)
 
 
 def emulated_paged_attention(emu, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc=None, *,
@@ -496,6 +511,13 @@ H200_DECODE_SPLITS = {
     "attn-occ3-b64-4k-e4m3": ("attn", 64, 4096, 32, "float8_e4m3fn", "mma-decode-occ3", 3),
     # The fused decode counts the wide one's 2 CTAs per SM.
     "attn-fused-b1-32k-bf16": ("attn", 1, 32768, 32, "bfloat16", "mma-decode-fused", 32),
+    # The persistent decode: [splits, CTAs]. 2 CTAs per SM (264 slots; ~77 KiB each); its units cost their tiles
+    # only (choose_persistent_splits): 512 items over 64 tiles stay unsplit, 264 CTAs of 1 or 2 items; 8 items over
+    # 512 tiles take 32 splits, 256 CTAs of one unit each (33 would fill 264 at the same 16 tiles: the tie).
+    "attn-persist-b64-4k-bf16": ("attn", 64, 4096, 32, "bfloat16", "mma-decode-persistent", [1, 264]),
+    "attn-persist-b1-32k-bf16": ("attn", 1, 32768, 32, "bfloat16", "mma-decode-persistent", [32, 256]),
+    "attn-persist-b64-4k-e4m3": ("attn", 64, 4096, 32, "float8_e4m3fn", "mma-decode-persistent", [1, 264]),
+    "attn-persist-b1-32k-e4m3": ("attn", 1, 32768, 32, "float8_e4m3fn", "mma-decode-persistent", [32, 256]),
     # mla_paged_attention, 16 heads: the 16-row kernel, 2 CTAs per SM (264 slots): 4 splits make 256 CTAs,
     # one wave (the first planner: 5, 320 CTAs in two waves).
     "mla-b64-4k-h16": ("mla", 64, 4096, 16, "bfloat16", None, 4),
@@ -517,7 +539,8 @@ for name, (op, batch, keys, heads, dtype, path, _) in json.loads(sys.argv[1]).it
         cache = torch.zeros(4, 16, 8, 128).to(getattr(torch, dtype))
         scale = torch.ones(1) if dtype.startswith("float8") else None
         query = torch.zeros(batch, heads, 128, dtype=torch.bfloat16)
-        out[name] = emu.attention_plan(query, cache, cache, tables, lens, None, scale, scale)[2]
+        plan = emu.attention_plan(query, cache, cache, tables, lens, None, scale, scale)
+        out[name] = [plan[2], plan[7]] if plan[0] == 11 else plan[2]  # the persistent decode: its grid too
     else:
         cache = torch.zeros(4, 16, 576, dtype=getattr(torch, dtype))
         query = torch.zeros(batch, heads, 576, dtype=torch.bfloat16)
@@ -562,7 +585,9 @@ def test_decode_variant_override(emu, d, monkeypatch):
                                   ("mma-decode-wide", MMA_DECODE, {64: 64, 128: 64, 256: 32}[d]),
                                   ("mma-decode-deep", MMA_DECODE_DEEP, {64: 64, 128: 32, 256: 16}[d]),
                                   ("mma-decode-occ3", MMA_DECODE_OCC3, {64: 64, 128: 64, 256: 32}[d]),
-                                  ("mma-decode-fused", MMA_DECODE_FUSED, {64: 64, 128: 64, 256: 32}[d])):
+                                  ("mma-decode-fused", MMA_DECODE_FUSED, {64: 64, 128: 64, 256: 32}[d]),
+                                  ("mma-decode-persistent", MMA_DECODE_PERSISTENT if d <= 128 else MMA_DECODE,
+                                   {64: 64, 128: 64, 256: 32}[d])):
         monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
         if value:
             monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", value)
@@ -602,7 +627,7 @@ def test_fp8_decode_bf16_query_range(emu, d, fp8, monkeypatch):
     query[:, 1] *= 1e-7
     query[:, 2, :5] = 4e4
     query[1, 3, 7] = float("nan")
-    for value in (None, "mma-decode-deep", "mma-decode-occ3", "mma-decode-fused"):
+    for value in (None, "mma-decode-deep", "mma-decode-occ3", "mma-decode-fused", "mma-decode-persistent"):
         monkeypatch.delenv("KVKERNELS_CUDA_ATTN_PATH", raising=False)
         if value:
             monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", value)
@@ -663,8 +688,10 @@ def test_prefill_variant_override(emu, d, monkeypatch):
 
 @pytest.mark.parametrize("splits", [3, 128])
 @pytest.mark.parametrize("dtype,variant", [(f32, None), (bf16, None), (bf16, "decode-occ3"), (bf16, "decode-fused"),
-                                           (bf16, "decode-fused-rev")],
-                         ids=["f32", "bf16", "bf16-occ3", "bf16-fused", "bf16-fused-rev"])
+                                           (bf16, "decode-fused-rev"), (bf16, "decode-persist"),
+                                           (bf16, "decode-persist-rev")],
+                         ids=["f32", "bf16", "bf16-occ3", "bf16-fused", "bf16-fused-rev", "bf16-persist",
+                              "bf16-persist-rev"])
 def test_forced_splits(emu, dtype, variant, splits, monkeypatch):
     """KVKERNELS_CUDA_ATTN_SPLITS: more splits than some sequences have key tiles (empty splits); with bf16
     queries also on the opt-in decode variants (the fused one merges in its last CTA per work item, which is
@@ -676,6 +703,28 @@ def test_forced_splits(emu, dtype, variant, splits, monkeypatch):
         kv, query, qsl = make_case(mode, [300, 0, 1, 77, 16], dtype=dtype, num_heads=4, num_kv_heads=2,
                                    head_dim=64, block_size=16, seed=5)
         run_emu_attention(emu, kv, query, qsl, splits=lambda n: n > 1, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))
+
+
+@pytest.mark.parametrize("fp8,d", [(None, 64), ("e4m3", 128)], ids=["bf16-d64", "e4m3-d128"])
+@pytest.mark.parametrize("ctas,splits", [(1, 1), (1, 4), (3, 1), (7, 4), (1000, 2)])
+def test_persistent_decode_unit_ranges(emu, ctas, splits, fp8, d, monkeypatch):
+    """The persistent decode (mma-decode-persistent) with forced grids and splits: one CTA walking every unit
+    (its pipeline crosses every work item, empty sequences and empty splits between them), ranges that start and
+    end inside work items (7 CTAs over 4 splits of 14 items), and more CTAs than units (capped at the units);
+    in both CTA orders (another CTA arrives last at each item). Sequence 1 is empty, 2 has one key, 5 fills
+    exactly one 64-key tile, 6 is empty at the end."""
+    kv, query, _ = make_case("decode", [300, 0, 1, 130, 77, 64, 0], dtype=bf16, num_heads=8, num_kv_heads=2,
+                             head_dim=d, block_size=16, fp8=fp8, per_head=fp8 is not None, seed=47)
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PATH", "mma-decode-persistent")
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_PERSISTENT_CTAS", str(ctas))
+    monkeypatch.setenv("KVKERNELS_CUDA_ATTN_SPLITS", str(splits))
+    units = 7 * 2 * splits
+    for order in ("forward", "reverse"):
+        monkeypatch.setenv("KVKERNELS_EMU_CTA_ORDER", order)
+        out, lse, plan = run_emu_attention(emu, kv, query, path=MMA_DECODE, splits=lambda n: n == splits,
+                                           sinks=torch.tensor([0.5, -1.0, 2.0, 0.0, 0.1, 0.2, 0.3, 0.4]))
+        assert plan["persistent_ctas"] == min(ctas, units), plan
+        assert lse[1].isfinite().all() and torch.equal(out[6], torch.zeros_like(out[6]))  # sinks; no keys
 
 
 # id: dtype, Hq, Hkv, D, B, forced path (None: the planner's), forced splits

@@ -17,7 +17,9 @@
 // A/B of that change; over 16-bit caches the wide kernel), `mma-decode-occ3` (the wide one held to
 // the registers of 3 CTAs per SM, its split count counting them) / `mma-decode-fused` (the wide one
 // issuing its first tiles before the query load and merging splits in the kernel, no merge launch:
-// both opt-in, for the A/B of csrc/cuda/README.md "Decode at the bandwidth limit"), `mma-prefill-wide` /
+// both opt-in, for the A/B of csrc/cuda/README.md "Decode at the bandwidth limit"), `mma-decode-persistent`
+// (the fused one as a persistent grid of the resident CTA slots walking (work item, split) units; opt-in, the
+// same A/B; KVKERNELS_CUDA_ATTN_PERSISTENT_CTAS=<n> forces its grid, for tests), `mma-prefill-wide` /
 // `mma-prefill-deep` (the same choice for the tensor-core prefill) / `mma-prefill-tall` (2 row
 // tiles of 16 per warp, 128 rows per CTA, where has_tall_prefill(); elsewhere the wide one) /
 // `wgmma-prefill` (the sm_90a kernel of attention_sm90.cuh where wgmma_prefill_unsupported() finds no
@@ -160,7 +162,7 @@ Sm90KvTma encode_kv_tma(const AttentionParams& p, int dpad, const char** why) {
 // KVKERNELS_CUDA_ATTN_PATH, parsed (see the top of this file).
 struct PathChoice {
   bool simt = false, decode_deep = false, decode_fp8_smem = false, decode_occ3 = false, decode_fused = false,
-       prefill_deep = false, prefill_tall = false, prefill_wgmma = false, wgmma_overlap = false;
+       decode_persistent = false, prefill_deep = false, prefill_tall = false, prefill_wgmma = false, wgmma_overlap = false;
 };
 
 PathChoice path_choice() {
@@ -180,6 +182,7 @@ PathChoice path_choice() {
     else if (item == "mma-decode-fp8-smem") c.decode_fp8_smem = true, ++decode;
     else if (item == "mma-decode-occ3") c.decode_occ3 = true, ++decode;
     else if (item == "mma-decode-fused") c.decode_fused = true, ++decode;
+    else if (item == "mma-decode-persistent") c.decode_persistent = true, ++decode;
     else if (item == "mma-prefill-wide") ++prefill;
     else if (item == "mma-prefill-deep") c.prefill_deep = true, ++prefill;
     else if (item == "mma-prefill-tall") c.prefill_tall = true, ++prefill;
@@ -195,7 +198,7 @@ PathChoice path_choice() {
     throw std::runtime_error("kvkernels.paged_attention (CUDA): KVKERNELS_CUDA_ATTN_PATH=" + value +
                              " is not one of simt, auto, or a comma-separated list of at most one of "
                              "mma-decode-wide / mma-decode-deep / mma-decode-fp8-smem / mma-decode-occ3 / "
-                             "mma-decode-fused and one of "
+                             "mma-decode-fused / mma-decode-persistent and one of "
                              "mma-prefill-wide / mma-prefill-tall / "
                              "mma-prefill-deep / wgmma-prefill / wgmma-prefill-overlap");
   return c;
@@ -212,7 +215,7 @@ template <Path P, CacheFormat CF, int D>
 int decode_ctas(int smem_per_sm) {
   using C = MmaCfg<__nv_bfloat16, CF, D, P>;  // the query type changes no size
   const int fit = smem_per_sm / (C::SMEM + 1024);
-  return std::max(1, std::min(fit, C::MIN_BLOCKS));
+  return std::max(1, std::min(fit, P == Path::kMmaDecodePersistent ? kCtasPerSm : C::MIN_BLOCKS));
 }
 
 template <Path P>
@@ -230,12 +233,16 @@ int decode_ctas(int dpad, bool fp8, int smem_per_sm) {
 int resident_ctas(Path path, int dpad, CacheFormat format, int smem_per_sm) {
   if (path == Path::kMmaDecodeDeep) return decode_ctas<Path::kMmaDecodeDeep>(dpad, is_fp8(format), smem_per_sm);
   if (path == Path::kMmaDecodeOcc3) return decode_ctas<Path::kMmaDecodeOcc3>(dpad, is_fp8(format), smem_per_sm);
+  // The persistent decode's grid is these slots, so they must all be resident at once: the wide decode's 2
+  // (registers) where shared memory holds them (H100 / H200 / A100: <= 81 KiB each; 1 on sm_86 / sm_89).
+  if (path == Path::kMmaDecodePersistent) return decode_ctas<Path::kMmaDecodePersistent>(dpad, is_fp8(format), smem_per_sm);
   return kCtasPerSm;
 }
 
 // Floats of the fused decode's arrival counters (one unsigned per work item) after the partials.
 int64_t arrival_floats(const LaunchPlan& plan) {
-  return plan.path == static_cast<int>(Path::kMmaDecodeFused) && plan.num_splits > 1
+  const Path path = static_cast<Path>(plan.path);
+  return (path == Path::kMmaDecodeFused || path == Path::kMmaDecodePersistent) && plan.num_splits > 1
              ? floats_aligned8(plan.grid_x * plan.grid_y)
              : 0;
 }
@@ -290,6 +297,7 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
     path = choice.decode_deep                                   ? Path::kMmaDecodeDeep
            : choice.decode_occ3                                 ? Path::kMmaDecodeOcc3
            : choice.decode_fused                                ? Path::kMmaDecodeFused
+           : choice.decode_persistent && has_persistent_decode(plan.dpad) ? Path::kMmaDecodePersistent
            : choice.decode_fp8_smem && is_fp8(p.kv.format) ? Path::kMmaDecodeFp8Smem
                                                                 : Path::kMmaDecode;
   else {
@@ -335,7 +343,9 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
   } else if (items > 0 && decode) {
     const int64_t slots =
         int64_t(dev.sm_count) * resident_ctas(path, plan.dpad, p.kv.format, dev.smem_per_sm);
-    splits = choose_splits(items, max_tiles, std::max<int64_t>(1, slots), most);
+    splits = path == Path::kMmaDecodePersistent
+                 ? choose_persistent_splits(items, max_tiles, std::max<int64_t>(1, slots), most)
+                 : choose_splits(items, max_tiles, std::max<int64_t>(1, slots), most);
   } else if (items > 0) {
     // (the wgmma prefill holds one CTA per SM: ~190 KiB of shared memory)
     const int64_t target = int64_t(dev.sm_count) * (is_wgmma_prefill(path) ? 1 : kCtasPerSm);
@@ -344,6 +354,16 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
   splits = std::max<int64_t>(1, std::min<int64_t>({splits, kMaxSplits, max_tiles}));
   plan.num_splits = static_cast<int>(splits);
   plan.grid_z = plan.num_splits;
+  if (path == Path::kMmaDecodePersistent) {
+    // One CTA per resident slot, none without a unit; KVKERNELS_CUDA_ATTN_PERSISTENT_CTAS=<n> (tests) forces n,
+    // so that small cases walk several units per CTA across work items and sequences.
+    const int64_t units = items * plan.num_splits;
+    const int64_t slots =
+        int64_t(dev.sm_count) * resident_ctas(path, plan.dpad, p.kv.format, dev.smem_per_sm);
+    const int forced_ctas = env_int("KVKERNELS_CUDA_ATTN_PERSISTENT_CTAS", 0);
+    plan.persistent_ctas = static_cast<int>(std::max<int64_t>(
+        1, std::min<int64_t>({units, forced_ctas > 0 ? forced_ctas : slots, 0x7fffffff})));
+  }
   if (plan.num_splits > 1) {
     const int64_t rows_total = int64_t(plan.num_splits) * p.num_tokens * p.num_heads;
     plan.workspace_floats = floats_aligned8(rows_total * dv) + floats_aligned8(rows_total) + arrival_floats(plan);
@@ -374,7 +394,7 @@ void launch_paged_attention(const AttentionParams& p, const LaunchPlan& plan, fl
     a.part_o = workspace;
     a.part_lse = workspace + floats_aligned8(rows_total * p.kv.head_dim_v);
     if (arrival_floats(plan) > 0) {
-      // The fused decode's arrival counters, zeroed on the stream before the kernel (a memset node in a
+      // The fused / persistent decode's arrival counters, zeroed on the stream before the kernel (a memset node in a
       // CUDA graph: every replay starts from zero; the workspace itself comes uninitialized).
       a.arrivals = reinterpret_cast<unsigned*>(a.part_lse + floats_aligned8(rows_total));
       check(cudaMemsetAsync(a.arrivals, 0, size_t(plan.grid_x) * plan.grid_y * sizeof(unsigned), stream),
@@ -382,9 +402,11 @@ void launch_paged_attention(const AttentionParams& p, const LaunchPlan& plan, fl
     }
   }
 
-  const dim3 grid(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(plan.grid_y),
-                  static_cast<unsigned>(plan.grid_z));
   const Path path = static_cast<Path>(plan.path);
+  const dim3 grid = path == Path::kMmaDecodePersistent
+                        ? dim3(static_cast<unsigned>(plan.persistent_ctas))
+                        : dim3(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(plan.grid_y),
+                               static_cast<unsigned>(plan.grid_z));
   cudaError_t err;
   if (is_wgmma_prefill(path)) {
     const bool overlap = path == Path::kWgmmaPrefillOverlap;
@@ -403,7 +425,7 @@ void launch_paged_attention(const AttentionParams& p, const LaunchPlan& plan, fl
     default: err = launch_attention_f32(a, path, plan.dpad, grid, stream); break;
   }
   check(err, "attention kernel launch");
-  if (plan.num_splits > 1 && a.arrivals == nullptr) {  // (the fused decode merged in the kernel)
+  if (plan.num_splits > 1 && a.arrivals == nullptr) {  // (the fused / persistent decode merged in the kernel)
     switch (p.q_format) {
       case FloatFormat::kFloat16: err = launch_merge_f16(a, stream); break;
       case FloatFormat::kBFloat16: err = launch_merge_bf16(a, stream); break;

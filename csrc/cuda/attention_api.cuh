@@ -23,6 +23,8 @@ struct LaunchPlan {
   int64_t grid_x = 0;
   int grid_y = 0, grid_z = 0;
   int64_t workspace_floats = 0;  // float32 scratch the launch needs on the device (0: none)
+  int persistent_ctas = 0;       // the persistent decode's grid (its CTAs walk the grid_x x grid_y x
+                                 // num_splits units); 0 for the other paths
 };
 
 // Throws std::runtime_error when the device or the shapes cannot run (compute capability < 8.0,
@@ -34,7 +36,8 @@ struct LaunchPlan {
 // =mma-prefill-deep (the same for the tensor-core prefill, =mma-prefill-wide; =mma-prefill-tall: two
 // row tiles per warp, 16-bit caches at head dims 64 / 128), or a comma-separated
 // list of one decode and one prefill choice (attention.cu), and KVKERNELS_CUDA_ATTN_SPLITS=<n> (that
-// many KV splits, capped to 128).
+// many KV splits, capped to 128); KVKERNELS_CUDA_ATTN_PERSISTENT_CTAS=<n>: the persistent decode's grid
+// (=mma-decode-persistent; at most its units).
 LaunchPlan plan_paged_attention(const AttentionParams& p, int device);
 
 // Why the sm_90a wgmma prefill (KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill) cannot run a call, or nullptr

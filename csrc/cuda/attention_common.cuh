@@ -80,6 +80,11 @@ enum class Path : int {
                              // before the softmax of tile j ends: two S accumulators; attention_sm90.cuh,
                              // OVERLAP); opt-in (KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill-overlap) for the
                              // A/B, where has_wgmma_overlap(); elsewhere kWgmmaPrefill. Not yet run on a GPU
+  kMmaDecodePersistent = 11,  // the fused decode kernel made persistent: a grid of the resident CTA slots, each
+                              // walking a static contiguous range of (work item, split) units, its cp.async
+                              // pipeline running on across work items (the next item's block ids and first
+                              // tiles issued before this one's epilogue); the fused kernel's last-arrival merge.
+                              // Opt-in (KVKERNELS_CUDA_ATTN_PATH=mma-decode-persistent), not yet run on a GPU
 };
 
 // Everything a kernel needs: the validated params and the host-side plan.
@@ -95,9 +100,14 @@ struct AttnArgs {
   int q_aligned = 0;      // query rows 16-byte aligned: 16-byte loads
   float* part_o = nullptr;    // [num_splits, num_tokens, num_heads, head_dim_v] (num_splits > 1)
   float* part_lse = nullptr;  // [num_splits, num_tokens, num_heads], log2 units
-  unsigned* arrivals = nullptr;  // Path::kMmaDecodeFused with splits: one counter per work item (blockIdx.y *
-                                 // gridDim.x + blockIdx.x), zero at the launch
+  unsigned* arrivals = nullptr;  // Path::kMmaDecodeFused / kMmaDecodePersistent with splits: one counter per
+                                 // work item (decode_item), zero at the launch
 };
+
+// A decode work item's index (seq = blockIdx.x, y = blockIdx.y of the one-CTA-per-split grid): the fused
+// and persistent decodes' arrival counter, and the persistent decode's unit order (unit u = split
+// u % num_splits of item u / num_splits). Sequence-major: a sequence's kv heads are neighbours.
+__host__ __device__ inline int64_t decode_item(int64_t seq, int y, int grid_y) { return seq * grid_y + y; }
 
 // Decode KV splits (the paged-attention and MLA planners): CTAs of equal work run in waves of `slots`
 // (SMs x resident CTAs), so the time of s splits of `items` work items over `tiles` key tiles is about
@@ -114,6 +124,21 @@ inline int64_t choose_splits(int64_t items, int64_t tiles, int64_t slots, int64_
   for (int64_t s = 1; s <= most; ++s) {
     const int64_t waves = (items * s + slots - 1) / slots;
     const int64_t cost = waves * ((tiles + s - 1) / s + kCtaOverheadTiles) + (s > 1 ? kMergeTiles : 0);
+    if (best_cost < 0 || cost < best_cost) best = s, best_cost = cost;
+  }
+  return best;
+}
+
+// The persistent decode's splits (Path::kMmaDecodePersistent): `slots` CTAs walk the items x s units in
+// static contiguous ranges, the units of one item in a range as one run (one state, one partial), and a
+// run's prologue overlaps the previous run's last tiles; so a CTA costs about its units' tiles, ceil(items x
+// s / slots) x ceil(tiles / s), with no per-CTA fixed cost, plus the merge with s > 1. Returns the count in
+// [1, most] with the least such time, the smallest on ties (H200, 264 slots: 1 at b64 x 4k, 2 items of 64
+// tiles per CTA as the wide decode's 2 waves; 32 at b1 x 32k, 16 tiles per CTA as the wide decode).
+inline int64_t choose_persistent_splits(int64_t items, int64_t tiles, int64_t slots, int64_t most) {
+  int64_t best = 1, best_cost = -1;
+  for (int64_t s = 1; s <= most; ++s) {
+    const int64_t cost = (items * s + slots - 1) / slots * ((tiles + s - 1) / s) + (s > 1 ? kMergeTiles : 0);
     if (best_cost < 0 || cost < best_cost) best = s, best_cost = cost;
   }
   return best;
@@ -152,7 +177,7 @@ __host__ __device__ constexpr int cache_esize(CacheFormat f) {
 
 __host__ __device__ constexpr bool is_mma_decode(Path path) {
   return path == Path::kMmaDecode || path == Path::kMmaDecodeDeep || path == Path::kMmaDecodeFp8Smem ||
-         path == Path::kMmaDecodeOcc3 || path == Path::kMmaDecodeFused;
+         path == Path::kMmaDecodeOcc3 || path == Path::kMmaDecodeFused || path == Path::kMmaDecodePersistent;
 }
 
 __host__ __device__ constexpr bool is_mma_prefill(Path path) {
@@ -182,6 +207,11 @@ __host__ __device__ constexpr bool has_tall_prefill(CacheFormat f, int dpad) {
 }
 
 // Row tiles of 16 per warp of the tensor-core kernels: 2 in the tall prefill, else 1.
+// Padded head dims with a persistent decode (Path::kMmaDecodePersistent): 64 and 128. At 256 its loader's
+// state across work items took the kernel to 255 registers with a spill (ptxas, sm_90a, bf16), where the
+// wide kernel is at 251: the planner runs the wide decode there (docs/ops.md).
+__host__ __device__ constexpr bool has_persistent_decode(int dpad) { return dpad <= 128; }
+
 __host__ __device__ constexpr int mma_mt(Path path) { return path == Path::kMmaPrefillTall ? 2 : 1; }
 
 // Warps of the tensor-core kernels: (WM row blocks of 16) x (WN key slices of 16 keys each).
@@ -500,10 +530,13 @@ struct Work {
 // them; the grid has start(num_seqs) = (num_tokens + num_seqs * (q_tile - 1)) / q_tile tiles, so
 // the grid size depends on shapes only. Index tensors are read defensively (clamped), so bad input
 // gives wrong numbers at worst, never an out-of-bounds access.
-// make_work_at: the same for query tile `tile` (decode: sequence `tile`) instead of this CTA's (the MLA
-// decode's metadata plan walks several sequences in one CTA, mla_sched.cuh).
+// make_work_tile: the same for query tile `tile` (after the varlen reversal below; decode: sequence `tile`),
+// kv head / chunk `y` and the run of splits [s0, s1) of the item, whose key tiles are contiguous (split s0's
+// first to split s1 - 1's last) and whose state is written as split s0's partial: the persistent decode
+// (Path::kMmaDecodePersistent) and the MLA decode's metadata plan (mla_sched.cuh) name their work items
+// themselves, several per CTA.
 template <int KT>
-__device__ __forceinline__ bool make_work_at(const AttnArgs& a, Work& w, int tile) {
+__device__ __forceinline__ bool make_work_tile(const AttnArgs& a, Work& w, int tile, int y, int s0, int s1) {
   const AttentionParams& p = a.p;
   const int64_t num_seqs = p.kv.num_seqs;
   if (p.query_start_loc == nullptr) {
@@ -542,25 +575,33 @@ __device__ __forceinline__ bool make_work_at(const AttnArgs& a, Work& w, int til
     w.lo = lo < 0 ? 0 : static_cast<int>(lo);
   }
 
-  const int chunk = static_cast<int>(blockIdx.y) % a.head_chunks;
-  w.kv_head = static_cast<int>(blockIdx.y) / a.head_chunks;
+  const int chunk = y % a.head_chunks;
+  w.kv_head = y / a.head_chunks;
   w.head0 = w.kv_head * a.group + chunk * a.heads_per_cta;
   w.nh = min(a.heads_per_cta, a.group - chunk * a.heads_per_cta);
-  w.split = blockIdx.z;
+  w.split = s0;
 
   w.tile_begin = w.tile_end = 0;
   if (w.hi >= w.lo && w.nq > 0) {
     const int64_t first = w.lo / KT, n = w.hi / KT - first + 1;
-    w.tile_begin = static_cast<int>(first + n * w.split / a.num_splits);
-    w.tile_end = static_cast<int>(first + n * (w.split + 1) / a.num_splits);
+    w.tile_begin = static_cast<int>(first + n * s0 / a.num_splits);
+    w.tile_end = static_cast<int>(first + n * s1 / a.num_splits);
   }
   return true;
 }
 
+// The work item of this CTA (blockIdx): one split. Varlen: the last tiles of a sequence see the most keys
+// (causal), so they are scheduled first.
 template <int KT>
 __device__ __forceinline__ bool make_work(const AttnArgs& a, Work& w) {
-  // Varlen: the last tiles of a sequence see the most keys (causal), so they are scheduled first.
-  return make_work_at<KT>(a, w, a.p.query_start_loc ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : blockIdx.x);
+  const int tile = a.p.query_start_loc ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+  return make_work_tile<KT>(a, w, tile, blockIdx.y, blockIdx.z, blockIdx.z + 1);
+}
+
+// Query tile `tile` (decode: sequence `tile`) with this CTA's head chunk and split.
+template <int KT>
+__device__ __forceinline__ bool make_work_at(const AttnArgs& a, Work& w, int tile) {
+  return make_work_tile<KT>(a, w, tile, blockIdx.y, blockIdx.z, blockIdx.z + 1);
 }
 
 struct RowId {
@@ -910,19 +951,20 @@ __device__ __forceinline__ void store_n(OT* dst, const float* x) {
   }
 }
 
-// Epilogue shared memory: eo [WN][ROWS][DPAD + 4] unnormalized outputs, em / ed [WN][ROWS]
-// running max (log2 units) and denominator of each warp slice. Every row of the CTA ends here:
-// the final out / lse (one split) or the normalized partial (several splits).
-template <typename OT, int ROWS, int DPAD, int WN, int NT>
+// Epilogue shared memory: eo [WN][ROWS][CW + 4] unnormalized outputs of columns [c0, c0 + CW) (CW =
+// DPAD, c0 = 0: all of them; the persistent decode passes DPAD / CW column chunks through a smaller
+// buffer), em / ed [WN][ROWS] running max (log2 units) and denominator of each warp slice. Every row
+// of the CTA ends here: the final out / lse (one split) or the normalized partial (several splits).
+template <typename OT, int ROWS, int DPAD, int WN, int NT, int CW = DPAD>
 __device__ __forceinline__ void finalize_rows(const AttnArgs& a, const Work& w, const float* eo,
-                                              const float* em, const float* ed, float v_mul) {
-  constexpr int C8 = DPAD / 8;
-  constexpr int STRIDE = DPAD + 4;
+                                              const float* em, const float* ed, float v_mul, int c0 = 0) {
+  constexpr int C8 = CW / 8;
+  constexpr int STRIDE = CW + 4;
   const AttentionParams& p = a.p;
   const int d = p.kv.head_dim_v;  // output columns: the value's head dim
   v_mul = checked_v_mul(v_mul);
   for (int idx = threadIdx.x; idx < ROWS * C8; idx += NT) {
-    const int r = idx / C8, c = (idx - r * C8) * 8;
+    const int r = idx / C8, c = c0 + (idx - r * C8) * 8;
     if (c >= d) continue;
     const RowId id = row_id(a, w, r);
     if (!id.valid) continue;
@@ -939,7 +981,7 @@ __device__ __forceinline__ void finalize_rows(const AttnArgs& a, const Work& w, 
     for (int s = 0; s < WN; ++s) {
       const float e = M == -INFINITY ? 1.0f : exp2f(em[s * ROWS + r] - M);
       D += ed[s * ROWS + r] * e;
-      const float* o = eo + (s * ROWS + r) * STRIDE + c;
+      const float* o = eo + (s * ROWS + r) * STRIDE + (c - c0);
       const float4 o0 = *reinterpret_cast<const float4*>(o);
       const float4 o1 = *reinterpret_cast<const float4*>(o + 4);
       acc[0] += e * o0.x, acc[1] += e * o0.y, acc[2] += e * o0.z, acc[3] += e * o0.w;

@@ -66,6 +66,10 @@ cudaError_t launch_for_cache(const AttnArgs& a, Path path, int dpad, dim3 grid,
         return launch_mma<QT, CF, D, Path::kMmaDecodeOcc3>(a, grid, stream);          \
       if (path == Path::kMmaDecodeFused)                                              \
         return launch_mma<QT, CF, D, Path::kMmaDecodeFused>(a, grid, stream);         \
+      if constexpr (has_persistent_decode(D)) {                                       \
+        if (path == Path::kMmaDecodePersistent)                                       \
+          return launch_mma<QT, CF, D, Path::kMmaDecodePersistent>(a, grid, stream);  \
+      }                                                                               \
       if (path == Path::kMmaPrefill)                                                  \
         return launch_mma<QT, CF, D, Path::kMmaPrefill>(a, grid, stream);             \
       if (path == Path::kMmaPrefillDeep)                                              \

@@ -134,16 +134,16 @@ __device__ __forceinline__ void merge_row(const AttnArgs& a, int64_t row, int64_
 // so no merge launch follows the attention kernel. The fences order each CTA's partial stores before its
 // arrival, and the last CTA's reads after it (the pattern of a last-block reduction); the counters are
 // zeroed by the launch (cudaMemsetAsync on the stream before the kernel: a memset node in a CUDA graph,
-// so every replay starts from zero). Called by every thread of the CTA.
+// so every replay starts from zero). Called by every thread of the CTA. `item`: the counter (decode_item);
+// `count`: the splits this CTA's partials stand for (1; the persistent decode's run of splits, one partial
+// and empty ones for the rest, counts them all at once).
 template <typename OT, int NT>
-__device__ __forceinline__ void merge_if_last(const AttnArgs& a, const Work& w) {
+__device__ __forceinline__ void merge_if_last(const AttnArgs& a, const Work& w, int64_t item, int count) {
   __threadfence();
   __syncthreads();  // every thread's partials stored and fenced before the CTA arrives
   int last = 0;
-  if (threadIdx.x == 0) {
-    const unsigned item = blockIdx.y * gridDim.x + blockIdx.x;
-    last = atomicAdd(a.arrivals + item, 1u) == unsigned(a.num_splits - 1);
-  }
+  if (threadIdx.x == 0)
+    last = atomicAdd(a.arrivals + item, unsigned(count)) + unsigned(count) == unsigned(a.num_splits);
   if (!__syncthreads_or(last)) return;
   __threadfence();
   const int64_t rows = a.p.num_tokens * a.p.num_heads;

@@ -37,6 +37,12 @@
 //                      queries and, with splits, merges its work item's partials in the last CTA of the
 //                      item to finish (merge_if_last, attention_merge.cuh) instead of a merge kernel.
 //                      Selectable (KVKERNELS_CUDA_ATTN_PATH=mma-decode-fused), not run on a GPU yet.
+//   Path::kMmaDecodePersistent  the fused decode kernel (PERSIST) launched as a grid of the resident CTA
+//                      slots, each CTA walking a static contiguous range of (work item, split) units as
+//                      runs (a run: its units of one item, one state, one partial); the loader runs ahead
+//                      across runs, so the next item's block ids and first tiles are issued before this
+//                      item's epilogue, which has a buffer of its own. Head dims 64 / 128. Selectable
+//                      (KVKERNELS_CUDA_ATTN_PATH=mma-decode-persistent), not run on a GPU yet.
 //
 // Per tile and warp: S = Q K^T with mma.sync.m16n8k16 (A = Q from registers or ldmatrix, B = K
 // via ldmatrix from a swizzled [key][dim] tile), logits scaled / capped / biased / masked in fp32,
@@ -48,7 +54,7 @@
 #pragma once
 
 #include "attention_common.cuh"
-#include "attention_merge.cuh"  // merge_if_last (Path::kMmaDecodeFused)
+#include "attention_merge.cuh"  // merge_if_last (Path::kMmaDecodeFused / kMmaDecodePersistent)
 
 namespace kvkernels::attn_cuda {
 
@@ -88,13 +94,19 @@ struct MmaCfg {
   static constexpr int CVT_BYTES = FP8 && !FP8_REGS ? 2 * CVT_TILE : 0;
   static constexpr int STAGES = pipeline_stages(STAGE_BYTES, CVT_BYTES);
   static constexpr int MAIN_BYTES = STAGES * STAGE_BYTES + CVT_BYTES;
-  static constexpr int EPI_BYTES = WN * ROWS * (DPAD + 4) * 4;
+  // The persistent decode (PERSIST) keeps its stages busy with the next work item's tiles while it writes
+  // this one's rows, so its epilogue buffer cannot overlay them: a buffer of its own, EPI_CW columns wide,
+  // that the epilogue passes DPAD / EPI_CW column chunks through (32 columns: 9 KiB at head dim 128, so
+  // the kernel stays at ~77 KiB and 2 CTAs per SM also fit an A100's 164 KiB).
+  static constexpr bool PERSIST = PATH == Path::kMmaDecodePersistent;
+  static constexpr int EPI_CW = PERSIST ? 32 : DPAD;
+  static constexpr int EPI_BYTES = WN * ROWS * (EPI_CW + 4) * 4;
   static constexpr int MD_BYTES = 2 * WN * ROWS * 4;
   static constexpr int Q_OFF = 0;
   static constexpr int MAIN_OFF = Q_BYTES;
   // The epilogue's buffer overlays the stages; in the tall prefill also the query tile, which is
   // read no more by then (its 128 x (DPAD + 4) floats would not fit beside it at head dim 128).
-  static constexpr int EPI_OFF = MT > 1 ? 0 : MAIN_OFF;
+  static constexpr int EPI_OFF = PERSIST ? MAIN_OFF + MAIN_BYTES : MT > 1 ? 0 : MAIN_OFF;
   static constexpr int BODY_END = MAIN_OFF + MAIN_BYTES, EPI_END = EPI_OFF + EPI_BYTES;
   static constexpr int MD_OFF = BODY_END > EPI_END ? BODY_END : EPI_END;
   static constexpr int QX_OFF = MD_OFF + MD_BYTES;  // Q_RESCALE: each row's scale exponent
@@ -106,8 +118,10 @@ struct MmaCfg {
   static constexpr bool Q_IN_REGS = MT == 1 && DPAD <= 128 && PATH != Path::kMmaDecodeOcc3;
   // The fused decode: the first tiles' copies go out before the query load (the query's DRAM round
   // trip overlaps theirs instead of preceding them), and the split merge runs in the kernel.
-  static constexpr bool EARLY_ISSUE = PATH == Path::kMmaDecodeFused;
-  static constexpr bool FUSED_MERGE = PATH == Path::kMmaDecodeFused;
+  // The persistent decode does both too (its first work item's tiles before its first query load; the next
+  // item's before this item's epilogue).
+  static constexpr bool EARLY_ISSUE = PATH == Path::kMmaDecodeFused || PERSIST;
+  static constexpr bool FUSED_MERGE = PATH == Path::kMmaDecodeFused || PERSIST;
   static_assert(MT == 1 || !FP8_REGS, "fragments converted in registers: one row tile per warp");
   static_assert(SMEM <= kMaxSmem, "shared memory of the tensor-core kernel");
   static_assert(PATH != Path::kMmaDecodeDeep || STAGES >= 4, "the deep decode pipeline keeps 4 stages");
@@ -178,9 +192,32 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
   using MmaT = typename C::MmaT;
   extern __shared__ __align__(128) unsigned char smem[];
 
-  Work w;
-  if (!make_work<KT>(a, w)) return;
   const AttentionParams& p = a.p;
+  Work w;
+  // The persistent decode: this CTA's units [u_run, u_end) of the items x num_splits (item-major, so a
+  // CTA's units of one item are neighbours, their key tiles contiguous), walked as runs: the units of one
+  // item, one softmax state and one partial (split s0's; the others marked empty). make_run fills a run's
+  // Work from its first unit and returns its unit count.
+  const int S = a.num_splits;
+  const int grid_y = p.kv.num_kv_heads * a.head_chunks;
+  int64_t u_run = 0, u_end = 0;
+  auto make_run = [&](int64_t u, Work& r) {
+    const int64_t item = u / S, x = item / grid_y;
+    const int s0 = static_cast<int>(u - item * S);
+    const int s1 = static_cast<int>(min(int64_t(S), s0 + (u_end - u)));
+    make_work_tile<KT>(a, r, static_cast<int>(x), static_cast<int>(item - x * grid_y), s0, s1);  // decode: true
+    return s1 - s0;
+  };
+  int run_units = 1;
+  if constexpr (C::PERSIST) {
+    const int64_t units = int64_t(p.kv.num_seqs) * grid_y * S;
+    u_run = units * blockIdx.x / gridDim.x;
+    u_end = units * (blockIdx.x + 1) / gridDim.x;
+    if (u_run >= u_end) return;
+    run_units = make_run(u_run, w);
+  } else if (!make_work<KT>(a, w)) {
+    return;
+  }
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp % C::WM, wn = warp / C::WM;
   const int g = lane >> 2, t4 = lane & 3;
@@ -203,7 +240,8 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
     else if constexpr (C::FP8) return (r * C::CPR + c) * 16;  // read row-wise by the conversion
     else return swz<CPR16>(r, c);
   };
-  const int ntiles = w.tile_end - w.tile_begin;
+  // The tiles of the CTA's work item (the persistent decode: of its current run, set again per run).
+  int ntiles = w.tile_end - w.tile_begin;
   auto prime = [&](int s) {  // the first STAGES - 1 tiles, before the loop
     if (s < ntiles) {
       ld.issue(a, w.tile_begin + s, stage_k(s), stage_k(s) + C::RAW_TILE, off);
@@ -211,7 +249,41 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
     }
     cp_async_commit();
   };
+  // The persistent decode's loader runs ahead of the compute over the same runs: wl is the run it loads,
+  // tl the tile of wl whose block ids it holds (the next to issue), ul the unit after wl. Runs without
+  // tiles (empty sequences, splits past the end) are skipped here; the compute still writes their rows.
+  Work wl = w;
+  int tl = w.tile_begin;
+  int64_t ul = u_run + run_units;
+  auto load_enter = [&]() {  // on to the first run from wl on with a tile left; its block ids fetched
+    if (tl >= wl.tile_end) {
+      while (tl >= wl.tile_end && ul < u_end) {
+        ul += make_run(ul, wl);
+        tl = wl.tile_begin;
+      }
+      if (tl < wl.tile_end) ld.init(p, wl);  // its kv head (the last issue has read the old bases)
+    }
+    if (tl < wl.tile_end) ld.fetch(a, wl, tl);
+  };
+  auto issue_next = [&](int stage) {  // the loader's next tile into `stage`, and the ids of the one after
+    if (tl < wl.tile_end) {
+      ld.issue(a, tl, stage_k(stage), stage_k(stage) + C::RAW_TILE, off);
+      ++tl;
+      load_enter();
+    }
+  };
   auto start_pipeline = [&]() {
+    if constexpr (C::PERSIST) {
+      ld.init(p, wl);
+      load_enter();
+      // (rolled, as in the deep / occ3 kernels: unrolled, the head-dim-256 instance spilled at 255 registers)
+#pragma unroll 1
+      for (int s = 0; s < STAGES - 1; ++s) {
+        issue_next(s);
+        cp_async_commit();
+      }
+      return;
+    }
     ld.init(p, w);
     if (ntiles > 0) ld.fetch(a, w, w.tile_begin);
     if constexpr (PATH == Path::kMmaDecodeDeep || PATH == Path::kMmaDecodeOcc3) {
@@ -228,6 +300,11 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
   };
   if constexpr (C::EARLY_ISSUE) start_pipeline();
 
+  // One pass per run (the persistent decode; the others have one run, this CTA's work item): g0 counts the
+  // tiles of the runs before it, so the stages go round across runs as the loader fills them.
+  int g0 = 0;
+  for (;;) {
+  if constexpr (C::PERSIST) ntiles = w.tile_end - w.tile_begin;
   // Queries of the CTA's rows -> shared memory (16-bit, swizzled); zero rows / columns as padding.
   int* qexp = reinterpret_cast<int*>(smem + C::QX_OFF);
   static_assert(!C::Q_RESCALE || (ROWS * CPR16) % NT == 0, "every thread in every pass (shuffles)");
@@ -345,14 +422,16 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
     __syncthreads();
     {
       const int nx = it + STAGES - 1;
-      if (nx < ntiles) {
+      if constexpr (C::PERSIST) {
+        issue_next((g0 + nx) % STAGES);  // this run's tile nx, or the next runs' first ones
+      } else if (nx < ntiles) {
         ld.issue(a, w.tile_begin + nx, stage_k(nx % STAGES), stage_k(nx % STAGES) + C::RAW_TILE,
                  off);
         if (nx + 1 < ntiles) ld.fetch(a, w, w.tile_begin + nx + 1);
       }
       cp_async_commit();
     }
-    char* tk = stage_k(it % STAGES);
+    char* tk = stage_k((g0 + it) % STAGES);
     if constexpr (C::FP8 && !C::FP8_REGS) {
       char* cvt = smain + STAGES * C::STAGE_BYTES;
       convert_fp8_stage<T, CF, KT, DPAD, NT>(tk, cvt);
@@ -616,12 +695,14 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
     }
   }
 
-  // Epilogue: per-warp states to shared memory (the pipeline buffers are free once every copy
-  // has landed and every warp is past its last tile), then one pass over the rows.
-  cp_async_wait<0>();
+  // Epilogue: per-warp states to shared memory, then passes over the rows. The other kernels overlay the
+  // stages with the buffer (free once every copy has landed and every warp is past its last tile) and make
+  // one pass; the persistent one leaves its next run's copies in flight and passes its own EPI_CW-column
+  // buffer over the columns (only those below head_dim_v past the first).
+  if constexpr (!C::PERSIST) cp_async_wait<0>();
   __syncthreads();
   float* eo = reinterpret_cast<float*>(smem + C::EPI_OFF);
-  constexpr int STRIDE = DPAD + 4;
+  constexpr int CW = C::EPI_CW, STRIDE = CW + 4;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -629,37 +710,67 @@ __global__ void __launch_bounds__(MmaCfg<T, CF, DPAD, PATH>::NT, MmaCfg<T, CF, D
       dsum[mt][h] += __shfl_xor_sync(0xffffffffu, dsum[mt][h], 1);
       dsum[mt][h] += __shfl_xor_sync(0xffffffffu, dsum[mt][h], 2);
     }
-    const int r0 = wn * ROWS + (wm * MT + mt) * 16 + g;
-    if constexpr (C::FP8_REGS) {
-      // o[2 ch] holds columns 16 ch + 4 t4 + {0, 2}, o[2 ch + 1] columns 16 ch + 4 t4 + {1, 3} (PV).
+  }
 #pragma unroll
-      for (int ch = 0; ch < DPAD / 16; ++ch) {
-        const float* e = o[mt][2 * ch];
-        const float* x = o[mt][2 * ch + 1];
-        *reinterpret_cast<float4*>(eo + r0 * STRIDE + ch * 16 + 4 * t4) = make_float4(e[0], x[0], e[1], x[1]);
-        *reinterpret_cast<float4*>(eo + (r0 + 8) * STRIDE + ch * 16 + 4 * t4) =
-            make_float4(e[2], x[2], e[3], x[3]);
+  for (int c0 = 0; c0 < DPAD; c0 += CW) {
+    if (c0 > 0) {
+      if (c0 >= dv) break;
+      __syncthreads();  // every thread has read the last pass's columns
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const int r0 = wn * ROWS + (wm * MT + mt) * 16 + g;
+      if constexpr (C::FP8_REGS) {
+        // o[2 ch] holds columns 16 ch + 4 t4 + {0, 2}, o[2 ch + 1] columns 16 ch + 4 t4 + {1, 3} (PV).
+#pragma unroll
+        for (int ch = 0; ch < DPAD / 16; ++ch) {
+          if (ch * 16 < c0 || ch * 16 >= c0 + CW) continue;
+          const float* e = o[mt][2 * ch];
+          const float* x = o[mt][2 * ch + 1];
+          float* at = eo + r0 * STRIDE + ch * 16 - c0 + 4 * t4;
+          *reinterpret_cast<float4*>(at) = make_float4(e[0], x[0], e[1], x[1]);
+          *reinterpret_cast<float4*>(at + 8 * STRIDE) = make_float4(e[2], x[2], e[3], x[3]);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < DPAD / 8; ++i) {
+          if (i * 8 < c0 || i * 8 >= c0 + CW) continue;
+          float* at = eo + r0 * STRIDE + i * 8 - c0 + 2 * t4;
+          *reinterpret_cast<float2*>(at) = make_float2(o[mt][i][0], o[mt][i][1]);
+          *reinterpret_cast<float2*>(at + 8 * STRIDE) = make_float2(o[mt][i][2], o[mt][i][3]);
+        }
       }
-    } else {
-#pragma unroll
-      for (int i = 0; i < DPAD / 8; ++i) {
-        *reinterpret_cast<float2*>(eo + r0 * STRIDE + i * 8 + 2 * t4) =
-            make_float2(o[mt][i][0], o[mt][i][1]);
-        *reinterpret_cast<float2*>(eo + (r0 + 8) * STRIDE + i * 8 + 2 * t4) =
-            make_float2(o[mt][i][2], o[mt][i][3]);
+      if (c0 == 0 && t4 == 0) {
+        em[r0] = m2[mt][0], ed[r0] = dsum[mt][0];
+        em[r0 + 8] = m2[mt][1], ed[r0 + 8] = dsum[mt][1];
       }
     }
-    if (t4 == 0) {
-      em[r0] = m2[mt][0], ed[r0] = dsum[mt][0];
-      em[r0 + 8] = m2[mt][1], ed[r0 + 8] = dsum[mt][1];
+    __syncthreads();
+    finalize_rows<T, ROWS, DPAD, C::WN, NT, CW>(a, w, eo, em, ed,
+                                                kLateVMul ? p.kv.v_scale_of(w.kv_head) * unit : v_mul, c0);
+  }
+  if constexpr (C::PERSIST) {
+    if (S > 1) {
+      // The run's other splits: empty partials (lse -inf), which the merge skips; then the run arrives as
+      // all of its splits at once.
+      for (int idx = tid; idx < ROWS * (run_units - 1); idx += NT) {
+        const RowId id = row_id(a, w, idx % ROWS);
+        const int64_t split = w.split + 1 + idx / ROWS;
+        if (id.valid) a.part_lse[(split * p.num_tokens + id.token) * p.num_heads + id.head] = -INFINITY;
+      }
+      merge_if_last<T, NT>(a, w, u_run / S, run_units);
     }
+    g0 += ntiles;
+    u_run += run_units;
+    if (u_run >= u_end) break;
+    run_units = make_run(u_run, w);
+  } else {
+    if constexpr (C::FUSED_MERGE) {
+      if (S > 1) merge_if_last<T, NT>(a, w, decode_item(blockIdx.x, blockIdx.y, gridDim.y), 1);
+    }
+    break;
   }
-  __syncthreads();
-  finalize_rows<T, ROWS, DPAD, C::WN, NT>(a, w, eo, em, ed,
-                                         kLateVMul ? p.kv.v_scale_of(w.kv_head) * unit : v_mul);
-  if constexpr (C::FUSED_MERGE) {
-    if (a.num_splits > 1) merge_if_last<T, NT>(a, w);
-  }
+  }  // runs
 }
 
 }  // namespace kvkernels::attn_cuda

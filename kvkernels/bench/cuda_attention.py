@@ -46,8 +46,9 @@ against the targets and against each other. A name may force the KV split count:
 configuration with KVKERNELS_CUDA_ATTN_SPLITS=1 (``deep`` alone: the planner's own count), so ``deep,deep-s1``
 times the planner's wave-filling splits against none. ``occ3`` (mma-decode-occ3: the wide kernel held to the
 registers of 3 CTAs per SM, its splits counting them) and ``fused`` (mma-decode-fused: first tiles issued before
-the query load, splits merged in the kernel) are the opt-in variants of csrc/cuda/README.md "Decode at the
-bandwidth limit". ``--graph`` times each variant as a CUDA graph of one call per data copy, replayed: an eager
+the query load, splits merged in the kernel) and ``persistent`` (mma-decode-persistent: the fused kernel as a grid
+of the resident CTA slots, each walking (work item, split) units with its copies running on across items) are the
+opt-in variants of csrc/cuda/README.md "Decode at the bandwidth limit". ``--graph`` times each variant as a CUDA graph of one call per data copy, replayed: an eager
 call costs ~40 us of host time on the H200 machine (b1 x 1k took 0.040 ms), as much as the GPU time of b1 x 32k,
 so eager timing there measures the host.
 
@@ -114,7 +115,7 @@ def _shapes(text: str) -> list[tuple[int, int]]:
 
 # --decode-variants / --prefill-variants names -> KVKERNELS_CUDA_ATTN_PATH values (csrc/cuda/attention.cu).
 DECODE_VARIANTS = {"deep": "mma-decode-deep", "wide": "mma-decode-wide", "fp8smem": "mma-decode-fp8-smem",
-                   "occ3": "mma-decode-occ3", "fused": "mma-decode-fused"}
+                   "occ3": "mma-decode-occ3", "fused": "mma-decode-fused", "persistent": "mma-decode-persistent"}
 PREFILL_VARIANTS = {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide", "tall": "mma-prefill-tall",
                     "wgmma": "wgmma-prefill", "wgmma-overlap": "wgmma-prefill-overlap",
                     "wgmma-gather": "wgmma-prefill", "wgmma-overlap-gather": "wgmma-prefill-overlap"}

@@ -221,7 +221,7 @@ std::tuple<Tensor, Tensor> merge_splits(const Tensor& part_o, const Tensor& part
 }
 
 // The plan the launch above would use: (path, dpad, num_splits, heads_per_cta, q_tile, grid_x, grid_y).
-std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> attention_plan(
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> attention_plan(
     const Tensor& query, const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_tables,
     const Tensor& seq_lens, std::optional<Tensor> query_start_loc, std::optional<Tensor> k_scale,
     std::optional<Tensor> v_scale) {
@@ -230,7 +230,7 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t> attent
                                                 query_start_loc, std::nullopt, -1, 0.0, std::nullopt, std::nullopt,
                                                 k_scale, v_scale, /*causal=*/true);
   const attn_cuda::LaunchPlan p = attn_cuda::plan_paged_attention(r.params, 0);
-  return {p.path, p.dpad, p.num_splits, p.heads_per_cta, p.q_tile, p.grid_x, p.grid_y};
+  return {p.path, p.dpad, p.num_splits, p.heads_per_cta, p.q_tile, p.grid_x, p.grid_y, p.persistent_ctas};
 }
 
 // csrc/cuda/mla_binding.cpp's mla_paged_attention with host tensors: the shared validation and
@@ -389,7 +389,7 @@ STABLE_TORCH_LIBRARY(kvkernels_emu, m) {
   m.def("merge_splits(Tensor part_o, Tensor part_lse, Tensor seq_lens, ScalarType dtype, Tensor? sinks=None, "
         "Tensor? v_scale=None) -> (Tensor, Tensor)");
   m.def("attention_plan(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor? query_start_loc=None, Tensor? k_scale=None, Tensor? v_scale=None) -> (int, int, int, int, int, int, int)");
+        "Tensor seq_lens, Tensor? query_start_loc=None, Tensor? k_scale=None, Tensor? v_scale=None) -> (int, int, int, int, int, int, int, int)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(kvkernels_emu, CPU, m) {
