@@ -80,6 +80,11 @@ enum class Path : int {
                              // before the softmax of tile j ends: two S accumulators; attention_sm90.cuh,
                              // OVERLAP); opt-in (KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill-overlap) for the
                              // A/B, where has_wgmma_overlap(); elsewhere kWgmmaPrefill. Not yet run on a GPU
+  kWgmmaPrefillPersistent = 11,  // the same kernel, persistent (PERSIST): min(work items, SMs) CTAs, each walking
+                                 // work items longest-first with a stride of the grid, the stage ring running on
+                                 // across items; its overlapped loop where has_wgmma_overlap(), the plain one at
+                                 // 256. Opt-in (KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill-persistent). Not yet run
+                                 // on a GPU
 };
 
 // Everything a kernel needs: the validated params and the host-side plan.
@@ -95,6 +100,8 @@ struct AttnArgs {
   int q_aligned = 0;      // query rows 16-byte aligned: 16-byte loads
   float* part_o = nullptr;    // [num_splits, num_tokens, num_heads, head_dim_v] (num_splits > 1)
   float* part_lse = nullptr;  // [num_splits, num_tokens, num_heads], log2 units
+  int work_x = 0, work_y = 0, work_z = 0;  // Path::kWgmmaPrefillPersistent: the work items' grid (x, y, z as a
+                                           // CTA per item would have them); the launch grid is min(items, SMs)
   unsigned* arrivals = nullptr;  // Path::kMmaDecodeFused with splits: one counter per work item (blockIdx.y *
                                  // gridDim.x + blockIdx.x), zero at the launch
 };
@@ -161,7 +168,7 @@ __host__ __device__ constexpr bool is_mma_prefill(Path path) {
 
 // The sm_90a wgmma prefill, with or without intra-warpgroup overlap (one kernel, attention_sm90.cuh).
 __host__ __device__ constexpr bool is_wgmma_prefill(Path path) {
-  return path == Path::kWgmmaPrefill || path == Path::kWgmmaPrefillOverlap;
+  return path == Path::kWgmmaPrefill || path == Path::kWgmmaPrefillOverlap || path == Path::kWgmmaPrefillPersistent;
 }
 
 // Does the wgmma prefill's overlapped loop exist at this padded head dim? 64 / 128 (every cache format).
@@ -500,11 +507,12 @@ struct Work {
 // them; the grid has start(num_seqs) = (num_tokens + num_seqs * (q_tile - 1)) / q_tile tiles, so
 // the grid size depends on shapes only. Index tensors are read defensively (clamped), so bad input
 // gives wrong numbers at worst, never an out-of-bounds access.
+// make_work_at: the item at (bx, by, bz) of a grid gx wide (the persistent wgmma prefill walks items itself).
 template <int KT>
-__device__ __forceinline__ bool make_work(const AttnArgs& a, Work& w) {
+__device__ __forceinline__ bool make_work_at(const AttnArgs& a, Work& w, int bx, int by, int bz, int gx) {
   const AttentionParams& p = a.p;
   // Varlen: the last tiles of a sequence see the most keys (causal), so they are scheduled first.
-  const int tile = p.query_start_loc ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+  const int tile = p.query_start_loc ? gx - 1 - bx : bx;
   const int64_t num_seqs = p.kv.num_seqs;
   if (p.query_start_loc == nullptr) {
     w.seq = tile;
@@ -542,11 +550,11 @@ __device__ __forceinline__ bool make_work(const AttnArgs& a, Work& w) {
     w.lo = lo < 0 ? 0 : static_cast<int>(lo);
   }
 
-  const int chunk = static_cast<int>(blockIdx.y) % a.head_chunks;
-  w.kv_head = static_cast<int>(blockIdx.y) / a.head_chunks;
+  const int chunk = by % a.head_chunks;
+  w.kv_head = by / a.head_chunks;
   w.head0 = w.kv_head * a.group + chunk * a.heads_per_cta;
   w.nh = min(a.heads_per_cta, a.group - chunk * a.heads_per_cta);
-  w.split = blockIdx.z;
+  w.split = bz;
 
   w.tile_begin = w.tile_end = 0;
   if (w.hi >= w.lo && w.nq > 0) {
@@ -555,6 +563,12 @@ __device__ __forceinline__ bool make_work(const AttnArgs& a, Work& w) {
     w.tile_end = static_cast<int>(first + n * (w.split + 1) / a.num_splits);
   }
   return true;
+}
+
+template <int KT>
+__device__ __forceinline__ bool make_work(const AttnArgs& a, Work& w) {
+  return make_work_at<KT>(a, w, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y),
+                          static_cast<int>(blockIdx.z), static_cast<int>(gridDim.x));
 }
 
 struct RowId {
@@ -979,7 +993,8 @@ cudaError_t launch_attention_bf16(const AttnArgs& a, Path path, int dpad, dim3 g
 // attention_sm90_{bf16,f16}_fp8.cu: e4m3 / e5m2 caches; padded head dims 64 / 128 / 256, fp8 at 64 /
 // 128 only): whether this build
 // has its sm_90a code for the cache format `cf`, and its launch (the format is a.p.kv.format; `overlap`:
-// the intra-warpgroup overlapped loop, Path::kWgmmaPrefillOverlap, where has_wgmma_overlap(dpad)).
+// the intra-warpgroup overlapped loop, Path::kWgmmaPrefillOverlap, where has_wgmma_overlap(dpad); a.work_x > 0:
+// the persistent kernel, Path::kWgmmaPrefillPersistent, `grid` then its min(items, SMs) CTAs).
 // TMA for the wgmma prefill's 16-bit K / V tiles (attention.cu, encode_kv_tma; the producer of
 // attention_sm90.cuh): rank-4 maps over the paged caches, dims (columns, slot or head, head or slot,
 // block), boxes of 64 columns x box_rows keys (128B swizzle). box_rows 0: every tile is gathered.
