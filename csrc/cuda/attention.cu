@@ -23,7 +23,8 @@
 // `wgmma-prefill` (the sm_90a kernel of attention_sm90.cuh where wgmma_prefill_unsupported() finds no
 // reason against it, else the wide one; KVKERNELS_CUDA_WGMMA=require makes such a fallback an error
 // naming the reason) / `wgmma-prefill-overlap` (the same kernel with intra-warpgroup overlap where
-// has_wgmma_overlap(), its non-overlapped loop elsewhere; the same fallbacks) and `auto`; empty or `auto`: every default. A value names each kernel at most once; anything else is
+// has_wgmma_overlap(), its non-overlapped loop elsewhere; the same fallbacks) / `wgmma-prefill-persistent` (that
+// kernel persistent: min(work items, SMs) CTAs walking the items longest-first; the same fallbacks) and `auto`; empty or `auto`: every default. A value names each kernel at most once; anything else is
 // an error, so a misspelt A/B cannot time the same kernel twice.
 //
 // Split count: a function of the number of work items (from shapes), the longest context a block

@@ -126,17 +126,23 @@ __global__ void __launch_bounds__(384, 1)
     Work w;
     if (!make_work<KT>(a, w)) return;  // (a padding tile: the whole CTA leaves)
   }
-  // The items of this CTA: first_item, + item_step, ... below items. The order is longest-first: x (query
-  // tiles; make_work_at reverses them for varlen, the last and, causal, longest tiles of a sequence first)
-  // outermost, then splits, then kv heads / chunks, so every head's longest tiles come before any head's
-  // shorter ones (a CTA per item runs x fastest: head 0's short tiles before head 7's long ones). Static
-  // striding, not an atomic counter: the order is fixed by shapes (the same items per CTA on every run),
-  // needs no memset before the launch, and the producer and the consumers find their next item without a
-  // handoff through shared memory.
+  // The items of this CTA. The order is longest-first: x (query tiles; make_work_at reverses them for varlen,
+  // the last and, causal, longest tiles of a sequence first) outermost, then splits, then kv heads / chunks,
+  // so every head's longest tiles come before any head's shorter ones. Round r of the walk gives the G CTAs
+  // items r G .. r G + G - 1, in a snake: CTA b takes r G + b in even rounds and r G + G - 1 - b in odd ones,
+  // so the CTA with the longest item of one round gets the shortest of the next. (A plain stride, r G + b
+  // every round, hands CTA 0 the longest item of every round: at 4096 x 4096 causal, 32 / 8 heads, 1024
+  // items over 132 CTAs, 144 key tiles for CTA 0 against 128 on average; the snake gives 128 to every
+  // CTA.) Static, not an atomic counter: the order is fixed by shapes (the same items per CTA on every
+  // run), needs no memset before the launch, and the producer and the consumers find their next item
+  // without a handoff through shared memory. rounds x G >= items; an item index past the end is skipped.
   const int items = PERSIST ? a.work_x * a.work_y * a.work_z : 1;
-  const int first_item = PERSIST ? int(blockIdx.x) : 0, item_step = PERSIST ? int(gridDim.x) : 1;
+  const int G = PERSIST ? int(gridDim.x) : 1, rounds = (items + G - 1) / G;
+  const int b = PERSIST ? int(blockIdx.x) : 0;
+  auto item_of = [&](int r) { return r * G + ((r & 1) ? G - 1 - b : b); };
   auto sm90_item = [&](int item, Work& w) -> bool {
     if constexpr (!PERSIST) return make_work<KT>(a, w);
+    if (item >= items) return false;
     const int yz = a.work_y * a.work_z, bx = item / yz, rest = item - bx * yz;
     return make_work_at<KT>(a, w, bx, rest % a.work_y, rest / a.work_y, a.work_x);
   };
@@ -168,9 +174,9 @@ __global__ void __launch_bounds__(384, 1)
     const paged_kv_t& kv = p.kv;
     const int pt = tid - 128 * C::CONSUMERS;
     int ring = 0;  // tiles of earlier items: tile it of this item is the ring's tile ring + it
-    for (int item = first_item; item < items; item += item_step) {
+    for (int r = 0; r < rounds; ++r) {
     Work w;
-    if (!sm90_item(item, w)) continue;
+    if (!sm90_item(item_of(r), w)) continue;
     const int ntiles = w.tile_end - w.tile_begin;
     const int32_t* bt = kv.block_tables + int64_t(w.seq) * kv.max_blocks_per_seq;
     const uint32_t nblk = block_id_limit(kv);
@@ -334,9 +340,9 @@ __global__ void __launch_bounds__(384, 1)
   const int dv = p.kv.head_dim_v;
   int nscan = 0;
   int ring = 0;  // tiles of earlier items (the producer's count)
-  for (int item = first_item; item < items; item += item_step) {
+  for (int r = 0; r < rounds; ++r) {
   Work w;
-  if (!sm90_item(item, w)) continue;
+  if (!sm90_item(item_of(r), w)) continue;
   const int ntiles = w.tile_end - w.tile_begin;
 
   // Queries of this warpgroup's 64 rows -> shared memory (16-bit, swizzled); zeros as padding.
