@@ -197,7 +197,8 @@ step_t_bad() { pytest_par tests/test_cuda_ops.py tests/test_cuda_attention.py te
 # The sm_90a wgmma prefill (Path::kWgmmaPrefill and its overlapped loop, kWgmmaPrefillOverlap; compiled and
 # emulated before this run, never on a GPU): its tests alone and serially under a short cap (an mbarrier /
 # named-barrier protocol error hangs rather than fails; faulthandler dumps the stacks of a test stuck for
-# 30 s), each for both loops (the tests' wgmma_variant) with KVKERNELS_CUDA_WGMMA=require (a fallback fails),
+# 30 s), each for both loops and the persistent kernel (the tests' wgmma_variant) with KVKERNELS_CUDA_WGMMA=require
+# (a fallback fails),
 # then the non-finite cases of test_nonfinite.py with KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill-overlap and
 # =wgmma-prefill (their 16-bit varlen cases take the kernel, over 16-bit and fp8 caches; the rest fall back as
 # planned; the overlapped loop first: its non-finite fix-up is the newer code). The wgmma tests run with the
@@ -372,12 +373,15 @@ step_b_pvariants() {
 # TMA loads) in the same alternating batches; the bench's cache has block size 16 (8 boxes of 16 keys per
 # 64-column block of a tile); over the e4m3 cache both gather (fp8 tiles have no TMA path: a control); (4) the
 # d128 bf16 case at block size 64 (--attn-block-size 64: 2 boxes of 64 keys per column block), overlapped loop
-# with and without TMA.
-# Predictions: csrc/cuda/README.md ("Hopper prefill (wgmma)", "Intra-warpgroup overlap", "K / V by TMA").
+# with and without TMA. The persistent kernel (wgmma-persistent: min(work items, SMs) CTAs walking the items
+# longest-first, on the overlapped loop) runs in (1) only, beside the overlapped loop it is built on: the issue's
+# target shape first, within the same cap (the later calls run under what is left).
+# Predictions: csrc/cuda/README.md ("Hopper prefill (wgmma)", "Intra-warpgroup overlap", "K / V by TMA",
+# "Persistent scheduler").
 step_b_wgmma() {
   local rc=0 detail
   bench -m kvkernels.bench.cuda_attention --no-flex --attn-dtypes '' --attn-prefill 4096,4096 \
-    --attn-prefill-dtypes bfloat16,fp8_e4m3 --prefill-variants wgmma,wgmma-overlap,wgmma-overlap-gather,wide \
+    --attn-prefill-dtypes bfloat16,fp8_e4m3 --prefill-variants wgmma,wgmma-overlap,wgmma-persistent,wgmma-overlap-gather,wide \
     --json "$SCRATCH/results/bench/cuda-attention-wgmma-$STAMP.json" || rc=$?
   detail=$STEP_DETAIL
   mv "$SCRATCH/targets-b_wgmma.txt" "$SCRATCH/targets-b_wgmma-d128.txt"  # (each bench call rewrites it)

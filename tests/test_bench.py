@@ -394,7 +394,8 @@ def test_cuda_attention_prefill_variants_options_and_report(capsys):
     capsys.readouterr()
     assert ca.PREFILL_VARIANTS == {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide", "tall": "mma-prefill-tall",
                                    "wgmma": "wgmma-prefill", "wgmma-overlap": "wgmma-prefill-overlap",
-                                   "wgmma-gather": "wgmma-prefill", "wgmma-overlap-gather": "wgmma-prefill-overlap"}
+                                   "wgmma-gather": "wgmma-prefill", "wgmma-overlap-gather": "wgmma-prefill-overlap",
+                                   "wgmma-persistent": "wgmma-prefill-persistent"}
     assert parser.parse_args(["--prefill-variants", "wide,wgmma"]).prefill_variants == ["wide", "wgmma"]
     # --attn-block-size (b_wgmma's TMA A/B at block 64): the block sizes the wgmma prefill's TMA boxes take
     assert parser.parse_args([]).attn_block_size == 16

@@ -348,9 +348,11 @@ def require_sm90a():
         pytest.skip(f"the wgmma prefill needs an sm_90 device, this is sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
 
 
-# Each wgmma test runs the kernel's plain loop (wgmma-prefill) and its intra-warpgroup overlapped loop
-# (wgmma-prefill-overlap; the plain loop at padded head dim 256).
-@pytest.fixture(params=["wgmma-prefill", "wgmma-prefill-overlap"], ids=["plain", "overlap"])
+# Each wgmma test runs the kernel's plain loop (wgmma-prefill), its intra-warpgroup overlapped loop
+# (wgmma-prefill-overlap; the plain loop at padded head dim 256) and its persistent form (wgmma-prefill-persistent:
+# min(work items, SMs) CTAs walking the items, on the overlapped loop, the plain one at 256).
+@pytest.fixture(params=["wgmma-prefill", "wgmma-prefill-overlap", "wgmma-prefill-persistent"],
+                ids=["plain", "overlap", "persistent"])
 def wgmma_variant(request):
     return request.param
 

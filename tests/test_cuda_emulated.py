@@ -234,6 +234,9 @@ MMA_DECODE_OCC3, MMA_DECODE_FUSED = 8, 9
 WGMMA_PREFILL_OVERLAP = 10  # its intra-warpgroup overlapped loop (wgmma-prefill-overlap; padded head dims 64 / 128)
 # The fused decode as a persistent grid (mma-decode-persistent; padded head dims 64 / 128, the wide one at 256).
 MMA_DECODE_PERSISTENT = 11
+# its persistent form (wgmma-prefill-persistent: min(work items, SMs) CTAs walking the items longest-first; the
+# overlapped loop at 64 / 128, the plain one at 256; the emulated device has 4 SMs, so most cases have more items)
+WGMMA_PREFILL_PERSISTENT = 12
 # The tensor-core kernels' two configurations each (csrc/cuda/attention_common.cuh, mma_wn / key_tile_of):
 # "wide", the default (decode: 64 keys per stage, 2 stages at head dim 128 / 256; prefill: 64 keys per stage,
 # 32 at head dim 256, 2 stages at head dim 128 / 256), and "deep" (16 KiB stages, 4 in flight), chosen by
@@ -296,6 +299,8 @@ def expected_path(path, env: str | None, dpad: int = 64, fp8: bool = False):
         return MMA_PREFILL_DEEP
     if path == MMA_PREFILL and "mma-prefill-tall" in deep and dpad <= 128 and not fp8:
         return MMA_PREFILL_TALL
+    if path == 7 and "wgmma-prefill-persistent" in deep:
+        return WGMMA_PREFILL_PERSISTENT
     if path == 7 and "wgmma-prefill-overlap" in deep:  # the overlapped loop where it exists, else the plain one
         return WGMMA_PREFILL_OVERLAP if dpad <= 128 else WGMMA_PREFILL
     if path == 7 and "wgmma-prefill" not in deep:  # (WGMMA_PREFILL: asked for, not a default)
@@ -2024,6 +2029,19 @@ def wgmma_variant(request):
     return request.param
 
 
+# The persistent kernel (wgmma-prefill-persistent: min(work items, SMs) CTAs, each walking items longest-first
+# with the stage ring running on across items; its overlapped loop at 64 / 128, the plain one at 256) joins the
+# two loops in the tests that take wgmma_variant_all (the varlen configs, head dim 256, fp8, splits, a non-finite
+# tile mid-loop) and in test_wgmma_prefill_persistent_schedule; not in every test_wgmma_prefill* (CI time). The
+# emulated device has 4 SMs, so each of its CTAs walks several items in almost every case.
+WGMMA_ALL_VARIANTS = {**WGMMA_VARIANTS, "persistent": "wgmma-prefill-persistent"}
+
+
+@pytest.fixture(params=list(WGMMA_ALL_VARIANTS.values()), ids=list(WGMMA_ALL_VARIANTS))
+def wgmma_variant_all(request):
+    return request.param
+
+
 def wgmma_path(variant: str, dpad: int) -> int:
     """The path KVKERNELS_CUDA_ATTN_PATH=``variant`` runs at padded head dim ``dpad``."""
     return expected_path(WGMMA_PREFILL, variant, dpad)
@@ -2064,13 +2082,13 @@ WGMMA_CONFIGS = {
 
 
 @pytest.mark.parametrize("config", WGMMA_CONFIGS.values(), ids=WGMMA_CONFIGS.keys())
-def test_wgmma_prefill(emu, config, wgmma_variant, monkeypatch):
+def test_wgmma_prefill(emu, config, wgmma_variant_all, monkeypatch):
     """Varlen prefill on the wgmma kernel against the float64 reference: full prefill, chunked prefill,
     single queries and empty sequences (test_attention.varlen_q_lens), partial and exactly-full last blocks,
     shuffled block ids, junk past each sequence; a 261-key sequence (3 key tiles, its last 131 queries: two
     query tiles, the causal diagonal inside a tile) wraps the stage ring at head dim 128 (2 stages)."""
     dtype, layout, hq, hkv, d, b, strided = config
-    use_wgmma(wgmma_variant, monkeypatch)
+    use_wgmma(wgmma_variant_all, monkeypatch)
     seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b, 261]
     kv, query, qsl = make_case("varlen", seq_lens, dtype=dtype, num_heads=hq, num_kv_heads=hkv, head_dim=d,
                                block_size=b, layout=layout, strided=strided)
@@ -2081,6 +2099,45 @@ def test_wgmma_prefill(emu, config, wgmma_variant, monkeypatch):
     # block size 16: the fully visible tiles by TMA (the 261-key chunk's first tile at least); 1 / 5 / 13 gather
     assert (emu.tma_boxes_taken(query) > 0) == tma_block_size(b, plan["dpad"])
 
+
+
+# The persistent kernel's schedule (wgmma-prefill-persistent). id: block size (16: whole-page tiles by TMA; 5: every
+# tile gathered), forced splits, the emulator's CTA order, dtype, Hq, Hkv, D. Sequences of very different lengths
+# (a 390-key full prefill: 13 (d64) / 7 (d128) key tiles, a 60-query chunk of 200 keys, 3 and 1 queries, two
+# empty sequences), so items differ in length and several per CTA leave the ring mid-way through a wrap.
+WGMMA_PERSISTENT_CASES = {
+    "bf16-gqa4-d128-b16-tma": (16, None, None, bf16, 8, 2, 128),
+    "f16-mha-d64-b5-gather-reverse": (5, None, "reverse", f16, 2, 2, 64),
+    "bf16-gqa2-d64-b16-split3-reverse": (16, 3, "reverse", bf16, 4, 2, 64),
+}
+
+
+@pytest.mark.parametrize("case", WGMMA_PERSISTENT_CASES.values(), ids=WGMMA_PERSISTENT_CASES.keys())
+def test_wgmma_prefill_persistent_schedule(emu, case, monkeypatch):
+    """The persistent kernel against the float64 reference and, byte for byte, against the non-persistent
+    overlapped loop (the same products in the same order per item): every item taken (a skipped one leaves the
+    poisoned output), the ring's stages and phases carried from item to item (one off by an item deadlocks or
+    reads another tile), more items than the 4 emulated SMs, both CTA orders, splits, TMA and gathered tiles."""
+    b, splits, order, dtype, hq, hkv, d = case
+    seq_lens, q_lens = [390, 0, 3, 200, 0, 1], [390, 0, 3, 60, 0, 1]
+    kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=d, block_size=b, dtype=dtype, seed=91)
+    query = make_query(sum(q_lens), hq, d, dtype, generator(92))
+    qsl = query_start_loc(q_lens)
+    results = {}
+    for variant in ("wgmma-prefill-overlap", "wgmma-prefill-persistent"):
+        use_wgmma(variant, monkeypatch, splits)
+        if order:
+            monkeypatch.setenv("KVKERNELS_EMU_CTA_ORDER", order)
+        emu.tma_boxes_taken(query)
+        out, lse, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL,
+                                           splits=None if splits is None else (lambda n: n == splits))
+        results[variant] = (out, lse, emu.tma_boxes_taken(query))
+    gx, gy = plan["grid"]
+    assert gx * gy * plan["splits"] >= 3 * 4, plan  # at least 3 items per CTA on the 4 emulated SMs
+    a, p = results["wgmma-prefill-overlap"], results["wgmma-prefill-persistent"]
+    assert_bytes_equal(p[0], a[0], "out")
+    assert_bytes_equal(p[1], a[1], "lse")
+    assert p[2] == a[2] and (p[2] > 0) == (b == 16), (p[2], a[2])  # the same tiles by TMA
 
 # id: dtype, layout, Hq, Hkv, Dk, Dv, B, loop. Block sizes whose tiles load by TMA: 8 (16 boxes of 8 keys per
 # 64-column block: one swizzle atom each), 16, 32 (with MQA: one kv head, whose stride is never stepped), 64,
@@ -2097,6 +2154,7 @@ WGMMA_TMA_CONFIGS = {
     "bf16-HND-gqa4-d128-b256-plain": (bf16, "HND", 8, 2, 128, 128, 256, "plain"),
     "bf16-NHD-gqa2-d256-b16-plain": (bf16, "NHD", 4, 2, 256, 256, 16, "plain"),
     "f16-stacked-gqa4-k128-v64-b32-overlap": (f16, "stacked", 8, 2, 128, 64, 32, "overlap"),
+    "bf16-HND-gqa2-d128-b16-persistent": (bf16, "HND", 4, 2, 128, 128, 16, "persistent"),
 }
 
 
@@ -2136,7 +2194,7 @@ def test_wgmma_prefill_tma_and_gathers(emu, config, monkeypatch):
     block ids. (A tile read by TMA past the sequence's end shows in the one-query CTA: with several rows per CTA
     the non-finite V scan would send the tile to the scalar P V, which skips the unseen keys.)"""
     dtype, layout, hq, hkv, dk, dv, b, loop = config
-    use_wgmma(WGMMA_VARIANTS[loop], monkeypatch)
+    use_wgmma(WGMMA_ALL_VARIANTS[loop], monkeypatch)
     seq_lens, q_lens = [261, 300, 5, 250], [261, 150, 5, 1]
     kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=hkv, head_dim=dk, head_dim_v=dv, block_size=b, dtype=dtype,
                        layout=layout, seed=91)
@@ -2203,16 +2261,16 @@ WGMMA_D256_CONFIGS = {
 
 
 @pytest.mark.parametrize("config", WGMMA_D256_CONFIGS.values(), ids=WGMMA_D256_CONFIGS.keys())
-def test_wgmma_prefill_head_dim_256(emu, config, wgmma_variant, monkeypatch):
+def test_wgmma_prefill_head_dim_256(emu, config, wgmma_variant_all, monkeypatch):
     """Padded head dim 256 on the wgmma kernel against the float64 reference: full / chunked prefill, empty and
     one-key sequences, a value head dim other than the key's (out Dv wide), KV splits of the 64-key tiles."""
     dtype, layout, hq, hkv, dk, dv, b = config
-    use_wgmma(wgmma_variant, monkeypatch)
+    use_wgmma(wgmma_variant_all, monkeypatch)
     seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b, 261]
     kv, query, qsl = dv_case("varlen", seq_lens, dtype, None, layout, hq, hkv, dk, dv, b, seed=71)
     out, _, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL)
     assert plan["dpad"] == 256 and out.shape[-1] == dv, plan
-    use_wgmma(wgmma_variant, monkeypatch, splits=3)
+    use_wgmma(wgmma_variant_all, monkeypatch, splits=3)
     _, _, plan = run_emu_attention(emu, kv, query, qsl, path=WGMMA_PREFILL, window_left=70, soft_cap=4.0)
     assert plan["splits"] == 3, plan
 
@@ -2250,12 +2308,12 @@ WGMMA_FP8_CONFIGS = {
 
 
 @pytest.mark.parametrize("config", WGMMA_FP8_CONFIGS.values(), ids=WGMMA_FP8_CONFIGS.keys())
-def test_wgmma_prefill_fp8(emu, config, wgmma_variant, monkeypatch):
+def test_wgmma_prefill_fp8(emu, config, wgmma_variant_all, monkeypatch):
     """Varlen prefill over an fp8 cache on the wgmma kernel against the float64 reference (the reference reads
     the fp8 values times the scales): test_wgmma_prefill's sequences, the 261-key one wrapping the stage ring at
     head dim 128."""
     dtype, fp8, per_head, layout, hq, hkv, d, b = config
-    use_wgmma(wgmma_variant, monkeypatch)
+    use_wgmma(wgmma_variant_all, monkeypatch)
     seq_lens = [b + 1, 0, max(3 * b - 1, 37), 1, b, 261]
     kv, query, qsl = make_case("varlen", seq_lens, dtype=dtype, num_heads=hq, num_kv_heads=hkv, head_dim=d,
                                block_size=b, layout=layout, fp8=fp8, per_head=per_head, seed=61)
@@ -2328,10 +2386,10 @@ def test_wgmma_prefill_noncausal_and_more_queries_than_keys(emu, splits, causal,
 
 
 @pytest.mark.parametrize("splits", [None, 5, 128], ids=["planned", "split5", "split128"])
-def test_wgmma_prefill_long_context_splits(emu, splits, wgmma_variant, monkeypatch):
+def test_wgmma_prefill_long_context_splits(emu, splits, wgmma_variant_all, monkeypatch):
     """Chunks at the end of long contexts: few work items, so the planner splits the keys (its own count, 5,
     or 128: capped at the 17 key tiles, some splits empty), float32 partials merged by the merge kernel."""
-    use_wgmma(wgmma_variant, monkeypatch, splits)
+    use_wgmma(wgmma_variant_all, monkeypatch, splits)
     seq_lens, q_lens = [2100, 1], [6, 1]
     kv = make_paged_kv(seq_lens=seq_lens, num_kv_heads=1, head_dim=64, block_size=16, dtype=bf16, seed=41)
     query = make_query(sum(q_lens), 8, 64, bf16, generator(42))
@@ -2384,7 +2442,7 @@ def test_wgmma_prefill_nonfinite(emu, d, hq, hkv, dtype, wgmma_variant, monkeypa
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_wgmma_prefill_nonfinite_tile_mid_loop(emu, d, wgmma_variant, monkeypatch):
+def test_wgmma_prefill_nonfinite_tile_mid_loop(emu, d, wgmma_variant_all, monkeypatch):
     """Tiles taking the non-finite fix-up first, in the middle and last in a CTA's loop (test_wgmma_prefill_nonfinite's
     sequences fit in one key tile): a chunk of 300 queries at positions 100-399 of a 400-key sequence, MHA (128
     queries per CTA: rows 100-227, 228-355, 356-399), inf values at keys 110 and 300 (kv head 0) and a NaN value
@@ -2392,7 +2450,7 @@ def test_wgmma_prefill_nonfinite_tile_mid_loop(emu, d, wgmma_variant, monkeypatc
     tile 1 (key 240 is past all its rows); the second its tile 1 (rows 228-239 do not see key 240), then tile
     2 (key 300). In the overlapped loop a fix-up tile's zero P V runs with the next tile's S in flight. Rows
     before key 110 stay finite; plain and with a 150-key window (window edges in tiles 0 / 1 / 2)."""
-    use_wgmma(wgmma_variant, monkeypatch)
+    use_wgmma(wgmma_variant_all, monkeypatch)
     kv = make_paged_kv(seq_lens=[400], num_kv_heads=2, head_dim=d, block_size=16, dtype=bf16, seed=81)
     qsl = query_start_loc([300])
     query = make_query(300, 2, d, bf16, generator(82))

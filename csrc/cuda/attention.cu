@@ -25,7 +25,8 @@
 // `wgmma-prefill` (the sm_90a kernel of attention_sm90.cuh where wgmma_prefill_unsupported() finds no
 // reason against it, else the wide one; KVKERNELS_CUDA_WGMMA=require makes such a fallback an error
 // naming the reason) / `wgmma-prefill-overlap` (the same kernel with intra-warpgroup overlap where
-// has_wgmma_overlap(), its non-overlapped loop elsewhere; the same fallbacks) and `auto`; empty or `auto`: every default. A value names each kernel at most once; anything else is
+// has_wgmma_overlap(), its non-overlapped loop elsewhere; the same fallbacks) / `wgmma-prefill-persistent` (that
+// kernel persistent: min(work items, SMs) CTAs walking the items longest-first; the same fallbacks) and `auto`; empty or `auto`: every default. A value names each kernel at most once; anything else is
 // an error, so a misspelt A/B cannot time the same kernel twice.
 //
 // Split count: a function of the number of work items (from shapes), the longest context a block
@@ -162,7 +163,8 @@ Sm90KvTma encode_kv_tma(const AttentionParams& p, int dpad, const char** why) {
 // KVKERNELS_CUDA_ATTN_PATH, parsed (see the top of this file).
 struct PathChoice {
   bool simt = false, decode_deep = false, decode_fp8_smem = false, decode_occ3 = false, decode_fused = false,
-       decode_persistent = false, prefill_deep = false, prefill_tall = false, prefill_wgmma = false, wgmma_overlap = false;
+       decode_persistent = false, prefill_deep = false, prefill_tall = false, prefill_wgmma = false,
+       wgmma_overlap = false, wgmma_persistent = false;
 };
 
 PathChoice path_choice() {
@@ -188,6 +190,7 @@ PathChoice path_choice() {
     else if (item == "mma-prefill-tall") c.prefill_tall = true, ++prefill;
     else if (item == "wgmma-prefill") c.prefill_wgmma = true, ++prefill;
     else if (item == "wgmma-prefill-overlap") c.prefill_wgmma = c.wgmma_overlap = true, ++prefill;
+    else if (item == "wgmma-prefill-persistent") c.prefill_wgmma = c.wgmma_persistent = true, ++prefill;
     else if (item != "auto") ok = false;
     if (comma == std::string::npos) break;
     at = comma + 1;
@@ -200,7 +203,7 @@ PathChoice path_choice() {
                              "mma-decode-wide / mma-decode-deep / mma-decode-fp8-smem / mma-decode-occ3 / "
                              "mma-decode-fused / mma-decode-persistent and one of "
                              "mma-prefill-wide / mma-prefill-tall / "
-                             "mma-prefill-deep / wgmma-prefill / wgmma-prefill-overlap");
+                             "mma-prefill-deep / wgmma-prefill / wgmma-prefill-overlap / wgmma-prefill-persistent");
   return c;
 }
 
@@ -308,7 +311,9 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
       const char* why = wgmma_prefill_unsupported(p, device);
       const char* req = std::getenv("KVKERNELS_CUDA_WGMMA");
       if (why == nullptr)
-        path = choice.wgmma_overlap && has_wgmma_overlap(plan.dpad) ? Path::kWgmmaPrefillOverlap : Path::kWgmmaPrefill;
+        path = choice.wgmma_persistent                               ? Path::kWgmmaPrefillPersistent
+               : choice.wgmma_overlap && has_wgmma_overlap(plan.dpad) ? Path::kWgmmaPrefillOverlap
+                                                                      : Path::kWgmmaPrefill;
       else if (req != nullptr && std::string(req) == "require")
         throw std::runtime_error(std::string("kvkernels.paged_attention (CUDA): KVKERNELS_CUDA_WGMMA=require: the "
                                              "wgmma prefill cannot run this call: ") + why);
@@ -403,13 +408,24 @@ void launch_paged_attention(const AttentionParams& p, const LaunchPlan& plan, fl
   }
 
   const Path path = static_cast<Path>(plan.path);
-  const dim3 grid = path == Path::kMmaDecodePersistent
+  dim3 grid = path == Path::kMmaDecodePersistent
                         ? dim3(static_cast<unsigned>(plan.persistent_ctas))
                         : dim3(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(plan.grid_y),
                                static_cast<unsigned>(plan.grid_z));
   cudaError_t err;
   if (is_wgmma_prefill(path)) {
-    const bool overlap = path == Path::kWgmmaPrefillOverlap;
+    const bool persistent = path == Path::kWgmmaPrefillPersistent;
+    const bool overlap = path == Path::kWgmmaPrefillOverlap || (persistent && has_wgmma_overlap(plan.dpad));
+    if (persistent) {
+      // One CTA per SM (one fits: ~190 KiB of shared memory), each walking the work items (attention_sm90.cuh).
+      const int64_t items = int64_t(plan.grid_x) * plan.grid_y * plan.grid_z;
+      if (items > 0x7fffffff)
+        throw std::runtime_error("kvkernels.paged_attention (CUDA): too many work items for the persistent prefill");
+      a.work_x = static_cast<int>(plan.grid_x), a.work_y = plan.grid_y, a.work_z = plan.grid_z;
+      int dev = 0;
+      check(cudaGetDevice(&dev), "device");
+      grid = dim3(static_cast<unsigned>(std::min<int64_t>(items, device_info(dev).sm_count)), 1, 1);
+    }
     const char* no_tma_why = nullptr;
     const Sm90KvTma tma = encode_kv_tma(p, plan.dpad, &no_tma_why);
     // KVKERNELS_CUDA_TMA=require (tests): a launch whose K / V tiles would all be gathered fails, naming why

@@ -85,6 +85,11 @@ enum class Path : int {
                               // pipeline running on across work items (the next item's block ids and first
                               // tiles issued before this one's epilogue); the fused kernel's last-arrival merge.
                               // Opt-in (KVKERNELS_CUDA_ATTN_PATH=mma-decode-persistent), not yet run on a GPU
+  kWgmmaPrefillPersistent = 12,  // the same kernel, persistent (PERSIST): min(work items, SMs) CTAs, each walking
+                                 // work items longest-first (a snake over the grid), the stage ring running on
+                                 // across items; its overlapped loop where has_wgmma_overlap(), the plain one at
+                                 // 256. Opt-in (KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill-persistent). Not yet run
+                                 // on a GPU
 };
 
 // Everything a kernel needs: the validated params and the host-side plan.
@@ -100,6 +105,8 @@ struct AttnArgs {
   int q_aligned = 0;      // query rows 16-byte aligned: 16-byte loads
   float* part_o = nullptr;    // [num_splits, num_tokens, num_heads, head_dim_v] (num_splits > 1)
   float* part_lse = nullptr;  // [num_splits, num_tokens, num_heads], log2 units
+  int work_x = 0, work_y = 0, work_z = 0;  // Path::kWgmmaPrefillPersistent: the work items' grid (x, y, z as a
+                                           // CTA per item would have them); the launch grid is min(items, SMs)
   unsigned* arrivals = nullptr;  // Path::kMmaDecodeFused / kMmaDecodePersistent with splits: one counter per
                                  // work item (decode_item), zero at the launch
 };
@@ -186,7 +193,7 @@ __host__ __device__ constexpr bool is_mma_prefill(Path path) {
 
 // The sm_90a wgmma prefill, with or without intra-warpgroup overlap (one kernel, attention_sm90.cuh).
 __host__ __device__ constexpr bool is_wgmma_prefill(Path path) {
-  return path == Path::kWgmmaPrefill || path == Path::kWgmmaPrefillOverlap;
+  return path == Path::kWgmmaPrefill || path == Path::kWgmmaPrefillOverlap || path == Path::kWgmmaPrefillPersistent;
 }
 
 // Does the wgmma prefill's overlapped loop exist at this padded head dim? 64 / 128 (every cache format).
@@ -1027,7 +1034,8 @@ cudaError_t launch_attention_bf16(const AttnArgs& a, Path path, int dpad, dim3 g
 // attention_sm90_{bf16,f16}_fp8.cu: e4m3 / e5m2 caches; padded head dims 64 / 128 / 256, fp8 at 64 /
 // 128 only): whether this build
 // has its sm_90a code for the cache format `cf`, and its launch (the format is a.p.kv.format; `overlap`:
-// the intra-warpgroup overlapped loop, Path::kWgmmaPrefillOverlap, where has_wgmma_overlap(dpad)).
+// the intra-warpgroup overlapped loop, Path::kWgmmaPrefillOverlap, where has_wgmma_overlap(dpad); a.work_x > 0:
+// the persistent kernel, Path::kWgmmaPrefillPersistent, `grid` then its min(items, SMs) CTAs).
 // TMA for the wgmma prefill's 16-bit K / V tiles (attention.cu, encode_kv_tma; the producer of
 // attention_sm90.cuh): rank-4 maps over the paged caches, dims (columns, slot or head, head or slot,
 // block), boxes of 64 columns x box_rows keys (128B swizzle). box_rows 0: every tile is gathered.

@@ -98,7 +98,14 @@ __device__ __forceinline__ uint32_t sw128_elem(int r, int col) {
 
 // OVERLAP: the consumers' loop with intra-warpgroup overlap (Path::kWgmmaPrefillOverlap; the loops below).
 // tma: the K / V tensor maps (16-bit caches; box_rows 0 for fp8 caches and wherever the maps do not apply).
-template <typename T, CacheFormat CF, int DPAD, bool OVERLAP>
+// PERSIST (Path::kWgmmaPrefillPersistent): the grid is min(work items, SMs) CTAs and each walks the items of the
+// grid a.work_x x a.work_y x a.work_z (the CTAs of the non-persistent launch) in a longest-first order with a
+// stride of the grid (sm90_item below); the producer and the consumers walk the same items, and the stage
+// ring, its mbarrier phases included, runs on from one item to the next, so the producer loads the next
+// item's first K / V tiles while the consumers finish the current one (its last tiles, epilogue and the
+// next item's query load). Each consumer's query rows are read only by its own S products, all complete
+// (wgmma_wait) before its epilogue, so it rewrites them for the next item with no handoff and one Q buffer.
+template <typename T, CacheFormat CF, int DPAD, bool OVERLAP, bool PERSIST = false>
 __global__ void __launch_bounds__(384, 1)
     sm90_prefill_kernel(const __grid_constant__ AttnArgs a, const __grid_constant__ Sm90KvTma tma) {
 #if KVK_SM90_PTX || defined(KVKERNELS_CUDA_EMU)
@@ -106,13 +113,40 @@ __global__ void __launch_bounds__(384, 1)
   static_assert(!OVERLAP || has_wgmma_overlap(DPAD), "the overlapped loop's head dims");
   namespace s9 = ::kvkernels::sm90;
   constexpr int KT = C::KT, STAGES = C::STAGES;
+  // The persistent kernel's producer holds its item loop beside the tile loop: under 40 registers it
+  // spilled 20 bytes (ptxas, every head dim), so it gets 48 and the consumers 224 (no spill at either).
+  constexpr int PRODUCER_REGS = PERSIST ? 48 : C::PRODUCER_REGS, CONSUMER_REGS = PERSIST ? 224 : C::CONSUMER_REGS;
+  static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 256 <= 168 * 384, "setmaxnreg pool (168 at launch)");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   // Flags of the non-finite V scan (per consumer, double-buffered, per warp); static shared memory
   // also marks the kernel as the sm_90a build's (sm90_prefill_compiled: the stub has none).
   __shared__ int nf_flags[C::CONSUMERS][2][4];
 
-  Work w;
-  if (!make_work<KT>(a, w)) return;
+  if constexpr (!PERSIST) {
+    Work w;
+    if (!make_work<KT>(a, w)) return;  // (a padding tile: the whole CTA leaves)
+  }
+  // The items of this CTA. The order is longest-first: x (query tiles; reversed for varlen as make_work does,
+  // the last and, causal, longest tiles of a sequence first) outermost, then splits, then kv heads / chunks,
+  // so every head's longest tiles come before any head's shorter ones. Round r of the walk gives the G CTAs
+  // items r G .. r G + G - 1, in a snake: CTA b takes r G + b in even rounds and r G + G - 1 - b in odd ones,
+  // so the CTA with the longest item of one round gets the shortest of the next. (A plain stride, r G + b
+  // every round, hands CTA 0 the longest item of every round: at 4096 x 4096 causal, 32 / 8 heads, 1024
+  // items over 132 CTAs, 144 key tiles for CTA 0 against 128 on average; the snake gives 128 to every
+  // CTA.) Static, not an atomic counter: the order is fixed by shapes (the same items per CTA on every
+  // run), needs no memset before the launch, and the producer and the consumers find their next item
+  // without a handoff through shared memory. rounds x G >= items; an item index past the end is skipped.
+  const int items = PERSIST ? a.work_x * a.work_y * a.work_z : 1;
+  const int G = PERSIST ? int(gridDim.x) : 1, rounds = (items + G - 1) / G;
+  const int b = PERSIST ? int(blockIdx.x) : 0;
+  auto item_of = [&](int r) { return r * G + ((r & 1) ? G - 1 - b : b); };
+  auto sm90_item = [&](int item, Work& w) -> bool {
+    if constexpr (!PERSIST) return make_work<KT>(a, w);
+    if (item >= items) return false;
+    const int yz = a.work_y * a.work_z, bx = item / yz, rest = item - bx * yz, bz = rest / a.work_y;
+    const int tile = a.p.query_start_loc ? a.work_x - 1 - bx : bx;  // (varlen: as make_work reverses blockIdx.x)
+    return make_work_tile<KT>(a, w, tile, rest % a.work_y, bz, bz + 1);
+  };
   const AttentionParams& p = a.p;
   const int tid = threadIdx.x, wg = tid / 128;
   const uint32_t raw = smem_u32(smem_raw);
@@ -124,7 +158,6 @@ __global__ void __launch_bounds__(384, 1)
   auto full_k = [&](int s) { return base + uint32_t(C::BAR_OFF + 8 * s); };
   auto full_v = [&](int s) { return base + uint32_t(C::BAR_OFF + 8 * (STAGES + s)); };
   auto empty = [&](int s) { return base + uint32_t(C::BAR_OFF + 8 * (2 * STAGES + s)); };
-  const int ntiles = w.tile_end - w.tile_begin;
 
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -138,9 +171,14 @@ __global__ void __launch_bounds__(384, 1)
 
   if (wg == C::CONSUMERS) {
     // ---- producer: paged K / V rows -> the stage ring, by cp.async -----------------------------
-    s9::setmaxnreg_dec<C::PRODUCER_REGS>();
+    s9::setmaxnreg_dec<PRODUCER_REGS>();
     const paged_kv_t& kv = p.kv;
     const int pt = tid - 128 * C::CONSUMERS;
+    int ring = 0;  // tiles of earlier items: tile it of this item is the ring's tile ring + it
+    for (int r = 0; r < rounds; ++r) {
+    Work w;
+    if (!sm90_item(item_of(r), w)) continue;
+    const int ntiles = w.tile_end - w.tile_begin;
     const int32_t* bt = kv.block_tables + int64_t(w.seq) * kv.max_blocks_per_seq;
     const uint32_t nblk = block_id_limit(kv);
     const int bs = kv.block_size, shift = a.bs_shift;
@@ -215,7 +253,7 @@ __global__ void __launch_bounds__(384, 1)
         s9::tma_prefetch_map(&tma.v);
       }
       for (int it = 0; it < ntiles; ++it) {
-        const int s = it % STAGES, use = it / STAGES;
+        const int s = (ring + it) % STAGES, use = (ring + it) / STAGES;
         if (use > 0) s9::mbar_wait(empty(s), uint32_t(use - 1) & 1u);
         if (tma_tile(w.tile_begin + it, s)) continue;
         rows(w.tile_begin + it, sK(s), k_base, k_block, k_slot, k_bytes);
@@ -223,8 +261,6 @@ __global__ void __launch_bounds__(384, 1)
         rows(w.tile_begin + it, sV(s), v_base, v_block, v_slot, v_bytes);
         s9::cp_async_mbar_arrive(full_v(s));
       }
-      cp_async_commit();  // every copy complete (and so every arrival made) before the thread exits
-      cp_async_wait<0>();
     } else {
       // fp8: raw 16-byte chunks (16 elements) of each K / V row by cp.async into the raw tiles, then,
       // once landed, dequantized by the same thread into the stage: two 16-bit chunks in the swizzled
@@ -276,7 +312,7 @@ __global__ void __launch_bounds__(384, 1)
         gather(w.tile_begin, true);
       }
       for (int it = 0; it < ntiles; ++it) {
-        const int s = it % STAGES, use = it / STAGES;
+        const int s = (ring + it) % STAGES, use = (ring + it) / STAGES;
         const bool next = it + 1 < ntiles;
         if (use > 0) s9::mbar_wait(empty(s), uint32_t(use - 1) & 1u);
         cp_async_wait<1>();  // this thread's K chunks of tile it (its V chunks may still fly)
@@ -291,14 +327,24 @@ __global__ void __launch_bounds__(384, 1)
       }
       cp_async_wait<0>();
     }
+    ring += ntiles;
+    }
+    cp_async_commit();  // every copy complete (and so every arrival made) before the thread exits
+    cp_async_wait<0>();
     return;
   }
 
   // ---- consumers ------------------------------------------------------------------------------
-  s9::setmaxnreg_inc<C::CONSUMER_REGS>();
+  s9::setmaxnreg_inc<CONSUMER_REGS>();
   const int wt = tid % 128, lane = tid & 31, wq = wt >> 5, g = lane >> 2, t4 = lane & 3;
   const int row_base = wg * C::WG_ROWS;
   const int dv = p.kv.head_dim_v;
+  int nscan = 0;
+  int ring = 0;  // tiles of earlier items (the producer's count)
+  for (int r = 0; r < rounds; ++r) {
+  Work w;
+  if (!sm90_item(item_of(r), w)) continue;
+  const int ntiles = w.tile_end - w.tile_begin;
 
   // Queries of this warpgroup's 64 rows -> shared memory (16-bit, swizzled); zeros as padding.
   for (int idx = wt; idx < C::WG_ROWS * C::CPR; idx += 128) {
@@ -345,18 +391,18 @@ __global__ void __launch_bounds__(384, 1)
   for (int i = 0; i < DPAD / 2; ++i) o[i] = 0.0f;
   float m2[2] = {-INFINITY, -INFINITY}, dsum[2] = {0.0f, 0.0f};
   const uint64_t dq0 = s9::make_desc(sQ + uint32_t(row_base * 128), 16, 1024, s9::Swizzle::k128B);
-  int nscan = 0;
 
   // ---- the steps of one key tile, shared by the two loops below -------------------------------
   using SAcc = float[KT / 2];            // S of one tile (64 x KT per warpgroup)
   using PFrag = uint32_t[KT / 16][4];    // P of one tile as the A fragments of P V's KT / 16 k-steps
-  auto phase_of = [&](int it) { return uint32_t(it / STAGES) & 1u; };
+  auto phase_of = [&](int it) { return uint32_t((ring + it) / STAGES) & 1u; };
+  auto stage_of = [&](int it) { return (ring + it) % STAGES; };
   auto key0_of = [&](int it) { return (w.tile_begin + it) * KT; };
 
   // S = Q K^T of tile `it` into sacc: issued and committed, not waited for. The caller has waited for
   // the stage's K (full_k) and holds the ping-pong turn.
   auto issue_s = [&](int it, SAcc& sacc) {
-    const uint64_t dk0 = s9::make_desc(sK(it % STAGES), 16, 1024, s9::Swizzle::k128B);
+    const uint64_t dk0 = s9::make_desc(sK(stage_of(it)), 16, 1024, s9::Swizzle::k128B);
     s9::fence_regs(sacc);
     s9::wgmma_fence();
 #pragma unroll
@@ -368,7 +414,7 @@ __global__ void __launch_bounds__(384, 1)
     s9::wgmma_commit();
   };
   auto wait_k = [&](int it) {
-    s9::mbar_wait(full_k(it % STAGES), phase_of(it));
+    s9::mbar_wait(full_k(stage_of(it)), phase_of(it));
     s9::fence_proxy_async();
   };
 
@@ -450,7 +496,7 @@ __global__ void __launch_bounds__(384, 1)
   // (the wgmma is a warpgroup instruction): a scan of the V tile, the warps' results through shared
   // memory (double-buffered by scan).
   auto wait_v_needs_fixup = [&](int it) -> bool {
-    const int s = it % STAGES;
+    const int s = stage_of(it);
     s9::mbar_wait(full_v(s), phase_of(it));
     s9::fence_proxy_async();
     if (!(tile_needs_mask(w, key0_of(it), KT, ops) && w.nq > 1)) return false;
@@ -494,7 +540,7 @@ __global__ void __launch_bounds__(384, 1)
     s9::wgmma_commit();
   };
   constexpr uint32_t kVLbo = KT * 128;
-  auto v_desc = [&](int it) { return s9::make_desc(sV(it % STAGES), kVLbo, 1024, s9::Swizzle::k128B); };
+  auto v_desc = [&](int it) { return s9::make_desc(sV(stage_of(it)), kVLbo, 1024, s9::Swizzle::k128B); };
   auto issue_pv = [&](int it, PFrag& pa) { issue_pv_desc(v_desc(it), 2048u, kVLbo, pa); };
   // After the wgmma_wait that completed a P V: its accumulators readable, its A registers reusable.
   auto pv_done = [&](PFrag& pa) {
@@ -516,7 +562,7 @@ __global__ void __launch_bounds__(384, 1)
       }
     }
     s9::named_bar_sync(3 + wg, 128);
-    const unsigned char* tv = smem + (sV(it % STAGES) - base);
+    const unsigned char* tv = smem + (sV(stage_of(it)) - base);
     // Key by key, straight into O (few registers beyond O: the overlapped loop runs this with P of the
     // tile live); a key a row does not see is skipped, not multiplied by 0. (Columns past Dv: zeros,
     // never written out.)
@@ -570,7 +616,7 @@ __global__ void __launch_bounds__(384, 1)
       } else {
         scalar_pv(it, pa);
       }
-      s9::mbar_arrive(empty(it % STAGES));  // this thread is done with the stage
+      s9::mbar_arrive(empty(stage_of(it)));  // this thread is done with the stage
     }
   } else {
     // Intra-warpgroup overlap (FlashAttention-3's): the turn of tile it issues S of tile it and then
@@ -639,7 +685,7 @@ __global__ void __launch_bounds__(384, 1)
       const bool rescale = softmax(it, sacc, alpha);
       s9::wgmma_wait<0>();  // P V of tile it - 1
       pv_done(pa);
-      s9::mbar_arrive(empty((it - 1) % STAGES));  // done with tile it - 1's stage
+      s9::mbar_arrive(empty(stage_of(it - 1)));  // done with tile it - 1's stage
       if (rescale) rescale_o(alpha);
       finish_tile(it, sacc);
     }
@@ -647,7 +693,7 @@ __global__ void __launch_bounds__(384, 1)
       issue_pv_or_zero(ntiles - 1);
       s9::wgmma_wait<0>();
       pv_done(pa);
-      s9::mbar_arrive(empty((ntiles - 1) % STAGES));
+      s9::mbar_arrive(empty(stage_of(ntiles - 1)));
     }
   }
 
@@ -689,6 +735,8 @@ __global__ void __launch_bounds__(384, 1)
       if (t4 == 0) a.part_lse[prow] = lse2;
     }
   }
+  ring += ntiles;
+  }
 #else
   (void)a;
 #endif
@@ -715,7 +763,7 @@ bool sm90_prefill_compiled() {
 #endif
 }
 
-template <typename T, CacheFormat CF, int DPAD, bool OVERLAP>
+template <typename T, CacheFormat CF, int DPAD, bool OVERLAP, bool PERSIST>
 cudaError_t launch_sm90_kernel(const AttnArgs& a, const Sm90KvTma& tma, dim3 grid, cudaStream_t stream) {
   using C = Sm90Cfg<T, CF, DPAD>;
   static std::atomic<uint64_t> configured{0};
@@ -724,22 +772,28 @@ cudaError_t launch_sm90_kernel(const AttnArgs& a, const Sm90KvTma& tma, dim3 gri
   if (err != cudaSuccess) return err;
   const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
   if (bit == 0 || !(configured.load(std::memory_order_acquire) & bit)) {
-    err = cudaFuncSetAttribute(sm90_prefill_kernel<T, CF, DPAD, OVERLAP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    err = cudaFuncSetAttribute(sm90_prefill_kernel<T, CF, DPAD, OVERLAP, PERSIST>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                C::SMEM);
     if (err != cudaSuccess) return err;
     configured.fetch_or(bit, std::memory_order_acq_rel);
   }
   if (C::FP8 && tma.box_rows != 0) return cudaErrorInvalidValue;  // (the raw fp8 tiles are gathered)
-  sm90_prefill_kernel<T, CF, DPAD, OVERLAP><<<grid, C::NT, C::SMEM, stream>>>(a, tma);
+  if (PERSIST != (a.work_x > 0)) return cudaErrorInvalidValue;
+  sm90_prefill_kernel<T, CF, DPAD, OVERLAP, PERSIST><<<grid, C::NT, C::SMEM, stream>>>(a, tma);
   return cudaGetLastError();
 }
 
 // The kernel with the overlapped loop or without (the planner asks for overlap only where
-// has_wgmma_overlap(DPAD); anything else is a planner bug, not a silent fallback).
+// has_wgmma_overlap(DPAD); anything else is a planner bug, not a silent fallback); a.work_x > 0: the
+// persistent kernel (`grid`: its CTAs), on the overlapped loop where it exists, else the plain one.
 template <typename T, CacheFormat CF, int DPAD>
 cudaError_t launch_sm90_prefill(const AttnArgs& a, const Sm90KvTma& tma, bool overlap, dim3 grid, cudaStream_t stream) {
-  if (!overlap) return launch_sm90_kernel<T, CF, DPAD, false>(a, tma, grid, stream);
-  if constexpr (has_wgmma_overlap(DPAD)) return launch_sm90_kernel<T, CF, DPAD, true>(a, tma, grid, stream);
+  if (a.work_x > 0) {
+    if (overlap != has_wgmma_overlap(DPAD)) return cudaErrorInvalidValue;
+    return launch_sm90_kernel<T, CF, DPAD, has_wgmma_overlap(DPAD), true>(a, tma, grid, stream);
+  }
+  if (!overlap) return launch_sm90_kernel<T, CF, DPAD, false, false>(a, tma, grid, stream);
+  if constexpr (has_wgmma_overlap(DPAD)) return launch_sm90_kernel<T, CF, DPAD, true, false>(a, tma, grid, stream);
   return cudaErrorInvalidValue;
 }
 

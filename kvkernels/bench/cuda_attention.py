@@ -59,6 +59,8 @@ tiles of 16 per warp and 32 keys per stage, so each K / V fragment feeds two mma
 sm_90a kernel of csrc/cuda/attention_sm90.cuh, run with KVKERNELS_CUDA_WGMMA=require so that a call it cannot
 take is a skipped row naming the reason, never a timing of the fallback; ``wgmma-overlap``,
 wgmma-prefill-overlap, the same kernel with intra-warpgroup overlap, its plain loop at head dim 256;
+``wgmma-persistent``, wgmma-prefill-persistent, that kernel persistent (min(work items, SMs) CTAs walking the
+items longest-first);
 ``wgmma-gather`` / ``wgmma-overlap-gather``: the same two with KVKERNELS_CUDA_NO_TMA=1, every K / V tile gathered
 by cp.async, where the others load whole-page tiles by TMA): rows ``kvkernels-<variant>`` of each
 prefill case, timed in alternating batches on the same data, each against SDPA flash and, where this torch
@@ -118,7 +120,8 @@ DECODE_VARIANTS = {"deep": "mma-decode-deep", "wide": "mma-decode-wide", "fp8sme
                    "occ3": "mma-decode-occ3", "fused": "mma-decode-fused", "persistent": "mma-decode-persistent"}
 PREFILL_VARIANTS = {"deep": "mma-prefill-deep", "wide": "mma-prefill-wide", "tall": "mma-prefill-tall",
                     "wgmma": "wgmma-prefill", "wgmma-overlap": "wgmma-prefill-overlap",
-                    "wgmma-gather": "wgmma-prefill", "wgmma-overlap-gather": "wgmma-prefill-overlap"}
+                    "wgmma-gather": "wgmma-prefill", "wgmma-overlap-gather": "wgmma-prefill-overlap",
+                    "wgmma-persistent": "wgmma-prefill-persistent"}
 # The wgmma prefill with every K / V tile gathered by cp.async (KVKERNELS_CUDA_NO_TMA=1): the A/B of its TMA
 # loads (the other wgmma variants run with the switch unset: TMA where the block size allows).
 GATHER_VARIANTS = ("wgmma-gather", "wgmma-overlap-gather")
