@@ -22,7 +22,8 @@ self-tests of its own (test_sm90_*: tests/cuda_emu/sm90_selftest.cpp), and the H
 (csrc/cuda/attention_sm90.cuh, opt-in) runs on it (test_wgmma_prefill*), as do the sm_90a wgmma
 mla_decompress (csrc/cuda/mla_decompress_sm90.cuh, KVKERNELS_CUDA_DECOMPRESS=wgmma: every decompress case
 of the `variant` fixture, bit for bit against persist128 / tile64, test_mla_decompress_wgmma*) and the Hopper
-wgmma MLA decode (csrc/cuda/mla_attention_sm90.cuh, opt-in: test_mla_wgmma_*).
+wgmma MLA decode (csrc/cuda/mla_attention_sm90.cuh, opt-in: test_mla_wgmma_*) and its varlen prefill (the
+mla_path fixture's wgmma kinds, the DeepSeek and non-finite MLA cases on wgmma).
 """
 
 import dataclasses

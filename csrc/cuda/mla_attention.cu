@@ -10,7 +10,8 @@
 //                                                   (sm_80: 163 KiB, sm_90: 227 KiB; not sm_86/89)
 //   otherwise fp16 / bf16                        -> tensor cores, 16 rows per CTA (<= 94 KiB)
 //   KVKERNELS_CUDA_MLA_PATH=wgmma (opt-in)       -> the sm_90a wgmma kernel (mla_attention_sm90.cuh;
-//                                                   decode and varlen prefill) where mla_wgmma_unsupported finds no reason
+//                                                   decode and varlen prefill) where
+//                                                   mla_wgmma_unsupported finds no reason
 //                                                   against it, else the choice above;
 //                                                   KVKERNELS_CUDA_WGMMA=require fails instead;
 //                                                   =wgmma-seesaw: the same, seesaw consumers
@@ -20,9 +21,10 @@
 // seq_lens, so the launch is the same for every step of a decode loop. Decode takes the count with
 // the least wave-quantized time (attention_common.cuh choose_splits), prefill splits only when the
 // work items alone leave SMs idle.
-// KVKERNELS_CUDA_MLA_SCHED=metadata (opt-in, the wgmma decode only; varlen prefill keeps the shape-only plan): the split plan comes from a metadata pass
-// over seq_lens on the device instead (mla_sched.cuh): as many CTAs per head chunk as make one per SM, each
-// given an equal share of the batch's key tiles; the grid and workspace still from shapes (capturable).
+// KVKERNELS_CUDA_MLA_SCHED=metadata (opt-in, the wgmma decode only; varlen prefill keeps the shape-only plan):
+// the split plan comes from a metadata pass over seq_lens on the device instead (mla_sched.cuh): as many CTAs per
+// head chunk as make one per SM, each given an equal share of the batch's key tiles; the grid and workspace still
+// from shapes (capturable).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
