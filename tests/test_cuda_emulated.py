@@ -1609,9 +1609,11 @@ def test_mla_paged_attention_nonfinite(emu, kind, monkeypatch):
         mla.kv_cache[s // b, s % b, 7] = float("inf")  # a value element on the prefill diagonal
         s = slot(50)
         mla.kv_cache[s // b, s % b, r + 3] = float("nan")  # a rope (key-only) element
+        s = int(__import__("helpers").token_slots(mla.blocks[1], 5, b)[1])
+        mla.kv_cache[s // b, s % b, 9] = float("-inf")  # sequence 1's key 1: in the first 32 keys of a tile
         out, lse, _ = run_emu_mla_attention(emu, mla, q, qsl, 0.1)
-        if mode == "varlen":  # queries at positions 30..44 do not see key 45
-            assert out[:15, :, 7].isfinite().all()
+        if mode == "varlen":  # queries at positions 30..44 do not see key 45, sequence 1's first (40) not key 1
+            assert out[:15, :, 7].isfinite().all() and out[40].isfinite().all()
     mla, q, qsl = make_mla_case("decode", seq_lens, bf16, "e4m3", r, p, h, b, seed=34)
     mla.scale[0] = float("inf")
     run_emu_mla_attention(emu, mla, q, qsl, 0.1)
