@@ -178,6 +178,12 @@ cuda-emu-test: build
 	# and its intra-warpgroup overlapped loop (head dims 64 / 128; the plain loop at 256)
 	KVKERNELS_CUDA_EMU=1 KVKERNELS_CUDA_ATTN_PATH=wgmma-prefill-overlap $(PY) -m pytest -q tests/test_nonfinite.py \
 	  -k "cuda_emu and not mla and not merge and not decode and not f32"
+	# the sm_90a wgmma MLA kernel (opt-in), both consumer schedules, through the MLA non-finite cases (decode and
+	# varlen prefill; 16-bit q: float32 q has only the SIMT kernel, which require would refuse)
+	for p in wgmma wgmma-seesaw; do \
+	  KVKERNELS_CUDA_EMU=1 KVKERNELS_CUDA_MLA_PATH=$$p KVKERNELS_CUDA_WGMMA=require $(PY) -m pytest -q \
+	    tests/test_nonfinite.py -k "cuda_emu and mla and not f32 and not merge" || exit 1; \
+	done
 
 # Type-check every Metal kernel variant as C++ through metal/shim (g++; clang++ too when installed).
 # Needs no torch and no build.

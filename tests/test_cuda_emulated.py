@@ -22,7 +22,8 @@ self-tests of its own (test_sm90_*: tests/cuda_emu/sm90_selftest.cpp), and the H
 (csrc/cuda/attention_sm90.cuh, opt-in) runs on it (test_wgmma_prefill*), as do the sm_90a wgmma
 mla_decompress (csrc/cuda/mla_decompress_sm90.cuh, KVKERNELS_CUDA_DECOMPRESS=wgmma: every decompress case
 of the `variant` fixture, bit for bit against persist128 / tile64, test_mla_decompress_wgmma*) and the Hopper
-wgmma MLA decode (csrc/cuda/mla_attention_sm90.cuh, opt-in: test_mla_wgmma_*).
+wgmma MLA decode (csrc/cuda/mla_attention_sm90.cuh, opt-in: test_mla_wgmma_*) and its varlen prefill (the
+mla_path fixture's wgmma kinds, the DeepSeek and non-finite MLA cases on wgmma).
 """
 
 import dataclasses
@@ -942,16 +943,31 @@ def test_reshape_and_cache_value_head_dim(emu):
 # mla_paged_attention (csrc/cuda/mla_attention*.cu / .cuh, mla_merge.cuh)
 # ---------------------------------------------------------------------------------------------------
 
-MLA_SIMT, MLA_MMA16, MLA_MMA64 = 0, 1, 2
-# (KVKERNELS_CUDA_MLA_PATH, KVKERNELS_CUDA_MLA_SPLITS), as tests/test_cuda_mla.py's PATHS.
+MLA_SIMT, MLA_MMA16, MLA_MMA64, MLA_WGMMA = 0, 1, 2, 3
+# (KVKERNELS_CUDA_MLA_PATH, KVKERNELS_CUDA_MLA_SPLITS), as tests/test_cuda_mla.py's PATHS; and the opt-in sm_90a
+# wgmma kernel (both consumer schedules; decode and varlen prefill), which force_mla_path runs with
+# KVKERNELS_CUDA_WGMMA=require (a fallback fails the test) under the shape-only split plan.
 MLA_PATHS = {"auto": (None, None), "simt": ("simt", None), "mma16": ("mma16", None), "mma64": ("mma64", None),
-             "auto-split5": (None, 5), "simt-split5": ("simt", 5), "mma64-split3": ("mma64", 3)}
+             "auto-split5": (None, 5), "simt-split5": ("simt", 5), "mma64-split3": ("mma64", 3),
+             "wgmma": ("wgmma", None), "wgmma-seesaw": ("wgmma-seesaw", None), "wgmma-split3": ("wgmma", 3),
+             "wgmma-seesaw-split3": ("wgmma-seesaw", 3)}
+TENSOR_CORE_ONLY = ("mma16", "mma64", "wgmma", "wgmma-seesaw")  # paths float32 q never takes
+
+
+def force_mla_path(monkeypatch, kind, splits):
+    """KVKERNELS_CUDA_MLA_PATH / _SPLITS; the wgmma kinds also KVKERNELS_CUDA_WGMMA=require and no metadata plan."""
+    monkeypatch.delenv("KVKERNELS_CUDA_MLA_SCHED", raising=False)
+    if kind and kind.startswith("wgmma"):
+        force_wgmma_plan(monkeypatch, "MLA", kind, splits)
+    else:
+        monkeypatch.delenv("KVKERNELS_CUDA_WGMMA", raising=False)
+        force_cuda_plan(monkeypatch, "MLA", kind, splits)
 
 
 @pytest.fixture(params=list(MLA_PATHS), ids=list(MLA_PATHS))
 def mla_path(request, monkeypatch):
     kind, splits = MLA_PATHS[request.param]
-    force_cuda_plan(monkeypatch, "MLA", kind, splits)
+    force_mla_path(monkeypatch, kind, splits)
     return kind, splits
 
 
@@ -969,12 +985,14 @@ def expected_mla_path(dtype, heads, decode, kind):
         return MLA_MMA16
     if kind == "mma64":
         return MLA_MMA64
+    if kind and kind.startswith("wgmma"):
+        return MLA_WGMMA
     return MLA_MMA64 if heads > 16 or not decode else MLA_MMA16
 
 
 def expected_forced_splits(mla, plan, splits):
     """KVKERNELS_CUDA_MLA_SPLITS=splits, capped by the key tiles a block-table row can describe."""
-    key_tile = 8 if plan["path"] == MLA_SIMT else 32
+    key_tile = {MLA_SIMT: 8, MLA_WGMMA: 64}.get(plan["path"], 32)
     max_tiles = max(1, -(-mla.block_tables.shape[1] * mla.kv_cache.shape[1] // key_tile))
     return min(splits, 128, max_tiles)
 
@@ -987,7 +1005,8 @@ def run_emu_mla_attention(emu, mla, q, qsl, scale, *, path=None, splits=None):
     check_plan(plan, path, splits)
     if plan["path"] == MLA_WGMMA:  # the wgmma decode's schedule and split plan are the ones the test asked for
         assert plan["seesaw"] == (os.environ.get("KVKERNELS_CUDA_MLA_PATH") == "wgmma-seesaw"), plan
-        assert (plan["parts"] > 0) == (os.environ.get("KVKERNELS_CUDA_MLA_SCHED") == "metadata"), plan
+        # (varlen prefill keeps the shape-only plan)
+        assert (plan["parts"] > 0) == (os.environ.get("KVKERNELS_CUDA_MLA_SCHED") == "metadata" and qsl is None), plan
     t, h, _ = q.shape
     r = mla.kv_lora_rank
     out, lse = emu.mla_paged_attention(q, mla.kv_cache, mla.block_tables, mla.seq_lens, r, scale, qsl, mla.scale)
@@ -1016,7 +1035,7 @@ MLA_ATTN_CASES = {
 def test_mla_paged_attention(emu, case, mode, mla_path):
     dtype, fp8, r, p, h, b, strided = case
     kind, splits = mla_path
-    if kind in ("mma16", "mma64") and dtype == f32:
+    if kind in TENSOR_CORE_ONLY and dtype == f32:
         pytest.skip("float32 q has only the SIMT kernel (the planner keeps it there)")
     # Partial and exactly-full last blocks, an empty and a one-token sequence; shuffled block ids.
     seq_lens = [b + 1, 0, 2 * b + 5, 1, b]
@@ -1042,17 +1061,22 @@ MLA_DEEPSEEK_CASES = {
 }
 
 
+@pytest.mark.parametrize("kind", [None, "wgmma", "wgmma-seesaw"], ids=["planned", "wgmma", "wgmma-seesaw"])
 @pytest.mark.parametrize("mode", ["decode", "varlen"])
 @pytest.mark.parametrize("case", MLA_DEEPSEEK_CASES.values(), ids=MLA_DEEPSEEK_CASES.keys())
-def test_mla_paged_attention_deepseek(emu, case, mode, monkeypatch):
-    force_cuda_plan(monkeypatch, "MLA", None, None)
+def test_mla_paged_attention_deepseek(emu, case, mode, kind, monkeypatch):
+    """kind: the planner's choice, or the opt-in wgmma kernel (KVKERNELS_CUDA_WGMMA=require): H 16 its 4 tokens
+    per CTA, H 64 / 128 one token per head chunk."""
+    force_mla_path(monkeypatch, kind, None)
     dtype, fp8, r, p, h, b, strided = case
-    if mode == "varlen" and h > 64:
+    if kind and dtype == f32:
+        pytest.skip("float32 q has only the SIMT kernel")
+    if mode == "varlen" and h > 64 and not kind:
         pytest.skip("too slow on the emulator (H 128 decode covers two head chunks of 64 rows)")
     seq_lens = [b + 1, 0, 2 * b + 5, 1, b]
     mla, q, qsl = make_mla_case(mode, seq_lens, dtype, fp8, r, p, h, b, strided, q_lens=[3, 0, 5, 1, 2])
     out, lse, _ = run_emu_mla_attention(emu, mla, q, qsl, 192 ** -0.5,
-                                        path=expected_mla_path(dtype, h, mode == "decode", None))
+                                        path=expected_mla_path(dtype, h, mode == "decode", kind))
     if mode == "decode":
         assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
 
@@ -1118,7 +1142,7 @@ def test_mla_decode_plan_depends_on_shapes_only(emu, dtype, monkeypatch):
 def test_mla_empty_sequences_and_batch(emu, mode, dtype, mla_path):
     seq_lens = [0, 5, 0, 33]
     mla, q, qsl = make_mla_case(mode, seq_lens, dtype, None, 64, 16, 4, 16, seed=5)
-    if mla_path[0] in ("mma16", "mma64") and dtype == f32:
+    if mla_path[0] in TENSOR_CORE_ONLY and dtype == f32:
         pytest.skip("float32 q has only the SIMT kernel")
     out, lse, _ = run_emu_mla_attention(emu, mla, q, qsl, 0.1)
     if mode == "decode":
@@ -1138,7 +1162,7 @@ def test_mla_empty_sequences_and_batch(emu, mode, dtype, mla_path):
 def test_mla_more_queries_than_keys(emu, dtype, mla_path):
     """FlashMLA's empty-context prefill: more queries than keys (seq_len 0 included); the leading rows
     see no key (out 0, lse -inf), also through split partials and the merge."""
-    if mla_path[0] in ("mma16", "mma64") and dtype == f32:
+    if mla_path[0] in TENSOR_CORE_ONLY and dtype == f32:
         pytest.skip("float32 q has only the SIMT kernel")
     seq_lens, q_lens = [3, 0, 40, 17], [7, 2, 40, 20]
     mla, q, qsl = make_mla_case("varlen", seq_lens, dtype, None, 64, 16, 16, 16, q_lens=q_lens, seed=7)
@@ -1185,7 +1209,7 @@ def test_mla_splits_are_exact(emu, monkeypatch):
 def test_mla_unaligned_cache_rows(emu, dtype, fp8, mla_path):
     """A latent cache whose rows are not 16-byte aligned (a [..., 2:2+W] slice of wider rows, NaN around
     it) takes the plain-load fallback instead of cp.async."""
-    if mla_path[0] in ("mma16", "mma64") and dtype == f32:
+    if mla_path[0] in TENSOR_CORE_ONLY and dtype == f32:
         pytest.skip("float32 q has only the SIMT kernel")
     r, p = 64, 16
     mla, q, qsl = make_mla_case("decode", [40, 9, 0, 16], dtype, fp8, r, p, 8, 16, seed=29)
@@ -1623,10 +1647,13 @@ def test_paged_attention_nonfinite(emu, config, monkeypatch):
         assert out[:, :group].isnan().all() and lse[:, :group].isnan().all()
 
 
-@pytest.mark.parametrize("kind", ["mma16", "mma64", "simt", "mma64-split3"])
+@pytest.mark.parametrize("kind", ["mma16", "mma64", "simt", "mma64-split3", "wgmma", "wgmma-seesaw", "wgmma-split3",
+                                  "wgmma-seesaw-split3"])
 def test_mla_paged_attention_nonfinite(emu, kind, monkeypatch):
+    """inf in a value column on the prefill diagonal (16 heads: 4 tokens per 64-row CTA, the rows before key 45 do
+    not see it: the kernels' non-finite fix-up), NaN in a rope column; an inf kv_scale (fp8)."""
     path, splits = MLA_PATHS[kind]
-    force_cuda_plan(monkeypatch, "MLA", path, splits)
+    force_mla_path(monkeypatch, path, splits)
     r, p, h, b = 64, 16, 16, 16
     seq_lens = [70, 5]
     for mode, q_lens in (("decode", None), ("varlen", [40, 5])):
@@ -1636,9 +1663,11 @@ def test_mla_paged_attention_nonfinite(emu, kind, monkeypatch):
         mla.kv_cache[s // b, s % b, 7] = float("inf")  # a value element on the prefill diagonal
         s = slot(50)
         mla.kv_cache[s // b, s % b, r + 3] = float("nan")  # a rope (key-only) element
+        s = int(__import__("helpers").token_slots(mla.blocks[1], 5, b)[1])
+        mla.kv_cache[s // b, s % b, 9] = float("-inf")  # sequence 1's key 1: in the first 32 keys of a tile
         out, lse, _ = run_emu_mla_attention(emu, mla, q, qsl, 0.1)
-        if mode == "varlen":  # queries at positions 30..44 do not see key 45
-            assert out[:15, :, 7].isfinite().all()
+        if mode == "varlen":  # queries at positions 30..44 do not see key 45, sequence 1's first (40) not key 1
+            assert out[:15, :, 7].isfinite().all() and out[40].isfinite().all()
     mla, q, qsl = make_mla_case("decode", seq_lens, bf16, "e4m3", r, p, h, b, seed=34)
     mla.scale[0] = float("inf")
     run_emu_mla_attention(emu, mla, q, qsl, 0.1)
@@ -2560,9 +2589,6 @@ def test_wgmma_prefill_plan_and_fallbacks(emu, wgmma_variant, monkeypatch):
 # quietly testing the mma.sync kernels; the plan's path is asserted too.
 # ---------------------------------------------------------------------------------------------------
 
-MLA_WGMMA = 3
-
-
 # Every wgmma MLA test runs both consumer schedules, in step (KVKERNELS_CUDA_MLA_PATH=wgmma) and the seesaw
 # (=wgmma-seesaw), each with the shape-only split plan and with the metadata pass's (+metadata:
 # KVKERNELS_CUDA_MLA_SCHED=metadata); run_emu_mla_attention asserts the plan's schedule and split plan.
@@ -2649,7 +2675,7 @@ def test_mla_wgmma_plan(emu, mla_wgmma_schedule, monkeypatch):
     use_mla_wgmma(monkeypatch, mla_wgmma_schedule)
     mla, q, _ = make_mla_case("decode", [100, 3], bf16, None, 512, 64, 128, 64)
     plan = mla_plan_of(emu, mla, q, None)
-    assert (plan["path"], plan["dp"], plan["stages"], plan["smem"]) == (MLA_WGMMA, 576, 2, 231456), plan
+    assert (plan["path"], plan["dp"], plan["stages"], plan["smem"]) == (MLA_WGMMA, 576, 2, 231520), plan
     assert plan["seesaw"] == mla_wgmma_schedule.startswith("wgmma-seesaw"), plan
     assert (plan["parts"] > 0) == mla_wgmma_schedule.endswith("+metadata"), plan
     assert (plan["heads_per_cta"], plan["grid_y"], plan["q_tile"]) == (64, 2, 1), plan
@@ -2752,17 +2778,17 @@ def test_mla_wgmma_unaligned_cache_rows(emu, mla_wgmma_schedule, dtype, fp8, mon
     run_emu_mla_attention(emu, mla, q, qsl, 0.1, path=MLA_WGMMA)
 
 
-@pytest.mark.parametrize("why", ["varlen", "float32", "smem"])
+@pytest.mark.parametrize("why", ["float32", "smem"])
 def test_mla_wgmma_fallbacks(emu, mla_wgmma_schedule, why, monkeypatch):
     """Where the wgmma decode cannot run, the planner takes the mma.sync / SIMT kernels (results still
     right) and KVKERNELS_CUDA_WGMMA=require fails naming the reason."""
     dtype = f32 if why == "float32" else bf16
-    mode = "varlen" if why == "varlen" else "decode"
+    mode = "varlen" if why == "float32" else "decode"  # (float32: a varlen prefill falls back too)
     mla, q, qsl = make_mla_case(mode, [40, 9, 0, 16], dtype, None, 64, 16, 8, 16, q_lens=[3, 2, 0, 1], seed=67)
     if why == "smem":
         monkeypatch.setenv("KVKERNELS_EMU_SMEM_OPTIN", str(99 * 1024))
         mla, q, qsl = make_mla_case(mode, [40, 9], dtype, None, 512, 64, 8, 16, seed=67)
-    reason = {"varlen": "varlen prefill", "float32": "float32 queries", "smem": "less opt-in shared memory"}[why]
+    reason = {"float32": "float32 queries", "smem": "less opt-in shared memory"}[why]
     use_mla_wgmma(monkeypatch, mla_wgmma_schedule, require=True)
     with pytest.raises(RuntimeError, match=f"KVKERNELS_CUDA_WGMMA=require: the wgmma MLA decode cannot run this call: .*{reason}"):
         emu.mla_paged_attention(q, mla.kv_cache, mla.block_tables, mla.seq_lens, mla.kv_lora_rank, 0.1, qsl, None)

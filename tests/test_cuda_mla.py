@@ -177,6 +177,37 @@ def test_mla_wgmma_nonfinite(wgmma_path, monkeypatch):
     run_attention(mla, q, None, 0.1)
 
 
+@pytest.mark.parametrize("splits", [None, 3], ids=["planned", "split3"])
+@pytest.mark.parametrize("schedule", ["wgmma", "wgmma-seesaw"])
+@pytest.mark.parametrize("case", WGMMA_CASES.values(), ids=WGMMA_CASES.keys())
+def test_mla_wgmma_prefill(case, schedule, splits, monkeypatch):
+    """Varlen prefill on the wgmma kernel (the shape-only plan; the metadata one is decode only): full and chunked
+    prefill (at most 64 queries each), one query, none; at fewer than 64 heads a CTA holds several tokens whose
+    causal limits differ."""
+    use_mla_wgmma(monkeypatch, schedule, splits)
+    dtype, fp8, r, p, h, b, strided = case
+    seq_lens = [b + 1, 0, 2 * b + 5, 1, b, 300]
+    q_lens = [min(n, 64) for n in varlen_q_lens(seq_lens)]
+    mla, q, qsl = make_mla_case("varlen", seq_lens, dtype, fp8, r, p, h, b, strided, q_lens=q_lens)
+    run_attention(mla, q, qsl, (128 + p) ** -0.5)
+
+
+@pytest.mark.parametrize("schedule", ["wgmma", "wgmma-seesaw"])
+def test_mla_wgmma_prefill_nonfinite(schedule, monkeypatch):
+    """inf in a value column on the prefill diagonal (16 heads: 4 tokens per CTA; the rows before key 45 must not
+    see it: the non-finite fix-up), NaN in a rope column, NaN in unused slots."""
+    use_mla_wgmma(monkeypatch, schedule)
+    seq_lens, b = [70, 5, 200], 16
+    mla, q, qsl = make_mla_case("varlen", seq_lens, bf16, None, 512, 64, 16, b, seed=65, q_lens=[40, 5, 64])
+    from helpers import token_slots
+    s = int(token_slots(mla.blocks[0], seq_lens[0], b)[45])
+    mla.kv_cache[s // b, s % b, 7] = float("inf")
+    s = int(token_slots(mla.blocks[2], seq_lens[2], b)[150])
+    mla.kv_cache[s // b, s % b, 512 + 3] = float("nan")
+    out, _ = run_attention(mla, q, qsl, 0.1)
+    assert out[:15, :, 7].isfinite().all()  # queries at positions 30..44 do not see key 45
+
+
 @pytest.mark.parametrize("parts", [None, 3, 200], ids=["planned", "3", "200"])
 @pytest.mark.parametrize("fp8", [None, "e4m3"])
 def test_mla_wgmma_metadata_mixed_lengths(fp8, parts, monkeypatch):

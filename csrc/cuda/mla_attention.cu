@@ -9,8 +9,9 @@
 //                                                   ~158 KiB of shared memory fit the device
 //                                                   (sm_80: 163 KiB, sm_90: 227 KiB; not sm_86/89)
 //   otherwise fp16 / bf16                        -> tensor cores, 16 rows per CTA (<= 94 KiB)
-//   KVKERNELS_CUDA_MLA_PATH=wgmma (opt-in)       -> the sm_90a wgmma decode (mla_attention_sm90.cuh)
-//                                                   where mla_wgmma_unsupported finds no reason
+//   KVKERNELS_CUDA_MLA_PATH=wgmma (opt-in)       -> the sm_90a wgmma kernel (mla_attention_sm90.cuh;
+//                                                   decode and varlen prefill) where
+//                                                   mla_wgmma_unsupported finds no reason
 //                                                   against it, else the choice above;
 //                                                   KVKERNELS_CUDA_WGMMA=require fails instead;
 //                                                   =wgmma-seesaw: the same, seesaw consumers
@@ -20,9 +21,10 @@
 // seq_lens, so the launch is the same for every step of a decode loop. Decode takes the count with
 // the least wave-quantized time (attention_common.cuh choose_splits), prefill splits only when the
 // work items alone leave SMs idle.
-// KVKERNELS_CUDA_MLA_SCHED=metadata (opt-in, the wgmma decode only): the split plan comes from a metadata pass
-// over seq_lens on the device instead (mla_sched.cuh): as many CTAs per head chunk as make one per SM, each
-// given an equal share of the batch's key tiles; the grid and workspace still from shapes (capturable).
+// KVKERNELS_CUDA_MLA_SCHED=metadata (opt-in, the wgmma decode only; varlen prefill keeps the shape-only plan):
+// the split plan comes from a metadata pass over seq_lens on the device instead (mla_sched.cuh): as many CTAs per
+// head chunk as make one per SM, each given an equal share of the batch's key tiles; the grid and workspace still
+// from shapes (capturable).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -106,9 +108,6 @@ int pick_sm90_stages(int dp, int optin) {
 // runs what it would without KVKERNELS_CUDA_MLA_PATH=wgmma). Shapes, pointers and the device only.
 const char* mla_wgmma_unsupported(const AttentionParams& p, int device, const DeviceInfo& dev) {
   if (p.q_format == FloatFormat::kFloat32) return "float32 queries: the SIMT kernel";
-  if (p.query_start_loc != nullptr)
-    return "varlen prefill (query_start_loc): the mma.sync 64-row kernel (rows see different keys there; the "
-           "wgmma kernel is decode only)";
   if (dev.major != 9 || dev.minor != 0) return "not an sm_90 (Hopper) device";
   int optin = 0;  // (read per call, not cached with the rest: the emulator's tests vary it)
   if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
@@ -233,7 +232,8 @@ cuda::Status plan_mla_attention(const AttentionParams& p, int device, MlaPlan* o
   const char* sched = env("KVKERNELS_CUDA_MLA_SCHED");
   if (sched && std::strcmp(sched, "metadata") != 0 && std::strcmp(sched, "shape") != 0)
     return failed("KVKERNELS_CUDA_MLA_SCHED must be shape or metadata");
-  if (sched && std::strcmp(sched, "metadata") == 0 && path == MlaPath::kWgmma) {
+  // (Varlen prefill keeps the shape-only plan: the pass divides decode sequences, one query each.)
+  if (sched && std::strcmp(sched, "metadata") == 0 && path == MlaPath::kWgmma && decode) {
     // One CTA per SM over all head chunks (the wgmma kernel fills an SM), each chunk's CTAs dividing the batch;
     // KVKERNELS_CUDA_MLA_SPLITS forces the count per chunk. The pass's units must fit an int.
     const int64_t parts = forced_splits ? std::max<int64_t>(1, std::min<int64_t>(std::atoll(forced_splits), 4096))

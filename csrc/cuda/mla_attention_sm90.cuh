@@ -1,4 +1,4 @@
-// Hopper (sm_90a) MLA decode on wgmma, warp-specialized (MlaPath::kWgmma; opt-in:
+// Hopper (sm_90a) MLA decode and varlen prefill on wgmma, warp-specialized (MlaPath::kWgmma; opt-in:
 // KVKERNELS_CUDA_MLA_PATH=wgmma; csrc/cuda/README.md, section "MLA decode on wgmma").
 //
 // The absorbed decode of mla_attention_mma.cuh (q [T, H, R + P] over latent rows [R + P], V = the
@@ -36,11 +36,14 @@
 // 1024 bytes at run time. DP = R + P rounded up to 64, and at least R rounded up to 128 (the P V
 // n128 blocks read whole 128-column slices of the tile).
 //
-// Semantics are mla_attention_mma.cuh's decode: scale, kv_scale (fp8), causal (keys up to the token's
-// position; in decode all rows of a CTA see the same keys, so a NaN / inf latent value reaches exactly
-// the rows that see it and no fix-up is needed), empty sequences (out 0, lse -inf), KV splits with
-// float32 partials merged by mla_merge.cuh. Varlen prefill, float32 q, unaligned latent rows and
-// other devices stay on the mma.sync kernels (mla_attention.cu, mla_wgmma_unsupported).
+// Semantics are mla_attention_mma.cuh's: scale, kv_scale (fp8), causal (keys up to each row's position, masked
+// per row in S before the softmax), empty sequences and rows before a sequence's first key (out 0, lse -inf),
+// KV splits with float32 partials merged by mla_merge.cuh. Decode and varlen prefill (query_start_loc: a CTA
+// holds 64 / H tokens x H heads, make_work's query tiles; tiles past the last row's position are never
+// loaded). In decode, and in prefill at H >= 64, all rows of a CTA see the same keys, so a NaN / inf latent
+// value reaches exactly the rows that see it; with several tokens per CTA the tiles past the first row's
+// position take the non-finite fix-up (fix_nonfinite below). Float32 q and other devices stay on the mma.sync /
+// SIMT kernels (mla_attention.cu, mla_wgmma_unsupported).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -280,10 +283,12 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     int pos[2];  // this thread's rows' positions (the accumulator layout: rows 16 wq + g + 8 h of the 64)
     float o0[64], o1[64];  // columns 256 wg + [0, 128) and + [128, 256)
     // The 128-column slices of V this consumer multiplies: column blocks 4 wg and 4 wg + 2 of the tile.
-    // A slice past R (R < 512) is never stored; its wgmma still runs, on column block 0, because a
-    // wgmma under a warpgroup-dependent branch makes ptxas serialize every wgmma of the kernel (C7520).
-    const uint32_t v_slice0 = 256 * wg < R ? uint32_t(4 * wg * KT * 128) : 0u;
-    const uint32_t v_slice1 = 256 * wg + 128 < R ? uint32_t((4 * wg + 2) * KT * 128) : 0u;
+    // A slice past R (R < 512) is never stored; its wgmma still runs, on the first two column blocks of the
+    // Q tile (as 64 x 128 bytes per block, the layout of a V slice), because a wgmma under a
+    // warpgroup-dependent branch makes ptxas serialize every wgmma of the kernel (C7520). (Q, not a block of
+    // the key tile: Q does not change during the piece, while the other consumer's non-finite fix-up may be
+    // zeroing the tile's columns under it.)
+    const bool v_real0 = 256 * wg < R, v_real1 = 256 * wg + 128 < R;
     float m_run[2], d_run[2];
     const int ksteps = (D + 15) / 16;
     const uint64_t dq0 = s9::make_desc(sQ, 16, 1024, s9::Swizzle::k128B);
@@ -373,8 +378,10 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     // O_c += P V_c over keys [16 kb, 16 ke) of stage s, committed as one group: V N-major from the tile (64-value
     // column blocks LBO = KT x 128 bytes apart, 8-key groups SBO = 1024 apart, a k16 step 16 keys = 2048 bytes).
     auto issue_pv = [&](int s, int kb, int ke) {
-      const uint64_t dv0 = s9::make_desc(sK(s) + v_slice0, uint32_t(KT * 128), 1024, s9::Swizzle::k128B);
-      const uint64_t dv1 = s9::make_desc(sK(s) + v_slice1, uint32_t(KT * 128), 1024, s9::Swizzle::k128B);
+      const uint32_t v0 = v_real0 ? sK(s) + uint32_t(4 * wg * KT * 128) : sQ;
+      const uint32_t v1 = v_real1 ? sK(s) + uint32_t((4 * wg + 2) * KT * 128) : sQ;
+      const uint64_t dv0 = s9::make_desc(v0, uint32_t(KT * 128), 1024, s9::Swizzle::k128B);
+      const uint64_t dv1 = s9::make_desc(v1, uint32_t(KT * 128), 1024, s9::Swizzle::k128B);
       s9::fence_regs(o0);
       s9::fence_regs(o1);
       s9::wgmma_fence();
@@ -384,6 +391,85 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
         s9::wgmma_ss<128, T, 0, 1>(o1, s9::desc_add(dp0, kk * 32), s9::desc_add(dv1, kk * 2048), 1);
       }
       s9::wgmma_commit();
+    };
+    // The non-finite fix-up (attention_common.cuh, "keys some rows of a CTA see"; mla_attention_mma.cuh's, per
+    // consumer). In varlen prefill with several tokens per CTA (fewer than 64 heads) the rows of a tile past the
+    // first row's position see different keys: P is 0 where a row does not see a key, but the P V wgmma would
+    // still multiply that 0 by the key's value, and 0 x inf or 0 x NaN would reach the row. So on such a tile the
+    // consumer scans its value columns [256 wg, min(R, 256 wg + 256)) of keys [kb, ke) of stage s; if one is not
+    // finite, each thread adds those values of the keys its rows see times P (as rounded in the P tile) to its
+    // own accumulators, then they are zeroed before the wgmma reads them. No wgmma in here (the wgmma sequence
+    // stays the same on every path: a wgmma under a branch serializes them all, C7515 / C7520), none in flight
+    // when it is called; P of keys [kb, ke) written, the S of every consumer that reads those rows completed.
+    // The decision is the warpgroup's: the warps' results through shared memory (double-buffered by nscan).
+    int nscan = 0;
+    // Named barrier 5 (consumer 0) / 6 (consumer 1), 128 threads. (Constant ids: a computed one made ptxas
+    // reserve all 16 hardware barriers.)
+    auto consumer_bar = [&]() {
+      if (wg == 0) s9::named_bar_sync(5, 128);
+      else s9::named_bar_sync(6, 128);
+    };
+    auto fix_nonfinite = [&](int s, int k0, int kb, int ke) {
+      unsigned char* const tile = smem + (sK(s) - base);
+      const int c_lo = 32 * wg, c_n = max(0, min(R / 8, 32 * wg + 32) - c_lo);  // 16-byte column chunks
+      const int n = (ke - kb) * c_n;
+      uint32_t any = 0u;
+      for (int i = wt; i < n; i += 128) {
+        const int kl = kb + i / c_n, c = c_lo + i % c_n;
+        const uint4 u = *reinterpret_cast<const uint4*>(tile + sm90_off(KT, kl, c));
+        any |= ac::nonfinite2<T>(u.x) | ac::nonfinite2<T>(u.y) | ac::nonfinite2<T>(u.z) | ac::nonfinite2<T>(u.w);
+      }
+      int* const flags = reinterpret_cast<int*>(smem + L.flag_off) + 8 * wg + 4 * (nscan & 1);
+      ++nscan;
+      const int warp_any = __any_sync(0xffffffffu, any != 0u);
+      if (lane == 0) flags[wq] = warp_any;
+      consumer_bar();  // (also: P of keys [kb, ke) written by this consumer's threads)
+      if ((flags[0] | flags[1] | flags[2] | flags[3]) == 0) return;
+      // Key by key, the non-finite values only, each thread its own output elements (a key a row does not see
+      // is skipped, not multiplied by 0). (A lambda per accumulator array, as the epilogue's store.)
+      auto add = [&](float (&o)[64], int c0, int kl, float p0, float p1, bool see0, bool see1) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const int col = c0 + 8 * i + 2 * t4;
+          if (col >= R) continue;  // (a slice past R: never stored)
+          const uint32_t v2 = *reinterpret_cast<const uint32_t*>(tile + sm90_off(KT, kl, col >> 3) + 2 * (col & 7));
+          const uint32_t bad = ac::nonfinite2<T>(v2);
+          if (bad == 0u) continue;
+          const float v0 = ac::bits16_to_float<T>(v2 & 0xffffu), v1 = ac::bits16_to_float<T>(v2 >> 16);
+          if (bad & 0xffffu) {
+            if (see0) o[4 * i] += p0 * v0;
+            if (see1) o[4 * i + 2] += p1 * v0;
+          }
+          if (bad >> 16) {
+            if (see0) o[4 * i + 1] += p0 * v1;
+            if (see1) o[4 * i + 3] += p1 * v1;
+          }
+        }
+      };
+      const int r0 = 16 * wq + g, r1 = r0 + 8;
+#pragma unroll 1
+      for (int kl = kb; kl < ke; ++kl) {
+        const bool see0 = k0 + kl <= pos[0], see1 = k0 + kl <= pos[1];
+        if (!see0 && !see1) continue;
+        const int pc = (kl >> 3) << 4, pb = 2 * (kl & 7);
+        const float p0 = ac::bits16_to_float<T>(
+            *reinterpret_cast<const uint16_t*>(smem + L.p_off + r0 * 128 + (pc ^ ((r0 & 7) << 4)) + pb));
+        const float p1 = ac::bits16_to_float<T>(
+            *reinterpret_cast<const uint16_t*>(smem + L.p_off + r1 * 128 + (pc ^ ((r1 & 7) << 4)) + pb));
+        add(o0, 256 * wg, kl, p0, p1, see0, see1);
+        add(o1, 256 * wg + 128, kl, p0, p1, see0, see1);
+      }
+      consumer_bar();  // every thread has read the values it adds
+      for (int i = wt; i < n; i += 128) {
+        const int kl = kb + i / c_n, c = c_lo + i % c_n;
+        uint4* const q = reinterpret_cast<uint4*>(tile + sm90_off(KT, kl, c));
+        uint4 u = *q;
+        u.x &= ~ac::nonfinite2<T>(u.x), u.y &= ~ac::nonfinite2<T>(u.y);
+        u.z &= ~ac::nonfinite2<T>(u.z), u.w &= ~ac::nonfinite2<T>(u.w);
+        *q = u;
+      }
+      s9::fence_proxy_async();          // the generic-proxy stores, before the wgmma reads the tile
+      consumer_bar();  // the whole warpgroup's part zeroed
     };
 
     const int ntiles = w.tile_end - w.tile_begin;
@@ -437,6 +523,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
         write_p();
         rescale_o(alpha);
         s9::named_bar_sync(2, 256);  // both halves of P written
+        if (w.nq > 1 && k0 + KT - 1 > w.pos0) fix_nonfinite(s, k0, 0, KT);  // rows see different keys
         issue_pv(s, 0, KT / 16);
         s9::wgmma_wait<0>();
         s9::fence_regs(o0);
@@ -486,6 +573,8 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
           }
         }
         rescale_o(alpha);
+        const bool partly = w.nq > 1 && k0 + KT - 1 > w.pos0;  // rows see different keys of the tile
+        if (partly) fix_nonfinite(s, k0, 0, KT / 2);
         issue_pv(s, 0, KT / 32);  // P0 V: the first 32 keys
         if (wg == 1) {
 #pragma unroll
@@ -513,6 +602,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
         }
         m_run[0] = m1[0], m_run[1] = m1[1];
         rescale_o(alpha);
+        if (partly) fix_nonfinite(s, k0, KT / 2, KT);
         issue_pv(s, KT / 32, KT / 16);  // P1 V: the second 32 keys
         // S of the next tile queued behind P1 V (no tensor-core bubble between the two); one wait for both. (A
         // wait<1> that left S in flight across the loop made ptxas serialize every wgmma, C7515: it gained

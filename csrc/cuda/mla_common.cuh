@@ -101,9 +101,10 @@ __host__ __device__ constexpr int mla_sm90_dp(int head_dim, int value_dim) {
 }
 
 // Shared memory: 1024 (alignment of the base) | Q [DP/64][64][128 B] | stages x tile [DP/64][64][128 B] |
-// P [64][128 B] | row maxima [2][64] float | row sums [2][64] float | full[stages], empty[stages] mbarriers.
+// P [64][128 B] | row maxima [2][64] float | row sums [2][64] float | non-finite scan flags [2][2][4] int |
+// full[stages], empty[stages] mbarriers.
 struct Sm90Smem {
-  int q_off, stage_off, tile_bytes, p_off, max_off, sum_off, bar_off, total;
+  int q_off, stage_off, tile_bytes, p_off, max_off, sum_off, flag_off, bar_off, total;
 };
 __host__ __device__ inline Sm90Smem mla_sm90_smem(int dp, int stages) {
   Sm90Smem s;
@@ -113,7 +114,8 @@ __host__ __device__ inline Sm90Smem mla_sm90_smem(int dp, int stages) {
   s.p_off = s.stage_off + stages * s.tile_bytes;
   s.max_off = s.p_off + kSm90Rows * kSm90KeyTile * 2;
   s.sum_off = s.max_off + 2 * kSm90Rows * 4;
-  s.bar_off = s.sum_off + 2 * kSm90Rows * 4;
+  s.flag_off = s.sum_off + 2 * kSm90Rows * 4;
+  s.bar_off = s.flag_off + 2 * 2 * 4 * 4;
   s.total = s.bar_off + 2 * stages * 8 + 1024;
   return s;
 }
