@@ -425,9 +425,10 @@ def test_cuda_attention_prefill_variants_options_and_report(capsys):
     finally:
         del os.environ["KVKERNELS_CUDA_NO_TMA"]
 
-    def row(case, impl, ms, sdpa=None, checked=True, skipped=None):
+    def row(case, impl, ms, sdpa=None, checked=True, skipped=None, queries=4096, head_dim=128):
         return dict(case=case, kind="prefill", dtype=case.split()[1], impl=impl, ms=ms, checked=checked,
-                    speedup_vs={} if sdpa is None else {"sdpa-flash-contiguous": sdpa}, skipped=skipped)
+                    speedup_vs={} if sdpa is None else {"sdpa-flash-contiguous": sdpa}, skipped=skipped,
+                    queries=queries, head_dim=head_dim)
 
     b, f = "prefill bfloat16 q4096 ctx4096", "prefill fp8_e4m3 q4096 ctx4096"
     rows = [row(b, "kvkernels-wide", 2.0, 0.2), row(b, "kvkernels-deep", 1.0, 0.4),
@@ -442,10 +443,12 @@ def test_cuda_attention_prefill_variants_options_and_report(capsys):
     assert ca.targets(rows, prefill_impl="kvkernels-wide")[2:] == [
         f"{b}: missingx cuDNN SDPA (target 1.0)", f"{f}: missingx cuDNN SDPA (target 1.0)",
         f"{f}: missingx its bfloat16 cache (target 1.0)"]
-    small = [row("prefill bfloat16 q512 ctx1024", "kvkernels", 0.1, 1.4),
-             dict(row("prefill bfloat16 q4096 ctx4096 d64", "kvkernels", 0.1, 1.0), speedup_vs={"sdpa-cudnn-contiguous": 0.9})]
+    # the goal follows the row's queries and head dim (a block-size suffix in the name changes nothing)
+    small = [row("prefill bfloat16 q512 ctx1024", "kvkernels", 0.1, 1.4, queries=512),
+             dict(row("prefill bfloat16 q4096 ctx4096 d64 block64", "kvkernels", 0.1, 1.0, head_dim=64),
+                  speedup_vs={"sdpa-cudnn-contiguous": 0.9})]
     assert ca.targets(small)[2:] == ["prefill bfloat16 q512 ctx1024: 1.40x SDPA flash (target 1.3)",
-                                     "prefill bfloat16 q4096 ctx4096 d64: 0.90x cuDNN SDPA (target 0.8)"]
+                                     "prefill bfloat16 q4096 ctx4096 d64 block64: 0.90x cuDNN SDPA (target 0.8)"]
     del rows[1]["speedup_vs"]["sdpa-cudnn-contiguous"]
     assert ca.prefill_variant_lines(rows, ["wide", "deep"]) == [
         f"{b}: wide 2.0000 ms (0.20x SDPA flash), deep 1.0000 ms (0.40x SDPA flash) = 2.00x wide, "

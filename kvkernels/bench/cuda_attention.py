@@ -48,9 +48,10 @@ times the planner's wave-filling splits against none. ``occ3`` (mma-decode-occ3:
 registers of 3 CTAs per SM, its splits counting them) and ``fused`` (mma-decode-fused: first tiles issued before
 the query load, splits merged in the kernel) and ``persistent`` (mma-decode-persistent: the fused kernel as a grid
 of the resident CTA slots, each walking (work item, split) units with its copies running on across items) are the
-opt-in variants of csrc/cuda/README.md "Decode at the bandwidth limit". ``--graph`` times each variant as a CUDA graph of one call per data copy, replayed: an eager
-call costs ~40 us of host time on the H200 machine (b1 x 1k took 0.040 ms), as much as the GPU time of b1 x 32k,
-so eager timing there measures the host.
+opt-in variants of csrc/cuda/README.md "Decode at the bandwidth limit". ``--graph`` times each variant (and
+every other decode row) as a CUDA graph of one call per data copy, replayed: an eager call costs ~40 us of host
+time on the H200 machine (b1 x 1k took 0.040 ms), as much as the GPU time of b1 x 32k, so eager timing there
+measures the host.
 
 Prefill variants (``--prefill-variants wide,deep``): the same for the tensor-core prefill kernel's two
 configurations (KVKERNELS_CUDA_ATTN_PATH=mma-prefill-wide / mma-prefill-deep: ``wide``, the default, has 64
@@ -79,7 +80,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import statistics
 import sys
 from typing import Callable, Optional
@@ -757,6 +757,7 @@ def prefill_case(q_len: int, context: int, args, gen: torch.Generator, dtype_nam
         rows += flashinfer_rows(name, "prefill", dtype_name, 1, context, args, check,
                                 lambda fi, _: fi.prefill_call(data, q_len, HEADS, KV_HEADS, HEAD_DIM, BLOCK))
     for r in rows:
+        r["queries"], r["head_dim"] = q_len, HEAD_DIM  # (targets: the goal depends on them)
         if r["ms"]:
             r["tflops"] = flops / (r["ms"] * 1e-3) / 1e12
     for mine in mine_rows:
@@ -842,10 +843,9 @@ def targets(rows: list[dict], impl: str = "kvkernels", prefill_impl: str = "kvke
     for r in rows:
         if r["kind"] != "prefill" or r["impl"] != prefill_impl:
             continue
-        shape = re.search(r" q(\d+) ctx\d+(?: d(\d+))?$", r["case"])
-        q_len, dim = (int(shape.group(1)), int(shape.group(2) or 128)) if shape else (0, 128)
-        if q_len >= 2048:
-            s, peer, goal = r["speedup_vs"].get("sdpa-cudnn-contiguous"), "cuDNN SDPA", 1.0 if dim == 128 else 0.8
+        if r["queries"] >= 2048:
+            s, peer, goal = (r["speedup_vs"].get("sdpa-cudnn-contiguous"), "cuDNN SDPA",
+                             1.0 if r["head_dim"] == 128 else 0.8)
         else:
             s, peer, goal = r["speedup_vs"].get("sdpa-flash-contiguous"), "SDPA flash", 1.3
         lines.append(f"{r['case']}: {'missing' if s is None else f'{s:.2f}'}x {peer} (target {goal})")
