@@ -34,7 +34,9 @@ every variant over the first named.
 Decode kernel A/B (``--mla-attn-variants mma,wgmma,wgmma-seesaw``): ``mma`` is the planner's default (the
 mma.sync kernels: 64 rows per CTA above 16 heads, 16 rows at 16 heads), ``wgmma`` the opt-in sm_90a kernel
 (KVKERNELS_CUDA_MLA_PATH=wgmma with KVKERNELS_CUDA_WGMMA=require, so a fallback shows as a skipped row, not as
-the other kernel timed twice), ``wgmma-seesaw`` the same kernel with its seesaw consumer schedule. Each decode case checks every named variant, then times them in one process
+the other kernel timed twice), ``wgmma-seesaw`` the same kernel with its seesaw consumer schedule, and
+``wgmma-meta`` / ``wgmma-seesaw-meta`` the two on the split plan of the metadata pass
+(KVKERNELS_CUDA_MLA_SCHED=metadata). Each decode case checks every named variant, then times them in one process
 on the same data in alternating batches, as rows ``kvkernels-<variant>`` with TFLOP/s (2 x heads x context x
 (R + P + R) per sequence) beside GB/s and the fraction of the copy bandwidth; "variant:" lines give each time
 and the speed-up over the first named.
