@@ -369,6 +369,13 @@ LaunchPlan plan_paged_attention(const AttentionParams& p, int device) {
     plan.persistent_ctas = static_cast<int>(std::max<int64_t>(
         1, std::min<int64_t>({units, forced_ctas > 0 ? forced_ctas : slots, 0x7fffffff})));
   }
+  if (path == Path::kWgmmaPrefillPersistent) {
+    // One CTA per SM (one fits: ~190 KiB of shared memory), each walking the work items (attention_sm90.cuh).
+    const int64_t units = items * plan.num_splits;
+    if (units > 0x7fffffff)
+      throw std::runtime_error("kvkernels.paged_attention (CUDA): too many work items for the persistent prefill");
+    plan.persistent_ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(units, dev.sm_count)));
+  }
   if (plan.num_splits > 1) {
     const int64_t rows_total = int64_t(plan.num_splits) * p.num_tokens * p.num_heads;
     plan.workspace_floats = floats_aligned8(rows_total * dv) + floats_aligned8(rows_total) + arrival_floats(plan);
@@ -408,7 +415,7 @@ void launch_paged_attention(const AttentionParams& p, const LaunchPlan& plan, fl
   }
 
   const Path path = static_cast<Path>(plan.path);
-  dim3 grid = path == Path::kMmaDecodePersistent
+  const dim3 grid = plan.persistent_ctas > 0
                         ? dim3(static_cast<unsigned>(plan.persistent_ctas))
                         : dim3(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(plan.grid_y),
                                static_cast<unsigned>(plan.grid_z));
@@ -416,16 +423,8 @@ void launch_paged_attention(const AttentionParams& p, const LaunchPlan& plan, fl
   if (is_wgmma_prefill(path)) {
     const bool persistent = path == Path::kWgmmaPrefillPersistent;
     const bool overlap = path == Path::kWgmmaPrefillOverlap || (persistent && has_wgmma_overlap(plan.dpad));
-    if (persistent) {
-      // One CTA per SM (one fits: ~190 KiB of shared memory), each walking the work items (attention_sm90.cuh).
-      const int64_t items = int64_t(plan.grid_x) * plan.grid_y * plan.grid_z;
-      if (items > 0x7fffffff)
-        throw std::runtime_error("kvkernels.paged_attention (CUDA): too many work items for the persistent prefill");
+    if (persistent)  // (its grid is the plan's persistent_ctas; the items' grid goes to the kernel)
       a.work_x = static_cast<int>(plan.grid_x), a.work_y = plan.grid_y, a.work_z = plan.grid_z;
-      int dev = 0;
-      check(cudaGetDevice(&dev), "device");
-      grid = dim3(static_cast<unsigned>(std::min<int64_t>(items, device_info(dev).sm_count)), 1, 1);
-    }
     const char* no_tma_why = nullptr;
     const Sm90KvTma tma = encode_kv_tma(p, plan.dpad, &no_tma_why);
     // KVKERNELS_CUDA_TMA=require (tests): a launch whose K / V tiles would all be gathered fails, naming why

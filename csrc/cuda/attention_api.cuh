@@ -23,8 +23,8 @@ struct LaunchPlan {
   int64_t grid_x = 0;
   int grid_y = 0, grid_z = 0;
   int64_t workspace_floats = 0;  // float32 scratch the launch needs on the device (0: none)
-  int persistent_ctas = 0;       // the persistent decode's grid (its CTAs walk the grid_x x grid_y x
-                                 // num_splits units); 0 for the other paths
+  int persistent_ctas = 0;       // the persistent decode's / wgmma prefill's grid (its CTAs walk the grid_x x
+                                 // grid_y x num_splits units); 0 for the other paths
 };
 
 // Throws std::runtime_error when the device or the shapes cannot run (compute capability < 8.0,
